@@ -1,0 +1,44 @@
+"""eop: exactly-once processing of NATS JetStream messages into PostgreSQL.
+
+Register handlers on an :class:`App`, run ``eop db upgrade`` once and
+``eop worker module:app`` as many times as you like: every message stored in
+the stream ends in exactly one committed outcome in PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from eop.app import App
+from eop.errors import (
+    AmbiguousCommit,
+    ConfigurationError,
+    DatabaseUnavailable,
+    EopError,
+    NatsUnavailable,
+    Reject,
+    Retry,
+    SchemaNotReady,
+    UndecodableMessage,
+)
+from eop.message import Message
+from eop.settings import Settings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # the application
+    "App",
+    "Message",
+    "Settings",
+    # what handlers raise
+    "Reject",
+    "Retry",
+    "UndecodableMessage",
+    # what eop raises
+    "EopError",
+    "AmbiguousCommit",
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "NatsUnavailable",
+    "SchemaNotReady",
+    "__version__",
+]

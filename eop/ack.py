@@ -1,0 +1,133 @@
+"""Settling a delivery with the server: the confirmed ack, nak, term, heartbeats.
+
+The confirmed ack only cuts redeliveries; the inbox row committed before it is
+the guarantee. So an ack that keeps failing is given up after a bound, with a
+warning: the redelivery it causes will find the inbox row and be skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import nats.errors
+import tenacity
+
+from eop import log
+
+# Errors after which the same ack may be sent again: the reply was lost, or the
+# client is reconnecting and will resend from its pending buffer.
+_RETRYABLE_ACK_ERRORS: tuple[type[BaseException], ...] = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.FlushTimeoutError,
+)
+
+
+class Delivery(Protocol):
+    """The parts of a nats-py JetStream ``Msg`` that eop uses."""
+
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None
+    reply: str
+
+    @property
+    def metadata(self) -> Any:
+        """JetStream metadata: stream, sequences, delivery count."""
+
+    async def ack_sync(self, timeout: float = 1.0) -> Any:
+        """Ack and wait for the server's confirmation."""
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Ask for a redelivery, after ``delay`` seconds."""
+
+    async def term(self) -> None:
+        """Tell the server never to redeliver."""
+
+    async def in_progress(self) -> None:
+        """Reset the delivery's AckWait timer."""
+
+
+async def confirm(delivery: Delivery, *, timeout_s: float, give_up_s: float, logger: Any) -> bool:
+    """Send a confirmed ack, retried on timeouts and reconnects; True once the server has it.
+
+    ``MsgAlreadyAckdError`` means an earlier attempt got through: done. After
+    ``give_up_s`` the ack is abandoned with a warning and False is returned.
+    """
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        logger.debug(log.Event.ACK_RETRY, attempt=state.attempt_number, error=type(exc).__name__)
+
+    retrying = tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_delay(give_up_s),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
+        retry=tenacity.retry_if_exception_type(_RETRYABLE_ACK_ERRORS),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    try:
+        async for attempt in retrying:
+            with attempt:
+                await delivery.ack_sync(timeout=timeout_s)
+    except nats.errors.MsgAlreadyAckdError:
+        return True
+    except _RETRYABLE_ACK_ERRORS as exc:
+        logger.warning(
+            log.Event.ACK_GAVE_UP,
+            error=type(exc).__name__,
+            note="the outcome is committed; a redelivery will be skipped by the inbox",
+        )
+        return False
+    return True
+
+
+async def nak(delivery: Delivery, delay_s: float, logger: Any) -> None:
+    """Nak with a delay; a failure only means the redelivery comes after AckWait instead."""
+    try:
+        await delivery.nak(delay=delay_s)
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        logger.debug(log.Event.ACK_GAVE_UP, action=log.Action.NAK, error=type(exc).__name__)
+
+
+async def term(delivery: Delivery, logger: Any) -> None:
+    """Term the delivery; if that is lost, the redelivery finds the inbox row and is acked."""
+    try:
+        await delivery.term()
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        logger.debug(log.Event.ACK_GAVE_UP, action=log.Action.TERM, error=type(exc).__name__)
+
+
+@contextlib.asynccontextmanager
+async def heartbeat(delivery: Delivery, interval_s: float, logger: Any) -> AsyncIterator[None]:
+    """Send ``in_progress()`` every ``interval_s`` while the body runs, keeping the lease."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await delivery.in_progress()
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                logger.warning(log.Event.HEARTBEAT_FAILED, error=type(exc).__name__)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def backoff_s(num_delivered: int, base_s: float, max_s: float) -> float:
+    """The retry delay after ``num_delivered`` deliveries: exponential, capped."""
+    exponent = min(max(num_delivered - 1, 0), 30)
+    return float(min(base_s * (2**exponent), max_s))

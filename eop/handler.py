@@ -1,0 +1,87 @@
+"""Handler and stream declarations: what ``@app.handler`` and ``app.stream`` record."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Literal, Union
+
+from eop import errors
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
+    from eop.message import Message
+
+AsyncHandler = Callable[["Message", "AsyncSession"], Awaitable[None]]
+SyncHandler = Callable[["Message", "Session"], None]
+HandlerFunc = Union[AsyncHandler, SyncHandler]  # noqa: UP007  # a runtime alias on 3.10
+
+StorageType = Literal["file", "memory"]
+
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+    """A stream that eop may create when it does not exist.
+
+    Streams eop creates carry an epoch id in their metadata; see
+    :func:`eop.jetstream.stream_epoch`.
+    """
+
+    name: str
+    subjects: tuple[str, ...]
+    storage: StorageType = "file"
+    duplicate_window_s: float = 120.0
+    """How long the server remembers ``Nats-Msg-Id`` values to drop duplicate publishes."""
+    max_age_s: float = 0.0
+    """Retention by age; 0 keeps messages until limits remove them."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise errors.ConfigurationError(
+                f"stream name {self.name!r} may only hold letters, digits, '_' and '-'"
+            )
+        if not self.subjects:
+            raise errors.ConfigurationError(f"stream {self.name!r} needs at least one subject")
+
+
+@dataclasses.dataclass(frozen=True)
+class HandlerSpec:
+    """A registered handler and the subscription it runs on.
+
+    ``name`` is the subscription's stable logical name: the inbox is keyed on
+    it, so renaming or recreating the NATS consumer does not reprocess
+    anything, while renaming the handler does.
+    """
+
+    func: HandlerFunc
+    name: str
+    stream: str
+    subject: str
+    durable: str
+    max_attempts: int | None = None
+    ack_wait_s: float | None = None
+    msg_id_guard: bool = True
+    """Also skip a message whose ``Nats-Msg-Id`` this handler already processed
+    under another sequence (a republish after the duplicate window)."""
+
+    @property
+    def is_async(self) -> bool:
+        """True for ``async def`` handlers (given an ``AsyncSession``)."""
+        return inspect.iscoroutinefunction(self.func)
+
+    def __post_init__(self) -> None:
+        for label, value in (("handler name", self.name), ("durable", self.durable)):
+            if not _NAME.fullmatch(value):
+                raise errors.ConfigurationError(
+                    f"{label} {value!r} may only hold letters, digits, '_' and '-'"
+                )
+        if not self.subject or " " in self.subject:
+            raise errors.ConfigurationError(f"invalid subject {self.subject!r}")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise errors.ConfigurationError("max_attempts must be at least 1")

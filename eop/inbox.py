@@ -1,0 +1,326 @@
+"""The inbox: where a message is claimed, found, or dead-lettered, in PostgreSQL.
+
+:class:`Store` and :class:`Transaction` are the seam between the protocol
+(:mod:`eop.processor`) and the database; :class:`PostgresStore` is the real
+one, :class:`eop.testing.MemoryStore` a fake for unit tests. Driver errors are
+translated here, at the edge, by :func:`classify`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import functools
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
+
+from eop import errors, log, models, sql
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
+    from eop.app import App
+    from eop.handler import HandlerSpec
+    from eop.message import Message
+
+
+@dataclasses.dataclass(frozen=True)
+class Existing:
+    """What the inbox already holds for a message that could not be claimed."""
+
+    by: str
+    """``"key"`` when the inbox key is taken, ``"msg_id"`` when only the msg-id is."""
+    fingerprint: bytes | None
+    outcome: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLetter:
+    """Why a message is dead-lettered."""
+
+    reason: str
+    error: str
+    traceback: str | None = None
+
+
+class Transaction(Protocol):
+    """One database transaction of the per-message protocol."""
+
+    async def claim(self, message: Message, outcome: str) -> bool:
+        """Insert the message's inbox row; False when it (or its msg-id) is taken."""
+
+    async def find(self, message: Message) -> Existing | None:
+        """What the inbox holds under the message's key, else under its msg-id."""
+
+    async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
+        """Record a dead letter for the message."""
+
+    async def run(self, message: Message) -> None:
+        """Run the handler inside this transaction."""
+
+    async def commit(self) -> None:
+        """COMMIT; :class:`eop.AmbiguousCommit` when the connection drops during it."""
+
+    async def rollback(self) -> None:
+        """ROLLBACK (never raises: a broken connection has rolled back already)."""
+
+
+class Store(Protocol):
+    """Opens transactions for a handler and answers questions about the inbox."""
+
+    def transaction(self, spec: HandlerSpec) -> contextlib.AbstractAsyncContextManager[Transaction]:
+        """A transaction with eop's local timeouts set, closed on exit."""
+
+    async def has_outcome(self, spec: HandlerSpec, message: Message) -> bool:
+        """Whether an outcome for the message is committed (used after an ambiguous commit)."""
+
+
+class DbFailure(enum.Enum):
+    """How the protocol reacts to a database error."""
+
+    CONFLICT = "conflict"
+    """40001 / 40P01: retry the whole transaction."""
+    LOCK_TIMEOUT = "lock_timeout"
+    """55P03: another delivery holds the key; nak with a delay."""
+    CONNECTION = "connection"
+    """The connection is gone: retry the transaction (or, during COMMIT, the outcome is unknown)."""
+    OTHER = "other"
+
+
+_CONFLICT_STATES = {"40001", "40P01"}
+# 57P01-57P03: the server is shutting down or terminated the backend;
+# class 08: connection exceptions.
+_CONNECTION_STATES = {"57P01", "57P02", "57P03"}
+
+
+def classify(exc: BaseException) -> DbFailure:
+    """Classify a driver or SQLAlchemy error by what the protocol should do about it."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, errors.DatabaseUnavailable):
+            return DbFailure.CONNECTION
+        if isinstance(current, sa_exc.DBAPIError) and current.connection_invalidated:
+            return DbFailure.CONNECTION
+        state = _sqlstate(current)
+        if state in _CONFLICT_STATES:
+            return DbFailure.CONFLICT
+        if state == "55P03":
+            return DbFailure.LOCK_TIMEOUT
+        if state is not None and (state in _CONNECTION_STATES or state.startswith("08")):
+            return DbFailure.CONNECTION
+        if isinstance(current, (ConnectionError, OSError, sa_exc.DisconnectionError)):
+            return DbFailure.CONNECTION
+        if type(current).__name__ in ("ConnectionDoesNotExistError", "InterfaceError"):
+            return DbFailure.CONNECTION
+        nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
+        current = nxt or current.__cause__ or current.__context__
+    return DbFailure.OTHER
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    for attr in ("sqlstate", "pgcode"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+class SqlTransaction(abc.ABC):
+    """The protocol's statements over a SQLAlchemy session (async or sync)."""
+
+    def __init__(self, tables: models.Tables, spec: HandlerSpec) -> None:
+        self.tables = tables
+        self.spec = spec
+        self.committed = False
+
+    @abc.abstractmethod
+    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]: ...
+
+    async def claim(self, message: Message, outcome: str) -> bool:
+        """Insert the inbox row; False when the key or the msg-id is taken."""
+        row = {
+            "subscription": message.subscription,
+            "stream": message.stream,
+            "stream_epoch": message.stream_epoch,
+            "stream_seq": message.seq,
+            "fingerprint": message.fingerprint,
+            "msg_id": message.msg_id if self.spec.msg_id_guard else None,
+            "subject": message.subject,
+            "outcome": outcome,
+            "delivery_count": message.num_delivered,
+        }
+        return bool(await self._rows(sql.claim(self.tables, row)))
+
+    async def find(self, message: Message) -> Existing | None:
+        """What the inbox holds under the message's key, else under its msg-id."""
+        rows = await self._rows(
+            sql.find_by_key(
+                self.tables,
+                message.subscription,
+                message.stream,
+                message.stream_epoch,
+                message.seq,
+            )
+        )
+        if rows:
+            return Existing(by="key", fingerprint=rows[0][0], outcome=rows[0][1])
+        if message.msg_id is not None and self.spec.msg_id_guard:
+            rows = await self._rows(
+                sql.find_by_msg_id(self.tables, message.subscription, message.msg_id)
+            )
+            if rows:
+                return Existing(by="msg_id", fingerprint=None, outcome=rows[0][3])
+        return None
+
+    async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
+        """Record the dead letter: reason, error, headers without secrets, payload."""
+        row = {
+            "subscription": message.subscription,
+            "stream": message.stream,
+            "stream_epoch": message.stream_epoch,
+            "stream_seq": message.seq,
+            "fingerprint": message.fingerprint,
+            "msg_id": message.msg_id,
+            "subject": message.subject,
+            "headers": json.loads(json.dumps(log.redact_headers(message.headers))),
+            "payload": message.data,
+            "reason": dead.reason,
+            "error": dead.error,
+            "traceback": dead.traceback,
+            "delivery_count": message.num_delivered,
+        }
+        await self._rows(sql.insert_dead_letter(self.tables, row))
+
+
+class AsyncTransaction(SqlTransaction):
+    """A transaction on an ``AsyncSession``, for ``async def`` handlers."""
+
+    def __init__(self, session: AsyncSession, tables: models.Tables, spec: HandlerSpec) -> None:
+        super().__init__(tables, spec)
+        self.session = session
+
+    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
+        result = await self.session.execute(stmt)
+        return [tuple(row) for row in result]
+
+    async def run(self, message: Message) -> None:
+        """Await the handler with this transaction's session."""
+        await self.spec.func(message, self.session)  # type: ignore[arg-type,misc]
+
+    async def commit(self) -> None:
+        """COMMIT; a connection lost during it makes the outcome unknown."""
+        await _commit(self.session.commit)
+        self.committed = True
+
+    async def rollback(self) -> None:
+        """ROLLBACK, ignoring a broken connection."""
+        with contextlib.suppress(Exception):
+            await self.session.rollback()
+
+
+class SyncTransaction(SqlTransaction):
+    """A transaction on a sync ``Session``; each step runs in a worker thread.
+
+    Steps run one after another, never concurrently, so handing the session
+    from thread to thread is safe.
+    """
+
+    def __init__(self, session: Session, tables: models.Tables, spec: HandlerSpec) -> None:
+        super().__init__(tables, spec)
+        self.session = session
+
+    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
+        def execute() -> list[tuple[Any, ...]]:
+            result = self.session.execute(stmt)
+            return [tuple(row) for row in result]
+
+        return await asyncio.to_thread(execute)
+
+    async def run(self, message: Message) -> None:
+        """Call the handler in a worker thread, off the event loop."""
+        await asyncio.to_thread(self.spec.func, message, self.session)  # type: ignore[arg-type]
+
+    async def commit(self) -> None:
+        """COMMIT in a worker thread; a connection lost during it makes the outcome unknown."""
+        await _commit(functools.partial(asyncio.to_thread, self.session.commit))
+        self.committed = True
+
+    async def rollback(self) -> None:
+        """ROLLBACK, ignoring a broken connection."""
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.session.rollback)
+
+
+async def _commit(commit: Any) -> None:
+    try:
+        await commit()
+    except Exception as exc:
+        failure = classify(exc)
+        if failure is DbFailure.CONNECTION:
+            raise errors.AmbiguousCommit() from exc
+        if failure is DbFailure.CONFLICT:
+            raise errors.TransactionConflict() from exc
+        raise
+
+
+class PostgresStore:
+    """The real :class:`Store`: eop's tables in the app's database."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.tables = models.tables(app.settings.schema)
+        s = app.settings
+        self._timeouts = sql.set_local_timeouts(
+            int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000)
+        )
+
+    @contextlib.asynccontextmanager
+    async def transaction(self, spec: HandlerSpec) -> AsyncIterator[Transaction]:
+        """Open a session, begin, set the local timeouts; close (and so roll back) on exit."""
+        tx: AsyncTransaction | SyncTransaction
+        if spec.is_async:
+            async with self.app.sessionmaker() as session:
+                tx = AsyncTransaction(session, self.tables, spec)
+                await _connected(tx._rows(self._timeouts))
+                yield tx
+        else:
+            sync_session = await _connected(asyncio.to_thread(self.app.sync_sessionmaker))
+            try:
+                tx = SyncTransaction(sync_session, self.tables, spec)
+                await _connected(tx._rows(self._timeouts))
+                yield tx
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(sync_session.close)
+
+    async def has_outcome(self, spec: HandlerSpec, message: Message) -> bool:
+        """Whether the message's outcome is committed, read in a fresh transaction."""
+        async with self.transaction(spec) as tx:
+            found = await tx.find(message)
+            await tx.rollback()
+        return found is not None and found.by == "key"
+
+
+async def _connected(awaitable: Any) -> Any:
+    """Await a step that opens a connection; translate 'cannot connect' at the edge."""
+    try:
+        return await awaitable
+    except Exception as exc:
+        if classify(exc) is DbFailure.CONNECTION:
+            raise errors.DatabaseUnavailable(f"PostgreSQL is unreachable: {_short(exc)}") from exc
+        raise
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:200]

@@ -1,0 +1,144 @@
+"""Logging through structlog: configuration, the event vocabulary, redaction.
+
+Every log line is an ``event`` from :class:`Event` plus, for message events,
+the message's coordinates (handler, stream, seq, delivery count) and the
+``action`` taken on the delivery. Payloads are never logged; URLs and headers
+go through :func:`redact_url` and :func:`redact_headers` first.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import structlog
+
+from eop import settings as settings_mod
+
+REDACTED = "***"
+
+# Header names that may carry credentials; matched case-insensitively anywhere
+# in the name, so "X-Api-Key" and "Proxy-Authorization" are caught too.
+_SECRET_HEADER = re.compile(
+    r"auth|token|secret|passw|api[-_]?key|cookie|credential|signature|session|nkey|jwt",
+    re.IGNORECASE,
+)
+
+
+class Event(str, enum.Enum):
+    """The stable vocabulary of eop's log events."""
+
+    WORKER_STARTING = "worker.starting"
+    WORKER_STARTED = "worker.started"
+    WORKER_STOPPING = "worker.stopping"
+    WORKER_STOPPED = "worker.stopped"
+    SUBSCRIPTION_BOUND = "subscription.bound"
+    SUBSCRIPTION_LOST = "subscription.lost"
+    FETCH_FAILED = "fetch.failed"
+    MESSAGE_PROCESSED = "message.processed"
+    MESSAGE_DUPLICATE = "message.duplicate"
+    MESSAGE_RETRY = "message.retry"
+    MESSAGE_DEAD_LETTERED = "message.dead_lettered"
+    MESSAGE_QUARANTINED = "message.quarantined"
+    MESSAGE_LEASE_SPENT = "message.lease_spent"
+    MESSAGE_CLAIM_TIMEOUT = "message.claim_timeout"
+    MESSAGE_FAILED = "message.failed"
+    TRANSACTION_RETRY = "transaction.retry"
+    COMMIT_AMBIGUOUS = "commit.ambiguous"
+    ACK_RETRY = "ack.retry"
+    ACK_GAVE_UP = "ack.gave_up"
+    HEARTBEAT_FAILED = "heartbeat.failed"
+    STREAM_EPOCH_CHANGED = "stream.epoch_changed"
+    NATS_DISCONNECTED = "nats.disconnected"
+    NATS_RECONNECTED = "nats.reconnected"
+    NATS_ERROR = "nats.error"
+
+
+class Action(str, enum.Enum):
+    """What eop did with a delivery."""
+
+    ACK = "ack"
+    NAK = "nak"
+    TERM = "term"
+    LEFT = "left_for_redelivery"
+
+
+def configure(
+    log_format: settings_mod.LogFormat = "console",
+    level: settings_mod.LogLevel = "info",
+    stream: Any = None,
+) -> None:
+    """Configure structlog for eop's processes (the worker and the CLI)."""
+    renderer: Any
+    if log_format == "json":
+        renderer = structlog.processors.JSONRenderer()
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            _stringify_enums,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def _stringify_enums(
+    _: Any, __: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    for key, value in event_dict.items():
+        if isinstance(value, enum.Enum):
+            event_dict[key] = value.value
+    return event_dict
+
+
+def get_logger(**bindings: Any) -> Any:
+    """A structlog logger with ``bindings`` bound."""
+    return structlog.get_logger("eop").bind(**bindings)
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password (and without a token in the user part).
+
+    ``nats://tok@host`` carries a token where a user would be, and nothing
+    tells a token from a user name, so a user part without a password is
+    hidden whole.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return REDACTED
+    if not parts.netloc or "@" not in parts.netloc:
+        return _redact_query(url)
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, sep, _password = userinfo.partition(":")
+    userinfo = f"{user}:{REDACTED}" if sep else REDACTED
+    return _redact_query(urlunsplit(parts._replace(netloc=f"{userinfo}@{hostport}")))
+
+
+def redact_urls(urls: str) -> str:
+    """:func:`redact_url` over a comma-separated list of URLs."""
+    return ",".join(redact_url(u.strip()) for u in urls.split(","))
+
+
+_SECRET_QUERY = re.compile(r"((?:password|passwd|token|secret|sslpassword)=)[^&]*", re.IGNORECASE)
+
+
+def _redact_query(url: str) -> str:
+    return _SECRET_QUERY.sub(lambda m: m.group(1) + REDACTED, url)
+
+
+def redact_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The headers with credential-bearing values replaced by ``***``."""
+    return {k: (REDACTED if _SECRET_HEADER.search(k) else v) for k, v in headers.items()}

@@ -1,0 +1,109 @@
+"""The message a handler receives, and what eop derives from it.
+
+:class:`Message` is a plain, immutable view of one JetStream delivery: the
+handler never touches the NATS message itself, so it cannot ack it behind
+eop's back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from eop import errors
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One delivery of a JetStream message to a handler subscription."""
+
+    subscription: str
+    """The handler's stable logical name (the first part of the inbox key)."""
+    subject: str
+    data: bytes
+    headers: Mapping[str, str]
+    stream: str
+    stream_epoch: str
+    """Identifies one incarnation of the stream: it changes when the stream is recreated."""
+    seq: int
+    """The stream sequence."""
+    num_delivered: int
+    """How many times the server has delivered this message (1 on the first delivery)."""
+    timestamp: datetime.datetime | None = None
+    """When the message was stored in the stream."""
+
+    @property
+    def msg_id(self) -> str | None:
+        """The publisher's ``Nats-Msg-Id``, if it set one."""
+        return self.headers.get(MSG_ID_HEADER)
+
+    @property
+    def idempotency_key(self) -> str:
+        """A key that is the same for every delivery of this message to this handler.
+
+        Pass it to systems outside the database (payment APIs, e-mail
+        services) so that their effect, which eop can only give at least once,
+        is applied once.
+        """
+        return f"{self.subscription}:{self.stream}:{self.stream_epoch}:{self.seq}"
+
+    @property
+    def fingerprint(self) -> bytes:
+        """A hash of the subject, the payload and the msg-id.
+
+        Two deliveries with the same inbox key but different fingerprints mean
+        the stream sequence was reused for another message.
+        """
+        digest = hashlib.sha256()
+        for part in (self.subject.encode(), (self.msg_id or "").encode(), self.data):
+            digest.update(len(part).to_bytes(8, "big"))
+            digest.update(part)
+        return digest.digest()
+
+    def text(self) -> str:
+        """The payload decoded as UTF-8; :class:`eop.UndecodableMessage` if it is not."""
+        try:
+            return self.data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise errors.UndecodableMessage(f"payload is not UTF-8: {exc}") from exc
+
+    def json(self) -> Any:
+        """The payload decoded as JSON; :class:`eop.UndecodableMessage` if it is not.
+
+        An undecodable payload will never decode on a retry, so eop
+        dead-letters it at once.
+        """
+        try:
+            return json.loads(self.data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise errors.UndecodableMessage(f"payload is not valid JSON: {exc}") from exc
+
+
+def from_nats(msg: Any, *, subscription: str, stream_epoch: str) -> Message:
+    """Build a :class:`Message` from a nats-py JetStream message.
+
+    A message without JetStream metadata cannot be keyed in the inbox:
+    :class:`eop.UndecodableMessage`.
+    """
+    try:
+        meta = msg.metadata
+    except Exception as exc:  # nats-py raises a bare ValueError/IndexError here
+        raise errors.UndecodableMessage(f"not a JetStream message: {exc}") from exc
+    headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
+    return Message(
+        subscription=subscription,
+        subject=msg.subject,
+        data=bytes(msg.data or b""),
+        headers=headers,
+        stream=meta.stream,
+        stream_epoch=stream_epoch,
+        seq=int(meta.sequence.stream),
+        num_delivered=int(meta.num_delivered),
+        timestamp=meta.timestamp,
+    )

@@ -1,0 +1,113 @@
+"""eop's tables, as SQLAlchemy Core metadata.
+
+The schema is configurable, so the tables are built per schema name
+(:func:`tables`). Alembic migrations create them; ``alembic check`` against
+this metadata proves the two never drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+#: Outcomes recorded in the inbox.
+OUTCOME_PROCESSED = "processed"
+OUTCOME_DEAD_LETTERED = "dead_lettered"
+
+#: Reasons recorded with a dead letter.
+REASON_REJECTED = "rejected"
+REASON_UNDECODABLE = "undecodable"
+REASON_ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+REASON_SEQUENCE_REUSED = "sequence_reused"
+
+#: Name of eop's own Alembic version table, kept apart from the host app's.
+VERSION_TABLE = "eop_alembic_version"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The metadata and tables of one eop schema."""
+
+    schema: str
+    metadata: sa.MetaData
+    inbox: sa.Table
+    dead_letters: sa.Table
+
+
+@functools.cache
+def tables(schema: str = "eop") -> Tables:
+    """Build (once per schema name) the metadata of eop's tables."""
+    metadata = sa.MetaData(schema=schema)
+    inbox = sa.Table(
+        "inbox",
+        metadata,
+        # The inbox key (design.md section 3): the handler's logical name, not
+        # the consumer's, and the stream's epoch so a recreated stream whose
+        # sequences restart at 1 is not mistaken for the old one.
+        sa.Column("subscription", sa.Text, primary_key=True),
+        sa.Column("stream", sa.Text, primary_key=True),
+        sa.Column("stream_epoch", sa.Text, primary_key=True),
+        sa.Column("stream_seq", sa.BigInteger, primary_key=True),
+        sa.Column("fingerprint", sa.LargeBinary, nullable=False),
+        sa.Column("msg_id", sa.Text, nullable=True),
+        sa.Column("subject", sa.Text, nullable=False),
+        sa.Column("outcome", sa.Text, nullable=False),
+        sa.Column("delivery_count", sa.Integer, nullable=False),
+        sa.Column(
+            "processed_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+        sa.CheckConstraint(
+            f"outcome IN ('{OUTCOME_PROCESSED}', '{OUTCOME_DEAD_LETTERED}')",
+            name="inbox_outcome_check",
+        ),
+        # The second guard: a republish after the server's duplicate window
+        # carries the same Nats-Msg-Id under a new sequence.
+        sa.Index(
+            "inbox_msg_id_key",
+            "subscription",
+            "msg_id",
+            unique=True,
+            postgresql_where=sa.text("msg_id IS NOT NULL"),
+        ),
+    )
+    dead_letters = sa.Table(
+        "dead_letters",
+        metadata,
+        sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+        sa.Column("subscription", sa.Text, nullable=False),
+        sa.Column("stream", sa.Text, nullable=False),
+        sa.Column("stream_epoch", sa.Text, nullable=False),
+        sa.Column("stream_seq", sa.BigInteger, nullable=False),
+        sa.Column("fingerprint", sa.LargeBinary, nullable=False),
+        sa.Column("msg_id", sa.Text, nullable=True),
+        sa.Column("subject", sa.Text, nullable=False),
+        sa.Column("headers", postgresql.JSONB, nullable=False),
+        sa.Column("payload", sa.LargeBinary, nullable=False),
+        sa.Column("reason", sa.Text, nullable=False),
+        sa.Column("error", sa.Text, nullable=False),
+        sa.Column("traceback", sa.Text, nullable=True),
+        sa.Column("delivery_count", sa.Integer, nullable=False),
+        sa.Column(
+            "created_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+        # A redelivered poison message must not produce a second dead letter.
+        sa.UniqueConstraint(
+            "subscription",
+            "stream",
+            "stream_epoch",
+            "stream_seq",
+            "fingerprint",
+            name="dead_letters_message_key",
+        ),
+        sa.Index("dead_letters_subscription_created_idx", "subscription", "created_at"),
+    )
+    return Tables(schema=schema, metadata=metadata, inbox=inbox, dead_letters=dead_letters)

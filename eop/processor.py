@@ -1,0 +1,358 @@
+"""The per-message protocol of design.md section 2.
+
+Claim first, run the handler in the same transaction, COMMIT, then the
+confirmed ack; every failure lands in exactly one committed outcome (the
+handler's writes or a dead letter, each with its inbox row) or in a
+redelivery that will find one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from eop import ack, errors, inbox, log, message, models
+from eop.handler import HandlerSpec
+from eop.settings import Settings
+
+T = TypeVar("T")
+
+
+class Outcome(enum.Enum):
+    """What became of one delivery."""
+
+    PROCESSED = "processed"
+    DUPLICATE = "duplicate"
+    DEAD_LETTERED = "dead_lettered"
+    QUARANTINED = "quarantined"
+    RETRY = "retry"
+    LEFT = "left_for_redelivery"
+
+
+class Epochs(Protocol):
+    """Where the processor learns a stream's current epoch."""
+
+    async def get(self, stream: str) -> str:
+        """The cached epoch of ``stream``."""
+
+    async def refresh(self, stream: str) -> str:
+        """Re-read the epoch of ``stream`` from the server."""
+
+
+class Critical:
+    """Sections that cancellation must not cut (COMMIT and the ack that follows).
+
+    A section runs as its own task behind :func:`asyncio.shield`; a stopping
+    worker waits for :meth:`drain` before it closes its connections.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def run(self, coro: Awaitable[T]) -> T:
+        """Run ``coro`` to its end even if the caller is cancelled."""
+        task: asyncio.Task[T] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def drain(self) -> None:
+        """Wait for every running section."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+class _EpochChanged(Exception):
+    """The stream was recreated under the message: retry with the new epoch."""
+
+
+@dataclasses.dataclass
+class Processor:
+    """Runs the protocol for the deliveries of one handler subscription."""
+
+    spec: HandlerSpec
+    settings: Settings
+    store: inbox.Store
+    epochs: Epochs
+    critical: Critical = dataclasses.field(default_factory=Critical)
+    clock: Callable[[], float] = time.monotonic
+
+    @property
+    def max_attempts(self) -> int:
+        """Deliveries before a failing message is dead-lettered."""
+        return self.spec.max_attempts or self.settings.max_attempts
+
+    @property
+    def ack_wait_s(self) -> float:
+        """The lease of one delivery."""
+        return self.spec.ack_wait_s or self.settings.ack_wait_s
+
+    async def handle(self, delivery: ack.Delivery, received_at: float) -> Outcome:
+        """Process one delivery fetched at ``received_at`` (on :attr:`clock`)."""
+        meta = delivery.metadata
+        logger = log.get_logger(
+            handler=self.spec.name,
+            stream=meta.stream,
+            seq=meta.sequence.stream,
+            delivered=meta.num_delivered,
+        )
+        epoch = await self.epochs.get(meta.stream)
+        msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
+        remaining = self.ack_wait_s - (self.clock() - received_at)
+        if remaining < self.settings.lease_margin_s:
+            # The server may already have handed this message to someone else.
+            logger.info(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, lease_s=remaining)
+            return Outcome.LEFT
+        if msg.num_delivered > self.max_attempts:
+            # Earlier deliveries ended without an outcome: the worker died in them.
+            dead = inbox.DeadLetter(
+                reason=models.REASON_ATTEMPTS_EXHAUSTED,
+                error=f"delivered {msg.num_delivered} times without an outcome "
+                f"(max_attempts={self.max_attempts}); earlier attempts crashed or timed out",
+            )
+            return await self._retrying(
+                delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
+            )
+        return await self._retrying(
+            delivery, lambda m: self._attempt(delivery, m, logger), msg, logger
+        )
+
+    async def _retrying(
+        self,
+        delivery: ack.Delivery,
+        step: Callable[[message.Message], Awaitable[Outcome]],
+        msg: message.Message,
+        logger: Any,
+    ) -> Outcome:
+        """Run a transactional step, retrying it whole on conflicts and lost connections.
+
+        When the retries run out, the message is nak'ed: its redelivery starts
+        the protocol again from the claim.
+        """
+        attempt = 0
+        while True:
+            try:
+                return await step(msg)
+            except _EpochChanged:
+                epoch = await self.epochs.refresh(msg.stream)
+                msg = dataclasses.replace(msg, stream_epoch=epoch)
+                continue
+            except errors.ClaimTimeout:
+                logger.info(log.Event.MESSAGE_CLAIM_TIMEOUT, action=log.Action.NAK)
+                return await self._nak(delivery, msg, None, logger)
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                if attempt >= self.settings.tx_retries:
+                    logger.warning(
+                        log.Event.MESSAGE_RETRY, action=log.Action.NAK, error=_describe(exc)
+                    )
+                    return await self._nak(delivery, msg, None, logger)
+                attempt += 1
+                logger.info(log.Event.TRANSACTION_RETRY, attempt=attempt, error=_describe(exc))
+                await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
+
+    async def _attempt(self, delivery: ack.Delivery, msg: message.Message, logger: Any) -> Outcome:
+        failure: Exception | None = None
+        async with self.store.transaction(self.spec) as tx:
+            if not await _claim(tx, msg, models.OUTCOME_PROCESSED):
+                existing = await tx.find(msg)
+                await tx.rollback()
+                return await self._not_claimed(delivery, msg, existing, logger)
+            try:
+                async with ack.heartbeat(delivery, self.ack_wait_s / 3, logger):
+                    await tx.run(msg)
+            except Exception as exc:
+                await tx.rollback()
+                if _transient(exc):
+                    raise
+                failure = exc
+            else:
+                return await self.critical.run(self._commit_and_ack(tx, delivery, msg, logger))
+        return await self._handler_failed(delivery, msg, failure, logger)
+
+    async def _commit_and_ack(
+        self,
+        tx: inbox.Transaction,
+        delivery: ack.Delivery,
+        msg: message.Message,
+        logger: Any,
+    ) -> Outcome:
+        try:
+            await tx.commit()
+        except errors.AmbiguousCommit:
+            return await self._resolve_ambiguous(delivery, msg, logger)
+        await self._ack(delivery, logger)
+        logger.info(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK)
+        return Outcome.PROCESSED
+
+    async def _resolve_ambiguous(
+        self, delivery: ack.Delivery, msg: message.Message, logger: Any
+    ) -> Outcome:
+        """The connection died during COMMIT: never ack blindly, never re-run here."""
+        logger.warning(log.Event.COMMIT_AMBIGUOUS)
+        for attempt in range(3):
+            try:
+                committed = await self.store.has_outcome(self.spec, msg)
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                await asyncio.sleep(0.2 * 2**attempt)
+                continue
+            if committed:
+                await self._ack(delivery, logger)
+                logger.info(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK, ambiguous=True)
+                return Outcome.PROCESSED
+            # Not visible: it rolled back, or it is still settling; either way the
+            # redelivery's claim decides, and it cannot apply the effect twice.
+            return await self._nak(delivery, msg, None, logger)
+        logger.warning(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, ambiguous=True)
+        return Outcome.LEFT
+
+    async def _not_claimed(
+        self,
+        delivery: ack.Delivery,
+        msg: message.Message,
+        existing: inbox.Existing | None,
+        logger: Any,
+    ) -> Outcome:
+        if existing is None:
+            # The conflicting row vanished between the claim and the look-up.
+            raise errors.TransactionConflict()
+        if existing.by == "key" and existing.fingerprint != msg.fingerprint:
+            if await self.epochs.refresh(msg.stream) != msg.stream_epoch:
+                logger.warning(log.Event.STREAM_EPOCH_CHANGED)
+                raise _EpochChanged()
+            return await self._quarantine(delivery, msg, logger)
+        await self._ack(delivery, logger)
+        logger.info(
+            log.Event.MESSAGE_DUPLICATE,
+            action=log.Action.ACK,
+            by=existing.by,
+            outcome=existing.outcome,
+        )
+        return Outcome.DUPLICATE
+
+    async def _handler_failed(
+        self, delivery: ack.Delivery, msg: message.Message, exc: Exception | None, logger: Any
+    ) -> Outcome:
+        assert exc is not None
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if isinstance(exc, errors.Reject):
+            reason = (
+                models.REASON_UNDECODABLE
+                if isinstance(exc, errors.UndecodableMessage)
+                else models.REASON_REJECTED
+            )
+            dead = inbox.DeadLetter(reason=reason, error=_describe(exc), traceback=tb)
+            return await self._retrying(
+                delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
+            )
+        if msg.num_delivered >= self.max_attempts:
+            dead = inbox.DeadLetter(
+                reason=models.REASON_ATTEMPTS_EXHAUSTED, error=_describe(exc), traceback=tb
+            )
+            return await self._retrying(
+                delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
+            )
+        delay = exc.delay_s if isinstance(exc, errors.Retry) else None
+        logger.info(log.Event.MESSAGE_RETRY, action=log.Action.NAK, error=_describe(exc))
+        return await self._nak(delivery, msg, delay, logger)
+
+    async def _dead_letter(
+        self,
+        delivery: ack.Delivery,
+        msg: message.Message,
+        dead: inbox.DeadLetter,
+        logger: Any,
+    ) -> Outcome:
+        async with self.store.transaction(self.spec) as tx:
+            if not await _claim(tx, msg, models.OUTCOME_DEAD_LETTERED):
+                existing = await tx.find(msg)
+                await tx.rollback()
+                return await self._not_claimed(delivery, msg, existing, logger)
+            await tx.add_dead_letter(msg, dead)
+            return await self.critical.run(self._commit_and_term(tx, delivery, msg, dead, logger))
+
+    async def _commit_and_term(
+        self,
+        tx: inbox.Transaction,
+        delivery: ack.Delivery,
+        msg: message.Message,
+        dead: inbox.DeadLetter,
+        logger: Any,
+    ) -> Outcome:
+        try:
+            await tx.commit()
+        except errors.AmbiguousCommit:
+            return await self._resolve_ambiguous(delivery, msg, logger)
+        await ack.term(delivery, logger)
+        logger.warning(
+            log.Event.MESSAGE_DEAD_LETTERED,
+            action=log.Action.TERM,
+            reason=dead.reason,
+            error=dead.error[:500],
+        )
+        return Outcome.DEAD_LETTERED
+
+    async def _quarantine(
+        self, delivery: ack.Delivery, msg: message.Message, logger: Any
+    ) -> Outcome:
+        """The sequence was reused for another message: keep it as a dead letter, alarm."""
+        dead = inbox.DeadLetter(
+            reason=models.REASON_SEQUENCE_REUSED,
+            error=f"stream {msg.stream} sequence {msg.seq} (epoch {msg.stream_epoch}) was "
+            "already processed with a different fingerprint: the stream was recreated "
+            "without a new epoch, or the server lost its tail",
+        )
+        async with self.store.transaction(self.spec) as tx:
+            await tx.add_dead_letter(msg, dead)
+            await self.critical.run(tx.commit())
+        await ack.term(delivery, logger)
+        logger.error(log.Event.MESSAGE_QUARANTINED, action=log.Action.TERM, alarm=True)
+        return Outcome.QUARANTINED
+
+    async def _ack(self, delivery: ack.Delivery, logger: Any) -> None:
+        await ack.confirm(
+            delivery,
+            timeout_s=self.settings.ack_timeout_s,
+            give_up_s=self.settings.ack_give_up_s,
+            logger=logger,
+        )
+
+    async def _nak(
+        self, delivery: ack.Delivery, msg: message.Message, delay_s: float | None, logger: Any
+    ) -> Outcome:
+        if delay_s is None:
+            delay_s = ack.backoff_s(
+                msg.num_delivered, self.settings.backoff_base_s, self.settings.backoff_max_s
+            )
+        await ack.nak(delivery, delay_s, logger)
+        return Outcome.RETRY
+
+
+async def _claim(tx: inbox.Transaction, msg: message.Message, outcome: str) -> bool:
+    try:
+        return await tx.claim(msg, outcome)
+    except Exception as exc:
+        if inbox.classify(exc) is inbox.DbFailure.LOCK_TIMEOUT:
+            raise errors.ClaimTimeout() from exc
+        raise
+
+
+def _transient(exc: BaseException) -> bool:
+    """Errors after which the whole transaction is retried in this process."""
+    if isinstance(exc, (errors.TransactionConflict, errors.DatabaseUnavailable)):
+        return True
+    if isinstance(exc, errors.EopError):
+        return False
+    return inbox.classify(exc) in (inbox.DbFailure.CONFLICT, inbox.DbFailure.CONNECTION)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]

@@ -1,0 +1,136 @@
+"""Settings: one typed, frozen object, read once.
+
+Every field can come from an ``EOP_*`` environment variable (see
+:meth:`Settings.from_env`); durations carry their unit in the field name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, get_args, get_type_hints
+
+from eop import errors
+
+LogFormat = Literal["console", "json"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def _field(default: Any, help_text: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Runtime settings of an eop app and its workers.
+
+    The defaults fit a local NATS and PostgreSQL; every field can be set from
+    the environment as ``EOP_<FIELD>`` (for example ``EOP_ACK_WAIT_S=60``).
+    """
+
+    database_url: str = _field(
+        DEFAULT_DATABASE_URL, "SQLAlchemy URL of the database (``postgresql+asyncpg://...``)."
+    )
+    nats_url: str = _field(DEFAULT_NATS_URL, "NATS server URL(s), comma separated.")
+    schema: str = _field("eop", "PostgreSQL schema that holds eop's tables.")
+    concurrency: int = _field(8, "Messages handled at the same time by one worker process.")
+    batch: int = _field(16, "Messages fetched per pull request.")
+    fetch_timeout_s: float = _field(1.0, "How long one pull request waits for messages.")
+    ack_wait_s: float = _field(30.0, "The consumer's AckWait: a delivery's lease.")
+    max_ack_pending: int = _field(
+        1000, "The consumer's MaxAckPending (used when eop creates the consumer)."
+    )
+    max_attempts: int = _field(5, "Deliveries of a message before it is dead-lettered.")
+    backoff_base_s: float = _field(0.5, "First retry delay; doubles with each delivery.")
+    backoff_max_s: float = _field(60.0, "Upper bound of the retry delay.")
+    ack_timeout_s: float = _field(1.0, "How long one confirmed ack waits for the server's reply.")
+    ack_give_up_s: float = _field(
+        10.0, "How long a confirmed ack is retried before giving up (redelivery is then skipped)."
+    )
+    lock_timeout_s: float = _field(
+        5.0, "``lock_timeout`` of the message's transaction (waiting on a concurrent claim)."
+    )
+    statement_timeout_s: float = _field(60.0, "``statement_timeout`` of the message's transaction.")
+    tx_retries: int = _field(
+        5, "In-process retries of a transaction after 40001, 40P01 or a lost connection."
+    )
+    lease_margin_s: float = _field(
+        2.0, "A delivery with less lease left than this is not started (it will be redelivered)."
+    )
+    shutdown_grace_s: float = _field(
+        30.0, "How long a stopping worker waits for in-flight messages."
+    )
+    create: bool = _field(
+        True, "Create streams and consumers that do not exist (else bind to existing ones only)."
+    )
+    log_format: LogFormat = _field("console", "``console`` for people, ``json`` for machines.")
+    log_level: LogLevel = _field("info", "Lowest level logged.")
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "batch", "max_attempts", "max_ack_pending"):
+            if getattr(self, name) < 1:
+                raise errors.ConfigurationError(f"{name} must be at least 1")
+        for field in dataclasses.fields(self):
+            if field.name.endswith("_s") and getattr(self, field.name) < 0:
+                raise errors.ConfigurationError(f"{field.name} must not be negative")
+        if self.log_format not in get_args(LogFormat):
+            raise errors.ConfigurationError(
+                f"log_format must be one of {get_args(LogFormat)}, not {self.log_format!r}"
+            )
+        if self.log_level not in get_args(LogLevel):
+            raise errors.ConfigurationError(
+                f"log_level must be one of {get_args(LogLevel)}, not {self.log_level!r}"
+            )
+        if not self.schema.isidentifier():
+            raise errors.ConfigurationError(f"schema must be an identifier, not {self.schema!r}")
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        overrides: Mapping[str, object] | None = None,
+    ) -> Settings:
+        """Build settings from ``EOP_*`` variables; ``overrides`` (not None) win."""
+        environ = os.environ if environ is None else environ
+        hints = get_type_hints(cls)
+        values: dict[str, object] = {}
+        for field in dataclasses.fields(cls):
+            raw = environ.get(env_var(field.name))
+            if raw is not None:
+                values[field.name] = _parse(field.name, hints[field.name], raw)
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]  # keys are field names, checked above
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with ``changes`` applied (None values are ignored)."""
+        kept = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, **kept)  # type: ignore[arg-type]  # field names
+
+
+def env_var(field_name: str) -> str:
+    """The environment variable that sets a field: ``ack_wait_s`` -> ``EOP_ACK_WAIT_S``."""
+    return "EOP_" + field_name.upper()
+
+
+def _parse(name: str, hint: object, raw: str) -> object:
+    try:
+        if hint is bool:
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if hint is int:
+            return int(raw)
+        if hint is float:
+            return float(raw)
+    except ValueError:
+        raise errors.ConfigurationError(
+            f"{env_var(name)}={raw!r} is not a valid {getattr(hint, '__name__', hint)}"
+        ) from None
+    return raw

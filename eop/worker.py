@@ -1,0 +1,223 @@
+"""The worker: pulls each handler's durable consumer and runs the protocol.
+
+Several worker processes may share one durable consumer. A stop (SIGTERM,
+SIGINT) stops fetching, lets in-flight messages finish within the grace
+period, and never cuts between a COMMIT and its ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+
+from eop import ack, errors, inbox, jetstream, log, migrate, processor
+from eop.app import App, select_handlers
+from eop.handler import HandlerSpec
+
+
+class Worker:
+    """Runs the handlers of an :class:`eop.App` until stopped.
+
+    ``handlers`` restricts the worker to some handler names (default: all).
+    """
+
+    def __init__(self, app: App, *, handlers: Iterable[str] = ()) -> None:
+        self.app = app
+        self.settings = app.settings
+        self.specs = select_handlers(app, handlers)
+        if not self.specs:
+            raise errors.ConfigurationError(
+                "the app has no handlers: register one with @app.handler"
+            )
+        self._stopping = asyncio.Event()
+        self._force = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.settings.concurrency)
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._critical = processor.Critical()
+        self._logger = log.get_logger()
+        self.processed = 0
+
+    def stop(self) -> None:
+        """Stop gracefully; a second call stops without waiting for in-flight handlers."""
+        if self._stopping.is_set():
+            self._force.set()
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Connect, bind the subscriptions, process until stopped, then drain."""
+        s = self.settings
+        self._logger.info(
+            log.Event.WORKER_STARTING,
+            nats=log.redact_urls(s.nats_url),
+            database=log.redact_url(s.database_url),
+            handlers=[spec.name for spec in self.specs],
+            concurrency=s.concurrency,
+            batch=s.batch,
+        )
+        await migrate.ensure_ready(self.app.engine, s.schema)
+        nc = await jetstream.connect(s, name=f"eop-worker-{'-'.join(sp.name for sp in self.specs)}")
+        try:
+            js = nc.jetstream()
+            store = inbox.PostgresStore(self.app)
+            epochs = jetstream.StreamEpochs(js)
+            loops = []
+            for spec in self.specs:
+                sub = await self._bind(js, spec)
+                proc = processor.Processor(
+                    spec=spec, settings=s, store=store, epochs=epochs, critical=self._critical
+                )
+                loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
+            self._logger.info(log.Event.WORKER_STARTED)
+            await self._stopping.wait()
+            self._logger.info(log.Event.WORKER_STOPPING, inflight=len(self._inflight))
+            await asyncio.gather(*loops, return_exceptions=True)
+            await self._finish_inflight()
+        finally:
+            await self._critical.drain()
+            # Not nc.drain(): it waits on the pull subscriptions' inboxes until its
+            # own timeout. Every ack was confirmed already; flush sends the naks.
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
+                await nc.flush(timeout=2)
+            await nc.close()
+            await self.app.dispose()
+        self._logger.info(log.Event.WORKER_STOPPED, processed=self.processed)
+
+    def install_signal_handlers(self) -> None:
+        """Stop on SIGTERM and SIGINT (a second one stops at once)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+
+    async def _bind(self, js: Any, spec: HandlerSpec) -> Any:
+        create = self.settings.create
+        await jetstream.ensure_stream(js, self.app.stream_spec(spec.stream), create=create)
+        await jetstream.ensure_consumer(js, spec, self.settings, create=create)
+        sub = await jetstream.subscribe(js, spec)
+        self._logger.info(
+            log.Event.SUBSCRIPTION_BOUND,
+            handler=spec.name,
+            stream=spec.stream,
+            durable=spec.durable,
+        )
+        return sub
+
+    async def _fetch_loop(
+        self, js: Any, spec: HandlerSpec, sub: Any, proc: processor.Processor
+    ) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            wanted = await self._take_slots()
+            if wanted == 0:
+                break
+            try:
+                msgs = await sub.fetch(wanted, timeout=self.settings.fetch_timeout_s)
+                failures = 0
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                msgs = []
+            except (nats.errors.Error, OSError) as exc:
+                msgs = []
+                failures += 1
+                await self._recover(js, spec, exc, failures, proc)
+            received_at = time.monotonic()
+            for _ in range(wanted - len(msgs)):
+                self._slots.release()
+            for msg in msgs:
+                task = asyncio.create_task(self._process(proc, msg, received_at))
+                self._inflight.add(task)
+                task.add_done_callback(self._inflight.discard)
+
+    async def _take_slots(self) -> int:
+        """Wait for a free slot, then take as many as are free, up to the batch size."""
+        acquire = asyncio.ensure_future(self._slots.acquire())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({acquire, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not acquire.done():
+            acquire.cancel()
+            return 0
+        taken = 1
+        while taken < self.settings.batch and not self._slots.locked():
+            await self._slots.acquire()
+            taken += 1
+        if self._stopping.is_set():
+            for _ in range(taken):
+                self._slots.release()
+            return 0
+        return taken
+
+    async def _recover(
+        self, js: Any, spec: HandlerSpec, exc: BaseException, failures: int, proc: Any
+    ) -> None:
+        """A fetch failed: wait, and when the consumer or stream is gone, provision again."""
+        self._logger.warning(
+            log.Event.FETCH_FAILED, handler=spec.name, error=type(exc).__name__, failures=failures
+        )
+        await asyncio.sleep(min(0.1 * 2**failures, 5.0))
+        if (
+            isinstance(exc, (nats.js.errors.APIError, nats.errors.NoRespondersError))
+            or failures > 3
+        ):
+            with contextlib.suppress(
+                errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError
+            ):
+                await jetstream.ensure_stream(
+                    js, self.app.stream_spec(spec.stream), create=self.settings.create
+                )
+                await jetstream.ensure_consumer(
+                    js, spec, self.settings, create=self.settings.create
+                )
+                await proc.epochs.refresh(spec.stream)
+                self._logger.info(log.Event.SUBSCRIPTION_BOUND, handler=spec.name, rebound=True)
+
+    async def _process(self, proc: processor.Processor, msg: Any, received_at: float) -> None:
+        try:
+            outcome = await proc.handle(msg, received_at)
+            if outcome in (processor.Outcome.PROCESSED, processor.Outcome.DEAD_LETTERED):
+                self.processed += 1
+        except Exception as exc:
+            # Not a handler failure (those are settled in the protocol) but eop's
+            # own I/O failing beyond its retries: let the message come back later.
+            self._logger.error(
+                log.Event.MESSAGE_FAILED,
+                handler=proc.spec.name,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            await ack.nak(msg, self.settings.backoff_max_s, self._logger)
+        finally:
+            self._slots.release()
+
+    async def _finish_inflight(self) -> None:
+        """Wait for in-flight messages, up to the grace period or a second stop."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.shutdown_grace_s
+        pending: set[asyncio.Future[Any]] = set(self._inflight)
+        force = asyncio.ensure_future(self._force.wait())
+        try:
+            while pending and not force.done() and loop.time() < deadline:
+                _, pending = await asyncio.wait(
+                    pending | {force},
+                    timeout=deadline - loop.time(),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                pending.discard(force)
+        finally:
+            force.cancel()
+        # Cancelling a handler rolls its transaction back and leaves the message
+        # for redelivery; a COMMIT already under way finishes in Critical.
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def run_worker(app: App, *, handlers: Iterable[str] = ()) -> None:
+    """Run a worker with signal handlers installed (what ``eop worker`` does)."""
+    worker = Worker(app, handlers=handlers)
+    worker.install_signal_handlers()
+    await worker.run()
