@@ -33,6 +33,9 @@ _SECRET_HEADER = re.compile(
 class Event(str, enum.Enum):
     """The stable vocabulary of eop's log events."""
 
+    def __str__(self) -> str:
+        return str(self.value)
+
     WORKER_STARTING = "worker.starting"
     WORKER_STARTED = "worker.started"
     WORKER_STOPPING = "worker.stopping"
@@ -61,6 +64,9 @@ class Event(str, enum.Enum):
 
 class Action(str, enum.Enum):
     """What eop did with a delivery."""
+
+    def __str__(self) -> str:
+        return str(self.value)
 
     ACK = "ack"
     NAK = "nak"

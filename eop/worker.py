@@ -36,6 +36,8 @@ class Worker:
             raise errors.ConfigurationError(
                 "the app has no handlers: register one with @app.handler"
             )
+        self.ready = asyncio.Event()
+        """Set once every subscription is bound and fetching has started."""
         self._stopping = asyncio.Event()
         self._force = asyncio.Event()
         self._slots = asyncio.Semaphore(self.settings.concurrency)
@@ -44,11 +46,19 @@ class Worker:
         self._logger = log.get_logger()
         self.processed = 0
 
-    def stop(self) -> None:
-        """Stop gracefully; a second call stops without waiting for in-flight handlers."""
-        if self._stopping.is_set():
+    def stop(self, *, force: bool = False) -> None:
+        """Stop fetching and finish in-flight messages; ``force`` cancels their handlers.
+
+        Even forced, a COMMIT under way is followed by its ack before the
+        worker exits.
+        """
+        if force:
             self._force.set()
         self._stopping.set()
+
+    def _on_signal(self) -> None:
+        # A second Ctrl-C means "now": do not wait for slow handlers.
+        self.stop(force=self._stopping.is_set())
 
     async def run(self) -> None:
         """Connect, bind the subscriptions, process until stopped, then drain."""
@@ -75,6 +85,7 @@ class Worker:
                 )
                 loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
             self._logger.info(log.Event.WORKER_STARTED)
+            self.ready.set()
             await self._stopping.wait()
             self._logger.info(log.Event.WORKER_STOPPING, inflight=len(self._inflight))
             await asyncio.gather(*loops, return_exceptions=True)
@@ -93,7 +104,7 @@ class Worker:
         """Stop on SIGTERM and SIGINT (a second one stops at once)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop)
+            loop.add_signal_handler(sig, self._on_signal)
 
     async def _bind(self, js: Any, spec: HandlerSpec) -> Any:
         create = self.settings.create

@@ -1,0 +1,114 @@
+"""A small harness for worker tests: an app, an effects table, a worker in a task."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+import eop
+from eop import settings as settings_mod
+from eop.worker import Worker
+
+STREAM = "ORDERS"
+SUBJECT = "ORDERS.created"
+
+EFFECTS_DDL = (
+    "CREATE TABLE effects (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+    " handler text NOT NULL, msg_key text NOT NULL, body text NOT NULL)"
+)
+
+
+def bed_settings(database_url: str, nats_url: str, **changes: Any) -> settings_mod.Settings:
+    """Settings with short durations, so retries and redeliveries come quickly."""
+    base = settings_mod.Settings(
+        database_url=database_url,
+        nats_url=nats_url,
+        ack_wait_s=5.0,
+        backoff_base_s=0.05,
+        backoff_max_s=0.5,
+        lease_margin_s=0.0,
+        fetch_timeout_s=0.2,
+        lock_timeout_s=2.0,
+        shutdown_grace_s=10.0,
+        concurrency=4,
+        batch=8,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+async def create_effects_table(engine: AsyncEngine) -> None:
+    """The table test handlers write their effects to (one row per effect)."""
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(EFFECTS_DDL))
+
+
+async def record_effect(session: Any, handler: str, msg: eop.Message) -> None:
+    """Write one effect row for ``msg`` in the handler's transaction."""
+    await session.execute(
+        sa.text("INSERT INTO effects (handler, msg_key, body) VALUES (:h, :k, :b)"),
+        {"h": handler, "k": msg.idempotency_key, "b": msg.data.decode(errors="replace")},
+    )
+
+
+async def effects_by_body(engine: AsyncEngine) -> dict[str, int]:
+    """Effect count per message body."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(sa.text("SELECT body, count(*) FROM effects GROUP BY body"))
+        return {body: int(n) for body, n in rows}
+
+
+async def scalar(engine: AsyncEngine, query: str, **params: Any) -> Any:
+    """One value from a query."""
+    async with engine.connect() as conn:
+        return (await conn.execute(sa.text(query), params)).scalar()
+
+
+async def wait_for(
+    predicate: Callable[[], Awaitable[bool]], timeout_s: float = 20.0, what: str = "condition"
+) -> None:
+    """Poll ``predicate`` until true; fail (not a timing assertion: a liveness bound)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def drained(js: Any, durable: str, stream: str = STREAM) -> bool:
+    """True when the consumer has nothing pending and nothing awaiting an ack."""
+    try:
+        info = await js.consumer_info(stream, durable)
+    except Exception:
+        return False
+    return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+
+
+@contextlib.asynccontextmanager
+async def running(app: eop.App, **kwargs: Any) -> AsyncIterator[Worker]:
+    """Run a worker in a task for the body; stop it gracefully after."""
+    worker = Worker(app, **kwargs)
+    task = asyncio.create_task(worker.run())
+    ready = asyncio.ensure_future(worker.ready.wait())
+    await asyncio.wait({task, ready}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        ready.cancel()
+        task.result()  # raises what stopped the worker
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, timeout=30)
+
+
+async def publish(js: Any, body: str, *, msg_id: str | None = None, subject: str = SUBJECT) -> Any:
+    """Publish ``body``, with a Nats-Msg-Id when given."""
+    headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+    return await js.publish(subject, body.encode(), headers=headers)
