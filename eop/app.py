@@ -145,7 +145,7 @@ class App:
         """The async engine: the one given, or one made from ``database_url``."""
         if self._engine is None:
             self._engine = create_async_engine(
-                self.settings.database_url, pool_pre_ping=True, pool_size=self.settings.concurrency
+                self.settings.database_url, pool_size=self.settings.concurrency
             )
         return self._engine
 

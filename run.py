@@ -1,0 +1,373 @@
+#!/usr/bin/env python3
+"""The one entry point of a fresh clone: ``python3 run.py demo`` and ``python3 run.py test``.
+
+Standard library only, so that a machine with nothing but Python 3.10+ and pip can
+run it. It creates (or reuses) a virtualenv, installs the project into it with
+``pip install -e ".[dev]"`` whenever pyproject.toml changed since the last install,
+then runs the command inside that virtualenv.
+
+    python3 run.py demo [ARGS]    the demo: embedded NATS + PostgreSQL, crashes, duplicates
+    python3 run.py test [ARGS]    ruff check, ruff format --check, mypy, pytest [ARGS]
+    python3 run.py lint           ruff check, ruff format --check, mypy
+    python3 run.py pytest [ARGS]  only pytest [ARGS]
+    python3 run.py fmt            ruff format and ruff check --fix
+    python3 run.py bench [ARGS]   the benchmark (eop bench)
+    python3 run.py eop [ARGS]     any eop command, e.g. `eop db upgrade`
+    python3 run.py install        only the install step
+
+Options before the command: ``--reinstall`` forces the install step.
+The virtualenv is ``.venv`` in the repository, or ``$EOP_VENV`` when set.
+"""
+
+import sys
+
+# Checked before anything else so that an old Python gets a sentence, not a traceback.
+# (No `from __future__ import annotations` above: Python 3.6 could not even parse it.
+# Annotations inside functions are never evaluated, and the module has no others.)
+if sys.version_info < (3, 10):  # noqa: UP036  # run.py may be started by any python3
+    sys.exit(
+        "error: eop needs Python 3.10 or newer, and run.py was started with Python "
+        f"{sys.version.split()[0]} ({sys.executable}). Run it with a newer python3."
+    )
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+STARTED = time.monotonic()
+ROOT = Path(__file__).resolve().parent
+PYPROJECT = ROOT / "pyproject.toml"
+INSTALL_SPEC = ".[dev]"
+STAMP_NAME = "eop-install.stamp"
+WINDOWS = os.name == "nt"
+
+USAGE = """\
+usage: python3 run.py [--reinstall] COMMAND [ARGS...]
+
+commands:
+  demo [ARGS]    run the demo (eop demo): embedded NATS and PostgreSQL, crashing workers
+  test [ARGS]    ruff check, ruff format --check, mypy, then pytest with ARGS
+  lint           ruff check, ruff format --check, mypy
+  pytest [ARGS]  only pytest with ARGS (quicker while iterating)
+  fmt            ruff format, then ruff check --fix
+  bench [ARGS]   run the benchmark (eop bench)
+  eop [ARGS]     run any eop command inside the virtualenv
+  install        only create the virtualenv and install the project
+
+Every command first creates the virtualenv if needed and runs
+`pip install -e ".[dev]"` when pyproject.toml changed since the last install.
+--reinstall forces that step. The virtualenv is .venv in the repository, or $EOP_VENV.
+"""
+
+
+class RunError(Exception):
+    """A failure explained in one message; printed without a traceback."""
+
+
+def main(argv: Sequence[str]) -> int:
+    args = list(argv)
+    reinstall = False
+    while args and args[0].startswith("-"):
+        option = args.pop(0)
+        if option in ("-h", "--help"):
+            print(USAGE, end="")
+            return 0
+        if option != "--reinstall":
+            print(f"error: unknown option {option!r}\n\n{USAGE}", end="", file=sys.stderr)
+            return 2
+        reinstall = True
+    if not args:
+        print(USAGE, end="", file=sys.stderr)
+        return 2
+    command, rest = args[0], args[1:]
+    if command == "help":
+        print(USAGE, end="")
+        return 0
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
+        return 2
+    try:
+        venv = Venv(venv_dir())
+        venv.ensure(force_install=reinstall)
+        return COMMANDS[command](venv, rest)
+    except RunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:  # a file or directory run.py itself could not read or write
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def venv_dir() -> Path:
+    configured = os.environ.get("EOP_VENV")
+    if configured:
+        return Path(configured).expanduser().absolute()
+    return ROOT / ".venv"
+
+
+def banner(text: str) -> None:
+    print(f"\n==> {text}", flush=True)
+
+
+def require(tool: str | Path) -> None:
+    """Fail with a remedy when a tool the install should have put in the virtualenv is missing."""
+    tool = Path(tool)
+    if not tool.exists():
+        raise RunError(
+            f"{tool} is missing, so the virtualenv is incomplete: remove {tool.parent.parent} "
+            "and run again"
+        )
+
+
+class Venv:
+    """The project's virtualenv: created, kept installed, and used to run tools."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.bin = path / ("Scripts" if WINDOWS else "bin")
+        self.python = self.tool("python")
+        self.stamp = path / STAMP_NAME
+
+    def tool(self, name: str) -> Path:
+        return self.bin / (name + ".exe" if WINDOWS else name)
+
+    def env(self) -> dict[str, str]:
+        """The environment of an activated virtualenv (tests find nats-server, eop on PATH)."""
+        env = dict(os.environ)
+        env.pop("PYTHONHOME", None)
+        env["VIRTUAL_ENV"] = str(self.path)
+        env["PATH"] = os.pathsep.join([str(self.bin), env.get("PATH", "")])
+        env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+        return env
+
+    def ensure(self, *, force_install: bool = False) -> None:
+        if not PYPROJECT.is_file():
+            raise RunError(f"{PYPROJECT} not found: run.py must stay at the repository's root")
+        if not self.usable():
+            self.create()
+        wanted = self.wanted_stamp()
+        if force_install or not self.installed(wanted):
+            self.install(wanted)
+
+    def usable(self) -> bool:
+        """True if the virtualenv exists and its python runs; raise if the path is not ours."""
+        if not self.path.exists():
+            return False
+        if not (self.path / "pyvenv.cfg").is_file():
+            if self.path.is_dir() and not any(self.path.iterdir()):
+                return False
+            raise RunError(
+                f"{self.path} exists but is not a virtualenv (no pyvenv.cfg). Remove it, "
+                "or set EOP_VENV to another directory."
+            )
+        version = self.python_version()
+        if version is None:
+            print(f"The virtualenv at {self.path} is broken; recreating it.", flush=True)
+            return False
+        if version < (3, 10):
+            raise RunError(
+                f"the virtualenv at {self.path} has Python {version[0]}.{version[1]}; eop needs "
+                "3.10 or newer. Remove it (or set EOP_VENV) and run again with a newer python3."
+            )
+        return True
+
+    def python_version(self) -> tuple[int, int] | None:
+        """The virtualenv's Python version, or None when it does not run or has no pip.
+
+        A virtualenv without pip is what `python3 -m venv` leaves behind on Debian when
+        python3-venv is missing; it must be recreated, not used.
+        """
+        probe = "import sys, pip; print(*sys.version_info[:2])"
+        try:
+            out = subprocess.run(
+                [str(self.python), "-c", probe],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout.split()
+            return int(out[0]), int(out[1])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None
+
+    def create(self) -> None:
+        banner(f"creating a virtualenv at {self.path} with Python {sys.version.split()[0]}")
+        command = [sys.executable, "-m", "venv", "--clear", str(self.path)]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+        except OSError as exc:
+            raise RunError(f"could not run {sys.executable}: {exc}") from None
+        if result.returncode != 0 or self.python_version() is None:
+            output = result.stdout + result.stderr
+            lines = [line.strip() for line in output.splitlines() if line.strip()]
+            detail = "\n".join(f"  {line}" for line in lines[-6:])
+            hint = "Set EOP_VENV to a writable directory to put the virtualenv elsewhere."
+            if "ensurepip" in output:
+                hint = "On Debian or Ubuntu, install the python3-venv package first."
+            raise RunError(
+                f"could not create a virtualenv at {self.path} "
+                f"(exit status {result.returncode}):\n{detail}\n{hint}"
+            )
+
+    def wanted_stamp(self) -> str:
+        digest = hashlib.sha256(PYPROJECT.read_bytes()).hexdigest()
+        # The repository path is part of the stamp: an editable install points at one
+        # checkout, and EOP_VENV may be shared by several.
+        return json.dumps(
+            {"pyproject_sha256": digest, "spec": INSTALL_SPEC, "root": str(ROOT)},
+            sort_keys=True,
+        )
+
+    def installed(self, wanted: str) -> bool:
+        try:
+            current = self.stamp.read_text(encoding="utf-8")
+        except OSError:
+            return False
+        return current == wanted and self.tool("eop").exists()
+
+    def install(self, wanted: str) -> None:
+        banner(f'installing eop into {self.path} (pip install -e "{INSTALL_SPEC}")')
+        self.stamp.unlink(missing_ok=True)
+        pip = [str(self.python), "-m", "pip", "--no-input"]
+        upgrade = self.call([*pip, "install", "--quiet", "--upgrade", "pip"], capture=True)
+        if upgrade != 0:
+            print("warning: could not upgrade pip; going on with the one installed", flush=True)
+        if self.call([*pip, "install", "-e", INSTALL_SPEC]) != 0:
+            raise RunError(
+                f'pip install -e "{INSTALL_SPEC}" failed (see pip\'s output above). It needs '
+                "PyPI or a mirror set in pip's configuration (PIP_INDEX_URL)."
+            )
+        self.stamp.write_text(wanted, encoding="utf-8")
+
+    def call(self, command: Sequence[str | Path], *, capture: bool = False) -> int:
+        """Run a command inside the virtualenv from the repository's root; its exit status."""
+        try:
+            return subprocess.run(
+                [str(part) for part in command],
+                cwd=ROOT,
+                env=self.env(),
+                capture_output=capture,
+                check=False,
+            ).returncode
+        except OSError as exc:
+            raise RunError(f"could not run {command[0]}: {exc}") from None
+
+    def exec(self, command: Sequence[str | Path]) -> int:
+        """Hand the process over to a long-running command (signals go straight to it)."""
+        executable = Path(command[0])
+        require(executable)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if WINDOWS:  # os.exec* on Windows does not replace the process; wait instead.
+            return self.call(command)
+        os.chdir(ROOT)
+        try:
+            os.execve(executable, [str(part) for part in command], self.env())
+        except OSError as exc:
+            raise RunError(f"could not run {executable}: {exc}") from None
+
+
+def run_steps(venv: Venv, steps: Sequence[tuple[str, list[str | Path]]]) -> int:
+    """Run steps in order, stopping at the first failure; print what ran and the total time.
+
+    The total counts from run.py's start, so it includes the virtualenv and install step.
+    """
+    timings: list[str] = []
+    for number, (title, command) in enumerate(steps, start=1):
+        require(command[0])
+        banner(f"[{number}/{len(steps)}] {title}")
+        step_started = time.monotonic()
+        status = venv.call(command)
+        timings.append(f"{title} {time.monotonic() - step_started:.1f}s")
+        if status != 0:
+            total = time.monotonic() - STARTED
+            print(
+                f"\nFAILED: {title} (exit status {status}) after {total:.1f}s total",
+                file=sys.stderr,
+                flush=True,
+            )
+            return status
+    total = time.monotonic() - STARTED
+    print(f"\nOK: {'; '.join(timings)}\ntotal {total:.1f}s", flush=True)
+    return 0
+
+
+def lint_steps(venv: Venv) -> list[tuple[str, list[str | Path]]]:
+    ruff = venv.tool("ruff")
+    return [
+        ("ruff check .", [ruff, "check", "."]),
+        ("ruff format --check .", [ruff, "format", "--check", "."]),
+        ("mypy (strict, eop/)", [venv.python, "-m", "mypy"]),
+    ]
+
+
+def pytest_step(venv: Venv, args: list[str]) -> tuple[str, list[str | Path]]:
+    # `python -m pytest` puts the repository on sys.path, so tests can import examples/.
+    return " ".join(["pytest", *args]), [venv.python, "-m", "pytest", *args]
+
+
+def cmd_test(venv: Venv, args: list[str]) -> int:
+    return run_steps(venv, [*lint_steps(venv), pytest_step(venv, args)])
+
+
+def cmd_pytest(venv: Venv, args: list[str]) -> int:
+    return run_steps(venv, [pytest_step(venv, args)])
+
+
+def cmd_lint(venv: Venv, args: list[str]) -> int:
+    if args:
+        raise RunError("lint takes no arguments")
+    return run_steps(venv, lint_steps(venv))
+
+
+def cmd_fmt(venv: Venv, args: list[str]) -> int:
+    ruff = venv.tool("ruff")
+    return run_steps(
+        venv,
+        [
+            ("ruff format .", [ruff, "format", ".", *args]),
+            ("ruff check --fix .", [ruff, "check", "--fix", "."]),
+        ],
+    )
+
+
+def cmd_demo(venv: Venv, args: list[str]) -> int:
+    return venv.exec([venv.tool("eop"), "demo", *args])
+
+
+def cmd_bench(venv: Venv, args: list[str]) -> int:
+    return venv.exec([venv.tool("eop"), "bench", *args])
+
+
+def cmd_eop(venv: Venv, args: list[str]) -> int:
+    return venv.exec([venv.tool("eop"), *args])
+
+
+def cmd_install(venv: Venv, args: list[str]) -> int:
+    if args:
+        raise RunError("install takes no arguments (use --reinstall to force it)")
+    print(f"\neop is installed in {venv.path}; its tools are in {venv.bin}", flush=True)
+    return 0
+
+
+COMMANDS = {
+    "demo": cmd_demo,
+    "test": cmd_test,
+    "lint": cmd_lint,
+    "pytest": cmd_pytest,
+    "fmt": cmd_fmt,
+    "bench": cmd_bench,
+    "eop": cmd_eop,
+    "install": cmd_install,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

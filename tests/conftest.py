@@ -1,0 +1,161 @@
+"""The test bed: real PostgreSQL and nats-server, isolated per test.
+
+- PostgreSQL: one throwaway server per session (or the server of
+  ``EOP_TEST_DATABASE_URL``), one template database migrated once, and a fresh
+  clone of it per test.
+- NATS: one nats-server per test, on a free port with a temporary store.
+
+Tests under ``tests/integration`` get the ``integration`` marker. A missing
+server binary skips the tests that need it, except under ``CI=true`` where it
+fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+import nats
+import pytest
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from eop import embedded, errors, migrate
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable, Iterator
+
+    from nats.aio.client import Client as NATS
+    from nats.js import JetStreamContext
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
+INTEGRATION_DIR = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test under tests/integration as `integration`."""
+    for item in items:
+        if INTEGRATION_DIR in item.path.parents:
+            item.add_marker(pytest.mark.integration)
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Skip for want of a server binary; in CI, fail instead."""
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: missing servers fail the run)", pytrace=False)
+    pytest.skip(reason)
+
+
+def unique_name(prefix: str) -> str:
+    """A database name no other test or session uses, even on a shared server."""
+    return f"{prefix}_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[embedded.PostgresCluster]:
+    """The session's PostgreSQL: a throwaway server, or EOP_TEST_DATABASE_URL's."""
+    url = os.environ.get("EOP_TEST_DATABASE_URL")
+    if url:
+        cluster = embedded.PostgresCluster(url)
+        yield cluster
+        cluster.close()
+        return
+    try:
+        server = embedded.PostgresServer()
+    except errors.ServerBinaryNotFound as exc:
+        unavailable(str(exc))
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def template_database(postgres: embedded.PostgresCluster) -> Iterator[str]:
+    """Name of a database migrated to head once per session, cloned by each test."""
+    name = unique_name("eop_test_template")
+    postgres.create_database(name, template="template0")
+    migrate.upgrade(postgres.url_for(name))
+    yield name
+    postgres.drop_database(name)
+
+
+@pytest.fixture
+def database_url(postgres: embedded.PostgresCluster, template_database: str) -> Iterator[str]:
+    """asyncpg URL of a fresh database with eop's tables at head, dropped after the test."""
+    name = unique_name("eop_test")
+    # Copying files beats WAL-logging each block for a small template, on
+    # our own fsync-less server; a shared server keeps its default.
+    own = isinstance(postgres, embedded.PostgresServer)
+    url = postgres.create_database(
+        name, template=template_database, strategy="file_copy" if own else None
+    )
+    yield url
+    postgres.drop_database(name)
+
+
+@pytest.fixture
+def empty_database_url(postgres: embedded.PostgresCluster) -> Iterator[str]:
+    """asyncpg URL of a fresh database without eop's tables, dropped after the test."""
+    name = unique_name("eop_test_empty")
+    url = postgres.create_database(name, template="template0")
+    yield url
+    postgres.drop_database(name)
+
+
+@pytest.fixture
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    """An async engine on the test's database, disposed after the test."""
+    engine = create_async_engine(database_url)
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture
+def make_postgres_server() -> Iterator[Callable[..., embedded.PostgresServer]]:
+    """Factory of extra PostgreSQL servers (for tests that stop or kill one), closed after."""
+    servers: list[embedded.PostgresServer] = []
+
+    def make(**options: object) -> embedded.PostgresServer:
+        try:
+            server = embedded.PostgresServer(**options)  # type: ignore[arg-type]
+        except errors.ServerBinaryNotFound as exc:
+            unavailable(str(exc))
+        servers.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def nats_server() -> Iterator[embedded.NatsServer]:
+    """A nats-server with JetStream for this test alone, with a temporary file store."""
+    try:
+        server = embedded.NatsServer()
+    except errors.ServerBinaryNotFound as exc:
+        unavailable(str(exc))
+    with server:
+        yield server
+
+
+@pytest.fixture
+def nats_url(nats_server: embedded.NatsServer) -> str:
+    """The test's nats-server URL."""
+    return nats_server.url
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NATS]:
+    """A nats-py client connected to the test's server, closed after the test."""
+    client = await nats.connect(nats_url, connect_timeout=2, allow_reconnect=True)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def js(nc: NATS) -> JetStreamContext:
+    """The JetStream context of :func:`nc`."""
+    return nc.jetstream()

@@ -1,0 +1,175 @@
+"""Settling deliveries: backoff, the confirmed ack, nak, term and heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from eop import ack, log, testing
+
+from .support import events
+
+LOGGER = structlog.get_logger("test")
+
+
+# -------------------------------------------------------------------- backoff
+
+
+@pytest.mark.parametrize(
+    ("num_delivered", "expected"),
+    [(1, 0.5), (2, 1.0), (3, 2.0), (4, 4.0), (8, 60.0), (100, 60.0)],
+)
+def test_backoff_doubles_with_each_delivery_up_to_the_cap(
+    num_delivered: int, expected: float
+) -> None:
+    assert ack.backoff_s(num_delivered, 0.5, 60.0) == expected
+
+
+def test_backoff_of_a_first_or_unknown_delivery_is_the_base() -> None:
+    assert ack.backoff_s(0, 0.5, 60.0) == 0.5
+    assert ack.backoff_s(-3, 0.5, 60.0) == 0.5
+
+
+def test_backoff_of_a_huge_delivery_count_stays_capped() -> None:
+    assert ack.backoff_s(10**9, 0.5, 60.0) == 60.0
+
+
+def test_backoff_is_a_float() -> None:
+    assert isinstance(ack.backoff_s(2, 1, 60), float)
+
+
+# -------------------------------------------------------------------- confirm
+
+
+async def confirm(delivery: testing.FakeDelivery, give_up_s: float = 0.2) -> bool:
+    return await ack.confirm(delivery, timeout_s=0.05, give_up_s=give_up_s, logger=LOGGER)
+
+
+async def test_confirm_returns_true_once_the_server_has_the_ack() -> None:
+    d = testing.FakeDelivery.make()
+    assert await confirm(d) is True
+    assert (d.acked, d.ack_attempts) == (True, 1)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        nats.errors.TimeoutError,
+        asyncio.TimeoutError,
+        nats.errors.NoRespondersError,
+        nats.errors.ConnectionReconnectingError,
+        nats.errors.ConnectionClosedError,
+    ],
+)
+async def test_confirm_retries_lost_replies_and_reconnects(error: type[BaseException]) -> None:
+    d = testing.FakeDelivery.make().fail_acks(2, error)
+    assert await confirm(d) is True
+    assert d.ack_attempts == 3
+    assert d.acked
+
+
+async def test_confirm_treats_already_acked_as_done() -> None:
+    d = testing.FakeDelivery.make().fail_acks(1, nats.errors.MsgAlreadyAckdError)
+    assert await confirm(d) is True
+    assert d.ack_attempts == 1
+
+
+async def test_confirm_gives_up_after_the_bound_with_a_warning() -> None:
+    d = testing.FakeDelivery.make().fail_acks(10_000)
+    with capture_logs() as logs:
+        assert await confirm(d, give_up_s=0.1) is False
+    [warning] = events(logs, log.Event.ACK_GAVE_UP)
+    assert warning["log_level"] == "warning"
+    assert warning["error"] == "TimeoutError"
+    assert not d.acked
+
+
+async def test_confirm_logs_each_retry_at_debug_level() -> None:
+    d = testing.FakeDelivery.make().fail_acks(1)
+    with capture_logs() as logs:
+        await confirm(d)
+    [retry] = events(logs, log.Event.ACK_RETRY)
+    assert (retry["log_level"], retry["attempt"], retry["error"]) == ("debug", 1, "TimeoutError")
+
+
+async def test_confirm_does_not_retry_an_unexpected_error() -> None:
+    d = testing.FakeDelivery.make().fail_acks(1, nats.errors.BadSubscriptionError)
+    with pytest.raises(nats.errors.BadSubscriptionError):
+        await confirm(d)
+    assert d.ack_attempts == 1
+
+
+# ------------------------------------------------------------------ nak, term
+
+
+async def test_nak_sends_the_delay() -> None:
+    d = testing.FakeDelivery.make()
+    await ack.nak(d, 2.5, LOGGER)
+    assert (d.naked, d.nak_delay) == (True, 2.5)
+
+
+@pytest.mark.parametrize("error", [nats.errors.TimeoutError, nats.errors.ConnectionClosedError])
+async def test_a_failed_nak_is_swallowed(error: type[BaseException]) -> None:
+    """A lost nak only means the redelivery waits for AckWait."""
+    d = testing.FakeDelivery.make().fail("nak", 1, error)
+    await ack.nak(d, 1.0, LOGGER)
+    assert not d.naked
+
+
+async def test_nak_of_an_already_settled_delivery_is_swallowed() -> None:
+    d = testing.FakeDelivery.make()
+    await d.ack_sync()
+    await ack.nak(d, 1.0, LOGGER)
+    assert (d.acked, d.naked) == (True, False)
+
+
+async def test_term_tells_the_server_never_to_redeliver() -> None:
+    d = testing.FakeDelivery.make()
+    await ack.term(d, LOGGER)
+    assert d.termed
+
+
+async def test_a_failed_term_is_swallowed() -> None:
+    """A lost term means a redelivery, which finds the inbox row and is acked."""
+    d = testing.FakeDelivery.make().fail("term", 1)
+    await ack.term(d, LOGGER)
+    assert not d.termed
+
+
+# ------------------------------------------------------------------ heartbeat
+
+
+async def test_heartbeat_sends_in_progress_while_the_body_runs() -> None:
+    d = testing.FakeDelivery.make()
+    async with ack.heartbeat(d, 0.01, LOGGER):
+        await asyncio.wait_for(d.wait_for_in_progress(3), timeout=10)
+    assert d.in_progress_calls >= 3
+
+
+async def test_heartbeat_stops_when_the_body_ends() -> None:
+    d = testing.FakeDelivery.make()
+    before = asyncio.all_tasks()
+    async with ack.heartbeat(d, 0.01, LOGGER):
+        await asyncio.wait_for(d.wait_for_in_progress(1), timeout=10)
+        assert len(asyncio.all_tasks() - before) == 1
+    assert asyncio.all_tasks() == before
+
+
+async def test_heartbeat_survives_a_failed_in_progress_with_a_warning() -> None:
+    d = testing.FakeDelivery.make().fail("in_progress", 1, nats.errors.TimeoutError)
+    with capture_logs() as logs:
+        async with ack.heartbeat(d, 0.01, LOGGER):
+            await asyncio.wait_for(d.wait_for_in_progress(1), timeout=10)
+    [warning] = events(logs, log.Event.HEARTBEAT_FAILED)
+    assert warning["log_level"] == "warning"
+
+
+async def test_heartbeat_lets_the_body_error_through() -> None:
+    d = testing.FakeDelivery.make()
+    with pytest.raises(KeyError):
+        async with ack.heartbeat(d, 10.0, LOGGER):
+            raise KeyError("handler failed")

@@ -1,0 +1,188 @@
+"""The eop command line: flags named after their EOP_* variables, clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from eop import cli, errors
+from eop.app import App
+from eop.settings import Settings, env_var
+
+
+def subcommand(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:
+    for name in path:
+        [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = sub.choices[name]
+    return parser
+
+
+def flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {opt: action for action in parser._actions for opt in action.option_strings}
+
+
+def flag_of(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No EOP_* variable of the developer's shell leaks into these tests."""
+    for name in [n for n in os.environ if n.startswith("EOP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+# --------------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize("field", cli._WORKER_FIELDS)
+def test_every_worker_flag_help_names_its_variable(field: str) -> None:
+    worker = subcommand(cli.build_parser(), "worker")
+    action = flags(worker)[flag_of(field)]
+    assert action.help is not None
+    assert f"[env: {env_var(field)};" in action.help
+
+
+def test_every_setting_is_a_worker_flag() -> None:
+    worker = flags(subcommand(cli.build_parser(), "worker"))
+    for field in dataclasses.fields(Settings):
+        assert flag_of(field.name) in worker, field.name
+
+
+@pytest.mark.parametrize("action", ["upgrade", "downgrade", "current", "check"])
+def test_db_flags_name_their_variables(action: str) -> None:
+    db = flags(subcommand(cli.build_parser(), "db", action))
+    assert "EOP_DATABASE_URL" in (db["--database-url"].help or "")
+    assert "EOP_SCHEMA" in (db["--schema"].help or "")
+    assert "EOP_APP" in (db["--app"].help or "")
+
+
+def test_worker_help_lists_the_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["worker", "--help"])
+    out = capsys.readouterr().out
+    for field in cli._WORKER_FIELDS:
+        assert env_var(field) in out
+
+
+def test_unset_worker_flags_leave_the_environment_in_charge() -> None:
+    args = cli.build_parser().parse_args(["worker", "m:app"])
+    assert cli._overrides(args, cli._WORKER_FIELDS) == {}
+
+
+def test_worker_flags_are_typed() -> None:
+    args = cli.build_parser().parse_args(
+        ["worker", "m:app", "--ack-wait-s", "5", "--concurrency", "3", "--no-create"]
+    )
+    assert cli._overrides(args, cli._WORKER_FIELDS) == {
+        "ack_wait_s": 5.0,
+        "concurrency": 3,
+        "create": False,
+    }
+
+
+def test_worker_handler_flag_repeats() -> None:
+    args = cli.build_parser().parse_args(["worker", "m:app", "--handler", "a", "--handler", "b"])
+    assert args.handler == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["worker", "m:app"], None),
+        (["--log-level", "debug", "worker", "m:app"], "debug"),
+        (["worker", "m:app", "--log-level", "debug"], "debug"),
+        (["worker", "--log-level", "debug", "m:app"], "debug"),
+        (["--log-level", "error", "worker", "m:app", "--log-level", "debug"], "debug"),
+        (["db", "upgrade", "--log-level", "warning"], "warning"),
+    ],
+)
+def test_log_flags_work_before_and_after_the_subcommand(
+    argv: list[str], expected: str | None
+) -> None:
+    assert cli.build_parser().parse_args(argv).log_level == expected
+
+
+def test_a_log_flag_before_the_subcommand_survives_the_subcommand() -> None:
+    args = cli.build_parser().parse_args(["--log-format", "json", "worker", "m:app"])
+    assert args.log_format == "json"
+
+
+def test_an_invalid_choice_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["worker", "m:app", "--log-level", "loud"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_db_revision_defaults() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["db", "upgrade"]).revision == "head"
+    assert parser.parse_args(["db", "downgrade"]).revision == "-1"
+
+
+# ------------------------------------------------------------------- load_app
+
+
+@pytest.fixture
+def app_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A module in the current directory defining ``app`` (an eop.App) and ``other``."""
+    name = f"eop_unit_app_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "from eop import App, Settings\napp = App(settings=Settings())\nother = 42\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return name
+
+
+def test_load_app_imports_from_the_current_directory(app_module: str) -> None:
+    assert isinstance(cli.load_app(f"{app_module}:app"), App)
+
+
+@pytest.mark.parametrize("path", ["myapp", "myapp:", ":app", ""])
+def test_load_app_wants_module_colon_attribute(path: str) -> None:
+    with pytest.raises(errors.ConfigurationError, match="expected MODULE:APP"):
+        cli.load_app(path)
+
+
+def test_load_app_reports_a_missing_module() -> None:
+    with pytest.raises(errors.ConfigurationError, match="cannot import 'no_such_module_xyz'"):
+        cli.load_app("no_such_module_xyz:app")
+
+
+def test_load_app_reports_an_attribute_that_is_not_an_app(app_module: str) -> None:
+    with pytest.raises(errors.ConfigurationError, match=r"is not an eop\.App \(got int\)"):
+        cli.load_app(f"{app_module}:other")
+
+
+def test_load_app_reports_a_missing_attribute(app_module: str) -> None:
+    with pytest.raises(errors.ConfigurationError, match="got NoneType"):
+        cli.load_app(f"{app_module}:nope")
+
+
+# ----------------------------------------------------------------------- main
+
+
+def test_main_prints_the_error_and_its_cause_without_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["worker", "no_such_module_xyz:app"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("eop: error: cannot import 'no_such_module_xyz'")
+    assert "caused by ModuleNotFoundError" in err
+    assert "Traceback" not in err
+
+
+def test_main_reports_a_bad_environment_variable(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EOP_CONCURRENCY", "lots")
+    assert cli.main(["worker", "m:app"]) == 1
+    assert "EOP_CONCURRENCY='lots'" in capsys.readouterr().err

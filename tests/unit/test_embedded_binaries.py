@@ -1,0 +1,47 @@
+"""Finding server binaries, and failing clearly without them."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import pytest
+
+from eop import embedded, errors
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+
+def test_missing_nats_server_raises_a_clear_eop_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without nats-server anywhere, the error names the `embedded` extra."""
+    monkeypatch.setattr(embedded.sysconfig, "get_path", lambda _name: str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(errors.ServerBinaryNotFound, match=r"eop\[embedded\]"):
+        embedded.nats_server_binary()
+    with pytest.raises(errors.EopError):
+        embedded.NatsServer()
+
+
+def test_nats_server_found_beside_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An unactivated venv: the binary next to sys.executable is used."""
+    binary = tmp_path / "nats-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setattr(embedded.sysconfig, "get_path", lambda _name: "/nonexistent")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    assert embedded.nats_server_binary() == binary
+
+
+def test_free_port_is_bindable() -> None:
+    """free_port returns a port of 127.0.0.1 that nothing listens on."""
+    import socket
+
+    port = embedded.free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))

@@ -1,0 +1,696 @@
+"""The per-message protocol (design.md section 2), branch by branch, on eop.testing's fakes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats.errors
+import pytest
+from structlog.testing import capture_logs
+
+import eop
+from eop import ack, log, models, testing
+from eop.processor import Critical, Outcome
+
+from .support import FAST, STREAM, Harness, MakeHarness, delivery, effect_of, events
+
+
+def backoff(num_delivered: int) -> float:
+    return ack.backoff_s(num_delivered, FAST.backoff_base_s, FAST.backoff_max_s)
+
+
+async def decode_json(msg: eop.Message, session: Any) -> None:
+    msg.json()
+
+
+class UniqueViolation(Exception):
+    """What the driver raises when the handler's pending INSERT hits a unique index."""
+
+    sqlstate = "23505"
+
+
+# ------------------------------------------------------------------ processed
+
+
+async def test_processed_message_commits_its_effect_with_its_inbox_row_and_is_acked(
+    harness: Harness,
+) -> None:
+    d = delivery()
+    assert await harness.handle(d) is Outcome.PROCESSED
+    [msg] = harness.calls
+    assert harness.store.effects == [effect_of(msg)]
+    assert harness.store.outcome_of(msg) == models.OUTCOME_PROCESSED
+    assert (d.acked, d.naked, d.termed) == (True, False, False)
+
+
+async def test_handler_gets_message_keyed_on_handler_name_and_current_epoch(
+    harness: Harness,
+) -> None:
+    await harness.handle(delivery(b"x", seq=7, headers={"Nats-Msg-Id": "m-7"}))
+    [msg] = harness.calls
+    assert (msg.subscription, msg.stream, msg.stream_epoch, msg.seq) == ("orders", STREAM, "e1", 7)
+    assert (msg.data, msg.msg_id, msg.num_delivered) == (b"x", "m-7", 1)
+
+
+# ----------------------------------------------------------------- duplicates
+
+
+async def test_redelivery_of_processed_message_is_acked_without_running_handler(
+    harness: Harness,
+) -> None:
+    first = delivery()
+    await harness.handle(first)
+    again = first.redeliver()
+    assert await harness.handle(again) is Outcome.DUPLICATE
+    assert len(harness.calls) == 1
+    assert len(harness.store.effects) == 1
+    assert again.acked
+
+
+async def test_republish_with_same_msg_id_after_duplicate_window_is_acked_without_running(
+    harness: Harness,
+) -> None:
+    """Same Nats-Msg-Id under a new sequence: the msg-id guard skips it."""
+    await harness.handle(delivery(seq=1, headers={"Nats-Msg-Id": "order-1"}))
+    republished = delivery(seq=9, headers={"Nats-Msg-Id": "order-1"})
+    assert await harness.handle(republished) is Outcome.DUPLICATE
+    assert len(harness.calls) == 1
+    assert len(harness.store.effects) == 1
+    assert republished.acked
+
+
+async def test_without_msg_id_guard_a_republish_is_processed_again(
+    make_harness: MakeHarness,
+) -> None:
+    harness = make_harness(msg_id_guard=False)
+    await harness.handle(delivery(seq=1, headers={"Nats-Msg-Id": "order-1"}))
+    assert await harness.handle(delivery(seq=9, headers={"Nats-Msg-Id": "order-1"})) is (
+        Outcome.PROCESSED
+    )
+    assert len(harness.store.effects) == 2
+
+
+# ------------------------------------------------------- reused sequence, epochs
+
+
+async def test_reused_sequence_with_other_payload_is_quarantined_and_termed(
+    harness: Harness,
+) -> None:
+    await harness.handle(delivery(b"first", seq=1))
+    other = delivery(b"second", seq=1)
+    assert await harness.handle(other) is Outcome.QUARANTINED
+    assert len(harness.calls) == 1
+    [dead] = harness.store.dead_letters
+    assert (dead.reason, dead.payload, dead.stream_seq) == (
+        models.REASON_SEQUENCE_REUSED,
+        b"second",
+        1,
+    )
+    assert other.termed
+    assert not other.acked
+
+
+async def test_quarantine_raises_an_alarm(harness: Harness) -> None:
+    await harness.handle(delivery(b"first"))
+    with capture_logs() as logs:
+        await harness.handle(delivery(b"second"))
+    [alarm] = events(logs, log.Event.MESSAGE_QUARANTINED)
+    assert alarm["log_level"] == "error"
+    assert alarm["alarm"] is True
+    assert alarm["action"] == log.Action.TERM
+
+
+async def test_redelivered_reused_sequence_is_quarantined_once(harness: Harness) -> None:
+    await harness.handle(delivery(b"first"))
+    other = delivery(b"second")
+    await harness.handle(other)
+    assert await harness.handle(other.redeliver()) is Outcome.QUARANTINED
+    assert len(harness.store.dead_letters) == 1
+
+
+async def test_reused_sequence_after_stream_recreated_is_processed_under_new_epoch(
+    harness: Harness,
+) -> None:
+    await harness.handle(delivery(b"old stream", seq=1))
+    harness.epochs.set(STREAM, "e2")  # recreated: the cached epoch is stale
+    new = delivery(b"new stream", seq=1)
+    assert await harness.handle(new) is Outcome.PROCESSED
+    assert [m.stream_epoch for m in harness.calls] == ["e1", "e2"]
+    assert sorted(key[2] for key in harness.store.inbox) == ["e1", "e2"]
+    assert harness.store.dead_letters == []
+    assert new.acked
+
+
+# ------------------------------------------------------------ handler failures
+
+
+async def test_handler_error_rolls_back_and_naks_with_backoff(harness: Harness) -> None:
+    harness.then(RuntimeError("boom"))
+    d = delivery(num_delivered=2)
+    assert await harness.handle(d) is Outcome.RETRY
+    assert harness.store.effects == []
+    assert harness.store.inbox == {}
+    assert d.naked
+    assert d.nak_delay == backoff(2)
+    assert not d.acked
+
+
+async def test_retry_naks_with_the_delay_the_handler_asked_for(harness: Harness) -> None:
+    harness.then(eop.Retry("later", delay_s=7.5))
+    d = delivery()
+    assert await harness.handle(d) is Outcome.RETRY
+    assert d.nak_delay == 7.5
+    assert harness.store.effects == []
+
+
+async def test_reject_dead_letters_at_once_and_terms(harness: Harness) -> None:
+    harness.then(eop.Reject("never valid"))
+    d = delivery()
+    assert await harness.handle(d) is Outcome.DEAD_LETTERED
+    [dead] = harness.store.dead_letters
+    assert dead.reason == models.REASON_REJECTED
+    assert harness.store.outcome_of(harness.calls[0]) == models.OUTCOME_DEAD_LETTERED
+    assert harness.store.effects == []
+    assert d.termed
+    assert not d.naked
+
+
+async def test_rejected_message_redelivered_is_acked_without_running_again(
+    harness: Harness,
+) -> None:
+    harness.then(eop.Reject("never valid"))
+    d = delivery()
+    await harness.handle(d)
+    assert await harness.handle(d.redeliver()) is Outcome.DUPLICATE
+    assert len(harness.calls) == 1
+
+
+async def test_undecodable_json_dead_letters_as_undecodable(harness: Harness) -> None:
+    harness.then(decode_json)
+    d = delivery(b"\x00not json")
+    assert await harness.handle(d) is Outcome.DEAD_LETTERED
+    [dead] = harness.store.dead_letters
+    assert dead.reason == models.REASON_UNDECODABLE
+    assert "UndecodableMessage" in dead.error
+    assert d.termed
+
+
+async def test_failure_on_last_attempt_dead_letters_attempts_exhausted(harness: Harness) -> None:
+    harness.then(RuntimeError("still broken"))
+    d = delivery(num_delivered=FAST.max_attempts)
+    assert await harness.handle(d) is Outcome.DEAD_LETTERED
+    [dead] = harness.store.dead_letters
+    assert dead.reason == models.REASON_ATTEMPTS_EXHAUSTED
+    assert "RuntimeError: still broken" in dead.error
+    assert d.termed
+
+
+async def test_retry_request_on_last_attempt_dead_letters(harness: Harness) -> None:
+    harness.then(eop.Retry(delay_s=1))
+    d = delivery(num_delivered=FAST.max_attempts)
+    assert await harness.handle(d) is Outcome.DEAD_LETTERED
+    assert harness.store.dead_letters[0].reason == models.REASON_ATTEMPTS_EXHAUSTED
+
+
+async def test_handler_max_attempts_overrides_settings(make_harness: MakeHarness) -> None:
+    harness = make_harness(max_attempts=1).then(RuntimeError("boom"))
+    assert await harness.handle(delivery(num_delivered=1)) is Outcome.DEAD_LETTERED
+
+
+async def test_crash_looping_message_is_dead_lettered_without_running_handler(
+    harness: Harness,
+) -> None:
+    """Delivered more than max_attempts times: earlier attempts died without an outcome."""
+    d = delivery(num_delivered=FAST.max_attempts + 1)
+    assert await harness.handle(d) is Outcome.DEAD_LETTERED
+    assert harness.calls == []
+    [dead] = harness.store.dead_letters
+    assert dead.reason == models.REASON_ATTEMPTS_EXHAUSTED
+    assert dead.traceback is None
+    assert d.termed
+
+
+async def test_dead_letter_claim_finding_an_outcome_acks_as_duplicate(harness: Harness) -> None:
+    """An earlier delivery committed (its ack was lost); a crash-loop dead letter must not."""
+    d = delivery(num_delivered=FAST.max_attempts + 1)
+    msg = eop.Message(
+        subscription="orders",
+        subject=d.subject,
+        data=d.data,
+        headers={},
+        stream=STREAM,
+        stream_epoch="e1",
+        seq=1,
+        num_delivered=1,
+    )
+    harness.store.record(msg)
+    assert await harness.handle(d) is Outcome.DUPLICATE
+    assert harness.store.dead_letters == []
+    assert d.acked
+    assert not d.termed
+
+
+async def test_dead_letter_keeps_the_evidence_with_secrets_redacted(harness: Harness) -> None:
+    harness.then(eop.Reject("bad order"))
+    headers = {"Nats-Msg-Id": "m-1", "Authorization": "Bearer s3cr3t", "X-Trace": "t-1"}
+    await harness.handle(delivery(b'{"id": 1}', seq=4, headers=headers, num_delivered=2))
+    [dead] = harness.store.dead_letters
+    assert dead.reason == models.REASON_REJECTED
+    assert dead.error == "Reject: bad order"
+    assert dead.traceback is not None
+    assert "Traceback" in dead.traceback
+    assert "bad order" in dead.traceback
+    assert (dead.subject, dead.payload, dead.stream_seq, dead.delivery_count) == (
+        "orders.new",
+        b'{"id": 1}',
+        4,
+        2,
+    )
+    assert dead.headers == {"Nats-Msg-Id": "m-1", "Authorization": "***", "X-Trace": "t-1"}
+    assert dead.msg_id == "m-1"
+
+
+# ------------------------------------------------------- transactions retried
+
+
+async def test_conflict_on_commit_retries_whole_transaction_and_applies_effect_once(
+    harness: Harness,
+) -> None:
+    harness.store.conflict_commits(1)
+    d = delivery()
+    assert await harness.handle(d) is Outcome.PROCESSED
+    assert len(harness.calls) == 2
+    assert harness.store.effects == [effect_of(harness.calls[0])]
+    assert d.acked
+
+
+async def test_conflicts_beyond_tx_retries_nak(harness: Harness, fast_sleep: None) -> None:
+    harness.store.conflict_commits(FAST.tx_retries + 1)
+    d = delivery()
+    assert await harness.handle(d) is Outcome.RETRY
+    assert len(harness.calls) == FAST.tx_retries + 1
+    assert harness.store.effects == []
+    assert harness.store.inbox == {}
+    assert d.naked
+    assert d.nak_delay == backoff(1)
+
+
+async def test_serialization_failure_raised_in_handler_retries_the_transaction(
+    harness: Harness,
+) -> None:
+    class SerializationFailure(Exception):
+        sqlstate = "40001"
+
+    harness.then(SerializationFailure("could not serialize access"))
+    assert await harness.handle(delivery()) is Outcome.PROCESSED
+    assert len(harness.calls) == 2
+    assert len(harness.store.effects) == 1
+
+
+async def test_database_unavailable_when_opening_transaction_is_retried(
+    harness: Harness, fast_sleep: None
+) -> None:
+    harness.store.fail_transactions(2)
+    assert await harness.handle(delivery()) is Outcome.PROCESSED
+    assert len(harness.calls) == 1
+
+
+async def test_row_vanished_between_claim_and_lookup_retries_the_transaction(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed claim whose row is gone on look-up (compacted meanwhile): claim again."""
+    d = delivery()
+    await harness.handle(d)
+    real_find = testing.MemoryTransaction.find
+    finds: list[Any] = []
+
+    async def find_vanishing_once(self: testing.MemoryTransaction, message: Any) -> Any:
+        finds.append(message)
+        return None if len(finds) == 1 else await real_find(self, message)
+
+    monkeypatch.setattr(testing.MemoryTransaction, "find", find_vanishing_once)
+    assert await harness.handle(d.redeliver()) is Outcome.DUPLICATE
+    assert len(finds) == 2
+
+
+async def test_non_transient_store_error_is_raised(harness: Harness) -> None:
+    harness.store.fail_claims(1, ValueError("schema mismatch"))
+    with pytest.raises(ValueError, match="schema mismatch"):
+        await harness.handle(delivery())
+    assert harness.calls == []
+
+
+# ------------------------------------------------------------- claim timeouts
+
+
+async def test_claim_lock_timeout_naks_without_running_handler(harness: Harness) -> None:
+    harness.store.lock_timeout_claims(1)
+    d = delivery(num_delivered=2)
+    assert await harness.handle(d) is Outcome.RETRY
+    assert harness.calls == []
+    assert d.naked
+    assert d.nak_delay == backoff(2)
+
+
+async def test_redelivery_overlapping_a_live_run_waits_and_is_acked_as_duplicate(
+    harness: Harness,
+) -> None:
+    """A redelivery blocks on the claim of the live run, then finds its committed row."""
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def slow(msg: eop.Message, session: Any) -> None:
+        started.set()
+        await release.wait()
+
+    harness.then(slow)
+    first = delivery()
+    live = asyncio.create_task(harness.handle(first))
+    await started.wait()
+    overlapping = asyncio.create_task(harness.handle(first.redeliver()))
+    await asyncio.sleep(0)
+    release.set()
+    assert await live is Outcome.PROCESSED
+    assert await overlapping is Outcome.DUPLICATE
+    assert len(harness.calls) == 1
+    assert len(harness.store.effects) == 1
+
+
+async def test_redelivery_overlapping_a_live_run_times_out_on_claim_and_naks(
+    make_harness: MakeHarness,
+) -> None:
+    harness = make_harness(lock_timeout_s=0.01)
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def slow(msg: eop.Message, session: Any) -> None:
+        started.set()
+        await release.wait()
+
+    harness.then(slow)
+    first = delivery()
+    live = asyncio.create_task(harness.handle(first))
+    await started.wait()
+    second = first.redeliver()
+    assert await harness.handle(second) is Outcome.RETRY
+    assert second.naked
+    release.set()
+    assert await live is Outcome.PROCESSED
+    assert len(harness.calls) == 1
+
+
+# ---------------------------------------------------------- ambiguous commits
+
+
+async def test_ambiguous_commit_that_committed_is_acked_and_not_rerun(harness: Harness) -> None:
+    harness.store.ambiguous_commit(committed=True)
+    d = delivery()
+    assert await harness.handle(d) is Outcome.PROCESSED
+    assert len(harness.calls) == 1
+    assert len(harness.store.effects) == 1
+    assert d.acked
+
+
+async def test_ambiguous_commit_that_did_not_commit_is_naked_and_not_rerun(
+    harness: Harness,
+) -> None:
+    harness.store.ambiguous_commit(committed=False)
+    d = delivery()
+    assert await harness.handle(d) is Outcome.RETRY
+    assert len(harness.calls) == 1
+    assert harness.store.effects == []
+    assert d.naked
+    assert not d.acked
+
+
+async def test_ambiguous_commit_resolution_retries_a_lost_look_up(
+    harness: Harness, fast_sleep: None
+) -> None:
+    harness.store.ambiguous_commit(committed=True).fail_has_outcome(2)
+    d = delivery()
+    assert await harness.handle(d) is Outcome.PROCESSED
+    assert d.acked
+
+
+async def test_ambiguous_commit_left_unresolved_leaves_the_delivery(
+    harness: Harness, fast_sleep: None
+) -> None:
+    """The inbox stays unreachable: neither ack nor nak; redelivery decides."""
+    harness.store.ambiguous_commit(committed=True).fail_has_outcome(3)
+    d = delivery()
+    assert await harness.handle(d) is Outcome.LEFT
+    assert not d.settled
+    assert len(harness.calls) == 1
+
+
+async def test_ambiguous_commit_look_up_failing_for_good_is_raised(harness: Harness) -> None:
+    harness.store.ambiguous_commit(committed=True).fail_has_outcome(1, ValueError("bad query"))
+    d = delivery()
+    with pytest.raises(ValueError, match="bad query"):
+        await harness.handle(d)
+    assert not d.acked
+
+
+async def test_ambiguous_commit_of_a_dead_letter_that_committed_settles_it(
+    harness: Harness,
+) -> None:
+    harness.then(eop.Reject("no"))
+    harness.store.ambiguous_commit(committed=True)
+    d = delivery()
+    await harness.handle(d)
+    assert len(harness.store.dead_letters) == 1
+    assert d.acked or d.termed
+    assert not d.naked
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: processor._resolve_ambiguous reports a committed dead letter as PROCESSED "
+    "(and logs message.processed)",
+)
+async def test_ambiguous_commit_of_a_dead_letter_that_committed_is_reported_dead_lettered(
+    harness: Harness,
+) -> None:
+    harness.then(eop.Reject("no"))
+    harness.store.ambiguous_commit(committed=True)
+    assert await harness.handle(delivery()) is Outcome.DEAD_LETTERED
+
+
+# ----------------------------------------------------------------- the lease
+
+
+async def test_spent_lease_leaves_delivery_without_running_handler(
+    make_harness: MakeHarness,
+) -> None:
+    harness = make_harness(clock=lambda: 1000.0)
+    d = delivery()
+    outcome = await harness.handle(d, received_at=1000.0 - FAST.ack_wait_s)
+    assert outcome is Outcome.LEFT
+    assert harness.calls == []
+    assert harness.store.transactions == 0
+    assert not d.settled
+
+
+async def test_handler_ack_wait_overrides_settings_for_the_lease(
+    make_harness: MakeHarness,
+) -> None:
+    harness = make_harness(clock=lambda: 1000.0, ack_wait_s=120.0)
+    outcome = await harness.handle(delivery(), received_at=1000.0 - FAST.ack_wait_s)
+    assert outcome is Outcome.PROCESSED
+
+
+async def test_heartbeat_sends_in_progress_while_a_slow_handler_runs(
+    make_harness: MakeHarness,
+) -> None:
+    harness = make_harness(settings=FAST.replace(ack_wait_s=0.15, lease_margin_s=0.0))
+    d = delivery()
+
+    async def slow(msg: eop.Message, session: Any) -> None:
+        await asyncio.wait_for(d.wait_for_in_progress(2), timeout=10)
+
+    harness.then(slow)
+    assert await harness.handle(d) is Outcome.PROCESSED
+    assert d.in_progress_calls >= 2
+
+
+# ---------------------------------------------------------------------- acks
+
+
+async def test_lost_ack_replies_are_retried_until_the_ack_is_confirmed(harness: Harness) -> None:
+    d = delivery().fail_acks(2)
+    assert await harness.handle(d) is Outcome.PROCESSED
+    assert d.ack_attempts == 3
+    assert d.acked
+
+
+async def test_ack_that_keeps_timing_out_is_given_up_and_the_outcome_stands(
+    harness: Harness,
+) -> None:
+    d = delivery().fail_acks(10_000)
+    with capture_logs() as logs:
+        assert await harness.handle(d) is Outcome.PROCESSED
+    assert not d.acked
+    assert d.ack_attempts >= 2
+    assert len(harness.store.effects) == 1
+    assert events(logs, log.Event.ACK_GAVE_UP)
+
+
+async def test_already_acked_error_counts_as_a_confirmed_ack(harness: Harness) -> None:
+    d = delivery().fail_acks(1, nats.errors.MsgAlreadyAckdError)
+    with capture_logs() as logs:
+        assert await harness.handle(d) is Outcome.PROCESSED
+    assert d.ack_attempts == 1
+    assert events(logs, log.Event.ACK_GAVE_UP) == []
+
+
+# -------------------------------------------------------------- cancellation
+
+
+async def cancel_during_commit(harness: Harness, d: testing.FakeDelivery) -> None:
+    """Start handling ``d``, cancel it while its COMMIT is held, then let the COMMIT go."""
+    harness.store.pause_commits()
+    task = asyncio.create_task(harness.handle(d))
+    await harness.store.commit_started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    harness.store.resume_commits()
+    await harness.processor.critical.drain()
+
+
+async def test_cancellation_during_commit_still_commits_and_acks(harness: Harness) -> None:
+    """The Critical shield: a stop never cuts between COMMIT and the ack."""
+    d = delivery()
+    await cancel_during_commit(harness, d)
+    assert len(harness.store.effects) == 1
+    assert d.acked
+
+
+async def test_cancellation_during_dead_letter_commit_still_terms(harness: Harness) -> None:
+    harness.then(eop.Reject("no"))
+    d = delivery()
+    await cancel_during_commit(harness, d)
+    assert len(harness.store.dead_letters) == 1
+    assert d.termed
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: processor._quarantine terms outside the Critical section: a stop during "
+    "its COMMIT skips the term",
+)
+async def test_cancellation_during_quarantine_commit_still_terms(harness: Harness) -> None:
+    await harness.handle(delivery(b"first"))
+    other = delivery(b"second")
+    await cancel_during_commit(harness, other)
+    assert len(harness.store.dead_letters) == 1
+    assert other.termed
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: on cancellation Critical.run returns at once, so the caller's "
+    "`async with store.transaction()` closes the session while the shielded COMMIT runs",
+)
+async def test_cancellation_does_not_close_the_transaction_under_its_running_commit(
+    harness: Harness,
+) -> None:
+    await cancel_during_commit(harness, delivery())
+    assert harness.store.misuse == []
+
+
+async def test_critical_section_finishes_after_its_caller_is_cancelled() -> None:
+    critical = Critical()
+    release = asyncio.Event()
+    done: list[str] = []
+
+    async def section() -> str:
+        await release.wait()
+        done.append("section")
+        return "ok"
+
+    caller = asyncio.create_task(critical.run(section()))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    release.set()
+    await critical.drain()
+    assert done == ["section"]
+
+
+# ------------------------------------------------------------------- logging
+
+
+async def test_processed_log_line_carries_coordinates_and_action_never_the_payload(
+    harness: Harness,
+) -> None:
+    payload = b'{"card": "4111-1111-SECRET"}'
+    with capture_logs() as logs:
+        await harness.handle(delivery(payload, seq=12, num_delivered=2))
+    [line] = events(logs, log.Event.MESSAGE_PROCESSED)
+    assert line["handler"] == "orders"
+    assert line["stream"] == STREAM
+    assert line["seq"] == 12
+    assert line["delivered"] == 2
+    assert line["action"] == log.Action.ACK
+    for entry in logs:
+        assert "SECRET" not in repr(entry)
+
+
+async def test_dead_letter_log_line_never_carries_the_payload(harness: Harness) -> None:
+    harness.then(decode_json)
+    with capture_logs() as logs:
+        await harness.handle(delivery(b"\x00SECRET-GARBAGE"))
+    [line] = events(logs, log.Event.MESSAGE_DEAD_LETTERED)
+    assert line["reason"] == models.REASON_UNDECODABLE
+    assert line["action"] == log.Action.TERM
+    for entry in logs:
+        assert "SECRET" not in repr(entry)
+
+
+# ------------------------------------------------------------ reported bugs
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: processor._transient/inbox.classify treat a handler's own OSError "
+    "(FileNotFoundError, TimeoutError, ConnectionRefusedError to an API) as a lost database "
+    "connection: re-run in process, then nak'ed instead of dead-lettered on the last attempt",
+)
+async def test_handler_os_error_on_last_attempt_is_dead_lettered_with_its_traceback(
+    harness: Harness, fast_sleep: None
+) -> None:
+    harness.then(*[FileNotFoundError("/data/rates.csv")] * (FAST.tx_retries + 1))
+    d = delivery(num_delivered=FAST.max_attempts)
+    assert await harness.handle(d) is Outcome.DEAD_LETTERED
+    assert len(harness.calls) == 1
+    assert "FileNotFoundError" in harness.store.dead_letters[0].error
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: processor._commit_and_ack lets a permanent COMMIT error (the handler's "
+    "autoflushed or deferred writes) escape handle(): never dead-lettered with its error",
+)
+async def test_permanent_error_at_commit_on_last_attempt_is_dead_lettered(
+    harness: Harness,
+) -> None:
+    harness.store.fail_commits(1, UniqueViolation("duplicate key value violates orders_pkey"))
+    d = delivery(num_delivered=FAST.max_attempts)
+    assert await harness.handle(d) is Outcome.DEAD_LETTERED
+    assert "orders_pkey" in harness.store.dead_letters[0].error
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: processor._quarantine does not handle AmbiguousCommit: it escapes handle()",
+)
+async def test_ambiguous_commit_of_a_quarantine_is_resolved_not_raised(harness: Harness) -> None:
+    await harness.handle(delivery(b"first"))
+    harness.store.ambiguous_commit(committed=True)
+    other = delivery(b"second")
+    await harness.handle(other)
+    assert other.settled
+    assert len(harness.store.dead_letters) == 1
