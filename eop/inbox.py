@@ -80,7 +80,11 @@ class Store(Protocol):
         """A transaction with eop's local timeouts set, closed on exit."""
 
     async def has_outcome(self, spec: HandlerSpec, message: Message) -> bool:
-        """Whether an outcome for the message is committed (used after an ambiguous commit)."""
+        """Whether this very message (key and fingerprint) has a committed outcome.
+
+        Used after an ambiguous commit: an inbox row with its fingerprint, or
+        its dead letter (a quarantined message has only the latter).
+        """
 
 
 class DbFailure(enum.Enum):
@@ -102,29 +106,47 @@ _CONNECTION_STATES = {"57P01", "57P02", "57P03"}
 
 
 def classify(exc: BaseException) -> DbFailure:
-    """Classify a driver or SQLAlchemy error by what the protocol should do about it."""
+    """Classify a driver or SQLAlchemy error by what the protocol should do about it.
+
+    A bare ``OSError`` counts as a lost connection only below a database
+    error: a handler's own ``FileNotFoundError`` or an HTTP client's refused
+    connection is the handler's failure, not the database's.
+    """
     seen: set[int] = set()
+    from_database = False
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, errors.DatabaseUnavailable):
             return DbFailure.CONNECTION
+        # Anything carrying a SQLSTATE is a database error, whatever raised it.
+        state = _sqlstate(current)
+        from_database = from_database or state is not None or _is_database_error(current)
         if isinstance(current, sa_exc.DBAPIError) and current.connection_invalidated:
             return DbFailure.CONNECTION
-        state = _sqlstate(current)
         if state in _CONFLICT_STATES:
             return DbFailure.CONFLICT
         if state == "55P03":
             return DbFailure.LOCK_TIMEOUT
         if state is not None and (state in _CONNECTION_STATES or state.startswith("08")):
             return DbFailure.CONNECTION
-        if isinstance(current, (ConnectionError, OSError, sa_exc.DisconnectionError)):
+        if from_database and isinstance(current, (OSError, sa_exc.DisconnectionError)):
             return DbFailure.CONNECTION
-        if type(current).__name__ in ("ConnectionDoesNotExistError", "InterfaceError"):
+        if from_database and type(current).__name__ in _DRIVER_CONNECTION_ERRORS:
             return DbFailure.CONNECTION
         nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
         current = nxt or current.__cause__ or current.__context__
     return DbFailure.OTHER
+
+
+_DRIVER_CONNECTION_ERRORS = {"ConnectionDoesNotExistError", "InterfaceError"}
+
+
+def _is_database_error(exc: BaseException) -> bool:
+    if isinstance(exc, sa_exc.SQLAlchemyError):
+        return True
+    module = type(exc).__module__.split(".")[0]
+    return module in ("asyncpg", "psycopg", "psycopg2", "sqlalchemy")
 
 
 def _sqlstate(exc: BaseException) -> str | None:
@@ -145,6 +167,18 @@ class SqlTransaction(abc.ABC):
 
     @abc.abstractmethod
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]: ...
+
+    @abc.abstractmethod
+    async def run(self, message: Message) -> None:
+        """Run the handler inside this transaction."""
+
+    @abc.abstractmethod
+    async def commit(self) -> None:
+        """COMMIT; :class:`eop.AmbiguousCommit` when the connection drops during it."""
+
+    @abc.abstractmethod
+    async def rollback(self) -> None:
+        """ROLLBACK (never raises)."""
 
     async def claim(self, message: Message, outcome: str) -> bool:
         """Insert the inbox row; False when the key or the msg-id is taken."""
@@ -182,6 +216,18 @@ class SqlTransaction(abc.ABC):
                 return Existing(by="msg_id", fingerprint=None, outcome=rows[0][3])
         return None
 
+    async def has_dead_letter(self, message: Message) -> bool:
+        """Whether a dead letter for this message (key and fingerprint) is recorded."""
+        stmt = sql.find_dead_letter(
+            self.tables,
+            message.subscription,
+            message.stream,
+            message.stream_epoch,
+            message.seq,
+            message.fingerprint,
+        )
+        return bool(await self._rows(stmt))
+
     async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
         """Record the dead letter: reason, error, headers without secrets, payload."""
         row = {
@@ -216,6 +262,9 @@ class AsyncTransaction(SqlTransaction):
     async def run(self, message: Message) -> None:
         """Await the handler with this transaction's session."""
         await self.spec.func(message, self.session)  # type: ignore[arg-type,misc]
+        # Flushing here makes errors of the handler's pending ORM writes the
+        # handler's errors, rather than surprises at COMMIT.
+        await self.session.flush()
 
     async def commit(self) -> None:
         """COMMIT; a connection lost during it makes the outcome unknown."""
@@ -247,8 +296,13 @@ class SyncTransaction(SqlTransaction):
         return await asyncio.to_thread(execute)
 
     async def run(self, message: Message) -> None:
-        """Call the handler in a worker thread, off the event loop."""
-        await asyncio.to_thread(self.spec.func, message, self.session)  # type: ignore[arg-type]
+        """Call the handler in a worker thread, off the event loop, and flush its writes."""
+
+        def call() -> None:
+            self.spec.func(message, self.session)  # type: ignore[arg-type]
+            self.session.flush()
+
+        await asyncio.to_thread(call)
 
     async def commit(self) -> None:
         """COMMIT in a worker thread; a connection lost during it makes the outcome unknown."""
@@ -266,7 +320,8 @@ async def _commit(commit: Any) -> None:
         await commit()
     except Exception as exc:
         failure = classify(exc)
-        if failure is DbFailure.CONNECTION:
+        # COMMIT runs no handler code: an OSError here is the database's socket.
+        if failure is DbFailure.CONNECTION or isinstance(exc, OSError):
             raise errors.AmbiguousCommit() from exc
         if failure is DbFailure.CONFLICT:
             raise errors.TransactionConflict() from exc
@@ -284,9 +339,12 @@ class PostgresStore:
             int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000)
         )
 
-    @contextlib.asynccontextmanager
-    async def transaction(self, spec: HandlerSpec) -> AsyncIterator[Transaction]:
+    def transaction(self, spec: HandlerSpec) -> contextlib.AbstractAsyncContextManager[Transaction]:
         """Open a session, begin, set the local timeouts; close (and so roll back) on exit."""
+        return self._open(spec)
+
+    @contextlib.asynccontextmanager
+    async def _open(self, spec: HandlerSpec) -> AsyncIterator[SqlTransaction]:
         tx: AsyncTransaction | SyncTransaction
         if spec.is_async:
             async with self.app.sessionmaker() as session:
@@ -304,11 +362,12 @@ class PostgresStore:
                     await asyncio.to_thread(sync_session.close)
 
     async def has_outcome(self, spec: HandlerSpec, message: Message) -> bool:
-        """Whether the message's outcome is committed, read in a fresh transaction."""
-        async with self.transaction(spec) as tx:
+        """Whether this very message has a committed outcome, read in a fresh transaction."""
+        async with self._open(spec) as tx:
             found = await tx.find(message)
-            await tx.rollback()
-        return found is not None and found.by == "key"
+            if found is not None and found.by == "key" and found.fingerprint == message.fingerprint:
+                return True
+            return await tx.has_dead_letter(message)
 
 
 async def _connected(awaitable: Any) -> Any:
@@ -316,7 +375,8 @@ async def _connected(awaitable: Any) -> Any:
     try:
         return await awaitable
     except Exception as exc:
-        if classify(exc) is DbFailure.CONNECTION:
+        # At this edge an OSError can only come from reaching the server.
+        if isinstance(exc, OSError) or classify(exc) is DbFailure.CONNECTION:
             raise errors.DatabaseUnavailable(f"PostgreSQL is unreachable: {_short(exc)}") from exc
         raise
 

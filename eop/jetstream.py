@@ -6,6 +6,9 @@ nats-py errors are translated here into :mod:`eop.errors`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
+import json
 import uuid
 from typing import Any
 
@@ -70,43 +73,78 @@ async def connect(settings: Settings, *, name: str = "eop") -> Any:
     return nc
 
 
-def stream_epoch(info: Any) -> str:
-    """The epoch of a stream: eop's id in its metadata, else its creation time.
-
-    Both change when the stream is deleted and recreated, which is when its
-    sequences restart at 1.
-    """
-    metadata = getattr(info.config, "metadata", None) or {}
-    if EPOCH_METADATA_KEY in metadata:
-        return str(metadata[EPOCH_METADATA_KEY])
-    created = getattr(info, "created", None)
-    return created.isoformat() if created is not None else "0"
-
-
 class StreamEpochs:
-    """Caches stream epochs; refreshed when a sequence looks reused or a consumer vanishes."""
+    """Which epoch a delivered message belongs to, by the time it was stored.
 
-    def __init__(self, js: Any) -> None:
-        self._js = js
-        self._epochs: dict[str, str] = {}
+    Every epoch starts at its stream's creation time, so a message belongs to
+    the newest epoch created at or before its own timestamp. Epochs are
+    re-read from the server whenever a message is newer than the last reading
+    (the stream may have been recreated since); a message older than every
+    known epoch belongs to a deleted stream and gets None.
+    """
 
-    async def get(self, stream: str) -> str:
-        """The cached epoch of ``stream`` (read from the server the first time)."""
-        if stream not in self._epochs:
-            return await self.refresh(stream)
-        return self._epochs[stream]
+    def __init__(self, nc: Any, api_prefix: str = "$JS.API") -> None:
+        self._nc = nc
+        self._prefix = api_prefix
+        self._history: dict[str, list[tuple[datetime.datetime, str]]] = {}
+        self._as_of: dict[str, datetime.datetime] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def epoch_of(self, stream: str, stored_at: datetime.datetime | None) -> str | None:
+        """The epoch of the message of ``stream`` stored at ``stored_at``."""
+        if stored_at is None or stream not in self._history or stored_at > self._as_of[stream]:
+            async with self._locks.setdefault(stream, asyncio.Lock()):
+                # Another message of the batch may have refreshed it meanwhile.
+                if stored_at is None or stored_at > self._as_of.get(stream, _EPOCH_MIN):
+                    await self.refresh(stream)
+        history = self._history[stream]
+        if stored_at is None:
+            return history[-1][1]
+        for created, epoch in reversed(history):
+            if created <= stored_at:
+                return epoch
+        return None
 
     async def refresh(self, stream: str) -> str:
-        """Read the epoch of ``stream`` from the server."""
-        info = await self._js.stream_info(stream)
-        self._epochs[stream] = stream_epoch(info)
-        return self._epochs[stream]
+        """Read the stream's current epoch from the server; returns it."""
+        # A raw request, since nats-py drops the response's server time ("ts").
+        try:
+            reply = await self._nc.request(f"{self._prefix}.STREAM.INFO.{stream}", b"", timeout=5)
+        except _NATS_ERRORS as exc:
+            raise errors.NatsUnavailable(f"cannot read stream {stream!r}: {exc!r}") from exc
+        info = json.loads(reply.data)
+        if "error" in info:
+            raise errors.ConfigurationError(
+                f"cannot read stream {stream!r}: {info['error'].get('description')}"
+            )
+        created = _parse_time(info["created"])
+        metadata = info.get("config", {}).get("metadata") or {}
+        epoch = str(metadata.get(EPOCH_METADATA_KEY) or created.isoformat())
+        history = self._history.setdefault(stream, [])
+        if not history or history[-1][1] != epoch:
+            history.append((created, epoch))
+            history.sort(key=lambda item: item[0])
+        self._as_of[stream] = _parse_time(info["ts"]) if "ts" in info else created
+        return epoch
 
 
-async def ensure_stream(js: Any, spec: StreamSpec, *, create: bool) -> str:
-    """Bind to the stream, creating it when allowed; returns its epoch."""
+_EPOCH_MIN = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+
+
+def _parse_time(text: str) -> datetime.datetime:
+    """An RFC 3339 time from nats-server (nanoseconds, 'Z'), to microseconds, UTC."""
+    main, _, rest = text.rstrip("Z").partition(".")
+    fraction = "".join(ch for ch in rest if ch.isdigit())[:6].ljust(6, "0")
+    return datetime.datetime.fromisoformat(f"{main}.{fraction}").replace(
+        tzinfo=datetime.timezone.utc
+    )
+
+
+async def ensure_stream(js: Any, spec: StreamSpec, *, create: bool) -> None:
+    """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata)."""
     try:
-        return stream_epoch(await js.stream_info(spec.name))
+        await js.stream_info(spec.name)
+        return
     except nats.js.errors.NotFoundError:
         if not create:
             raise errors.ConfigurationError(
@@ -120,12 +158,9 @@ async def ensure_stream(js: Any, spec: StreamSpec, *, create: bool) -> str:
         max_age=spec.max_age_s or None,
         metadata={EPOCH_METADATA_KEY: uuid.uuid4().hex},
     )
-    try:
-        info = await js.add_stream(config)
-    except nats.js.errors.BadRequestError:
-        # Another worker created it first (with its own epoch id): bind to that one.
-        info = await js.stream_info(spec.name)
-    return stream_epoch(info)
+    with contextlib.suppress(nats.js.errors.BadRequestError):
+        # BadRequest: another worker created it first, with its own epoch id.
+        await js.add_stream(config)
 
 
 async def ensure_consumer(js: Any, spec: HandlerSpec, settings: Settings, *, create: bool) -> None:

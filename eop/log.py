@@ -14,7 +14,6 @@ import re
 import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import structlog
 
@@ -51,6 +50,7 @@ class Event(str, enum.Enum):
     MESSAGE_LEASE_SPENT = "message.lease_spent"
     MESSAGE_CLAIM_TIMEOUT = "message.claim_timeout"
     MESSAGE_FAILED = "message.failed"
+    MESSAGE_STREAM_GONE = "message.stream_gone"
     TRANSACTION_RETRY = "transaction.retry"
     COMMIT_AMBIGUOUS = "commit.ambiguous"
     ACK_RETRY = "ack.retry"
@@ -119,18 +119,17 @@ def redact_url(url: str) -> str:
 
     ``nats://tok@host`` carries a token where a user would be, and nothing
     tells a token from a user name, so a user part without a password is
-    hidden whole.
+    hidden whole. The user part is taken up to the *last* ``@``, since
+    drivers accept passwords holding ``/``, ``?``, ``#`` or ``@``: better to
+    hide too much than to leak.
     """
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return REDACTED
-    if not parts.netloc or "@" not in parts.netloc:
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
         return _redact_query(url)
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user, sep, _password = userinfo.partition(":")
-    userinfo = f"{user}:{REDACTED}" if sep else REDACTED
-    return _redact_query(urlunsplit(parts._replace(netloc=f"{userinfo}@{hostport}")))
+    userinfo, _, hostpart = rest.rpartition("@")
+    user, colon, _password = userinfo.partition(":")
+    userinfo = f"{user}:{REDACTED}" if colon else REDACTED
+    return _redact_query(f"{scheme}://{userinfo}@{hostpart}")
 
 
 def redact_urls(urls: str) -> str:

@@ -81,7 +81,7 @@ class Message:
         """
         try:
             return json.loads(self.data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise errors.UndecodableMessage(f"payload is not valid JSON: {exc}") from exc
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import enum
 import time
 import traceback
@@ -35,10 +36,10 @@ class Outcome(enum.Enum):
 
 
 class Epochs(Protocol):
-    """Where the processor learns a stream's current epoch."""
+    """Where the processor learns which epoch of a stream a message belongs to."""
 
-    async def get(self, stream: str) -> str:
-        """The cached epoch of ``stream``."""
+    async def epoch_of(self, stream: str, stored_at: datetime.datetime | None) -> str | None:
+        """The epoch of the message stored at ``stored_at``; None if its stream is gone."""
 
     async def refresh(self, stream: str) -> str:
         """Re-read the epoch of ``stream`` from the server."""
@@ -59,7 +60,13 @@ class Critical:
         task: asyncio.Task[T] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # Let the section end before the caller's cleanup runs: that cleanup
+            # closes the session the section is committing on.
+            await asyncio.wait({task})
+            raise
 
     async def drain(self) -> None:
         """Wait for every running section."""
@@ -69,6 +76,18 @@ class Critical:
 
 class _EpochChanged(Exception):
     """The stream was recreated under the message: retry with the new epoch."""
+
+    def __init__(self, epoch: str) -> None:
+        super().__init__(epoch)
+        self.epoch = epoch
+
+
+class _CommitRejected(Exception):
+    """COMMIT failed for a reason of the handler's writes, not of the connection."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclasses.dataclass
@@ -101,7 +120,12 @@ class Processor:
             seq=meta.sequence.stream,
             delivered=meta.num_delivered,
         )
-        epoch = await self.epochs.get(meta.stream)
+        epoch = await self.epochs.epoch_of(meta.stream, meta.timestamp)
+        if epoch is None:
+            # Stored before the stream's current incarnation: that stream, and
+            # this message with it, were deleted; it cannot even be acked.
+            logger.warning(log.Event.MESSAGE_STREAM_GONE, action=log.Action.LEFT)
+            return Outcome.LEFT
         msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
         remaining = self.ack_wait_s - (self.clock() - received_at)
         if remaining < self.settings.lease_margin_s:
@@ -138,9 +162,8 @@ class Processor:
         while True:
             try:
                 return await step(msg)
-            except _EpochChanged:
-                epoch = await self.epochs.refresh(msg.stream)
-                msg = dataclasses.replace(msg, stream_epoch=epoch)
+            except _EpochChanged as changed:
+                msg = dataclasses.replace(msg, stream_epoch=changed.epoch)
                 continue
             except errors.ClaimTimeout:
                 logger.info(log.Event.MESSAGE_CLAIM_TIMEOUT, action=log.Action.NAK)
@@ -173,28 +196,73 @@ class Processor:
                     raise
                 failure = exc
             else:
-                return await self.critical.run(self._commit_and_ack(tx, delivery, msg, logger))
+                try:
+                    return await self.critical.run(
+                        self._commit_and_settle(tx, delivery, msg, Outcome.PROCESSED, logger)
+                    )
+                except _CommitRejected as rejected:
+                    # A deferred constraint or the handler's last writes failed at
+                    # COMMIT: the handler's failure, settled like any other.
+                    await tx.rollback()
+                    failure = rejected.error
         return await self._handler_failed(delivery, msg, failure, logger)
 
-    async def _commit_and_ack(
+    async def _commit_and_settle(
         self,
         tx: inbox.Transaction,
         delivery: ack.Delivery,
         msg: message.Message,
+        outcome: Outcome,
         logger: Any,
+        dead: inbox.DeadLetter | None = None,
     ) -> Outcome:
+        """COMMIT, then tell the server (ack or term); the section a stop must not cut."""
         try:
             await tx.commit()
         except errors.AmbiguousCommit:
-            return await self._resolve_ambiguous(delivery, msg, logger)
-        await self._ack(delivery, logger)
-        logger.info(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK)
-        return Outcome.PROCESSED
+            return await self._resolve_ambiguous(delivery, msg, outcome, logger, dead)
+        except Exception as exc:
+            if outcome is Outcome.PROCESSED and not _transient(exc):
+                raise _CommitRejected(exc) from exc
+            raise
+        return await self._settle(delivery, outcome, logger, dead)
+
+    async def _settle(
+        self,
+        delivery: ack.Delivery,
+        outcome: Outcome,
+        logger: Any,
+        dead: inbox.DeadLetter | None,
+        **extra: Any,
+    ) -> Outcome:
+        """Ack a processed message, term a dead-lettered or quarantined one, and log it."""
+        if outcome is Outcome.PROCESSED:
+            await self._ack(delivery, logger)
+            logger.info(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK, **extra)
+            return outcome
+        await ack.term(delivery, logger)
+        assert dead is not None
+        if outcome is Outcome.QUARANTINED:
+            logger.error(log.Event.MESSAGE_QUARANTINED, action=log.Action.TERM, alarm=True, **extra)
+        else:
+            logger.warning(
+                log.Event.MESSAGE_DEAD_LETTERED,
+                action=log.Action.TERM,
+                reason=dead.reason,
+                error=dead.error[:500],
+                **extra,
+            )
+        return outcome
 
     async def _resolve_ambiguous(
-        self, delivery: ack.Delivery, msg: message.Message, logger: Any
+        self,
+        delivery: ack.Delivery,
+        msg: message.Message,
+        outcome: Outcome,
+        logger: Any,
+        dead: inbox.DeadLetter | None,
     ) -> Outcome:
-        """The connection died during COMMIT: never ack blindly, never re-run here."""
+        """The connection died during COMMIT: never settle blindly, never re-run here."""
         logger.warning(log.Event.COMMIT_AMBIGUOUS)
         for attempt in range(3):
             try:
@@ -205,9 +273,7 @@ class Processor:
                 await asyncio.sleep(0.2 * 2**attempt)
                 continue
             if committed:
-                await self._ack(delivery, logger)
-                logger.info(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK, ambiguous=True)
-                return Outcome.PROCESSED
+                return await self._settle(delivery, outcome, logger, dead, ambiguous=True)
             # Not visible: it rolled back, or it is still settling; either way the
             # redelivery's claim decides, and it cannot apply the effect twice.
             return await self._nak(delivery, msg, None, logger)
@@ -225,9 +291,11 @@ class Processor:
             # The conflicting row vanished between the claim and the look-up.
             raise errors.TransactionConflict()
         if existing.by == "key" and existing.fingerprint != msg.fingerprint:
-            if await self.epochs.refresh(msg.stream) != msg.stream_epoch:
+            await self.epochs.refresh(msg.stream)
+            epoch = await self.epochs.epoch_of(msg.stream, msg.timestamp)
+            if epoch is not None and epoch != msg.stream_epoch:
                 logger.warning(log.Event.STREAM_EPOCH_CHANGED)
-                raise _EpochChanged()
+                raise _EpochChanged(epoch)
             return await self._quarantine(delivery, msg, logger)
         await self._ack(delivery, logger)
         logger.info(
@@ -277,28 +345,9 @@ class Processor:
                 await tx.rollback()
                 return await self._not_claimed(delivery, msg, existing, logger)
             await tx.add_dead_letter(msg, dead)
-            return await self.critical.run(self._commit_and_term(tx, delivery, msg, dead, logger))
-
-    async def _commit_and_term(
-        self,
-        tx: inbox.Transaction,
-        delivery: ack.Delivery,
-        msg: message.Message,
-        dead: inbox.DeadLetter,
-        logger: Any,
-    ) -> Outcome:
-        try:
-            await tx.commit()
-        except errors.AmbiguousCommit:
-            return await self._resolve_ambiguous(delivery, msg, logger)
-        await ack.term(delivery, logger)
-        logger.warning(
-            log.Event.MESSAGE_DEAD_LETTERED,
-            action=log.Action.TERM,
-            reason=dead.reason,
-            error=dead.error[:500],
-        )
-        return Outcome.DEAD_LETTERED
+            return await self.critical.run(
+                self._commit_and_settle(tx, delivery, msg, Outcome.DEAD_LETTERED, logger, dead)
+            )
 
     async def _quarantine(
         self, delivery: ack.Delivery, msg: message.Message, logger: Any
@@ -312,10 +361,9 @@ class Processor:
         )
         async with self.store.transaction(self.spec) as tx:
             await tx.add_dead_letter(msg, dead)
-            await self.critical.run(tx.commit())
-        await ack.term(delivery, logger)
-        logger.error(log.Event.MESSAGE_QUARANTINED, action=log.Action.TERM, alarm=True)
-        return Outcome.QUARANTINED
+            return await self.critical.run(
+                self._commit_and_settle(tx, delivery, msg, Outcome.QUARANTINED, logger, dead)
+            )
 
     async def _ack(self, delivery: ack.Delivery, logger: Any) -> None:
         await ack.confirm(

@@ -7,6 +7,7 @@ Every field can come from an ``EOP_*`` environment variable (see
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_type_hints
@@ -75,8 +76,16 @@ class Settings:
             if getattr(self, name) < 1:
                 raise errors.ConfigurationError(f"{name} must be at least 1")
         for field in dataclasses.fields(self):
-            if field.name.endswith("_s") and getattr(self, field.name) < 0:
-                raise errors.ConfigurationError(f"{field.name} must not be negative")
+            value = getattr(self, field.name)
+            if field.name.endswith("_s") and not (math.isfinite(value) and value >= 0):
+                raise errors.ConfigurationError(
+                    f"{field.name} must be a finite, non-negative number of seconds"
+                )
+        if self.lease_margin_s >= self.ack_wait_s:
+            raise errors.ConfigurationError(
+                f"lease_margin_s ({self.lease_margin_s}) must be below ack_wait_s "
+                f"({self.ack_wait_s}), or no delivery would ever be started"
+            )
         if self.log_format not in get_args(LogFormat):
             raise errors.ConfigurationError(
                 f"log_format must be one of {get_args(LogFormat)}, not {self.log_format!r}"
@@ -102,8 +111,16 @@ class Settings:
             raw = environ.get(env_var(field.name))
             if raw is not None:
                 values[field.name] = _parse(field.name, hints[field.name], raw)
+        from_environ = set(values)
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]  # keys are field names, checked above
+        try:
+            return cls(**values)  # type: ignore[arg-type]  # keys are field names, checked above
+        except errors.ConfigurationError as exc:
+            # Name the variables the user set, not only the fields they feed.
+            named = sorted(env_var(name) for name in from_environ if name in str(exc))
+            if not named:
+                raise
+            raise errors.ConfigurationError(f"{exc} (set by {', '.join(named)})") from None
 
     def replace(self, **changes: object) -> Settings:
         """A copy with ``changes`` applied (None values are ignored)."""

@@ -62,6 +62,20 @@ def find_by_msg_id(
     )
 
 
+def find_dead_letter(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, fingerprint: bytes
+) -> sa.Select[tuple[int]]:
+    """The id of the dead letter recorded for one message (key and fingerprint)."""
+    c = t.dead_letters.c
+    return sa.select(c.id).where(
+        c.subscription == subscription,
+        c.stream == stream,
+        c.stream_epoch == epoch,
+        c.stream_seq == seq,
+        c.fingerprint == fingerprint,
+    )
+
+
 def insert_dead_letter(t: models.Tables, row: dict[str, Any]) -> sa.Insert:
     """Record a dead letter; a second one for the same message is dropped."""
     return (

@@ -302,6 +302,10 @@ class FakeEpochs:
             self._cache[stream] = self.current.get(stream, self.default)
         return self._cache[stream]
 
+    async def epoch_of(self, stream: str, stored_at: datetime.datetime | None) -> str | None:
+        """The cached epoch of ``stream``, whenever the message was stored."""
+        return await self.get(stream)
+
     async def refresh(self, stream: str) -> str:
         """Re-read the epoch of ``stream`` from :attr:`current`."""
         self.refreshes += 1
@@ -654,9 +658,15 @@ class MemoryStore:
             tx._close()
 
     async def has_outcome(self, spec: HandlerSpec, message: Message) -> bool:
-        """Whether an outcome for the message is committed under its key."""
+        """Whether this very message (key and fingerprint) has a committed outcome."""
         self._maybe_fail("has_outcome")
-        return inbox_key(message) in self.inbox
+        row = self.inbox.get(inbox_key(message))
+        if row is not None and row.fingerprint == message.fingerprint:
+            return True
+        return any(
+            dead.unique_key == (*inbox_key(message), message.fingerprint)
+            for dead in self.dead_letters
+        )
 
     # -- reading
 

@@ -36,6 +36,12 @@ class Worker:
             raise errors.ConfigurationError(
                 "the app has no handlers: register one with @app.handler"
             )
+        for spec in self.specs:
+            if spec.ack_wait_s is not None and spec.ack_wait_s <= self.settings.lease_margin_s:
+                raise errors.ConfigurationError(
+                    f"handler {spec.name!r}: ack_wait_s ({spec.ack_wait_s}) must exceed "
+                    f"lease_margin_s ({self.settings.lease_margin_s})"
+                )
         self.ready = asyncio.Event()
         """Set once every subscription is bound and fetching has started."""
         self._stopping = asyncio.Event()
@@ -76,7 +82,7 @@ class Worker:
         try:
             js = nc.jetstream()
             store = inbox.PostgresStore(self.app)
-            epochs = jetstream.StreamEpochs(js)
+            epochs = jetstream.StreamEpochs(nc)
             loops = []
             for spec in self.specs:
                 sub = await self._bind(js, spec)

@@ -477,3 +477,33 @@ async def test_deleted_consumer_is_recreated_and_old_messages_skipped(
         await wait_for(lambda: drained(js, "eop-again"), what="the second pass")
     assert sorted(runs) == [1, 2, 3, 4, 5, 6]
     assert await effects_by_body(bed_engine) == {f"m{i}": 1 for i in range(6)}
+
+
+async def test_stream_recreated_under_a_running_worker_is_not_mistaken_for_the_old_one(
+    database_url: str, nats_url: str, js: Any, bed_engine: AsyncEngine
+) -> None:
+    """Recreated stream and consumer, same payload at the same sequence: a new message.
+
+    The worker's fetch never fails (its consumer is back at once), so only the
+    message's store time tells that it belongs to a new epoch.
+    """
+    app = make_app(database_url, nats_url)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="reborn")
+    async def reborn(msg: eop.Message, session: AsyncSession) -> None:
+        await record_effect(session, "reborn", msg)
+
+    consumer = api.ConsumerConfig(
+        durable_name="eop-reborn", ack_policy=api.AckPolicy.EXPLICIT, ack_wait=5.0,
+        filter_subject=SUBJECT, max_deliver=-1,
+    )  # fmt: skip
+    async with running(app):
+        first = await publish(js, "same")
+        await wait_for(lambda: drained(js, "eop-reborn"), what="the first message")
+        await js.delete_stream(STREAM)
+        await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+        await js.add_consumer(STREAM, consumer)
+        second = await publish(js, "same")
+        await wait_for(lambda: drained(js, "eop-reborn"), what="the second message")
+    assert first.seq == second.seq == 1
+    assert await effects_by_body(bed_engine) == {"same": 2}

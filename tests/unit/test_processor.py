@@ -464,11 +464,6 @@ async def test_ambiguous_commit_of_a_dead_letter_that_committed_settles_it(
     assert not d.naked
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: processor._resolve_ambiguous reports a committed dead letter as PROCESSED "
-    "(and logs message.processed)",
-)
 async def test_ambiguous_commit_of_a_dead_letter_that_committed_is_reported_dead_lettered(
     harness: Harness,
 ) -> None:
@@ -548,14 +543,20 @@ async def test_already_acked_error_counts_as_a_confirmed_ack(harness: Harness) -
 
 
 async def cancel_during_commit(harness: Harness, d: testing.FakeDelivery) -> None:
-    """Start handling ``d``, cancel it while its COMMIT is held, then let the COMMIT go."""
+    """Start handling ``d``, cancel it while its COMMIT is held, then let the COMMIT go.
+
+    The cancelled caller waits for its critical section, so the COMMIT is let
+    go before the caller is awaited.
+    """
     harness.store.pause_commits()
     task = asyncio.create_task(harness.handle(d))
     await harness.store.commit_started.wait()
     task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()
+    harness.store.resume_commits()
     with pytest.raises(asyncio.CancelledError):
         await task
-    harness.store.resume_commits()
     await harness.processor.critical.drain()
 
 
@@ -575,11 +576,6 @@ async def test_cancellation_during_dead_letter_commit_still_terms(harness: Harne
     assert d.termed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: processor._quarantine terms outside the Critical section: a stop during "
-    "its COMMIT skips the term",
-)
 async def test_cancellation_during_quarantine_commit_still_terms(harness: Harness) -> None:
     await harness.handle(delivery(b"first"))
     other = delivery(b"second")
@@ -588,11 +584,6 @@ async def test_cancellation_during_quarantine_commit_still_terms(harness: Harnes
     assert other.termed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: on cancellation Critical.run returns at once, so the caller's "
-    "`async with store.transaction()` closes the session while the shielded COMMIT runs",
-)
 async def test_cancellation_does_not_close_the_transaction_under_its_running_commit(
     harness: Harness,
 ) -> None:
@@ -600,7 +591,8 @@ async def test_cancellation_does_not_close_the_transaction_under_its_running_com
     assert harness.store.misuse == []
 
 
-async def test_critical_section_finishes_after_its_caller_is_cancelled() -> None:
+async def test_critical_section_finishes_before_its_cancelled_caller_returns() -> None:
+    """A cancelled caller of Critical.run waits for the section, then sees the cancellation."""
     critical = Critical()
     release = asyncio.Event()
     done: list[str] = []
@@ -613,9 +605,11 @@ async def test_critical_section_finishes_after_its_caller_is_cancelled() -> None
     caller = asyncio.create_task(critical.run(section()))
     await asyncio.sleep(0)
     caller.cancel()
+    await asyncio.sleep(0.01)
+    assert not caller.done()
+    release.set()
     with pytest.raises(asyncio.CancelledError):
         await caller
-    release.set()
     await critical.drain()
     assert done == ["section"]
 
@@ -653,12 +647,6 @@ async def test_dead_letter_log_line_never_carries_the_payload(harness: Harness) 
 # ------------------------------------------------------------ reported bugs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: processor._transient/inbox.classify treat a handler's own OSError "
-    "(FileNotFoundError, TimeoutError, ConnectionRefusedError to an API) as a lost database "
-    "connection: re-run in process, then nak'ed instead of dead-lettered on the last attempt",
-)
 async def test_handler_os_error_on_last_attempt_is_dead_lettered_with_its_traceback(
     harness: Harness, fast_sleep: None
 ) -> None:
@@ -669,11 +657,6 @@ async def test_handler_os_error_on_last_attempt_is_dead_lettered_with_its_traceb
     assert "FileNotFoundError" in harness.store.dead_letters[0].error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: processor._commit_and_ack lets a permanent COMMIT error (the handler's "
-    "autoflushed or deferred writes) escape handle(): never dead-lettered with its error",
-)
 async def test_permanent_error_at_commit_on_last_attempt_is_dead_lettered(
     harness: Harness,
 ) -> None:
@@ -683,10 +666,6 @@ async def test_permanent_error_at_commit_on_last_attempt_is_dead_lettered(
     assert "orders_pkey" in harness.store.dead_letters[0].error
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: processor._quarantine does not handle AmbiguousCommit: it escapes handle()",
-)
 async def test_ambiguous_commit_of_a_quarantine_is_resolved_not_raised(harness: Harness) -> None:
     await harness.handle(delivery(b"first"))
     harness.store.ambiguous_commit(committed=True)
