@@ -71,6 +71,7 @@ class App:
         max_attempts: int | None = None,
         ack_wait_s: float | None = None,
         msg_id_guard: bool = True,
+        batch: bool = False,
     ) -> Callable[[F], F]:
         """Register a handler for the messages of ``stream`` matching ``subject``.
 
@@ -78,7 +79,10 @@ class App:
         An ``async def`` handler is called as ``await handler(message,
         async_session)``, a plain ``def`` one as ``handler(message, session)``
         in a worker thread; both run inside the transaction that claims the
-        message, and must not commit it.
+        message, and must not commit it. With ``batch=True`` the handler gets
+        the list of messages of one fetched batch instead (all claimed in the
+        same transaction); if it raises, eop retries the messages one by one to
+        find the failing one.
         """
 
         def register(func: F) -> F:
@@ -93,6 +97,7 @@ class App:
                 max_attempts=max_attempts,
                 ack_wait_s=ack_wait_s,
                 msg_id_guard=msg_id_guard,
+                batch=batch,
             )
             return func
 

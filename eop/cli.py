@@ -25,6 +25,7 @@ _WORKER_FIELDS = (
     "schema",
     "concurrency",
     "batch",
+    "batch_transactions",
     "fetch_timeout_s",
     "ack_wait_s",
     "max_ack_pending",
@@ -37,6 +38,7 @@ _WORKER_FIELDS = (
     "statement_timeout_s",
     "tx_retries",
     "lease_margin_s",
+    "compaction_interval_s",
     "shutdown_grace_s",
     "create",
 )
@@ -210,8 +212,10 @@ def load_app(path: str) -> App:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from eop import worker
+    from eop import faults, worker
 
+    # Fault points stay disarmed unless a chaos run set EOP_FAULTS (eop.faults).
+    faults.arm_from_env()
     app = load_app(args.app).with_settings(**_overrides(args, _WORKER_FIELDS))
     # Flags replace the environment's list rather than adding to it.
     handlers = args.handler or _env_list("EOP_HANDLERS")

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
 AsyncHandler = Callable[["Message", "AsyncSession"], Awaitable[None]]
 SyncHandler = Callable[["Message", "Session"], None]
-HandlerFunc = Union[AsyncHandler, SyncHandler]  # noqa: UP007  # a runtime alias on 3.10
+AsyncBatchHandler = Callable[[list["Message"], "AsyncSession"], Awaitable[None]]
+SyncBatchHandler = Callable[[list["Message"], "Session"], None]
+HandlerFunc = Union[AsyncHandler, SyncHandler, AsyncBatchHandler, SyncBatchHandler]  # noqa: UP007  # a runtime alias on 3.10
 
 StorageType = Literal["file", "memory"]
 
@@ -66,6 +68,8 @@ class HandlerSpec:
     durable: str
     max_attempts: int | None = None
     ack_wait_s: float | None = None
+    batch: bool = False
+    """The handler takes a list of messages (a whole fetched batch) instead of one."""
     msg_id_guard: bool = True
     """Also skip a message whose ``Nats-Msg-Id`` this handler already processed
     under another sequence (a republish after the duplicate window)."""

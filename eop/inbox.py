@@ -181,19 +181,48 @@ class SqlTransaction(abc.ABC):
         """ROLLBACK (never raises)."""
 
     async def claim(self, message: Message, outcome: str) -> bool:
-        """Insert the inbox row; False when the key or the msg-id is taken."""
-        row = {
-            "subscription": message.subscription,
-            "stream": message.stream,
-            "stream_epoch": message.stream_epoch,
-            "stream_seq": message.seq,
-            "fingerprint": message.fingerprint,
-            "msg_id": message.msg_id if self.spec.msg_id_guard else None,
-            "subject": message.subject,
+        """Insert the inbox row; False when the key or the msg-id is taken, or below the
+        watermark."""
+        return bool(await self.claim_many([message], outcome))
+
+    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
+        """Claim a batch in one statement; returns the claimed stream sequences.
+
+        The messages of one batch share a subscription and a stream, so the
+        sequence identifies each one.
+        """
+        rows = [self.claim_row(m, outcome) for m in messages]
+        return {int(row[0]) for row in await self._rows(sql.claim(self.tables, rows))}
+
+    def claim_row(self, m: Message, outcome: str) -> dict[str, Any]:
+        """The inbox row that claims ``m`` with ``outcome``."""
+        return {
+            "subscription": m.subscription,
+            "stream": m.stream,
+            "stream_epoch": m.stream_epoch,
+            "stream_seq": m.seq,
+            "fingerprint": m.fingerprint,
+            "msg_id": m.msg_id if self.spec.msg_id_guard else None,
+            "subject": m.subject,
             "outcome": outcome,
-            "delivery_count": message.num_delivered,
+            "delivery_count": m.num_delivered,
         }
-        return bool(await self._rows(sql.claim(self.tables, row)))
+
+    async def unclaim(self, message: Message) -> None:
+        """Drop this transaction's claim of ``message`` (its handler failed in a batch)."""
+        await self._rows(
+            sql.unclaim(
+                self.tables, message.subscription, message.stream, message.stream_epoch, message.seq
+            )
+        )
+
+    @abc.abstractmethod
+    async def run_isolated(self, messages: list[Message]) -> Exception | None:
+        """Run the handler on ``messages`` inside a savepoint; its error, rolled back, or None.
+
+        Errors that doom the whole transaction (conflicts, a lost connection)
+        are raised, not returned.
+        """
 
     async def find(self, message: Message) -> Existing | None:
         """What the inbox holds under the message's key, else under its msg-id."""
@@ -214,6 +243,12 @@ class SqlTransaction(abc.ABC):
             )
             if rows:
                 return Existing(by="msg_id", fingerprint=None, outcome=rows[0][3])
+        rows = await self._rows(
+            sql.watermark(self.tables, message.subscription, message.stream, message.stream_epoch)
+        )
+        if rows and message.seq <= rows[0][0]:
+            # Compacted: its outcome committed before the consumer's ack floor passed it.
+            return Existing(by="watermark", fingerprint=None, outcome=models.OUTCOME_PROCESSED)
         return None
 
     async def has_dead_letter(self, message: Message) -> bool:
@@ -261,10 +296,27 @@ class AsyncTransaction(SqlTransaction):
 
     async def run(self, message: Message) -> None:
         """Await the handler with this transaction's session."""
-        await self.spec.func(message, self.session)  # type: ignore[arg-type,misc]
+        await self._call([message])
+
+    async def _call(self, messages: list[Message]) -> None:
+        arg: Any = messages if self.spec.batch else messages[0]
+        await self.spec.func(arg, self.session)  # type: ignore[arg-type,misc]
         # Flushing here makes errors of the handler's pending ORM writes the
         # handler's errors, rather than surprises at COMMIT.
         await self.session.flush()
+
+    async def run_isolated(self, messages: list[Message]) -> Exception | None:
+        """Run the handler inside a savepoint; roll it back alone if it fails."""
+        savepoint = await self.session.begin_nested()
+        try:
+            await self._call(messages)
+            await savepoint.commit()
+        except Exception as exc:
+            if classify(exc) in (DbFailure.CONFLICT, DbFailure.CONNECTION):
+                raise
+            await savepoint.rollback()
+            return exc
+        return None
 
     async def commit(self) -> None:
         """COMMIT; a connection lost during it makes the outcome unknown."""
@@ -298,11 +350,29 @@ class SyncTransaction(SqlTransaction):
     async def run(self, message: Message) -> None:
         """Call the handler in a worker thread, off the event loop, and flush its writes."""
 
-        def call() -> None:
-            self.spec.func(message, self.session)  # type: ignore[arg-type]
-            self.session.flush()
+        await asyncio.to_thread(self._call, [message])
 
-        await asyncio.to_thread(call)
+    def _call(self, messages: list[Message]) -> None:
+        arg: Any = messages if self.spec.batch else messages[0]
+        self.spec.func(arg, self.session)  # type: ignore[arg-type]
+        self.session.flush()
+
+    async def run_isolated(self, messages: list[Message]) -> Exception | None:
+        """Run the handler inside a savepoint in a worker thread; roll it back alone if it fails."""
+
+        def isolated() -> Exception | None:
+            savepoint = self.session.begin_nested()
+            try:
+                self._call(messages)
+                savepoint.commit()
+            except Exception as exc:
+                if classify(exc) in (DbFailure.CONFLICT, DbFailure.CONNECTION):
+                    raise
+                savepoint.rollback()
+                return exc
+            return None
+
+        return await asyncio.to_thread(isolated)
 
     async def commit(self) -> None:
         """COMMIT in a worker thread; a connection lost during it makes the outcome unknown."""
@@ -360,6 +430,10 @@ class PostgresStore:
             finally:
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(sync_session.close)
+
+    def session(self) -> AsyncSession:
+        """A plain async session for eop's own bookkeeping (compaction, status)."""
+        return self.app.sessionmaker()
 
     async def has_outcome(self, spec: HandlerSpec, message: Message) -> bool:
         """Whether this very message has a committed outcome, read in a fresh transaction."""

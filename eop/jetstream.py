@@ -88,7 +88,12 @@ class StreamEpochs:
         self._prefix = api_prefix
         self._history: dict[str, list[tuple[datetime.datetime, str]]] = {}
         self._as_of: dict[str, datetime.datetime] = {}
+        self._first_seq: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+
+    def first_seq(self, stream: str) -> int:
+        """The stream's first sequence at the last reading (1 if never read)."""
+        return self._first_seq.get(stream, 1)
 
     async def epoch_of(self, stream: str, stored_at: datetime.datetime | None) -> str | None:
         """The epoch of the message of ``stream`` stored at ``stored_at``."""
@@ -125,6 +130,7 @@ class StreamEpochs:
             history.append((created, epoch))
             history.sort(key=lambda item: item[0])
         self._as_of[stream] = _parse_time(info["ts"]) if "ts" in info else created
+        self._first_seq[stream] = int(info.get("state", {}).get("first_seq", 1))
         return epoch
 
 

@@ -56,10 +56,14 @@ class Event(str, enum.Enum):
     ACK_RETRY = "ack.retry"
     ACK_GAVE_UP = "ack.gave_up"
     HEARTBEAT_FAILED = "heartbeat.failed"
+    INBOX_COMPACTED = "inbox.compacted"
+    COMPACTION_FAILED = "inbox.compaction_failed"
     STREAM_EPOCH_CHANGED = "stream.epoch_changed"
     NATS_DISCONNECTED = "nats.disconnected"
     NATS_RECONNECTED = "nats.reconnected"
     NATS_ERROR = "nats.error"
+    FAULT_ARMED = "fault.armed"
+    FAULT_HIT = "fault.hit"
 
 
 class Action(str, enum.Enum):

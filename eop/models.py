@@ -35,6 +35,7 @@ class Tables:
     metadata: sa.MetaData
     inbox: sa.Table
     dead_letters: sa.Table
+    watermarks: sa.Table
 
 
 @functools.cache
@@ -110,4 +111,26 @@ def tables(schema: str = "eop") -> Tables:
         ),
         sa.Index("dead_letters_subscription_created_idx", "subscription", "created_at"),
     )
-    return Tables(schema=schema, metadata=metadata, inbox=inbox, dead_letters=dead_letters)
+    watermarks = sa.Table(
+        "watermarks",
+        metadata,
+        # Every stream sequence at or below the watermark has a committed
+        # outcome (design.md section 4): its inbox rows may go.
+        sa.Column("subscription", sa.Text, primary_key=True),
+        sa.Column("stream", sa.Text, primary_key=True),
+        sa.Column("stream_epoch", sa.Text, primary_key=True),
+        sa.Column("watermark", sa.BigInteger, nullable=False),
+        sa.Column(
+            "updated_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+    )
+    return Tables(
+        schema=schema,
+        metadata=metadata,
+        inbox=inbox,
+        dead_letters=dead_letters,
+        watermarks=watermarks,
+    )

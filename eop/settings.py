@@ -40,6 +40,9 @@ class Settings:
     schema: str = _field("eop", "PostgreSQL schema that holds eop's tables.")
     concurrency: int = _field(8, "Messages handled at the same time by one worker process.")
     batch: int = _field(16, "Messages fetched per pull request.")
+    batch_transactions: bool = _field(
+        True, "One transaction (and one multi-row claim) per fetched batch, not per message."
+    )
     fetch_timeout_s: float = _field(1.0, "How long one pull request waits for messages.")
     ack_wait_s: float = _field(30.0, "The consumer's AckWait: a delivery's lease.")
     max_ack_pending: int = _field(
@@ -61,6 +64,9 @@ class Settings:
     )
     lease_margin_s: float = _field(
         2.0, "A delivery with less lease left than this is not started (it will be redelivered)."
+    )
+    compaction_interval_s: float = _field(
+        5.0, "How often the inbox rows below the consumer's ack floor are deleted (0: never)."
     )
     shutdown_grace_s: float = _field(
         30.0, "How long a stopping worker waits for in-flight messages."

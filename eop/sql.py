@@ -25,17 +25,138 @@ def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.Te
     ).bindparams(lock=f"{lock_timeout_ms}ms", stmt=f"{statement_timeout_ms}ms")
 
 
-def claim(t: models.Tables, row: dict[str, Any]) -> sa.Insert:
-    """Insert the inbox row unless its key (or its msg-id) is taken; RETURNING tells which.
+_CLAIM_COLUMNS = (
+    ("subscription", sa.Text),
+    ("stream", sa.Text),
+    ("stream_epoch", sa.Text),
+    ("stream_seq", sa.BigInteger),
+    ("fingerprint", sa.LargeBinary),
+    ("msg_id", sa.Text),
+    ("subject", sa.Text),
+    ("outcome", sa.Text),
+    ("delivery_count", sa.Integer),
+)
 
-    A concurrent transaction holding the same key makes this wait on the
-    unique index until that one ends: then it inserts nothing.
+
+def claim(t: models.Tables, rows: list[dict[str, Any]]) -> sa.Insert:
+    """Insert the inbox rows whose key (or msg-id) is free and which lie above the watermark.
+
+    One statement for a whole batch. RETURNING names the claimed sequences.
+    A concurrent transaction holding one of the keys makes this wait on the
+    unique index until that one ends: then that row is not inserted.
     """
+    names = [name for name, _ in _CLAIM_COLUMNS]
+    incoming = (
+        sa.values(*(sa.column(name, kind) for name, kind in _CLAIM_COLUMNS), name="incoming")
+        .data([tuple(row[name] for name in names) for row in rows])
+        .alias("incoming")
+    )
+    w = t.watermarks.c
+    # FOR SHARE: compaction raises the watermark (an UPDATE of this row) only
+    # once no claim that read the old value is still open, and deletes rows only
+    # after that; so no claim can slip between the raise and the delete.
+    watermark = (
+        sa.select(w.watermark)
+        .where(
+            w.subscription == incoming.c.subscription,
+            w.stream == incoming.c.stream,
+            w.stream_epoch == incoming.c.stream_epoch,
+        )
+        .with_for_update(read=True)
+        .scalar_subquery()
+    )
+    chosen = sa.select(*(incoming.c[name] for name in names)).where(
+        incoming.c.stream_seq > sa.func.coalesce(watermark, 0)
+    )
     return (
         postgresql.insert(t.inbox)
-        .values(**row)
+        .from_select(names, chosen)
         .on_conflict_do_nothing()
         .returning(t.inbox.c.stream_seq)
+    )
+
+
+def watermark(
+    t: models.Tables, subscription: str, stream: str, epoch: str
+) -> sa.Select[tuple[int]]:
+    """The watermark of a subscription on one stream epoch."""
+    w = t.watermarks.c
+    return sa.select(w.watermark).where(
+        w.subscription == subscription, w.stream == stream, w.stream_epoch == epoch
+    )
+
+
+def create_watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> sa.Insert:
+    """Make sure the watermark row exists (at 0), so raising it is always an UPDATE.
+
+    RETURNING yields a row only when this call created it.
+    """
+    return (
+        postgresql.insert(t.watermarks)
+        .values(subscription=subscription, stream=stream, stream_epoch=epoch, watermark=0)
+        .on_conflict_do_nothing()
+        .returning(t.watermarks.c.watermark)
+    )
+
+
+def advance_watermark(
+    t: models.Tables, subscription: str, stream: str, epoch: str, value: int
+) -> sa.Executable:
+    """Raise the watermark to ``value``; it never goes backwards. RETURNING the new value."""
+    w = t.watermarks.c
+    return (
+        sa.update(t.watermarks)
+        .where(w.subscription == subscription, w.stream == stream, w.stream_epoch == epoch)
+        .values(watermark=sa.func.greatest(w.watermark, value), updated_at=sa.func.now())
+        .returning(w.watermark)
+    )
+
+
+def delete_below_watermark(
+    t: models.Tables, subscription: str, stream: str, epoch: str, value: int, limit: int
+) -> sa.Executable:
+    """Delete up to ``limit`` inbox rows at or below ``value`` (one bounded chunk)."""
+    c = t.inbox.c
+    chunk: sa.Select[Any] = (
+        sa.select(sa.literal_column("ctid"))
+        .select_from(t.inbox)
+        .where(
+            c.subscription == subscription,
+            c.stream == stream,
+            c.stream_epoch == epoch,
+            c.stream_seq <= value,
+        )
+        .limit(limit)
+    )
+    return (
+        sa.delete(t.inbox)
+        .where(sa.literal_column("ctid") == sa.any_(sa.func.array(chunk.scalar_subquery())))
+        .returning(c.stream_seq)
+    )
+
+
+def count_inbox(t: models.Tables, subscription: str | None = None) -> sa.Select[Any]:
+    """Inbox rows, of one subscription or all."""
+    stmt = sa.select(sa.func.count()).select_from(t.inbox)
+    if subscription is not None:
+        stmt = stmt.where(t.inbox.c.subscription == subscription)
+    return stmt
+
+
+def unclaim(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int
+) -> sa.Executable:
+    """Drop a claim made earlier in this transaction (its handler failed in a batch)."""
+    c = t.inbox.c
+    return (
+        sa.delete(t.inbox)
+        .where(
+            c.subscription == subscription,
+            c.stream == stream,
+            c.stream_epoch == epoch,
+            c.stream_seq == seq,
+        )
+        .returning(c.stream_seq)
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 
-from eop import ack, errors, inbox, jetstream, log, migrate, processor
+from eop import ack, batch, compaction, errors, inbox, jetstream, log, migrate, processor
 from eop.app import App, select_handlers
 from eop.handler import HandlerSpec
 
@@ -90,6 +90,13 @@ class Worker:
                     spec=spec, settings=s, store=store, epochs=epochs, critical=self._critical
                 )
                 loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
+                if s.compaction_interval_s > 0:
+                    compactor = compaction.Compactor(js, store, spec, epochs)
+                    loops.append(
+                        asyncio.create_task(
+                            compactor.run_forever(s.compaction_interval_s, self._stopping)
+                        )
+                    )
             self._logger.info(log.Event.WORKER_STARTED)
             self.ready.set()
             await self._stopping.wait()
@@ -145,8 +152,11 @@ class Worker:
             received_at = time.monotonic()
             for _ in range(wanted - len(msgs)):
                 self._slots.release()
-            for msg in msgs:
-                task = asyncio.create_task(self._process(proc, msg, received_at))
+            groups = [msgs] if self.settings.batch_transactions else [[m] for m in msgs]
+            for group in groups:
+                if not group:
+                    continue
+                task = asyncio.create_task(self._process(proc, group, received_at))
                 self._inflight.add(task)
                 task.add_done_callback(self._inflight.discard)
 
@@ -193,22 +203,30 @@ class Worker:
                 await proc.epochs.refresh(spec.stream)
                 self._logger.info(log.Event.SUBSCRIPTION_BOUND, handler=spec.name, rebound=True)
 
-    async def _process(self, proc: processor.Processor, msg: Any, received_at: float) -> None:
+    async def _process(
+        self, proc: processor.Processor, msgs: list[Any], received_at: float
+    ) -> None:
+        """Process one message, or a batch in one transaction; release their slots."""
         try:
-            outcome = await proc.handle(msg, received_at)
-            if outcome in (processor.Outcome.PROCESSED, processor.Outcome.DEAD_LETTERED):
-                self.processed += 1
+            if len(msgs) == 1:
+                outcomes = [await proc.handle(msgs[0], received_at)]
+            else:
+                outcomes = await batch.BatchProcessor(proc).handle_batch(msgs, received_at)
+            settled = (processor.Outcome.PROCESSED, processor.Outcome.DEAD_LETTERED)
+            self.processed += sum(1 for o in outcomes if o in settled)
         except Exception as exc:
             # Not a handler failure (those are settled in the protocol) but eop's
-            # own I/O failing beyond its retries: let the message come back later.
+            # own I/O failing beyond its retries: let the messages come back later.
             self._logger.error(
                 log.Event.MESSAGE_FAILED,
                 handler=proc.spec.name,
                 error=f"{type(exc).__name__}: {exc}",
             )
-            await ack.nak(msg, self.settings.backoff_max_s, self._logger)
+            for msg in msgs:
+                await ack.nak(msg, self.settings.backoff_max_s, self._logger)
         finally:
-            self._slots.release()
+            for _ in msgs:
+                self._slots.release()
 
     async def _finish_inflight(self) -> None:
         """Wait for in-flight messages, up to the grace period or a second stop."""

@@ -48,7 +48,7 @@ def test_fresh_upgrade_matches_the_models(empty_database_url: str) -> None:
     assert migrate.current(empty_database_url) == migrate.head()
     migrate.check(empty_database_url)
     command.check(migrate.alembic_config(empty_database_url))
-    assert tables_in(empty_database_url, "eop") == {"inbox", "dead_letters", "eop_alembic_version"}
+    assert tables_in(empty_database_url, "eop") == {"inbox", "dead_letters", "watermarks", "eop_alembic_version"}
 
 
 def test_alembic_command_line_runs_eop_environment(empty_database_url: str, tmp_path: Path) -> None:
@@ -80,8 +80,11 @@ def test_downgrade_to_base_then_upgrade_round_trips(database_url: str) -> None:
     assert tables_in(database_url, "eop") == {"eop_alembic_version"}
     migrate.upgrade(database_url)
     migrate.check(database_url)
-    migrate.downgrade(database_url)  # one step down from head is base today
-    assert migrate.current(database_url) is None
+    migrate.downgrade(database_url)  # one step down from head
+    assert migrate.current(database_url) == "eop_0001"
+    assert "watermarks" not in tables_in(database_url, "eop")
+    migrate.upgrade(database_url)
+    migrate.check(database_url)
 
 
 def test_version_table_is_eop_own_and_host_alembic_version_untouched(
@@ -108,7 +111,7 @@ def test_a_non_default_schema_holds_everything(empty_database_url: str) -> None:
     """With schema='billing_eop', tables and version table live there, and `eop` stays absent."""
     migrate.upgrade(empty_database_url, schema="billing_eop")
     assert tables_in(empty_database_url, "billing_eop") == {
-        "inbox", "dead_letters", models.VERSION_TABLE,
+        "inbox", "dead_letters", "watermarks", models.VERSION_TABLE,
     }  # fmt: skip
     migrate.check(empty_database_url, schema="billing_eop")
     assert migrate.current(empty_database_url, schema="eop") is None
@@ -288,5 +291,5 @@ def test_host_environment_can_run_eop_revisions_as_a_branch(
     command.check(config)
     versions = query(empty_database_url, "SELECT version_num FROM public.alembic_version")
     assert sorted(versions) == [(migrate.head(),), ("host_0001",)]
-    assert tables_in(empty_database_url, "host_eop") == {"inbox", "dead_letters"}
+    assert tables_in(empty_database_url, "host_eop") == {"inbox", "dead_letters", "watermarks"}
     assert tables_in(empty_database_url, "public") == {"alembic_version", "accounts"}

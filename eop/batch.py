@@ -1,0 +1,177 @@
+"""Batches: one transaction per fetched batch, confirmed acks pipelined after COMMIT.
+
+The protocol is the one of :mod:`eop.processor`, amortised: one multi-row
+claim for the batch, the handler of each claimed message inside its own
+savepoint (so one failing handler does not sink the others), one COMMIT, then
+every confirmed ack at once. Anything off the common path (a message not
+claimed, a failed handler, a spent lease, an exhausted message, a COMMIT that
+fails for the handlers' writes) goes to the per-message protocol, which
+settles it exactly as a lone message would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from eop import ack, errors, inbox, log, message, models
+from eop.processor import Outcome, Processor, _transient
+
+
+@dataclasses.dataclass
+class _Item:
+    delivery: ack.Delivery
+    msg: message.Message
+    logger: Any
+
+
+class BatchProcessor:
+    """Runs batches of one handler subscription; ``single`` handles the exceptions."""
+
+    def __init__(self, single: Processor) -> None:
+        self.single = single
+        self.spec = single.spec
+        self.settings = single.settings
+
+    async def handle_batch(
+        self, deliveries: Sequence[ack.Delivery], received_at: float
+    ) -> list[Outcome]:
+        """Process a fetched batch; returns one outcome per message settled here."""
+        items, others = await self._prepare(deliveries, received_at)
+        outcomes: list[Outcome] = []
+        leftovers: list[_Item] = []
+        failures: list[tuple[_Item, Exception]] = []
+        if items:
+            try:
+                outcomes, leftovers, failures = await self._run(items)
+            except Exception as exc:
+                if not (_transient(exc) or isinstance(exc, _BatchRejected)):
+                    raise
+                # The batch transaction cannot commit: let each message find its
+                # own way (the per-message protocol retries and settles it).
+                leftovers = items
+        singles = [self.single.handle(d, received_at) for d in others]
+        singles += [self.single.handle(item.delivery, received_at) for item in leftovers]
+        singles += [
+            self.single._handler_failed(item.delivery, item.msg, exc, item.logger)
+            for item, exc in failures
+        ]
+        outcomes += await asyncio.gather(*singles)
+        return outcomes
+
+    async def _prepare(
+        self, deliveries: Sequence[ack.Delivery], received_at: float
+    ) -> tuple[list[_Item], list[ack.Delivery]]:
+        """Split the batch: messages for the batch transaction, and the unusual ones."""
+        items: list[_Item] = []
+        others: list[ack.Delivery] = []
+        lease_left = self.single.ack_wait_s - (self.single.clock() - received_at)
+        for delivery in deliveries:
+            meta = delivery.metadata
+            epoch = await self.single.epochs.epoch_of(meta.stream, meta.timestamp)
+            usual = (
+                epoch is not None
+                and lease_left >= self.settings.lease_margin_s
+                and meta.num_delivered <= self.single.max_attempts
+            )
+            if not usual or epoch is None:
+                others.append(delivery)
+                continue
+            msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
+            logger = log.get_logger(
+                handler=self.spec.name, stream=msg.stream, seq=msg.seq, delivered=msg.num_delivered
+            )
+            items.append(_Item(delivery, msg, logger))
+        return items, others
+
+    async def _run(
+        self, items: list[_Item]
+    ) -> tuple[list[Outcome], list[_Item], list[tuple[_Item, Exception]]]:
+        """The batch transaction: claim all, run each, COMMIT, ack all."""
+        async with self.single.store.transaction(self.spec) as tx:
+            assert isinstance(tx, inbox.SqlTransaction)
+            try:
+                claimed = await tx.claim_many([i.msg for i in items], models.OUTCOME_PROCESSED)
+            except Exception as exc:
+                if inbox.classify(exc) is inbox.DbFailure.LOCK_TIMEOUT:
+                    # A concurrent delivery holds one of the keys: go one by one.
+                    raise _BatchRejected() from exc
+                raise
+            mine = [i for i in items if i.msg.seq in claimed]
+            leftovers = [i for i in items if i.msg.seq not in claimed]
+            async with self._heartbeat(mine):
+                failures = await self._run_handlers(tx, mine)
+            for item, _ in failures:
+                await tx.unclaim(item.msg)
+            done = [i for i in mine if all(i is not f for f, _ in failures)]
+            outcomes = await self.single.critical.run(self._commit_and_ack(tx, done))
+        return outcomes, leftovers, failures
+
+    async def _run_handlers(
+        self, tx: inbox.SqlTransaction, mine: list[_Item]
+    ) -> list[tuple[_Item, Exception]]:
+        if self.spec.batch and mine:
+            error = await tx.run_isolated([i.msg for i in mine])
+            if error is None:
+                return []
+            # Which message the batch handler choked on is unknown: retry them
+            # one by one, each in its own savepoint.
+        failures = []
+        for item in mine:
+            error = await tx.run_isolated([item.msg])
+            if error is not None:
+                failures.append((item, error))
+        return failures
+
+    async def _commit_and_ack(self, tx: inbox.SqlTransaction, done: list[_Item]) -> list[Outcome]:
+        """COMMIT, then every confirmed ack concurrently; the section a stop must not cut."""
+        try:
+            await tx.commit()
+        except errors.AmbiguousCommit:
+            return list(
+                await asyncio.gather(
+                    *(
+                        self.single._resolve_ambiguous(
+                            i.delivery, i.msg, Outcome.PROCESSED, i.logger, None
+                        )
+                        for i in done
+                    )
+                )
+            )
+        except Exception as exc:
+            if _transient(exc):
+                raise
+            # A deferred constraint failed at COMMIT: one of the handlers' writes.
+            raise _BatchRejected() from exc
+        return list(
+            await asyncio.gather(
+                *(self.single._settle(i.delivery, Outcome.PROCESSED, i.logger, None) for i in done)
+            )
+        )
+
+    @contextlib.asynccontextmanager
+    async def _heartbeat(self, items: list[_Item]) -> AsyncIterator[None]:
+        """One heartbeat task for the whole batch: ``in_progress()`` for each message."""
+        interval_s = self.single.ack_wait_s / 3
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                await asyncio.gather(
+                    *(i.delivery.in_progress() for i in items), return_exceptions=True
+                )
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class _BatchRejected(Exception):
+    """The batch transaction cannot be committed as a batch: process one by one."""

@@ -1,0 +1,166 @@
+"""Batch transactions and the bounded inbox, against real JetStream and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+import eop
+
+from .bed import (
+    STREAM,
+    SUBJECT,
+    bed_settings,
+    create_effects_table,
+    drained,
+    effects_by_body,
+    publish,
+    record_effect,
+    running,
+    scalar,
+    wait_for,
+)
+
+
+def make_app(database_url: str, nats_url: str, **changes: Any) -> eop.App:
+    """An app whose worker fetches batches of up to 32 messages."""
+    changes.setdefault("batch", 32)
+    changes.setdefault("concurrency", 32)
+    app = eop.App(settings=bed_settings(database_url, nats_url, **changes))
+    app.stream(STREAM, subjects=["ORDERS.>"])
+    return app
+
+
+async def prepublish(js: Any, bodies: list[str]) -> None:
+    """Publish before the worker starts, so that its first fetch returns a full batch."""
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    for body in bodies:
+        await publish(js, body)
+
+
+async def test_one_failing_handler_does_not_sink_its_batch(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A savepoint per message: the others of the batch commit at the first delivery."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+    deliveries: dict[str, list[int]] = {}
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="mixed")
+    async def mixed(msg: eop.Message, session: AsyncSession) -> None:
+        body = msg.data.decode()
+        deliveries.setdefault(body, []).append(msg.num_delivered)
+        await record_effect(session, "mixed", msg)
+        if body == "bad" and msg.num_delivered == 1:
+            raise RuntimeError("first try fails")
+
+    bodies = [f"m{i}" for i in range(10)] + ["bad"] + [f"n{i}" for i in range(10)]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-mixed"), what="the batch and the retry")
+    assert await effects_by_body(engine) == dict.fromkeys(bodies, 1)
+    assert deliveries["bad"] == [1, 2]
+    assert all(d == [1] for body, d in deliveries.items() if body != "bad")
+
+
+async def test_batch_handler_gets_lists_and_each_message_takes_effect_once(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """@app.handler(batch=True) receives the fetched batch as a list."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+    sizes: list[int] = []
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="bulk", batch=True)
+    async def bulk(msgs: list[eop.Message], session: AsyncSession) -> None:
+        sizes.append(len(msgs))
+        for msg in msgs:
+            await record_effect(session, "bulk", msg)
+
+    bodies = [f"b{i}" for i in range(40)]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-bulk"), what="the batches")
+    assert await effects_by_body(engine) == dict.fromkeys(bodies, 1)
+    assert max(sizes) > 1
+    assert sum(sizes) == 40
+
+
+async def test_batch_handler_failure_is_narrowed_to_the_poison_message(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A batch handler that rejects: eop retries one by one, dead-letters only the culprit."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="strict-bulk", batch=True)
+    async def strict_bulk(msgs: list[eop.Message], session: AsyncSession) -> None:
+        for msg in msgs:
+            if msg.data == b"poison":
+                raise eop.Reject("poison in the batch")
+            await record_effect(session, "strict-bulk", msg)
+
+    bodies = [f"p{i}" for i in range(5)] + ["poison"] + [f"q{i}" for i in range(5)]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-strict-bulk"), what="the batch")
+    good = [b for b in bodies if b != "poison"]
+    assert await effects_by_body(engine) == dict.fromkeys(good, 1)
+    assert await scalar(engine, "SELECT reason FROM eop.dead_letters") == "rejected"
+
+
+async def test_compaction_bounds_the_inbox_and_redeliveries_below_the_watermark_are_skipped(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """The watermark follows the ack floor; rows below it go; a recreated consumer skips them."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, compaction_interval_s=0.2)
+    runs: list[int] = []
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="bounded")
+    async def bounded(msg: eop.Message, session: AsyncSession) -> None:
+        runs.append(msg.seq)
+        await record_effect(session, "bounded", msg)
+
+    bodies = [f"w{i}" for i in range(60)]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-bounded"), what="the first pass")
+        await wait_for(lambda: _inbox_empty(engine), what="compaction")
+    assert await scalar(engine, "SELECT watermark FROM eop.watermarks") == 60
+    await js.delete_consumer(STREAM, "eop-bounded")
+    async with running(app):
+        await publish(js, "late")
+        await wait_for(lambda: drained(js, "eop-bounded"), what="the second pass")
+    assert sorted(runs) == list(range(1, 62))
+    assert await effects_by_body(engine) == dict.fromkeys([*bodies, "late"], 1)
+
+
+async def _inbox_empty(engine: AsyncEngine) -> bool:
+    async with engine.connect() as conn:
+        return not (await conn.execute(sa.text("SELECT count(*) FROM eop.inbox"))).scalar()
+
+
+async def test_sync_handlers_work_in_batch_transactions(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A sync handler's batch runs each message in a savepoint in a worker thread."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="sync-batch")
+    def sync_batch(msg: eop.Message, session: Any) -> None:
+        if msg.data == b"bad":
+            raise eop.Reject("bad")
+        session.execute(
+            sa.text("INSERT INTO effects (handler, msg_key, body) VALUES ('s', :k, :b)"),
+            {"k": msg.idempotency_key, "b": msg.data.decode()},
+        )
+
+    bodies = ["a", "b", "bad", "c"]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-sync-batch"), what="the batch")
+    assert await effects_by_body(engine) == {"a": 1, "b": 1, "c": 1}
