@@ -150,7 +150,11 @@ class App:
         """The async engine: the one given, or one made from ``database_url``."""
         if self._engine is None:
             self._engine = create_async_engine(
-                self.settings.database_url, pool_size=self.settings.concurrency
+                self.settings.database_url,
+                # Batches share connections: a few transactions at a time keep
+                # the database busy without exhausting max_connections.
+                pool_size=min(self.settings.concurrency, 16),
+                max_overflow=4
             )
         return self._engine
 

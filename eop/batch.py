@@ -46,7 +46,10 @@ class BatchProcessor:
         failures: list[tuple[_Item, Exception]] = []
         if items:
             try:
-                outcomes, leftovers, failures = await self._run(items)
+                try:
+                    outcomes, leftovers, failures = await self._run(items, isolate=False)
+                except _NeedsIsolation:
+                    outcomes, leftovers, failures = await self._run(items, isolate=True)
             except Exception as exc:
                 if not (_transient(exc) or isinstance(exc, _BatchRejected)):
                     raise
@@ -88,9 +91,14 @@ class BatchProcessor:
         return items, others
 
     async def _run(
-        self, items: list[_Item]
+        self, items: list[_Item], *, isolate: bool
     ) -> tuple[list[Outcome], list[_Item], list[tuple[_Item, Exception]]]:
-        """The batch transaction: claim all, run each, COMMIT, ack all."""
+        """The batch transaction: claim all, run each, COMMIT, ack all.
+
+        Handlers fail rarely, so the first pass runs them without savepoints
+        (two statements fewer per message); if one fails, the transaction is
+        rolled back whole and run again with a savepoint per message.
+        """
         async with self.single.store.transaction(self.spec) as tx:
             assert isinstance(tx, inbox.SqlTransaction)
             try:
@@ -103,12 +111,29 @@ class BatchProcessor:
             mine = [i for i in items if i.msg.seq in claimed]
             leftovers = [i for i in items if i.msg.seq not in claimed]
             async with self._heartbeat(mine):
-                failures = await self._run_handlers(tx, mine)
+                if isolate:
+                    failures = await self._run_handlers(tx, mine)
+                else:
+                    await self._run_optimistically(tx, mine)
+                    failures = []
             for item, _ in failures:
                 await tx.unclaim(item.msg)
             done = [i for i in mine if all(i is not f for f, _ in failures)]
             outcomes = await self.single.critical.run(self._commit_and_ack(tx, done))
         return outcomes, leftovers, failures
+
+    async def _run_optimistically(self, tx: inbox.SqlTransaction, mine: list[_Item]) -> None:
+        try:
+            if self.spec.batch:
+                if mine:
+                    await tx.run_many([i.msg for i in mine])
+            else:
+                for item in mine:
+                    await tx.run(item.msg)
+        except Exception as exc:
+            if _transient(exc):
+                raise
+            raise _NeedsIsolation() from exc
 
     async def _run_handlers(
         self, tx: inbox.SqlTransaction, mine: list[_Item]
@@ -171,6 +196,10 @@ class BatchProcessor:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+class _NeedsIsolation(Exception):
+    """A handler failed in the savepoint-less pass: run the batch again with savepoints."""
 
 
 class _BatchRejected(Exception):

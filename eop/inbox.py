@@ -217,6 +217,10 @@ class SqlTransaction(abc.ABC):
         )
 
     @abc.abstractmethod
+    async def run_many(self, messages: list[Message]) -> None:
+        """Run a batch handler on ``messages`` inside this transaction."""
+
+    @abc.abstractmethod
     async def run_isolated(self, messages: list[Message]) -> Exception | None:
         """Run the handler on ``messages`` inside a savepoint; its error, rolled back, or None.
 
@@ -298,6 +302,10 @@ class AsyncTransaction(SqlTransaction):
         """Await the handler with this transaction's session."""
         await self._call([message])
 
+    async def run_many(self, messages: list[Message]) -> None:
+        """Await a batch handler with the messages of a batch."""
+        await self._call(messages)
+
     async def _call(self, messages: list[Message]) -> None:
         arg: Any = messages if self.spec.batch else messages[0]
         await self.spec.func(arg, self.session)  # type: ignore[arg-type,misc]
@@ -351,6 +359,10 @@ class SyncTransaction(SqlTransaction):
         """Call the handler in a worker thread, off the event loop, and flush its writes."""
 
         await asyncio.to_thread(self._call, [message])
+
+    async def run_many(self, messages: list[Message]) -> None:
+        """Call a batch handler in a worker thread with the messages of a batch."""
+        await asyncio.to_thread(self._call, messages)
 
     def _call(self, messages: list[Message]) -> None:
         arg: Any = messages if self.spec.batch else messages[0]

@@ -6,6 +6,7 @@ follow the configured schema and run unchanged on async and sync sessions.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import sqlalchemy as sa
@@ -26,53 +27,53 @@ def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.Te
 
 
 _CLAIM_COLUMNS = (
-    ("subscription", sa.Text),
-    ("stream", sa.Text),
-    ("stream_epoch", sa.Text),
-    ("stream_seq", sa.BigInteger),
-    ("fingerprint", sa.LargeBinary),
-    ("msg_id", sa.Text),
-    ("subject", sa.Text),
-    ("outcome", sa.Text),
-    ("delivery_count", sa.Integer),
+    ("subscription", sa.Text, "text"),
+    ("stream", sa.Text, "text"),
+    ("stream_epoch", sa.Text, "text"),
+    ("stream_seq", sa.BigInteger, "bigint"),
+    ("fingerprint", sa.LargeBinary, "bytea"),
+    ("msg_id", sa.Text, "text"),
+    ("subject", sa.Text, "text"),
+    ("outcome", sa.Text, "text"),
+    ("delivery_count", sa.Integer, "integer"),
 )
 
 
-def claim(t: models.Tables, rows: list[dict[str, Any]]) -> sa.Insert:
+def claim(t: models.Tables, rows: list[dict[str, Any]]) -> sa.TextClause:
     """Insert the inbox rows whose key (or msg-id) is free and which lie above the watermark.
 
-    One statement for a whole batch. RETURNING names the claimed sequences.
-    A concurrent transaction holding one of the keys makes this wait on the
-    unique index until that one ends: then that row is not inserted.
+    One statement for a whole batch, its rows passed as one array per column
+    (``unnest``): the SQL text never changes with the batch, so it is compiled
+    and prepared once. RETURNING names the claimed sequences. A concurrent
+    transaction holding one of the keys makes this wait on the unique index
+    until that one ends: then that row is not inserted.
+
+    The watermark is read FOR SHARE: compaction raises it (an UPDATE of that
+    row) only once no claim that read the old value is still open, and deletes
+    rows only after that, so no claim can slip between the raise and the delete.
     """
-    names = [name for name, _ in _CLAIM_COLUMNS]
-    incoming = (
-        sa.values(*(sa.column(name, kind) for name, kind in _CLAIM_COLUMNS), name="incoming")
-        .data([tuple(row[name] for name in names) for row in rows])
-        .alias("incoming")
-    )
-    w = t.watermarks.c
-    # FOR SHARE: compaction raises the watermark (an UPDATE of this row) only
-    # once no claim that read the old value is still open, and deletes rows only
-    # after that; so no claim can slip between the raise and the delete.
-    watermark = (
-        sa.select(w.watermark)
-        .where(
-            w.subscription == incoming.c.subscription,
-            w.stream == incoming.c.stream,
-            w.stream_epoch == incoming.c.stream_epoch,
+    return _claim_text(t.schema).bindparams(
+        *(
+            sa.bindparam(name, [row[name] for row in rows], type_=postgresql.ARRAY(kind))
+            for name, kind, _ in _CLAIM_COLUMNS
         )
-        .with_for_update(read=True)
-        .scalar_subquery()
     )
-    chosen = sa.select(*(incoming.c[name] for name in names)).where(
-        incoming.c.stream_seq > sa.func.coalesce(watermark, 0)
-    )
-    return (
-        postgresql.insert(t.inbox)
-        .from_select(names, chosen)
-        .on_conflict_do_nothing()
-        .returning(t.inbox.c.stream_seq)
+
+
+@functools.cache
+def _claim_text(schema: str) -> sa.TextClause:
+    names = ", ".join(name for name, _, _ in _CLAIM_COLUMNS)
+    arrays = ", ".join(f"CAST(:{name} AS {pg}[])" for name, _, pg in _CLAIM_COLUMNS)
+    # The schema name is checked to be an identifier by Settings; quoting keeps
+    # it literal.
+    return sa.text(
+        f'INSERT INTO "{schema}".inbox ({names}) '
+        f"SELECT i.* FROM unnest({arrays}) AS i({names}) "
+        "WHERE i.stream_seq > COALESCE(("
+        f'SELECT w.watermark FROM "{schema}".watermarks AS w '
+        "WHERE w.subscription = i.subscription AND w.stream = i.stream "
+        "AND w.stream_epoch = i.stream_epoch FOR SHARE), 0) "
+        "ON CONFLICT DO NOTHING RETURNING stream_seq"
     )
 
 

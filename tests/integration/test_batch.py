@@ -43,7 +43,11 @@ async def prepublish(js: Any, bodies: list[str]) -> None:
 async def test_one_failing_handler_does_not_sink_its_batch(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
-    """A savepoint per message: the others of the batch commit at the first delivery."""
+    """A savepoint per message: the others of the batch commit at the first delivery.
+
+    (The savepoint-less first pass rolls back whole when a handler fails, so
+    handlers may run twice within one delivery; their writes count once.)
+    """
     await create_effects_table(engine)
     app = make_app(database_url, nats_url)
     deliveries: dict[str, list[int]] = {}
@@ -61,8 +65,9 @@ async def test_one_failing_handler_does_not_sink_its_batch(
     async with running(app):
         await wait_for(lambda: drained(js, "eop-mixed"), what="the batch and the retry")
     assert await effects_by_body(engine) == dict.fromkeys(bodies, 1)
-    assert deliveries["bad"] == [1, 2]
-    assert all(d == [1] for body, d in deliveries.items() if body != "bad")
+    assert deliveries["bad"][-1] == 2
+    assert set(deliveries["bad"]) == {1, 2}
+    assert all(set(d) == {1} for body, d in deliveries.items() if body != "bad")
 
 
 async def test_batch_handler_gets_lists_and_each_message_takes_effect_once(
