@@ -38,8 +38,8 @@ class Settings:
     )
     nats_url: str = _field(DEFAULT_NATS_URL, "NATS server URL(s), comma separated.")
     schema: str = _field("eop", "PostgreSQL schema that holds eop's tables.")
-    concurrency: int = _field(8, "Messages handled at the same time by one worker process.")
-    batch: int = _field(16, "Messages fetched per pull request.")
+    concurrency: int = _field(128, "Messages in flight at the same time in one worker process.")
+    batch: int = _field(64, "Messages fetched per pull request (and per transaction).")
     batch_transactions: bool = _field(
         True, "One transaction (and one multi-row claim) per fetched batch, not per message."
     )
