@@ -154,7 +154,7 @@ class App:
                 # Batches share connections: a few transactions at a time keep
                 # the database busy without exhausting max_connections.
                 pool_size=min(self.settings.concurrency, 16),
-                max_overflow=4
+                max_overflow=4,
             )
         return self._engine
 

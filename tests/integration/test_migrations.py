@@ -48,7 +48,12 @@ def test_fresh_upgrade_matches_the_models(empty_database_url: str) -> None:
     assert migrate.current(empty_database_url) == migrate.head()
     migrate.check(empty_database_url)
     command.check(migrate.alembic_config(empty_database_url))
-    assert tables_in(empty_database_url, "eop") == {"inbox", "dead_letters", "watermarks", "eop_alembic_version"}
+    assert tables_in(empty_database_url, "eop") == {
+        "inbox",
+        "dead_letters",
+        "watermarks",
+        "eop_alembic_version",
+    }
 
 
 def test_alembic_command_line_runs_eop_environment(empty_database_url: str, tmp_path: Path) -> None:
