@@ -72,6 +72,7 @@ class App:
         ack_wait_s: float | None = None,
         msg_id_guard: bool = True,
         batch: bool = False,
+        order_by: str | None = None,
     ) -> Callable[[F], F]:
         """Register a handler for the messages of ``stream`` matching ``subject``.
 
@@ -82,7 +83,9 @@ class App:
         message, and must not commit it. With ``batch=True`` the handler gets
         the list of messages of one fetched batch instead (all claimed in the
         same transaction); if it raises, eop retries the messages one by one to
-        find the failing one.
+        find the failing one. ``order_by="subject:N"`` or ``"header:NAME"``
+        handles messages with the same key in stream order (see
+        :mod:`eop.ordering`).
         """
 
         def register(func: F) -> F:
@@ -98,6 +101,7 @@ class App:
                 ack_wait_s=ack_wait_s,
                 msg_id_guard=msg_id_guard,
                 batch=batch,
+                order_by=order_by,
             )
             return func
 

@@ -68,6 +68,8 @@ class HandlerSpec:
     durable: str
     max_attempts: int | None = None
     ack_wait_s: float | None = None
+    order_by: str | None = None
+    """``subject:N`` or ``header:NAME``: same-key messages are handled in stream order."""
     batch: bool = False
     """The handler takes a list of messages (a whole fetched batch) instead of one."""
     msg_id_guard: bool = True
@@ -87,5 +89,17 @@ class HandlerSpec:
                 )
         if not self.subject or " " in self.subject:
             raise errors.ConfigurationError(f"invalid subject {self.subject!r}")
+        if self.order_by is not None:
+            parse_order_by(self.order_by)
         if self.max_attempts is not None and self.max_attempts < 1:
             raise errors.ConfigurationError("max_attempts must be at least 1")
+
+
+def parse_order_by(order_by: str) -> tuple[str, str]:
+    """Check an ``order_by`` spec, ``subject:N`` or ``header:NAME``; (kind, argument)."""
+    kind, _, arg = order_by.partition(":")
+    if (kind == "subject" and arg.isdigit()) or (kind == "header" and arg):
+        return kind, arg
+    raise errors.ConfigurationError(
+        f"order_by must be 'subject:N' (a subject token) or 'header:NAME', not {order_by!r}"
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import time
 from collections.abc import Iterable
@@ -17,7 +18,18 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 
-from eop import ack, batch, compaction, errors, inbox, jetstream, log, migrate, processor
+from eop import (
+    ack,
+    batch,
+    compaction,
+    errors,
+    inbox,
+    jetstream,
+    log,
+    migrate,
+    ordering,
+    processor,
+)
 from eop.app import App, select_handlers
 from eop.handler import HandlerSpec
 
@@ -49,6 +61,8 @@ class Worker:
         self._slots = asyncio.Semaphore(self.settings.concurrency)
         self._inflight: set[asyncio.Task[Any]] = set()
         self._critical = processor.Critical()
+        self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
+        self._blocked = ordering.BlockedKeys()
         self._logger = log.get_logger()
         self.processed = 0
 
@@ -152,13 +166,70 @@ class Worker:
             received_at = time.monotonic()
             for _ in range(wanted - len(msgs)):
                 self._slots.release()
+            if spec.order_by is not None:
+                self._dispatch_ordered(proc, msgs, received_at)
+                continue
             groups = [msgs] if self.settings.batch_transactions else [[m] for m in msgs]
             for group in groups:
-                if not group:
-                    continue
-                task = asyncio.create_task(self._process(proc, group, received_at))
-                self._inflight.add(task)
-                task.add_done_callback(self._inflight.discard)
+                if group:
+                    self._spawn(self._process(proc, group, received_at))
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return task
+
+    def _dispatch_ordered(self, proc: processor.Processor, msgs: list[Any], at: float) -> None:
+        """One lane per key: a key's messages run one after another, in stream order."""
+        by_key: dict[str, list[Any]] = {}
+        for msg in msgs:
+            by_key.setdefault(ordering.key_of(proc.spec, msg), []).append(msg)
+        for key, group in by_key.items():
+            lane = self._lanes.get((proc.spec.name, key))
+            task = self._spawn(self._process_lane(proc, key, group, at, lane))
+            self._lanes[(proc.spec.name, key)] = task
+            task.add_done_callback(functools.partial(self._end_lane, (proc.spec.name, key)))
+
+    def _end_lane(self, key: tuple[str, str], task: asyncio.Task[Any]) -> None:
+        if self._lanes.get(key) is task:
+            del self._lanes[key]
+
+    async def _process_lane(
+        self,
+        proc: processor.Processor,
+        key: str,
+        msgs: list[Any],
+        received_at: float,
+        previous: asyncio.Task[Any] | None,
+    ) -> None:
+        """Process a key's messages in order; when one is retried, its followers wait."""
+        name = proc.spec.name
+        try:
+            # The retried message the previous lane waits for must not wait for it.
+            awaited = self._blocked.blocked_seq(name, key)
+            first = [m for m in msgs if awaited is not None and _seq(m) <= awaited]
+            rest = [m for m in msgs if m not in first]
+            await self._run_lane(proc, key, first, received_at)
+            if previous is not None:
+                await asyncio.wait({previous})
+            await self._run_lane(proc, key, rest, received_at)
+        finally:
+            for _ in msgs:
+                self._slots.release()
+
+    async def _run_lane(
+        self, proc: processor.Processor, key: str, msgs: list[Any], received_at: float
+    ) -> None:
+        name = proc.spec.name
+        for index, msg in enumerate(msgs):
+            awaited = self._blocked.blocked_seq(name, key)
+            if awaited is not None and _seq(msg) > awaited:
+                await self._blocked.wait(name, key, msgs[index:], proc.ack_wait_s / 3)
+            outcome = await proc.handle(msg, received_at)
+            self._blocked.update(name, key, msg, outcome, self.settings)
+            if outcome in (processor.Outcome.PROCESSED, processor.Outcome.DEAD_LETTERED):
+                self.processed += 1
 
     async def _take_slots(self) -> int:
         """Wait for a free slot, then take as many as are free, up to the batch size."""
@@ -249,6 +320,10 @@ class Worker:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _seq(msg: Any) -> int:
+    return int(msg.metadata.sequence.stream)
 
 
 async def run_worker(app: App, *, handlers: Iterable[str] = ()) -> None:

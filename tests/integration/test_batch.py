@@ -169,3 +169,37 @@ async def test_sync_handlers_work_in_batch_transactions(
     async with running(app):
         await wait_for(lambda: drained(js, "eop-sync-batch"), what="the batch")
     assert await effects_by_body(engine) == {"a": 1, "b": 1, "c": 1}
+
+
+async def test_same_key_messages_are_handled_in_stream_order_even_through_a_retry(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """order_by="subject:1": per key, effects land in stream order; a retried message is
+    not overtaken by the later ones of its key."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+    failed: list[str] = []
+
+    @app.handler(stream=STREAM, subject="ORDERS.*", name="ordered", order_by="subject:1")
+    async def ordered(msg: eop.Message, session: AsyncSession) -> None:
+        body = msg.data.decode()
+        if body == "k0-3" and not failed:
+            failed.append(body)
+            raise eop.Retry("try again later", delay_s=0.3)
+        await record_effect(session, "ordered", msg)
+
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    sent: dict[str, list[str]] = {}
+    for i in range(30):
+        key = f"k{i % 3}"
+        sent.setdefault(key, []).append(f"{key}-{i}")
+        await publish(js, f"{key}-{i}", subject=f"ORDERS.{key}")
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-ordered"), what="every lane")
+    async with engine.connect() as conn:
+        rows = (await conn.execute(sa.text("SELECT body FROM effects ORDER BY id"))).all()
+    seen: dict[str, list[str]] = {}
+    for (body,) in rows:
+        seen.setdefault(body.split("-")[0], []).append(body)
+    assert failed == ["k0-3"]
+    assert seen == sent
