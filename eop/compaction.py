@@ -43,6 +43,7 @@ class Compactor:
         *,
         chunk_rows: int = 5000,
     ) -> None:
+        self.msg_id_retention_s = store.app.settings.msg_id_retention_s
         self.js = js
         self.store = store
         self.spec = spec
@@ -116,6 +117,7 @@ class Compactor:
                 epoch,
                 watermark,
                 self.chunk_rows,
+                self.msg_id_retention_s,
             )
             async with self.store.session() as session:
                 deleted = len((await session.execute(stmt)).all())

@@ -68,6 +68,11 @@ class Settings:
     compaction_interval_s: float = _field(
         5.0, "How often the inbox rows below the consumer's ack floor are deleted (0: never)."
     )
+    msg_id_retention_s: float = _field(
+        3600.0,
+        "How long compaction keeps inbox rows that carry a Nats-Msg-Id (the guard against "
+        "republishes after the server's duplicate window).",
+    )
     shutdown_grace_s: float = _field(
         30.0, "How long a stopping worker waits for in-flight messages."
     )

@@ -114,10 +114,21 @@ def advance_watermark(
 
 
 def delete_below_watermark(
-    t: models.Tables, subscription: str, stream: str, epoch: str, value: int, limit: int
+    t: models.Tables,
+    subscription: str,
+    stream: str,
+    epoch: str,
+    value: int,
+    limit: int,
+    msg_id_retention_s: float,
 ) -> sa.Executable:
-    """Delete up to ``limit`` inbox rows at or below ``value`` (one bounded chunk)."""
+    """Delete up to ``limit`` inbox rows at or below ``value`` (one bounded chunk).
+
+    Rows carrying a msg-id stay for ``msg_id_retention_s``: they are the guard
+    against a republish after the server's duplicate window.
+    """
     c = t.inbox.c
+    cutoff = sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, msg_id_retention_s)
     chunk: sa.Select[Any] = (
         sa.select(sa.literal_column("ctid"))
         .select_from(t.inbox)
@@ -126,6 +137,7 @@ def delete_below_watermark(
             c.stream == stream,
             c.stream_epoch == epoch,
             c.stream_seq <= value,
+            sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),
         )
         .limit(limit)
     )
