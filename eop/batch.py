@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from eop import ack, errors, inbox, log, message, models
+from eop import ack, errors, faults, inbox, log, message, models
 from eop.processor import Outcome, Processor, _transient
 
 
@@ -40,6 +40,7 @@ class BatchProcessor:
         self, deliveries: Sequence[ack.Delivery], received_at: float
     ) -> list[Outcome]:
         """Process a fetched batch; returns one outcome per message settled here."""
+        await faults.point("after_fetch")
         items, others = await self._prepare(deliveries, received_at)
         outcomes: list[Outcome] = []
         leftovers: list[_Item] = []
@@ -108,6 +109,7 @@ class BatchProcessor:
                     # A concurrent delivery holds one of the keys: go one by one.
                     raise _BatchRejected() from exc
                 raise
+            await faults.point("after_claim")
             mine = [i for i in items if i.msg.seq in claimed]
             leftovers = [i for i in items if i.msg.seq not in claimed]
             async with self._heartbeat(mine):
@@ -130,6 +132,7 @@ class BatchProcessor:
             else:
                 for item in mine:
                     await tx.run(item.msg)
+                    await faults.point("mid_handler")
         except Exception as exc:
             if _transient(exc):
                 raise
@@ -153,6 +156,7 @@ class BatchProcessor:
 
     async def _commit_and_ack(self, tx: inbox.SqlTransaction, done: list[_Item]) -> list[Outcome]:
         """COMMIT, then every confirmed ack concurrently; the section a stop must not cut."""
+        await faults.point("before_commit")
         try:
             await tx.commit()
         except errors.AmbiguousCommit:
@@ -171,6 +175,7 @@ class BatchProcessor:
                 raise
             # A deferred constraint failed at COMMIT: one of the handlers' writes.
             raise _BatchRejected() from exc
+        await faults.point("after_commit")
         return list(
             await asyncio.gather(
                 *(self.single._settle(i.delivery, Outcome.PROCESSED, i.logger, None) for i in done)

@@ -39,6 +39,7 @@ _WORKER_FIELDS = (
     "tx_retries",
     "lease_margin_s",
     "compaction_interval_s",
+    "msg_id_retention_s",
     "shutdown_grace_s",
     "create",
 )
@@ -119,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{help_text} [env: {var}; default: {default}]",
         )
     demo.set_defaults(command=_cmd_demo)
+
+    from eop.spark import cli as spark_cli  # here: it uses this module's helpers
+
+    spark_cli.add_commands(sub)
+
+    from eop.chaos import cli as chaos_cli
+
+    chaos_cli.add_command(sub)
+
+    from eop import bench
+
+    bench.add_command(sub)
     return parser
 
 

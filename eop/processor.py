@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from eop import ack, errors, inbox, log, message, models
+from eop import ack, errors, faults, inbox, log, message, models
 from eop.handler import HandlerSpec
 from eop.settings import Settings
 
@@ -113,6 +113,7 @@ class Processor:
 
     async def handle(self, delivery: ack.Delivery, received_at: float) -> Outcome:
         """Process one delivery fetched at ``received_at`` (on :attr:`clock`)."""
+        await faults.point("after_fetch")
         meta = delivery.metadata
         logger = log.get_logger(
             handler=self.spec.name,
@@ -187,9 +188,11 @@ class Processor:
                 existing = await tx.find(msg)
                 await tx.rollback()
                 return await self._not_claimed(delivery, msg, existing, logger)
+            await faults.point("after_claim")
             try:
                 async with ack.heartbeat(delivery, self.ack_wait_s / 3, logger):
                     await tx.run(msg)
+                    await faults.point("mid_handler")
             except Exception as exc:
                 await tx.rollback()
                 if _transient(exc):
@@ -217,6 +220,7 @@ class Processor:
         dead: inbox.DeadLetter | None = None,
     ) -> Outcome:
         """COMMIT, then tell the server (ack or term); the section a stop must not cut."""
+        await faults.point("before_commit")
         try:
             await tx.commit()
         except errors.AmbiguousCommit:
@@ -225,6 +229,7 @@ class Processor:
             if outcome is Outcome.PROCESSED and not _transient(exc):
                 raise _CommitRejected(exc) from exc
             raise
+        await faults.point("after_commit")
         return await self._settle(delivery, outcome, logger, dead)
 
     async def _settle(
@@ -366,12 +371,14 @@ class Processor:
             )
 
     async def _ack(self, delivery: ack.Delivery, logger: Any) -> None:
+        await faults.point("during_ack")
         await ack.confirm(
             delivery,
             timeout_s=self.settings.ack_timeout_s,
             give_up_s=self.settings.ack_give_up_s,
             logger=logger,
         )
+        await faults.point("after_ack")
 
     async def _nak(
         self, delivery: ack.Delivery, msg: message.Message, delay_s: float | None, logger: Any

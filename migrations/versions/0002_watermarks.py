@@ -33,9 +33,7 @@ def upgrade() -> None:
             server_default=sa.text("now()"),
             nullable=False,
         ),
-        sa.PrimaryKeyConstraint(
-            "subscription", "stream", "stream_epoch", name="watermarks_pkey"
-        ),
+        sa.PrimaryKeyConstraint("subscription", "stream", "stream_epoch", name="watermarks_pkey"),
         schema=schema,
     )
 

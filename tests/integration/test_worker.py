@@ -505,6 +505,12 @@ async def test_stream_recreated_under_a_running_worker_is_not_mistaken_for_the_o
         await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
         await js.add_consumer(STREAM, consumer)
         second = await publish(js, "same")
-        await wait_for(lambda: drained(js, "eop-reborn"), what="the second message")
+
+        async def both_applied() -> bool:
+            return (await effects_by_body(bed_engine)).get("same") == 2
+
+        # Not drained(): a consumer created a moment ago may still read 0 pending.
+        await wait_for(both_applied, what="the second message to take effect")
+        await wait_for(lambda: drained(js, "eop-reborn"), what="the second message's ack")
     assert first.seq == second.seq == 1
     assert await effects_by_body(bed_engine) == {"same": 2}

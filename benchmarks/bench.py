@@ -1,0 +1,16 @@
+"""The benchmark of issue 4 as a script: ``python benchmarks/bench.py [FLAGS]``.
+
+The same as ``eop bench [FLAGS]`` and ``python3 run.py bench [FLAGS]`` (see
+``eop bench --help``, :mod:`eop.bench` and BENCHMARKS.md): a raw at-least-once
+loop, the naive exactly-once loop, eop default and eop tuned, measured in one
+run on embedded servers; ``--big`` adds the 1,000,000-message run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from eop import cli
+
+if __name__ == "__main__":
+    sys.exit(cli.main(["bench", *sys.argv[1:]]))

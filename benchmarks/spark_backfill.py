@@ -1,0 +1,159 @@
+"""Backfill rows/s on Spark next to one `eop worker` process, on the same messages.
+
+    python benchmarks/spark_backfill.py --messages 20000 [--master local[2]]
+
+Starts its own nats-server and PostgreSQL (the `embedded` extra), publishes N
+100-byte messages, then runs the same handler (tests.integration.cliapp's
+``cli``: one row inserted per message) twice over them, starting from empty
+tables each time:
+
+1. one `eop worker` subprocess, timed from its start until its consumer has
+   nothing pending and nothing awaiting an ack;
+2. the Spark backfill job (:func:`eop.spark.jobs.backfill`) on a SparkSession
+   started beforehand (its start-up reported apart), twice: the first job also
+   starts Spark's Python workers; the second shows the steady state.
+
+Prints the rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from eop import embedded, migrate
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = "tests.integration.cliapp:app"
+RESET = (
+    "TRUNCATE effects, eop.inbox, eop.dead_letters, eop.watermarks",
+    "CREATE TABLE IF NOT EXISTS effects (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+    " handler text NOT NULL, msg_key text NOT NULL, body text NOT NULL)",
+)
+
+
+async def publish(url: str, messages: int) -> None:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await js.add_stream(name="ORDERS", subjects=["ORDERS.>"])
+    payload = b"x" * 100
+    for i in range(0, messages, 500):
+        await asyncio.gather(
+            *(js.publish("ORDERS.created", payload) for _ in range(min(500, messages - i)))
+        )
+    await nc.close()
+
+
+async def reset(engine: AsyncEngine) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(RESET[1]))
+        await conn.execute(sa.text(RESET[0]))
+
+
+async def effects(engine: AsyncEngine) -> int:
+    async with engine.connect() as conn:
+        return int((await conn.execute(sa.text("SELECT count(*) FROM effects"))).scalar() or 0)
+
+
+async def time_worker(nats_url: str, database_url: str) -> float:
+    env = dict(
+        os.environ,
+        EOP_DATABASE_URL=database_url,
+        EOP_NATS_URL=nats_url,
+        EOP_LOG_LEVEL="warning",
+        CLIAPP_HANDLER_DELAY_S="0",
+    )
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    started = time.perf_counter()
+    proc = subprocess.Popen(  # noqa: ASYNC220  # the loop has nothing else to do meanwhile
+        [sys.executable, "-m", "eop", "worker", APP], env=env, cwd=ROOT
+    )
+    while True:
+        await asyncio.sleep(0.1)
+        try:
+            info = await js.consumer_info("ORDERS", "eop-cli")
+        except Exception:
+            continue
+        if info.num_pending == 0 and info.num_ack_pending == 0:
+            break
+    elapsed = time.perf_counter() - started
+    proc.terminate()
+    await asyncio.to_thread(proc.wait)
+    await nc.close()
+    return elapsed
+
+
+def time_spark(
+    nats_url: str, database_url: str, master: str, per_partition: int, reset_tables: Any
+) -> tuple[float, list[float]]:
+    from eop.spark import jobs, session, sink
+    from tests.integration import cliapp
+
+    os.environ["CLIAPP_HANDLER_DELAY_S"] = "0"
+    started = time.perf_counter()
+    spark = session.build(master, conf={"spark.ui.showConsoleProgress": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    startup = time.perf_counter() - started
+    spec = cliapp.app.handlers["cli"]
+    target = sink.Target.create(APP, "cli", database_url=database_url, log_level="warning")
+    read = jobs.ReadOptions(nats_url, per_partition=per_partition)
+    runs = []
+    for _ in range(2):
+        reset_tables()
+        started = time.perf_counter()
+        counts = jobs.backfill(spark, target, spec, read)
+        runs.append(time.perf_counter() - started)
+        print(f"  spark: {counts}")
+    spark.stop()
+    return startup, runs
+
+
+async def main(messages: int, master: str, per_partition: int) -> None:
+    with embedded.NatsServer() as ns, embedded.PostgresServer() as pg:
+        migrate.upgrade(pg.url)
+        engine = create_async_engine(pg.url)
+        await publish(ns.url, messages)
+
+        await reset(engine)
+        worker_s = await time_worker(ns.url, pg.url)
+        worker_effects = await effects(engine)
+
+        loop = asyncio.get_running_loop()
+
+        def reset_tables() -> None:
+            asyncio.run_coroutine_threadsafe(reset(engine), loop).result()
+
+        startup_s, (cold_s, warm_s) = await asyncio.to_thread(
+            time_spark, ns.url, pg.url, master, per_partition, reset_tables
+        )
+        spark_effects = await effects(engine)
+        await engine.dispose()
+    print(
+        f"{messages} messages of 100 bytes, one row inserted per message:\n"
+        f"  eop worker (1 process, defaults):   {worker_s:6.2f} s {messages / worker_s:7,.0f} msg/s"
+        f"   (process start-up included; {worker_effects} effects)\n"
+        f"  eop spark backfill, {master}, first: {cold_s:6.2f} s {messages / cold_s:7,.0f} rows/s"
+        f"   (Python workers start; SparkSession start-up {startup_s:.1f} s not included)\n"
+        f"  eop spark backfill, {master}, again: {warm_s:6.2f} s {messages / warm_s:7,.0f} rows/s"
+        f"   ({spark_effects} effects; {per_partition} messages per partition)"
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--per-partition", type=int, default=1000)
+    args = parser.parse_args()
+    asyncio.run(main(args.messages, args.master, args.per_partition))

@@ -1,0 +1,137 @@
+"""The built-in chaos target: money transfers between a few accounts.
+
+Each transfer debits one account and credits another in the handler's
+transaction, and records one effect row. Few accounts and opposite directions
+make transactions wait on each other's row locks and deadlock now and then
+(40P01, retried whole). The checker then demands one effect per transfer and
+balances equal to the sum of the distinct transfers: a lost, doubled or
+half-applied transfer shows in both.
+
+This module is also the app the worker processes run (``eop.chaos.bank:app``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession
+
+import eop
+from eop.chaos.target import Payload, Target
+
+STREAM = "CHAOS"
+SUBJECT = "chaos.transfers"
+HANDLER = "chaos-bank"
+ACCOUNTS = tuple(f"acct{i:02d}" for i in range(64))
+DUPLICATE_WINDOW_S = 2.0
+"""Short, so that republishes after the server's window happen within a run."""
+
+CANARY_PAYLOAD = "eop-canary-payload-5d1e8a"
+"""Planted in every payload: it must never appear in a log line."""
+
+app = eop.App()
+app.stream(STREAM, subjects=[SUBJECT], duplicate_window_s=DUPLICATE_WINDOW_S)
+
+_ACCOUNTS_DDL = "CREATE TABLE chaos_accounts (name text PRIMARY KEY, balance bigint NOT NULL)"
+# Deliberately without a unique key: a second effect must show, not be refused.
+_EFFECTS_DDL = (
+    "CREATE TABLE chaos_effects (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+    " transfer_id text NOT NULL, pid integer NOT NULL, delivered integer NOT NULL)"
+)
+_DEBIT = sa.text("UPDATE chaos_accounts SET balance = balance - :amount WHERE name = :name")
+_CREDIT = sa.text("UPDATE chaos_accounts SET balance = balance + :amount WHERE name = :name")
+_EFFECT = sa.text(
+    "INSERT INTO chaos_effects (transfer_id, pid, delivered) VALUES (:id, :pid, :delivered)"
+)
+EFFECTS_SQL = "SELECT transfer_id, count(*) FROM chaos_effects GROUP BY transfer_id"
+
+
+@app.handler(stream=STREAM, subject=SUBJECT, name=HANDLER)
+async def book(msg: eop.Message, session: AsyncSession) -> None:
+    """Book one transfer: debit, credit, one effect row."""
+    transfer = msg.json()
+    if not isinstance(transfer, dict) or transfer.get("kind") == "poison":
+        raise eop.Reject("not a transfer")
+    if transfer.get("kind") == "failing":
+        # Fails on every delivery: dead-lettered once its attempts run out.
+        raise RuntimeError("this transfer always fails")
+    amount = int(transfer["amount"])
+    await session.execute(_DEBIT, {"amount": amount, "name": transfer["from"]})
+    # Long enough for crashes and concurrent deliveries to land between the writes.
+    await asyncio.sleep(random.random() * 0.004)
+    await session.execute(_CREDIT, {"amount": amount, "name": transfer["to"]})
+    await session.execute(
+        _EFFECT, {"id": transfer["id"], "pid": os.getpid(), "delivered": msg.num_delivered}
+    )
+
+
+def make_payload(index: int, rng: random.Random) -> Payload:
+    """The ``index``-th transfer; about one in 150 is poison of one of three kinds."""
+    if index % 150 == 149:
+        kind = ("undecodable", "poison", "failing")[(index // 150) % 3]
+        key = f"p{index:06d}"
+        if kind == "undecodable":
+            data = b"\xff\xfe not json " + CANARY_PAYLOAD.encode()
+        else:
+            data = json.dumps({"id": key, "kind": kind, "memo": CANARY_PAYLOAD}).encode()
+        return Payload(key=key, data=data, poison=True)
+    key = f"t{index:06d}"
+    source, dest = rng.sample(ACCOUNTS, 2)
+    body = {
+        "id": key,
+        "from": source,
+        "to": dest,
+        "amount": rng.randint(1, 1000),
+        "memo": CANARY_PAYLOAD,
+    }
+    return Payload(key=key, data=json.dumps(body).encode())
+
+
+def setup(sync_url: str) -> None:
+    """Create the accounts (all at 0) and the effects table."""
+    engine = sa.create_engine(sync_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(_ACCOUNTS_DDL))
+            conn.execute(sa.text(_EFFECTS_DDL))
+            conn.execute(
+                sa.text("INSERT INTO chaos_accounts (name, balance) VALUES (:name, 0)"),
+                [{"name": name} for name in ACCOUNTS],
+            )
+    finally:
+        engine.dispose()
+
+
+def check_balances(conn: sa.Connection, payloads: Sequence[Payload]) -> list[str]:
+    """Every balance equals the sum of the distinct transfers that touched it."""
+    expected = dict.fromkeys(ACCOUNTS, 0)
+    for payload in payloads:
+        if payload.poison:
+            continue
+        transfer = json.loads(payload.data)
+        expected[transfer["from"]] -= transfer["amount"]
+        expected[transfer["to"]] += transfer["amount"]
+    rows = conn.execute(sa.text("SELECT name, balance FROM chaos_accounts")).all()
+    actual = {str(name): int(balance) for name, balance in rows}
+    return [
+        f"account {name}: balance {actual.get(name)} != {want} (sum of distinct transfers)"
+        for name, want in sorted(expected.items())
+        if actual.get(name) != want
+    ]
+
+
+def target() -> Target:
+    """The bank as a :class:`Target`."""
+    return Target(
+        app="eop.chaos.bank:app",
+        handler=HANDLER,
+        effects_sql=EFFECTS_SQL,
+        payloads=make_payload,
+        setup=setup,
+        invariant=check_balances,
+    )

@@ -1,0 +1,155 @@
+"""The checker: what became of every logical message, and what the workers' logs prove.
+
+Per logical message (its key), a good one must have exactly one effect and no
+dead letter; a poison one exactly one dead letter and no effect. Anything
+else is lost, duplicated, or dead-lettered by mistake; effects or dead letters
+of keys never published are unexpected. The logs must show that the hard
+races happened (kills at every fault point, ambiguous commits, lost ack
+replies, overlapping deliveries), and must not hold a single canary secret.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from eop import faults, models
+from eop.chaos.target import Payload
+
+
+@dataclasses.dataclass
+class Outcomes:
+    """The per-message verdicts."""
+
+    good: int = 0
+    poison: int = 0
+    exactly_once: int = 0
+    poison_dead_lettered: int = 0
+    lost: list[str] = dataclasses.field(default_factory=list)
+    duplicated: list[str] = dataclasses.field(default_factory=list)
+    unexpected: list[str] = dataclasses.field(default_factory=list)
+    dead_lettered: list[str] = dataclasses.field(default_factory=list)
+    """Good messages that were dead-lettered."""
+
+
+def check_outcomes(
+    payloads: Sequence[Payload],
+    effects: Mapping[str, int],
+    dead_letters: Mapping[str | None, Sequence[str]],
+) -> Outcomes:
+    """Compare effects and dead letters (reasons by msg-id) with what was published."""
+    out = Outcomes()
+    planned = {p.key: p for p in payloads}
+    for key, payload in planned.items():
+        _judge(out, key, payload.poison, int(effects.get(key, 0)), list(dead_letters.get(key, ())))
+    for key, n in effects.items():
+        if key not in planned:
+            out.unexpected.append(f"{n} effects of unknown key {key!r}")
+    for msg_id, dead in dead_letters.items():
+        if msg_id is None or msg_id not in planned:
+            out.unexpected.append(f"dead letters {list(dead)} of unknown msg-id {msg_id!r}")
+        elif models.REASON_SEQUENCE_REUSED in dead:
+            out.unexpected.append(f"{msg_id}: quarantined as a reused sequence")
+    return out
+
+
+def _judge(out: Outcomes, key: str, poison: bool, n_effects: int, reasons: list[str]) -> None:
+    """One message's verdict: good ones need one effect, poison ones one dead letter."""
+    outcomes = n_effects + len(reasons)
+    if outcomes == 0:
+        out.lost.append(key)
+    elif outcomes > 1:
+        out.duplicated.append(f"{key}: {n_effects} effects, dead letters {reasons}")
+    if poison:
+        out.poison += 1
+        if n_effects == 0 and len(reasons) == 1:
+            out.poison_dead_lettered += 1
+        elif outcomes == 1:
+            out.unexpected.append(f"{key}: poison, yet it took effect")
+        return
+    out.good += 1
+    if n_effects == 1 and not reasons:
+        out.exactly_once += 1
+    elif outcomes == 1:
+        out.dead_lettered.append(f"{key}: {reasons[0]}")
+
+
+@dataclasses.dataclass
+class LogEvidence:
+    """What the workers' logs say."""
+
+    lines: int = 0
+    events: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    fault_hits: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    """``point:action`` of every fault-point firing."""
+    deadlocks: int = 0
+    leaks: list[str] = dataclasses.field(default_factory=list)
+    """Where a canary appeared (file, line number and which canary; never its value)."""
+    foreign_lines: int = 0
+    """Lines that are not eop's JSON (a traceback, a library's print)."""
+    foreign_samples: list[str] = dataclasses.field(default_factory=list)
+
+
+def scan_logs(paths: Iterable[Path], canaries: Mapping[str, str]) -> LogEvidence:
+    """Read every line of every log: count events, collect fault hits, find canaries."""
+    ev = LogEvidence()
+    for path in paths:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            ev.lines += 1
+            for label, secret in canaries.items():
+                if secret and secret in line:
+                    ev.leaks.append(f"{path.name}:{number}: {label}")
+            _count_line(ev, line, path.name)
+    return ev
+
+
+def _count_line(ev: LogEvidence, line: str, name: str) -> None:
+    try:
+        record = json.loads(line) if line.startswith("{") else None
+    except json.JSONDecodeError:
+        record = None  # the last line of a killed process may be cut short
+    if not isinstance(record, dict):
+        if line.strip():
+            ev.foreign_lines += 1
+            if len(ev.foreign_samples) < 5:
+                ev.foreign_samples.append(f"{name}: {line[:200]}")
+        return
+    event = str(record.get("event"))
+    ev.events[event] += 1
+    if event == "fault.hit":
+        ev.fault_hits[f"{record.get('point')}:{record.get('action')}"] += 1
+    elif event == "transaction.retry" and "eadlock" in str(record.get("error", "")):
+        ev.deadlocks += 1
+
+
+EVIDENCE_EVENTS = {
+    "ambiguous commits": "commit.ambiguous",
+    "ack retries (lost ack replies)": "ack.retry",
+    "overlapping deliveries (claim waited out)": "message.claim_timeout",
+}
+
+
+def evidence(ev: LogEvidence) -> dict[str, int]:
+    """The counts that show the hard races happened."""
+    found = {label: ev.events[event] for label, event in EVIDENCE_EVENTS.items()}
+    found["acks given up"] = ev.events["ack.gave_up"]
+    found["transactions retried"] = ev.events["transaction.retry"]
+    found["deadlocks retried"] = ev.deadlocks
+    found["duplicate deliveries skipped"] = ev.events["message.duplicate"]
+    found["nats reconnects"] = ev.events["nats.reconnected"]
+    for point in faults.POINTS:
+        found[f"kills at {point}"] = ev.fault_hits[f"{point}:kill"]
+    return found
+
+
+def missing_evidence(found: Mapping[str, int]) -> list[str]:
+    """The races a full run must show but this one did not."""
+    required = [*EVIDENCE_EVENTS, *(f"kills at {p}" for p in faults.POINTS)]
+    return [label for label in required if not found.get(label)]

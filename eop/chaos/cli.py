@@ -1,0 +1,134 @@
+"""``eop chaos``: the seeded chaos run from the command line.
+
+Importing this module imports nothing heavy; the run does when it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+from eop import errors
+from eop.chaos import workers
+
+# flag, type, default, help
+_OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
+    ("messages", int, None, "logical messages (default: 3000, or 10 per second of --duration-s)"),
+    ("workers", int, 3, "worker processes"),
+    ("duration-s", float, 75.0, "length of the chaos phase (publishing and faults)"),
+    ("seed", int, None, "seed of the fault schedule (default: random; printed)"),
+    ("fault-gap-s", float, 0.3, "mean time between injected faults"),
+    (
+        "drain-deadline-s",
+        float,
+        90.0,
+        "time allowed to drain after healing (else: liveness failure)",
+    ),
+    ("concurrency", int, 4, "messages in flight per worker"),
+    ("batch-mode", str, "mixed", "batch transactions: mixed (odd worker slots), on or off"),
+    ("log-dir", str, None, "keep the workers' logs here (default: a temp folder, kept on failure)"),
+    ("json", str, None, "also write the report as JSON to this file"),
+    ("app", str, None, "your app, MODULE:APP (default: the built-in bank, eop.chaos.bank:app)"),
+    ("handler", str, None, "the handler of --app to run"),
+    ("effects-sql", str, None, "query returning (key, effect count) per logical message"),
+    ("payloads", str, None, "MODULE:FUNCTION (index, rng) -> eop.chaos.Payload"),
+    ("setup", str, None, "MODULE:FUNCTION (sync database URL) creating your tables"),
+    ("invariant-sql", str, None, "query returning one row per violated invariant"),
+)
+
+
+def _env_var(flag: str) -> str:
+    return "EOP_CHAOS_" + flag.upper().replace("-", "_")
+
+
+def add_command(sub: Any) -> None:
+    """Add ``chaos`` to the subparsers of ``eop``."""
+    parser = sub.add_parser(
+        "chaos",
+        help="prove exactly-once under fire: seeded crashes, outages and lost replies",
+        description="Start nats-server and PostgreSQL, run worker processes behind fault "
+        "proxies, publish while injecting seeded faults, heal, drain, and check that every "
+        "message took effect exactly once. Exit status 0 only if it did.",
+    )
+    for flag, kind, default, help_text in _OPTIONS:
+        var = _env_var(flag)
+        raw = os.environ.get(var)
+        value = kind(raw) if raw is not None else default
+        parser.add_argument(
+            f"--{flag}",
+            type=kind,
+            default=value,
+            help=f"{help_text} [env: {var}; default: {default}]",
+        )
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an extra `eop worker` argument, repeatable (e.g. --worker-arg=--batch-transactions)",
+    )
+    parser.add_argument(
+        "--require-evidence",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fail unless every fault point killed a worker and the hard races happened "
+        "(default: on)",
+    )
+    parser.set_defaults(command=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``eop chaos``; 0 when exactly-once held."""
+    from eop.chaos import bank, harness, target
+
+    custom = (args.app, args.handler, args.effects_sql, args.payloads)
+    if any(custom) and not all(custom):
+        raise errors.ConfigurationError(
+            "--app needs --handler, --effects-sql and --payloads (and they need --app)"
+        )
+    chosen = (
+        target.from_options(
+            app=args.app,
+            handler=args.handler,
+            effects_sql=args.effects_sql,
+            payloads=args.payloads,
+            setup=args.setup,
+            invariant_sql=args.invariant_sql,
+        )
+        if args.app
+        else bank.target()
+    )
+    messages = args.messages
+    if messages is None:
+        messages = 3000 if args.duration_s <= 300 else int(args.duration_s * 10)
+    # Printed first, so that even a run that crashes can be replayed.
+    seed = args.seed if args.seed is not None else random.randrange(1_000_000)
+    print(f"eop chaos: seed {seed}", flush=True)
+    config = harness.Config(
+        target=chosen,
+        messages=messages,
+        workers=args.workers,
+        duration_s=args.duration_s,
+        seed=seed,
+        mean_fault_gap_s=args.fault_gap_s,
+        drain_deadline_s=args.drain_deadline_s,
+        concurrency=args.concurrency,
+        batch_mode=_batch_mode(args.batch_mode),
+        worker_args=tuple(args.worker_arg),
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        require_evidence=args.require_evidence,
+    )
+    report = harness.run(config)
+    print(report.render(), flush=True)
+    if args.json:
+        Path(args.json).write_text(report.to_json() + "\n", encoding="utf-8")
+    return 0 if report.ok else 1
+
+
+def _batch_mode(value: str) -> workers.BatchMode:
+    if value not in ("mixed", "on", "off"):
+        raise errors.ConfigurationError(f"--batch-mode must be mixed, on or off, not {value!r}")
+    return value  # type: ignore[return-value]  # checked above

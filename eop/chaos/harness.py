@@ -1,0 +1,392 @@
+"""The chaos run end to end: servers, proxies, workers, publisher, faults, heal, drain, check.
+
+    from eop import chaos
+    report = chaos.run(chaos.Config(messages=3000, duration_s=75, seed=7))
+    print(report.render())
+
+Phases: start a nats-server (file storage, user and password) and a
+PostgreSQL of its own, with a fault proxy in front of each; start K real
+``python -m eop worker`` processes through the proxies; publish the logical
+messages while the seeded schedule injects faults; heal everything and wait
+for the consumer to drain (a liveness failure if it does not in time); stop
+the workers; check every message, the aggregate invariant and every log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import sqlalchemy as sa
+
+from eop import embedded, errors, jetstream, migrate
+from eop.chaos import bank, checker, injector, proxy, publisher, schedule, workers
+from eop.chaos.report import Report
+from eop.chaos.target import Payload, Target
+from eop.chaos.workers import BatchMode
+from eop.settings import Settings
+
+DATABASE = "chaos"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The shape of a chaos run. The defaults are the CI size."""
+
+    target: Target = dataclasses.field(default_factory=bank.target)
+    messages: int = 3000
+    workers: int = 3
+    duration_s: float = 75.0
+    """The chaos phase: publishing and fault injection."""
+    seed: int | None = None
+    mean_fault_gap_s: float = 0.3
+    drain_deadline_s: float = 90.0
+    ack_wait_s: float = 4.0
+    concurrency: int = 4
+    max_attempts: int = 15
+    batch_mode: BatchMode = "mixed"
+    """Per-message transactions on even worker slots, batch transactions on odd ones."""
+    worker_args: tuple[str, ...] = ()
+    """Extra ``eop worker`` flags (for example ``--batch 8``)."""
+    log_dir: Path | None = None
+    """Where worker logs go (default: a temporary folder, kept only if the run fails)."""
+    require_evidence: bool = True
+    """Fail unless the logs show every fault point killed and the hard races happened."""
+
+    def command(self, seed: int) -> str:
+        """The ``eop chaos`` command line that replays this run's fault schedule."""
+        parts = [
+            "eop chaos",
+            f"--seed {seed}",
+            f"--messages {self.messages}",
+            f"--workers {self.workers}",
+            f"--duration-s {self.duration_s:g}",
+            f"--fault-gap-s {self.mean_fault_gap_s:g}",
+            f"--batch-mode {self.batch_mode}",
+        ]
+        if self.target.app != bank.target().app:
+            parts.append(f"--app {self.target.app} --handler {self.target.handler} ...")
+        return " ".join(parts)
+
+
+@dataclasses.dataclass
+class _Servers:
+    nats: embedded.NatsServer
+    pg: embedded.PostgresServer
+    canaries: dict[str, str]
+    nats_user: str = "chaos"
+
+    @property
+    def nats_url(self) -> str:
+        return self.nats_url_at(self.nats.port)
+
+    def nats_url_at(self, port: int) -> str:
+        return f"nats://{self.nats_user}:{self.canaries['nats password']}@127.0.0.1:{port}"
+
+    def database_url(self, port: int) -> str:
+        # Trust authentication ignores the password: it is there to be leaked, or not.
+        password = self.canaries["postgres password"]
+        return f"postgresql+asyncpg://postgres:{password}@127.0.0.1:{port}/{DATABASE}"
+
+
+def make_canaries(seed: int) -> dict[str, str]:
+    """Secrets planted in the run; none may appear in a log line."""
+    rng = random.Random(f"eop-chaos-canary:{seed}")
+
+    def token(kind: str) -> str:
+        return f"cnry{kind}{rng.getrandbits(64):016x}"
+
+    return {
+        "nats password": token("nats"),
+        "postgres password": token("pg"),
+        "authorization header": token("auth"),
+        "api key header": token("key"),
+        "payload": bank.CANARY_PAYLOAD,
+    }
+
+
+def run(config: Config) -> Report:
+    """Run a chaos test; the report says whether exactly-once held."""
+    seed = config.seed if config.seed is not None else random.randrange(1_000_000)
+    canaries = make_canaries(seed)
+    log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="eop-chaos-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    nats_server = embedded.NatsServer(args=["--user", "chaos", "--pass", canaries["nats password"]])
+    pg = embedded.PostgresServer(settings={"deadlock_timeout": "100ms", "max_connections": "300"})
+    try:
+        nats_server.start()
+        pg.start()
+        servers = _Servers(nats_server, pg, canaries)
+        direct_url = pg.create_database(DATABASE)
+        migrate.upgrade(direct_url)
+        if config.target.setup is not None:
+            config.target.setup(pg.url_for(DATABASE, driver="psycopg"))
+        report = asyncio.run(_Run(config, seed, servers, log_dir).run())
+    finally:
+        pg.close()
+        nats_server.close()
+    report.timings_s["total"] = time.monotonic() - started
+    report.log_dir = str(log_dir)
+    if report.ok and config.log_dir is None:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        report.log_dir = ""
+    return report
+
+
+class _Run:
+    """One run's moving parts, inside the event loop."""
+
+    def __init__(self, config: Config, seed: int, servers: _Servers, log_dir: Path) -> None:
+        from eop.cli import load_app
+
+        self.config, self.seed, self.servers, self.log_dir = config, seed, servers, log_dir
+        app = load_app(config.target.app)
+        if config.target.handler not in app.handlers:
+            raise errors.ConfigurationError(
+                f"{config.target.app} has no handler {config.target.handler!r}"
+            )
+        self.spec = app.handlers[config.target.handler]
+        self.stream_spec = app.stream_spec(self.spec.stream)
+        self.settings = Settings(
+            ack_wait_s=config.ack_wait_s, max_attempts=config.max_attempts, lease_margin_s=1.0
+        )
+        self.report = Report(seed=seed, command=config.command(seed), messages=config.messages)
+        self.late_keys: set[str] = set()
+
+    def worker_env(self, nats_port: int, pg_port: int) -> dict[str, str]:
+        c = self.config
+        env = dict(os.environ)
+        env.update(
+            EOP_DATABASE_URL=self.servers.database_url(pg_port),
+            EOP_NATS_URL=self.servers.nats_url_at(nats_port),
+            EOP_LOG_FORMAT="json",
+            EOP_LOG_LEVEL="debug",  # ack.retry is logged at debug level
+            EOP_ACK_WAIT_S=str(c.ack_wait_s),
+            EOP_LEASE_MARGIN_S="1",
+            EOP_CONCURRENCY=str(c.concurrency),
+            EOP_BATCH=str(c.concurrency),
+            EOP_FETCH_TIMEOUT_S="0.3",
+            EOP_MAX_ATTEMPTS=str(c.max_attempts),
+            EOP_BACKOFF_BASE_S="0.1",
+            EOP_BACKOFF_MAX_S="1",
+            EOP_ACK_TIMEOUT_S="0.5",
+            EOP_ACK_GIVE_UP_S="3",
+            EOP_LOCK_TIMEOUT_S="1",
+            EOP_STATEMENT_TIMEOUT_S="10",
+            EOP_SHUTDOWN_GRACE_S="8",
+        )
+        # The worker imports the app by name: make this interpreter's path its path.
+        env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *sys.path[1:]])
+        return env
+
+    async def run(self) -> Report:
+        c, r = self.config, self.report
+        nats_proxy = proxy.FaultProxy("127.0.0.1", self.servers.nats.port, protocol="nats")
+        pg_proxy = proxy.FaultProxy("127.0.0.1", self.servers.pg.port, protocol="postgres")
+        await nats_proxy.start()
+        await pg_proxy.start()
+        pool = self._pool(nats_proxy.port, pg_proxy.port)
+        nc = None
+        try:
+            nc = await nats.connect(
+                self.servers.nats_url,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.2,
+                # The harness kills this server on purpose: its errors are expected.
+                error_cb=_ignore,
+            )
+            js = nc.jetstream()
+            inj = injector.Injector(
+                nats_server=self.servers.nats,
+                pg=self.servers.pg,
+                database=DATABASE,
+                nats_proxy=nats_proxy,
+                pg_proxy=pg_proxy,
+                pool=pool,
+                js=js,
+                spec=self.spec,
+                settings=self.settings,
+            )
+            await jetstream.ensure_stream(js, self.stream_spec, create=True)
+            await inj.ensure_consumer()
+            payloads = [
+                c.target.payloads(i, random.Random(f"{self.seed}:{i}")) for i in range(c.messages)
+            ]
+            await self._chaos(js, pool, inj, payloads)
+            await self._heal_and_drain(js, pool, inj)
+            r.final_exit_codes = list((await asyncio.to_thread(pool.stop_all)).values())
+            r.stored = (await js.stream_info(self.spec.stream)).state.messages
+            self._check(pool, payloads)
+        finally:
+            if nc is not None:
+                with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
+                    await nc.close()
+            r.proxy = dict(nats_proxy.stats + pg_proxy.stats)
+            await nats_proxy.close()
+            await pg_proxy.close()
+            pool.close()
+        return r
+
+    def _pool(self, nats_port: int, pg_port: int) -> workers.WorkerPool:
+        c = self.config
+        return workers.WorkerPool(
+            app=c.target.app,
+            handler=c.target.handler,
+            env=self.worker_env(nats_port, pg_port),
+            log_dir=self.log_dir,
+            count=c.workers,
+            seed=self.seed,
+            ack_wait_s=c.ack_wait_s,
+            args=c.worker_args,
+            batch_mode=c.batch_mode,
+        )
+
+    async def _chaos(
+        self,
+        js: Any,
+        pool: workers.WorkerPool,
+        inj: injector.Injector,
+        payloads: list[Payload],
+    ) -> None:
+        c = self.config
+        faults = schedule.build(
+            self.seed,
+            c.duration_s,
+            mean_gap_s=c.mean_fault_gap_s,
+            workers=c.workers,
+            ack_wait_s=c.ack_wait_s,
+        )
+        sends = publisher.plan(
+            payloads, self.seed, c.duration_s * 0.85, self.stream_spec.duplicate_window_s
+        )
+        headers = {
+            "Authorization": f"Bearer {self.servers.canaries['authorization header']}",
+            "X-Api-Key": self.servers.canaries["api key header"],
+        }
+        self.late_keys = {send.payload.key for send in sends if send.late}
+        pub = publisher.Publisher(js, self.spec.subject, headers)
+        pool.start()
+        monitor = asyncio.create_task(_monitor(pool, self.report.timings_s))
+        started = time.monotonic()
+        try:
+            await asyncio.gather(pub.run(sends, started), inj.run(faults, started))
+            remaining = started + c.duration_s - time.monotonic()
+            if remaining > 0:
+                await asyncio.sleep(remaining)
+            await inj.heal()
+        finally:
+            monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await monitor
+        self.report.publishes = pub.publishes
+        self.report.faults = inj.counts
+        self.report.timings_s["chaos"] = time.monotonic() - started
+
+    async def _heal_and_drain(
+        self, js: Any, pool: workers.WorkerPool, inj: injector.Injector
+    ) -> None:
+        started = time.monotonic()
+        # Unarmed workers from here on; stopping the armed ones gracefully is
+        # one more fault (SIGTERM with messages in flight).
+        await asyncio.to_thread(pool.replace_all)
+        monitor = asyncio.create_task(_monitor(pool, self.report.timings_s))
+        try:
+            drained = await _wait_drained(js, self.spec, self.config.drain_deadline_s)
+        finally:
+            monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await monitor
+        if not drained:
+            self.report.liveness = (
+                f"the consumer did not drain within {self.config.drain_deadline_s:g} s "
+                f"after healing (pending: {await _pending(js, self.spec)})"
+            )
+        self.report.timings_s["drain"] = time.monotonic() - started
+
+    def _check(self, pool: workers.WorkerPool, payloads: list[Payload]) -> None:
+        r, target = self.report, self.config.target
+        engine = sa.create_engine(self.servers.pg.url_for(DATABASE, driver="psycopg"))
+        try:
+            with engine.connect() as conn:
+                effects = {str(k): int(n) for k, n in conn.execute(sa.text(target.effects_sql))}
+                dead: dict[str | None, list[str]] = {}
+                rows = conn.execute(
+                    sa.text("SELECT msg_id, reason FROM eop.dead_letters WHERE subscription = :s"),
+                    {"s": target.handler},
+                )
+                for msg_id, reason in rows:
+                    dead.setdefault(msg_id, []).append(str(reason))
+                if target.invariant is not None:
+                    r.invariant_problems += target.invariant(conn, payloads)
+                if target.invariant_sql:
+                    violations = conn.execute(sa.text(target.invariant_sql)).all()
+                    r.invariant_problems += [f"invariant_sql row {tuple(v)}" for v in violations]
+        finally:
+            engine.dispose()
+        r.outcomes = checker.check_outcomes(payloads, effects, dead)
+        # Say which duplicates were republished after the server's window: it
+        # tells a msg-id guard failure from a protocol one at a glance.
+        r.outcomes.duplicated = [
+            f"{item} (republished after the duplicate window)"
+            if item.split(":")[0] in self.late_keys
+            else item
+            for item in r.outcomes.duplicated
+        ]
+        r.logs = checker.scan_logs(pool.logs(), self.servers.canaries)
+        r.evidence = checker.evidence(r.logs)
+        if self.config.require_evidence:
+            r.missing_evidence = checker.missing_evidence(r.evidence)
+        r.worker_exits = pool.exits
+        r.incarnations = len(pool.incarnations)
+
+
+async def _ignore(_: Exception) -> None:
+    return None
+
+
+async def _monitor(pool: workers.WorkerPool, lag: dict[str, float]) -> None:
+    """Replace dead workers; measure how late this loop runs (the proxies live in it)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        pool.poll()
+        before = loop.time()
+        await asyncio.sleep(0.1)
+        late = loop.time() - before - 0.1
+        lag["max loop lag"] = max(lag.get("max loop lag", 0.0), late)
+
+
+async def _pending(js: Any, spec: Any) -> str:
+    try:
+        info = await js.consumer_info(spec.stream, spec.durable)
+    except Exception as exc:  # only for the message of a liveness failure
+        return f"unknown ({type(exc).__name__})"
+    return f"{info.num_pending} undelivered, {info.num_ack_pending} awaiting ack"
+
+
+async def _wait_drained(js: Any, spec: Any, deadline_s: float) -> bool:
+    """Wait until the consumer has nothing undelivered and nothing unacked, twice in a row."""
+    end = time.monotonic() + deadline_s
+    streak = 0
+    while time.monotonic() < end:
+        try:
+            info = await js.consumer_info(spec.stream, spec.durable)
+            quiet = info.num_pending == 0 and info.num_ack_pending == 0
+        except Exception:  # a liveness probe: anything but "drained" means "not yet"
+            quiet = False
+        streak = streak + 1 if quiet else 0
+        if streak >= 2:
+            return True
+        await asyncio.sleep(0.5)
+    return False

@@ -1,0 +1,136 @@
+"""The result of a chaos run: verdicts, faults injected, evidence, and its rendering."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from typing import Any
+
+from eop.chaos.checker import LogEvidence, Outcomes
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything a chaos run found. :attr:`ok` is the verdict."""
+
+    seed: int
+    command: str
+    messages: int
+    publishes: int = 0
+    stored: int = 0
+    faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    """Harness faults by kind (skipped ones counted as ``KIND (skipped)``)."""
+    outcomes: Outcomes = dataclasses.field(default_factory=Outcomes)
+    invariant_problems: list[str] = dataclasses.field(default_factory=list)
+    logs: LogEvidence = dataclasses.field(default_factory=LogEvidence)
+    evidence: dict[str, int] = dataclasses.field(default_factory=dict)
+    missing_evidence: list[str] = dataclasses.field(default_factory=list)
+    liveness: str | None = None
+    """Why the run did not drain in time (None: it did)."""
+    worker_exits: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    final_exit_codes: list[int] = dataclasses.field(default_factory=list)
+    incarnations: int = 0
+    proxy: dict[str, int] = dataclasses.field(default_factory=dict)
+    timings_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    log_dir: str = ""
+
+    @property
+    def fault_count(self) -> int:
+        """Faults injected by the harness plus fault-point firings in the workers."""
+        injected = sum(n for kind, n in self.faults.items() if not kind.endswith("(skipped)"))
+        return injected + sum(self.logs.fault_hits.values())
+
+    @property
+    def problems(self) -> list[str]:
+        """Every reason the run failed (empty: exactly-once held)."""
+        o = self.outcomes
+        found = [f"lost: {key}" for key in o.lost]
+        found += [f"duplicated: {item}" for item in o.duplicated]
+        found += [f"unexpected: {item}" for item in o.unexpected]
+        found += [f"dead-lettered good message: {item}" for item in o.dead_lettered]
+        found += [f"invariant: {item}" for item in self.invariant_problems]
+        found += [f"secret leaked in a log line: {item}" for item in self.logs.leaks]
+        found += [f"no evidence of {item}" for item in self.missing_evidence]
+        bad_exits = [code for code in self.final_exit_codes if code != 0]
+        if bad_exits:
+            found.append(f"workers did not stop cleanly at the end: exit codes {bad_exits}")
+        if self.liveness:
+            found.append(f"liveness: {self.liveness}")
+        return found
+
+    @property
+    def ok(self) -> bool:
+        """True when exactly-once held, the run drained, and nothing leaked."""
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able summary."""
+        o = self.outcomes
+        return {
+            "ok": self.ok,
+            "seed": self.seed,
+            "command": self.command,
+            "messages": self.messages,
+            "publishes": self.publishes,
+            "stored": self.stored,
+            "lost": len(o.lost),
+            "duplicated": len(o.duplicated),
+            "unexpected": len(o.unexpected),
+            "dead_lettered_good": len(o.dead_lettered),
+            "poison_dead_lettered": o.poison_dead_lettered,
+            "poison": o.poison,
+            "faults_total": self.fault_count,
+            "faults": dict(sorted(self.faults.items())),
+            "fault_points": dict(sorted(self.logs.fault_hits.items())),
+            "evidence": self.evidence,
+            "worker_exits": dict(self.worker_exits),
+            "incarnations": self.incarnations,
+            "proxy": self.proxy,
+            "log_lines": self.logs.lines,
+            "timings_s": self.timings_s,
+            "problems": self.problems[:50],
+        }
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def render(self) -> str:
+        """The report for people."""
+        o = self.outcomes
+        lines = [
+            f"eop chaos: seed {self.seed}  (replay: {self.command})",
+            f"  messages: {self.messages} logical ({o.good} good, {o.poison} poison), "
+            f"{self.publishes} publishes, {self.stored} stored by the server",
+            f"  exactly once: {o.exactly_once}/{o.good} good; poison dead-lettered once: "
+            f"{o.poison_dead_lettered}/{o.poison}",
+            f"  lost {len(o.lost)}, duplicated {len(o.duplicated)}, unexpected "
+            f"{len(o.unexpected)}, good dead-lettered {len(o.dead_lettered)}",
+            f"  faults: {self.fault_count} in all; injected by the harness:",
+        ]
+        lines += [f"    {kind:<28} {n:>6}" for kind, n in sorted(self.faults.items())]
+        lines.append("  fault points fired in workers:")
+        lines += [f"    {hit:<28} {n:>6}" for hit, n in sorted(self.logs.fault_hits.items())]
+        lines.append("  evidence from the workers' logs:")
+        lines += [f"    {label:<42} {n:>6}" for label, n in self.evidence.items()]
+        lines.append(
+            f"  workers: {self.incarnations} processes; exits "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.worker_exits.items()))
+        )
+        lines.append(f"  proxies: {self.proxy}")
+        lines.append(
+            f"  log lines scanned: {self.logs.lines} ({self.logs.foreign_lines} not eop's JSON); "
+            f"canary leaks: {len(self.logs.leaks)}"
+        )
+        lines.extend(f"    foreign: {sample}" for sample in self.logs.foreign_samples)
+        lines.append("  timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings_s.items()))
+        if self.log_dir:
+            lines.append(f"  logs: {self.log_dir}")
+        problems = self.problems
+        if problems:
+            lines.append(f"  FAILED ({len(problems)} problems; seed {self.seed}):")
+            lines += [f"    {p}" for p in problems[:40]]
+        else:
+            lines.append("  OK: every message took effect exactly once")
+        return "\n".join(lines)

@@ -1,0 +1,201 @@
+"""The seeded fault schedule: which fault, when, for how long, at whom.
+
+A schedule is a pure function of the seed and the run's shape, so the same
+seed replays the same faults at the same offsets (the processes' timing
+still varies: what the faults hit is up to the race, which is the point).
+Outages of one server never overlap each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Literal, get_args
+
+from eop import faults
+
+Kind = Literal[
+    "worker_kill",
+    "worker_stop",
+    "nats_kill",
+    "nats_restart",
+    "pg_restart",
+    "pg_crash",
+    "pg_terminate",
+    "nats_latency",
+    "pg_latency",
+    "nats_blackhole",
+    "pg_blackhole",
+    "nats_reset",
+    "pg_reset",
+    "drop_ack_reply",
+    "drop_commit_reply",
+    "consumer_recreate",
+]
+KINDS: tuple[Kind, ...] = get_args(Kind)
+
+# Relative frequencies: cheap, local faults often; server outages, which
+# cost seconds of recovery each, rarely.
+WEIGHTS: dict[Kind, float] = {
+    "worker_kill": 1,
+    "worker_stop": 2,
+    "nats_kill": 0.6,
+    "nats_restart": 0.4,
+    "pg_restart": 0.5,
+    "pg_crash": 0.4,
+    "pg_terminate": 2,
+    "nats_latency": 2,
+    "pg_latency": 2,
+    "nats_blackhole": 1,
+    "pg_blackhole": 1,
+    "nats_reset": 1.5,
+    "pg_reset": 1.5,
+    "drop_ack_reply": 5,
+    "drop_commit_reply": 5,
+    "consumer_recreate": 0.4,
+}
+
+# Which resource an outage holds: two outages of one resource never overlap.
+_RESOURCE: dict[Kind, str] = {
+    "nats_kill": "nats",
+    "nats_restart": "nats",
+    "nats_blackhole": "nats",
+    "pg_restart": "pg",
+    "pg_crash": "pg",
+    "pg_blackhole": "pg",
+    "consumer_recreate": "consumer",
+}
+
+
+# Faults that hit every connection or a whole server. Every other window of
+# CALM_EVERY_S goes without them: a claim held past AckWait then survives long
+# enough for the redelivery to wait it out (the overlap race), which a storm of
+# server-wide faults would cut short every time.
+_SERVER_WIDE = {
+    "nats_kill",
+    "nats_restart",
+    "nats_blackhole",
+    "nats_reset",
+    "pg_restart",
+    "pg_crash",
+    "pg_terminate",
+    "pg_blackhole",
+    "pg_reset",
+    "consumer_recreate",
+}
+CALM_EVERY_S = 12.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One scheduled fault."""
+
+    at_s: float
+    """Offset from the start of the chaos phase."""
+    kind: Kind
+    duration_s: float = 0.0
+    """How long it lasts (stop, outage, latency, black hole); 0 for instant ones."""
+    target: int = 0
+    """Which worker slot (worker faults) or how many replies (drops)."""
+    amount: float = 0.0
+    """Latency in seconds (latency faults)."""
+
+
+def build(
+    seed: int, duration_s: float, *, mean_gap_s: float, workers: int, ack_wait_s: float
+) -> list[Fault]:
+    """The faults of a chaos phase of ``duration_s``, about every ``mean_gap_s``."""
+    rng = random.Random(f"eop-chaos-schedule:{seed}")
+    storm = list(WEIGHTS)
+    calm = [k for k in storm if k not in _SERVER_WIDE]
+    busy_until: dict[str, float] = {}
+    schedule: list[Fault] = []
+    now = rng.uniform(0.5, 1.5)
+    while now < duration_s:
+        kinds = calm if int(now // CALM_EVERY_S) % 2 else storm
+        kind = rng.choices(kinds, [WEIGHTS[k] for k in kinds])[0]
+        fault = _make(rng, kind, now, workers, ack_wait_s)
+        resource = _RESOURCE.get(kind)
+        if resource is None or busy_until.get(resource, 0.0) <= now:
+            if resource is not None:
+                # Leave time to recover before the next outage of the same thing.
+                busy_until[resource] = now + fault.duration_s + 2.0
+            schedule.append(fault)
+        now += rng.expovariate(1.0 / mean_gap_s)
+    return schedule
+
+
+def _make(rng: random.Random, kind: Kind, at_s: float, workers: int, ack_wait_s: float) -> Fault:
+    slot = rng.randrange(workers)
+    if kind == "worker_stop":
+        # Half the stops outlast AckWait: the server redelivers to a live worker
+        # while the stopped one still holds its claims.
+        return Fault(at_s, kind, rng.uniform(0.5, ack_wait_s * 2.5), slot)
+    if kind in ("nats_kill", "nats_restart", "pg_crash", "pg_restart"):
+        return Fault(at_s, kind, rng.uniform(0.2, 1.5))
+    if kind.endswith("_latency"):
+        return Fault(at_s, kind, rng.uniform(0.5, 3.0), amount=rng.uniform(0.005, 0.08))
+    if kind.endswith("_blackhole"):
+        return Fault(at_s, kind, rng.uniform(0.2, ack_wait_s * 0.4))
+    if kind.startswith("drop_"):
+        return Fault(at_s, kind, target=rng.randint(1, 3))
+    if kind == "consumer_recreate":
+        return Fault(at_s, kind, rng.uniform(0.1, 1.5))
+    if kind.endswith(("_reset", "_terminate")):
+        # Some cut every connection, others only some: a held claim may survive.
+        return Fault(at_s, kind, target=rng.choice((0, 1, 2)))
+    return Fault(at_s, kind, target=slot)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPlan:
+    """The fault points armed in one worker incarnation."""
+
+    rules: tuple[faults.Rule, ...]
+    seed: int
+
+    @property
+    def kill_point(self) -> faults.Point | None:
+        """The point this incarnation is planned to die at, if any."""
+        return next((r.point for r in self.rules if r.action == "kill"), None)
+
+    def env(self) -> dict[str, str]:
+        """The environment variables that arm it."""
+        if not self.rules:
+            return {}
+        spec = ",".join(rule.render() for rule in self.rules)
+        return {faults.FAULTS_VAR: spec, faults.SEED_VAR: str(self.seed)}
+
+
+def kill_plan(seed: int, incarnation: int, point: faults.Point) -> WorkerPlan:
+    """Only a kill at ``point``, at one of its first passes."""
+    rng = random.Random(f"eop-chaos-worker:{seed}:{incarnation}")
+    return WorkerPlan((_kill_rule(rng, point),), rng.randrange(2**31))
+
+
+def _kill_rule(rng: random.Random, point: faults.Point) -> faults.Rule:
+    # during_ack dies from a timer while the ack and its reply are on the wire.
+    delay = 0.004 if point == "during_ack" else 0.0
+    return faults.Rule(point, "kill", delay, nth=rng.randint(1, 8))
+
+
+def worker_plan(
+    seed: int, incarnation: int, kill_point: faults.Point | None, *, ack_wait_s: float
+) -> WorkerPlan:
+    """Arm one kill at ``kill_point`` (at a random pass), plus rare raises and stalls."""
+    rng = random.Random(f"eop-chaos-worker:{seed}:{incarnation}")
+    rules: list[faults.Rule] = []
+    stall_s = round(ack_wait_s * 2.0, 2)
+    if kill_point is None:
+        # A staller: it holds claims past AckWait and past the lock timeout of
+        # the redeliveries that wait on them (overlapping deliveries).
+        rules.append(faults.Rule("after_claim", "stall", stall_s, probability=0.5))
+    else:
+        rules.append(_kill_rule(rng, kill_point))
+    extra = [
+        faults.Rule(rng.choice(faults.POINTS), "raise", probability=0.01),
+        faults.Rule(rng.choice(("after_claim", "before_commit")), "stall", stall_s, 0.01),
+        faults.Rule("mid_handler", "freeze", stall_s, 0.001),
+    ]
+    rules += [r for r in extra if r.point != kill_point]
+    return WorkerPlan(tuple(rules), rng.randrange(2**31))

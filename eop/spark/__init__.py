@@ -1,0 +1,16 @@
+"""eop on Apache Spark: the ``jetstream`` data source and an exactly-once handler sink.
+
+Importing this package does not import PySpark; the modules that need it do:
+
+- :mod:`eop.spark.source`: the ``jetstream`` Python data source (batch and
+  Structured Streaming) that reads stream sequences through short-lived
+  consumers;
+- :mod:`eop.spark.sink`: runs a registered eop handler on the rows of each
+  partition, in one transaction with the same inbox claims as the workers;
+- :mod:`eop.spark.jobs`: what ``eop spark backfill`` and ``eop spark stream`` run;
+- :mod:`eop.spark.session`: a SparkSession with a Java runtime found or provided.
+
+Install it with ``pip install 'eop[spark]'``.
+"""
+
+from __future__ import annotations

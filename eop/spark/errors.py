@@ -1,0 +1,24 @@
+"""The errors of eop's Spark integration, in the :mod:`eop.errors` hierarchy."""
+
+from __future__ import annotations
+
+from eop import errors
+
+
+class SparkUnavailable(errors.ConfigurationError):
+    """PySpark is missing: install the `spark` extra (`pip install 'eop[spark]'`)."""
+
+
+class RangeUnavailable(errors.EopError):
+    """The requested sequences are no longer in the stream: retention or a purge removed them.
+
+    Reading on would return fewer rows than asked for, so eop fails instead.
+    """
+
+
+class StreamRecreated(errors.EopError):
+    """The stream was deleted and recreated: its sequences now name other messages."""
+
+
+class SparkJobFailed(errors.EopError):
+    """A Spark job failed."""

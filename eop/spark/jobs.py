@@ -1,0 +1,236 @@
+"""What ``eop spark backfill`` and ``eop spark stream`` run, usable from Python too.
+
+Both read the handler's stream and subject with the ``jetstream`` source and
+hand the rows to the exactly-once sink (:mod:`eop.spark.sink`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any
+
+from eop import errors as eop_errors
+from eop.handler import HandlerSpec, parse_order_by
+from eop.spark import errors, sink
+from eop.spark.apply import Counts
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming.query import StreamingQuery
+
+_EOP_ERROR = re.compile(r"^\s*(eop(?:\.\w+)*\.\w+): (.+)$", re.MULTILINE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """How the handler's stream is read."""
+
+    nats_url: str
+    from_seq: int | None = None
+    to_seq: int | None = None
+    """Inclusive; batch only."""
+    per_partition: int | None = None
+    max_per_batch: int | None = None
+    """Streaming only."""
+
+    def options(self, spec: HandlerSpec) -> dict[str, str]:
+        """The ``jetstream`` source options for ``spec``'s stream and subject."""
+        opts = {
+            "stream": spec.stream,
+            "subject": spec.subject,
+            "natsUrl": self.nats_url,
+            "startSequence": self.from_seq,
+            "endSequence": self.to_seq,
+            "messagesPerPartition": self.per_partition,
+            "maxMessagesPerBatch": self.max_per_batch,
+        }
+        return {k: str(v) for k, v in opts.items() if v is not None}
+
+
+def ordered(df: DataFrame, spec: HandlerSpec) -> DataFrame:
+    """For handlers with ``order_by``: a key's messages in one partition, in stream order.
+
+    Partitions run in parallel, so sequence ranges would let a key's later
+    message commit before its earlier one in another range.
+    """
+    if spec.order_by is None:
+        return df
+    from pyspark.sql import functions as F
+
+    kind, arg = parse_order_by(spec.order_by)
+    if kind == "subject":
+        key = F.try_element_at(F.split("subject", r"\."), F.lit(int(arg) + 1))
+    else:
+        key = F.try_element_at(F.col("headers"), F.lit(arg))
+    return df.repartition(max(df.rdd.getNumPartitions(), 1), key).sortWithinPartitions("seq")
+
+
+def backfill(
+    spark: SparkSession,
+    target: sink.Target,
+    spec: HandlerSpec,
+    read: ReadOptions,
+    *,
+    progress: IO[str] | None = None,
+) -> Counts:
+    """Run the handler over the stream's sequences ``[from_seq, to_seq]`` (a batch job)."""
+    with translated():
+        df = spark.read.format("jetstream").options(**read.options(spec)).load()
+        df = ordered(df, spec)
+        with _progress(spark, progress, f"backfill of {spec.stream} for {spec.name}"):
+            return sink.apply(df, target)
+
+
+def stream(
+    spark: SparkSession,
+    target: sink.Target,
+    spec: HandlerSpec,
+    read: ReadOptions,
+    *,
+    checkpoint: str,
+    trigger_s: float | None = None,
+    available_now: bool = False,
+    on_batch: Callable[[int, Counts], None] | None = None,
+) -> StreamingQuery:
+    """Start the Structured Streaming query; its offsets and progress live in ``checkpoint``."""
+    with translated():
+        df = spark.readStream.format("jetstream").options(**read.options(spec)).load()
+        writer = (
+            df.writeStream.foreachBatch(_OrderedSink(spec, sink.BatchSink(target, on_batch)))
+            .option("checkpointLocation", checkpoint)
+            .queryName(f"eop-{spec.name}")
+        )
+        if available_now:
+            writer = writer.trigger(availableNow=True)
+        elif trigger_s:
+            writer = writer.trigger(processingTime=f"{round(trigger_s * 1000)} milliseconds")
+        return writer.start()
+
+
+class _OrderedSink:
+    """The sink with :func:`ordered` applied to each micro-batch."""
+
+    def __init__(self, spec: HandlerSpec, batch_sink: sink.BatchSink) -> None:
+        self.spec = spec
+        self.sink = batch_sink
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        self.sink(ordered(df, self.spec), batch_id)
+
+
+def wait(
+    query: StreamingQuery,
+    *,
+    report: IO[str] | None = None,
+    stop: threading.Event | None = None,
+    every_s: float = 5.0,
+) -> None:
+    """Wait for the query to end (an error, AvailableNow's end, or ``stop``), with progress.
+
+    Stopping the query ends it between micro-batches or rolls the running one
+    back; either way the next start continues from the checkpoint.
+    """
+    last_id: Any = None
+    next_report = time.monotonic() + every_s
+    with translated():
+        while not query.awaitTermination(1):
+            if stop is not None and stop.is_set():
+                query.stop()
+                break
+            progress = query.lastProgress
+            if report and progress and time.monotonic() >= next_report:
+                next_report = time.monotonic() + every_s
+                if progress.get("batchId") != last_id:
+                    last_id = progress.get("batchId")
+                    print(_describe_progress(progress), file=report, flush=True)
+        # awaitTermination raises the query's failure only when asked without a timeout.
+        query.awaitTermination()
+
+
+def _describe_progress(progress: dict[str, Any]) -> str:
+    source = (progress.get("sources") or [{}])[0]
+    done = _seq(source.get("endOffset"))
+    latest = _seq(source.get("latestOffset"))
+    rate = source.get("processedRowsPerSecond") or 0.0
+    lag = f", {latest - done} behind" if done is not None and latest is not None else ""
+    return f"  at sequence {done}{lag} ({rate:,.0f} rows/s in the last batch)"
+
+
+def _seq(offset: Any) -> int | None:
+    if isinstance(offset, str):
+        with contextlib.suppress(ValueError):
+            offset = json.loads(offset)
+    return int(offset["seq"]) - 1 if isinstance(offset, dict) and "seq" in offset else None
+
+
+@contextlib.contextmanager
+def translated() -> Iterator[None]:
+    """Spark's errors as :class:`SparkJobFailed`, naming the eop error behind them, if any."""
+    try:
+        yield
+    except eop_errors.EopError:
+        raise
+    except Exception as exc:
+        if not _from_spark(exc):
+            raise
+        raise errors.SparkJobFailed(summary(exc)) from None
+
+
+def summary(exc: BaseException) -> str:
+    """The eop error a Spark failure carries (the last one named), else its first line."""
+    text = str(exc)
+    found = _EOP_ERROR.findall(text)
+    if found:
+        name, message = found[-1]
+        return f"{message.strip()} ({name.rsplit('.', 1)[-1]})"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first[:500]
+
+
+def _from_spark(exc: BaseException) -> bool:
+    module = type(exc).__module__
+    return module.startswith(("pyspark", "py4j"))
+
+
+@contextlib.contextmanager
+def _progress(spark: SparkSession, out: IO[str] | None, what: str) -> Iterator[None]:
+    """Print the running job's task counts every few seconds."""
+    if out is None:
+        yield
+        return
+    stop = threading.Event()
+    started = time.monotonic()
+    thread = threading.Thread(
+        target=_report_tasks, args=(spark, out, what, stop, started), daemon=True
+    )
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def _report_tasks(
+    spark: SparkSession, out: IO[str], what: str, stop: threading.Event, started: float
+) -> None:
+    tracker = spark.sparkContext.statusTracker()
+    last = ""
+    while not stop.wait(2.0):
+        done = total = running = 0
+        for stage_id in tracker.getActiveStageIds():
+            info = tracker.getStageInfo(stage_id)
+            if info is not None:
+                done += info.numCompletedTasks
+                total += info.numTasks
+                running += info.numActiveTasks
+        line = f"  {what}: {done}/{total} partitions done, {running} running"
+        if total and line != last:
+            last = line
+            print(f"{line} ({time.monotonic() - started:.0f} s)", file=out, flush=True)

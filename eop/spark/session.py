@@ -1,0 +1,80 @@
+"""A SparkSession for eop: a Java runtime found or provided, the data source registered."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from eop.spark import errors, java
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+DEFAULT_MASTER = "local[2]"
+SUBMITTED_ENV = "PYSPARK_GATEWAY_PORT"
+"""Set by spark-submit for the Python driver it starts: the JVM and its master exist."""
+
+#: Settings for a local session; a cluster's come from spark-submit and its own configuration.
+LOCAL_CONF = {
+    "spark.ui.enabled": "false",
+    # Few tasks of small data: the default of 200 shuffle partitions only costs time.
+    "spark.sql.shuffle.partitions": "4",
+}
+
+
+def is_local(master: str) -> bool:
+    """Whether ``master`` runs Spark inside this process (``local``, ``local[N]``, ...)."""
+    return master == "local" or master.startswith("local[")
+
+
+def build(
+    master: str | None = None,
+    *,
+    app_name: str = "eop",
+    conf: Mapping[str, str] | None = None,
+) -> SparkSession:
+    """Get or create the SparkSession, with the ``jetstream`` data source registered.
+
+    ``master`` defaults to spark-submit's when run by spark-submit, else
+    ``local[2]``. For local masters: Spark binds to 127.0.0.1, its Python
+    workers run this interpreter, and its web UI is off (``conf`` may turn it on).
+    """
+    builder_cls = _pyspark_session()
+    submitted = SUBMITTED_ENV in os.environ
+    if master is None and not submitted:
+        master = DEFAULT_MASTER
+    builder = builder_cls.builder.appName(app_name)
+    if master is not None:
+        builder = builder.master(master)
+    local = master is not None and is_local(master)
+    if not submitted:
+        # Under spark-submit the JVM runs already, with the Java spark-submit found.
+        java.ensure_java()
+    settings = dict(LOCAL_CONF) if local else {}
+    settings.update(conf or {})
+    if local:
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        # The workers must import eop and the app from the same environment as the driver.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    register(spark)
+    return spark
+
+
+def register(spark: SparkSession) -> None:
+    """Register the ``jetstream`` data source in a session built elsewhere."""
+    from eop.spark.source import JetStreamDataSource
+
+    spark.dataSource.register(JetStreamDataSource)
+
+
+def _pyspark_session() -> type[SparkSession]:
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise errors.SparkUnavailable() from None
+    return SparkSession

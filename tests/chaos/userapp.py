@@ -1,0 +1,39 @@
+"""A user's own app under `eop chaos`: what the harness needs from it, and nothing more."""
+
+from __future__ import annotations
+
+import random
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession
+
+import eop
+from eop.chaos import Payload
+
+app = eop.App()
+app.stream("NOTES", subjects=["notes.>"], duplicate_window_s=2.0)
+
+EFFECTS_SQL = "SELECT note, count(*) FROM notes GROUP BY note"
+
+
+@app.handler(stream="NOTES", subject="notes.new", name="notes")
+async def save(msg: eop.Message, session: AsyncSession) -> None:
+    """Store one note; a note that says 'poison' is refused."""
+    text = msg.text()
+    if text.startswith("poison"):
+        raise eop.Reject("poisonous note")
+    await session.execute(sa.text("INSERT INTO notes (note) VALUES (:n)"), {"n": text})
+
+
+def payload(index: int, rng: random.Random) -> Payload:
+    """Note ``index``; every 50th is poison."""
+    key = f"{'poison' if index % 50 == 49 else 'note'}-{index}"
+    return Payload(key=key, data=key.encode(), poison=key.startswith("poison"))
+
+
+def setup(sync_url: str) -> None:
+    """The notes table, without a unique key, so that a second effect shows."""
+    engine = sa.create_engine(sync_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE notes (id serial PRIMARY KEY, note text NOT NULL)"))
+    engine.dispose()

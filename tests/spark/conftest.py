@@ -1,0 +1,31 @@
+"""The Spark test bed: one local[2] SparkSession for the whole test session.
+
+Without PySpark the Spark tests are skipped, except under CI=true where they
+fail (like a missing server binary: see tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.conftest import unavailable
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    """A local[2] session with the jetstream source registered (its Java found or provided)."""
+    if importlib.util.find_spec("pyspark") is None:
+        unavailable("PySpark is not installed: pip install -e '.[spark]'")
+    from eop.spark import session
+
+    spark = session.build("local[2]", app_name="eop-tests")
+    spark.sparkContext.setLogLevel("ERROR")
+    yield spark
+    spark.stop()

@@ -1,0 +1,211 @@
+"""The sink's per-partition protocol against real PostgreSQL, without Spark.
+
+A partition is run in a thread, as in a Spark task; the same messages run
+again stand for a task retry, a speculative copy or a replayed micro-batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.orm import Session
+
+import eop
+from eop.message import Message
+from eop.spark.apply import Counts, Partition, subject_matches
+from tests.integration.bed import STREAM, SUBJECT, create_effects_table, effects_by_body, scalar
+
+from . import sparkapp
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def bed_engine(engine: AsyncEngine) -> AsyncEngine:
+    """The test database with an effects table."""
+    await create_effects_table(engine)
+    return engine
+
+
+def make_app(database_url: str) -> eop.App:
+    """The Spark test app on the test's database, with quick retries."""
+    return sparkapp.app.with_settings(
+        database_url=database_url, max_attempts=2, backoff_base_s=0.001, backoff_max_s=0.01
+    )
+
+
+def msg(seq: int, body: str, *, subject: str = SUBJECT, epoch: str = "e1") -> Message:
+    """A message of the test stream as the jetstream source delivers it."""
+    return Message(
+        subscription="",
+        subject=subject,
+        data=body.encode(),
+        headers={},
+        stream=STREAM,
+        stream_epoch=epoch,
+        seq=seq,
+        num_delivered=1,
+    )
+
+
+async def run(partition: Partition, messages: list[Message]) -> Counts:
+    """Run a partition in a thread, as a Spark task does; the subscription is the handler's."""
+    named = [dataclasses.replace(m, subscription=partition.spec.name) for m in messages]
+    return await asyncio.to_thread(partition.run, named)
+
+
+@pytest.mark.parametrize("handler", ["spark_sync", "spark_async"])
+async def test_each_message_takes_effect_once_and_a_rerun_skips_them(
+    database_url: str, bed_engine: AsyncEngine, handler: str
+) -> None:
+    """Sync and async handlers: one effect per message; running the partition again is a no-op."""
+    app = make_app(database_url)
+    partition = Partition(app, app.handlers[handler])
+    messages = [msg(i, f"order-{i}") for i in range(1, 6)]
+    first = await run(partition, messages)
+    again = await run(partition, messages)
+    await asyncio.to_thread(partition.close)
+    assert (first.processed, first.duplicates) == (5, 0)
+    assert (again.processed, again.duplicates) == (0, 5)
+    assert await effects_by_body(bed_engine) == {f"order-{i}": 1 for i in range(1, 6)}
+    rows = await scalar(
+        bed_engine,
+        "SELECT count(*) FROM eop.inbox WHERE subscription = :h AND outcome = 'processed'",
+        h=handler,
+    )
+    assert rows == 5
+
+
+async def test_rejected_and_failing_messages_are_dead_lettered_beside_the_others(
+    database_url: str, bed_engine: AsyncEngine
+) -> None:
+    """Reject: dead letter at once; a failing handler: after max_attempts. The rest commits."""
+    app = make_app(database_url)
+    partition = Partition(app, app.handlers["spark_sync"])
+    messages = [msg(1, "ok-1"), msg(2, "reject-2"), msg(3, "poison-3"), msg(4, "ok-4")]
+    counts = await run(partition, messages)
+    again = await run(partition, messages)
+    assert (counts.processed, counts.dead_lettered) == (2, 2)
+    assert again.duplicates == 4
+    assert await effects_by_body(bed_engine) == {"ok-1": 1, "ok-4": 1}
+    async with bed_engine.connect() as conn:
+        dead = dict(
+            (await conn.execute(sa.text("SELECT stream_seq, reason FROM eop.dead_letters"))).all()
+        )
+        outcomes = dict(
+            (await conn.execute(sa.text("SELECT stream_seq, outcome FROM eop.inbox"))).all()
+        )
+        attempts = (
+            await conn.execute(sa.text("SELECT delivery_count FROM eop.inbox WHERE stream_seq = 3"))
+        ).scalar()
+    assert dead == {2: "rejected", 3: "attempts_exhausted"}
+    assert outcomes == {1: "processed", 2: "dead_lettered", 3: "dead_lettered", 4: "processed"}
+    assert attempts == 2
+
+
+async def test_a_reused_sequence_is_quarantined_not_skipped(
+    database_url: str, bed_engine: AsyncEngine
+) -> None:
+    """Same key, another fingerprint: a dead letter 'sequence_reused'; the handler does not run."""
+    app = make_app(database_url)
+    partition = Partition(app, app.handlers["spark_sync"])
+    await run(partition, [msg(1, "first")])
+    counts = await run(partition, [msg(1, "second")])
+    assert counts.quarantined == 1
+    assert await effects_by_body(bed_engine) == {"first": 1}
+    reason = await scalar(bed_engine, "SELECT reason FROM eop.dead_letters")
+    assert reason == "sequence_reused"
+
+
+async def test_rows_of_other_subjects_and_repeated_rows_do_not_run_the_handler(
+    database_url: str, bed_engine: AsyncEngine
+) -> None:
+    """A row a worker would not deliver is skipped; a row twice in the partition runs once."""
+    app = make_app(database_url)
+    partition = Partition(app, app.handlers["spark_sync"])
+    counts = await run(
+        partition, [msg(1, "a"), msg(2, "other", subject="ORDERS.cancelled"), msg(1, "a")]
+    )
+    assert counts == Counts(processed=1, duplicates=1, skipped=1)
+    assert await effects_by_body(bed_engine) == {"a": 1}
+
+
+async def test_messages_below_the_watermark_are_skipped_after_compaction(
+    database_url: str, bed_engine: AsyncEngine
+) -> None:
+    """Compaction deleted their inbox rows; the watermark still says they are done."""
+    async with bed_engine.begin() as conn:
+        await conn.execute(
+            sa.text(
+                "INSERT INTO eop.watermarks (subscription, stream, stream_epoch, watermark) "
+                "VALUES ('spark_sync', :s, 'e1', 10)"
+            ),
+            {"s": STREAM},
+        )
+    app = make_app(database_url)
+    counts = await run(
+        Partition(app, app.handlers["spark_sync"]), [msg(i, f"m{i}") for i in range(8, 13)]
+    )
+    assert (counts.duplicates, counts.processed) == (3, 2)
+    assert await effects_by_body(bed_engine) == {"m11": 1, "m12": 1}
+
+
+async def test_concurrent_copies_of_a_partition_apply_each_message_once(
+    database_url: str, bed_engine: AsyncEngine
+) -> None:
+    """A speculative task beside the original: the claims make one of them skip each message."""
+    app = make_app(database_url)
+    messages = [msg(i, f"order-{i}") for i in range(1, 41)]
+    partitions = [Partition(app, app.handlers["spark_sync"]) for _ in range(2)]
+    one, two = await asyncio.gather(*(run(p, messages) for p in partitions))
+    assert one.processed + two.processed == 40
+    assert one.duplicates + two.duplicates == 40
+    assert await effects_by_body(bed_engine) == {f"order-{i}": 1 for i in range(1, 41)}
+
+
+async def test_a_batch_handler_failing_on_one_message_still_commits_the_others(
+    database_url: str, bed_engine: AsyncEngine
+) -> None:
+    """batch=True: the handler gets lists; on failure they are run one by one, savepoint each."""
+    app = eop.App(
+        settings=eop.Settings(database_url=database_url, max_attempts=1, batch=4),
+    )
+    calls: list[int] = []
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="batched", batch=True)
+    def handle(messages: list[eop.Message], session: Session) -> None:
+        calls.append(len(messages))
+        for m in messages:
+            if m.data == b"bad":
+                raise ValueError("bad message")
+            session.execute(
+                sa.text("INSERT INTO effects (handler, msg_key, body) VALUES ('b', :k, :b)"),
+                {"k": m.idempotency_key, "b": m.data.decode()},
+            )
+
+    messages = [msg(i, "bad" if i == 3 else f"m{i}") for i in range(1, 7)]
+    counts = await run(Partition(app, app.handlers["batched"]), messages)
+    assert (counts.processed, counts.dead_lettered) == (5, 1)
+    assert await effects_by_body(bed_engine) == {f"m{i}": 1 for i in (1, 2, 4, 5, 6)}
+    assert max(calls) == 4  # the partition is handed over in lists of at most `batch`
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "matches"),
+    [
+        ("ORDERS.created", "ORDERS.created", True),
+        ("ORDERS.created", "ORDERS.cancelled", False),
+        ("ORDERS.*", "ORDERS.created", True),
+        ("ORDERS.*", "ORDERS.created.eu", False),
+        ("ORDERS.>", "ORDERS.created.eu", True),
+        ("ORDERS.>", "ORDERS", False),
+        ("*.created", "ORDERS.created", True),
+    ],
+)
+def test_subject_matching_follows_nats_wildcards(pattern: str, subject: str, matches: bool) -> None:
+    """`*` matches one token, a final `>` one or more."""
+    assert subject_matches(pattern, subject) is matches

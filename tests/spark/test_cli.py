@@ -1,0 +1,42 @@
+"""`eop spark`'s command line, without running Spark."""
+
+from __future__ import annotations
+
+import pytest
+
+from eop import cli, errors
+from eop.spark import cli as spark_cli
+
+
+@pytest.mark.parametrize("action", ["backfill", "stream"])
+def test_every_flag_names_its_environment_variable(
+    action: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--help shows the EOP_* variable of each flag, like the other commands."""
+    with pytest.raises(SystemExit):
+        cli.main(["spark", action, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for var in ("EOP_SPARK_HANDLER", "EOP_SPARK_MASTER", "EOP_SPARK_CONF", "EOP_DATABASE_URL"):
+        assert var in out
+    specific = ["EOP_SPARK_TO_SEQ"] if action == "backfill" else ["EOP_SPARK_CHECKPOINT"]
+    assert all(var in out for var in specific)
+
+
+def test_environment_variables_give_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EOP_SPARK_* set a flag's default; a flag given still wins."""
+    monkeypatch.setenv("EOP_SPARK_HANDLER", "billing")
+    monkeypatch.setenv("EOP_SPARK_FROM_SEQ", "10")
+    monkeypatch.setenv("EOP_SPARK_MASTER", "spark://m:7077")
+    args = cli.build_parser().parse_args(["spark", "backfill", "app:app", "--from-seq", "20"])
+    assert (args.handler, args.from_seq, args.master) == ("billing", 20, "spark://m:7077")
+
+
+def test_spark_settings_are_key_value_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--conf KEY=VALUE, or EOP_SPARK_CONF comma separated; Spark's progress bar is off."""
+    monkeypatch.setenv("EOP_SPARK_CONF", "spark.a=1, spark.b=x=y")
+    args = cli.build_parser().parse_args(["spark", "backfill", "app:app", "--handler", "h"])
+    conf = spark_cli._conf(args)
+    assert conf == {"spark.a": "1", "spark.b": "x=y", "spark.ui.showConsoleProgress": "false"}
+    args.conf = ["nonsense"]
+    with pytest.raises(errors.ConfigurationError, match="KEY=VALUE"):
+        spark_cli._conf(args)

@@ -1,0 +1,74 @@
+"""The arithmetic and the progress line of `eop bench`."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from eop import bench
+
+
+def test_throughput_starts_after_the_first_completion() -> None:
+    """Messages done together with the first one (one committed batch) open the span;
+    the rate counts the messages done after them."""
+    done = [10.0, 10.0, 10.0, 10.5, 11.0]
+    assert bench.throughput(done) == pytest.approx(2 / 1.0)
+    assert bench.throughput([5.0]) == 0.0
+    assert bench.throughput([5.0, 5.0]) == 0.0
+
+
+def test_percentile_is_nearest_rank() -> None:
+    """p50 and p99 of 1..100 are 50 and 99; an empty list gives 0."""
+    values = [float(v) for v in range(1, 101)]
+    assert bench.percentile(values, 0.50) == 50.0
+    assert bench.percentile(values, 0.99) == 99.0
+    assert bench.percentile([7.0], 0.99) == 7.0
+    assert bench.percentile([], 0.5) == 0.0
+
+
+def test_window_takes_cpu_across_it_and_the_most_rows_around_it() -> None:
+    """The samples bracketing a window give its CPU per message; the inbox rows are the
+    most seen from just before to just after it."""
+    samples = [
+        bench._Sample(floor=5_000, rows=900, cpu=1.0),
+        bench._Sample(floor=12_000, rows=4_000, cpu=2.0),
+        bench._Sample(floor=25_000, rows=700, cpu=4.0),
+    ]
+    rows, cpu_us = bench._window(samples, (10_001, 20_000))
+    assert rows == 4_000
+    assert cpu_us == pytest.approx(3.0 / 20_000 * 1e6)
+    assert bench._window([], (1, 2)) == (0, None)
+
+
+def test_progress_prints_plain_lines_off_a_terminal() -> None:
+    """Off a terminal: a first line, nothing more within 5 s, then the last one."""
+    out = io.StringIO()
+    progress = bench.Progress(out)
+    progress.show("(a) run", 10, 100, 1234.0)
+    progress.show("(a) run", 50, 100)
+    progress.show("(a) run", 100, 100)
+    progress.end()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert "10/100" in lines[0]
+    assert "1,234 msg/s" in lines[0]
+    assert "100/100" in lines[1]
+    assert "\r" not in out.getvalue()
+
+
+def test_progress_redraws_one_line_on_a_terminal() -> None:
+    """On a terminal every update redraws the same line; end() closes it."""
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Tty()
+    progress = bench.Progress(out)
+    progress.show("(c) eop default", 1, 4)
+    progress.show("(c) eop default", 4, 4)
+    progress.end()
+    assert out.getvalue().count("\r") == 2
+    assert out.getvalue().endswith("\n")
+    assert out.getvalue().count("\n") == 1

@@ -1,0 +1,142 @@
+"""The chaos harness's pure parts: wire framing, the seeded schedule, the checker."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from pathlib import Path
+
+import pytest
+
+from eop import cli, faults
+from eop.chaos import bank, checker, publisher, schedule, wire
+from eop.chaos.target import Payload
+
+
+def _split(data: bytes, rng: random.Random) -> list[bytes]:
+    cuts = sorted(rng.sample(range(1, len(data)), 5))
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+
+
+def test_nats_framer_finds_frames_whatever_the_chunking() -> None:
+    """Frames come out whole (ops with their payloads), however the bytes were cut."""
+    stream = (
+        b"PUB $JS.ACK.S.c.1.2.3.4.0 _INBOX.a.b 0\r\n\r\n"
+        b"HPUB x _INBOX.c 12 17\r\nNATS/1.0\r\n\r\nhello\r\n"
+        b"PING\r\n"
+        b"MSG _INBOX.a.b 1 4\r\nab\r\n\r\n"
+    )
+    rng = random.Random(1)
+    for _ in range(20):
+        framer = wire.NatsFramer()
+        frames = [f for chunk in _split(stream, rng) for f in framer.feed(chunk)]
+        assert [f.kind for f in frames] == [b"PUB", b"HPUB", b"PING", b"MSG"]
+        assert b"".join(f.raw for f in frames) == stream
+    assert wire.nats_ack_reply_subject(frames[0]) == b"_INBOX.a.b"
+    assert wire.nats_ack_reply_subject(frames[1]) is None
+    assert wire.nats_delivery_subject(frames[3]) == b"_INBOX.a.b"
+
+
+def _pg(kind: bytes, body: bytes) -> bytes:
+    return kind + struct.pack("!i", len(body) + 4) + body
+
+
+def test_pg_framer_follows_ssl_request_startup_and_typed_messages() -> None:
+    """The client's untyped start, the server's one-byte SSL answer, then typed messages."""
+    ssl = struct.pack("!ii", 8, wire.SSL_REQUEST_CODE)
+    params = b"user\x00postgres\x00\x00"
+    startup = struct.pack("!ii", 8 + len(params), 196608) + params
+    client, server = wire.PgFramer(client=True), wire.PgFramer(client=False)
+    client.peer = server
+    sent = client.feed(ssl + startup + _pg(b"Q", b"COMMIT;\x00"))
+    assert len(sent) == 3
+    assert wire.pg_is_commit(sent[2])
+    received = server.feed(b"N" + _pg(b"C", b"COMMIT\x00") + _pg(b"Z", b"I"))
+    assert [f.kind for f in received] == [b"", b"C", b"Z"]
+    assert wire.pg_ends_command(received[1])
+    assert not wire.pg_is_commit(wire.Frame(b"Q", b"", (b"SELECT 1\x00",)))
+
+
+def test_schedule_is_a_function_of_the_seed() -> None:
+    """The same seed gives the same faults at the same offsets; another seed does not."""
+    shape = {"mean_gap_s": 0.3, "workers": 3, "ack_wait_s": 4.0}
+    first = schedule.build(5, 60, **shape)
+    assert first == schedule.build(5, 60, **shape)
+    assert first != schedule.build(6, 60, **shape)
+    assert len(first) > 100
+    assert {f.kind for f in first} <= set(schedule.KINDS)
+
+
+def test_outages_of_one_server_never_overlap() -> None:
+    """Two outages of the same server are never scheduled at once."""
+    faults_ = schedule.build(9, 600, mean_gap_s=0.2, workers=3, ack_wait_s=4.0)
+    ends: dict[str, float] = {}
+    for fault in faults_:
+        if fault.kind.startswith(("nats_kill", "nats_restart", "pg_restart", "pg_crash")):
+            resource = fault.kind.split("_")[0]
+            assert fault.at_s >= ends.get(resource, 0.0)
+            ends[resource] = fault.at_s + fault.duration_s
+
+
+def test_worker_plan_arms_its_kill_point_and_renders_to_env() -> None:
+    """A worker plan kills at the chosen point and arms through EOP_FAULTS."""
+    plan = schedule.worker_plan(3, 0, "after_commit", ack_wait_s=4.0)
+    assert plan.kill_point == "after_commit"
+    parsed = faults.parse(plan.env()[faults.FAULTS_VAR])
+    assert parsed == list(plan.rules)
+
+
+def test_publish_plan_republishes_some_inside_and_some_after_the_window() -> None:
+    """Every payload is sent; some twice at once, some again after the duplicate window."""
+    payloads = [bank.make_payload(i, random.Random(i)) for i in range(1000)]
+    sends = publisher.plan(payloads, 1, 60.0, 2.0)
+    assert {s.payload.key for s in sends} == {p.key for p in payloads}
+    assert any(s.late for s in sends)
+    assert len(sends) > len(payloads) + sum(1 for s in sends if s.late)
+
+
+def test_checker_classifies_each_message() -> None:
+    """One effect (or one dead letter for poison) is right; anything else is named."""
+    good = [Payload(k, b"{}") for k in ("ok", "lost", "twice", "dead")]
+    poison = [Payload("p-ok", b"x", poison=True), Payload("p-lost", b"x", poison=True)]
+    out = checker.check_outcomes(
+        [*good, *poison],
+        {"ok": 1, "twice": 2, "stranger": 1},
+        {"dead": ["attempts_exhausted"], "p-ok": ["rejected"], "nobody": ["rejected"]},
+    )
+    assert out.exactly_once == 1
+    assert out.poison_dead_lettered == 1
+    assert out.lost == ["lost", "p-lost"]
+    assert out.duplicated == ["twice: 2 effects, dead letters []"]
+    assert out.dead_lettered == ["dead: attempts_exhausted"]
+    assert len(out.unexpected) == 2
+
+
+def test_log_scan_counts_events_and_finds_canaries_without_printing_them(tmp_path: Path) -> None:
+    """Events and fault hits are counted; a canary is reported by name, never by value."""
+    log = tmp_path / "worker-0000.log"
+    lines = [
+        {"event": "fault.hit", "point": "after_ack", "action": "kill"},
+        {"event": "commit.ambiguous"},
+        {"event": "message.processed", "note": "sekrit-value"},
+    ]
+    log.write_text("\n".join(json.dumps(x) for x in lines) + '\n{"event": "cut sh')
+    ev = checker.scan_logs([log], {"db password": "sekrit-value"})
+    assert ev.fault_hits["after_ack:kill"] == 1
+    assert ev.events["commit.ambiguous"] == 1
+    assert ev.leaks == ["worker-0000.log:3: db password"]
+    found = checker.evidence(ev)
+    assert found["kills at after_ack"] == 1
+    assert "kills at after_fetch" in checker.missing_evidence(found)
+
+
+def test_chaos_command_names_its_variables_and_refuses_half_a_target(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`eop chaos --help` shows EOP_CHAOS_* variables; --app without the rest is an error."""
+    with pytest.raises(SystemExit):
+        cli.main(["chaos", "--help"])
+    assert "EOP_CHAOS_SEED" in capsys.readouterr().out
+    assert cli.main(["chaos", "--app", "myapp:app"]) == 1
+    assert "--app needs --handler" in capsys.readouterr().err
