@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,9 @@ _OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
     (
         "drain-deadline-s",
         float,
-        90.0,
-        "time allowed to drain after healing (else: liveness failure)",
+        None,
+        "time allowed to drain after healing, else a liveness failure "
+        "(default: 90 s, or a third of --duration-s if longer)",
     ),
     ("concurrency", int, 4, "messages in flight per worker"),
     ("batch-mode", str, "mixed", "batch transactions: mixed (odd worker slots), on or off"),
@@ -104,6 +106,9 @@ def run_command(args: argparse.Namespace) -> int:
     messages = args.messages
     if messages is None:
         messages = 3000 if args.duration_s <= 300 else int(args.duration_s * 10)
+    # A SIGTERM (a CI timeout, `kill`) ends the run like Ctrl-C: its servers and
+    # workers are stopped on the way out instead of being left behind.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     # Printed first, so that even a run that crashes can be replayed.
     seed = args.seed if args.seed is not None else random.randrange(1_000_000)
     print(f"eop chaos: seed {seed}", flush=True)
@@ -114,7 +119,7 @@ def run_command(args: argparse.Namespace) -> int:
         duration_s=args.duration_s,
         seed=seed,
         mean_fault_gap_s=args.fault_gap_s,
-        drain_deadline_s=args.drain_deadline_s,
+        drain_deadline_s=args.drain_deadline_s or max(90.0, args.duration_s / 3),
         concurrency=args.concurrency,
         batch_mode=_batch_mode(args.batch_mode),
         worker_args=tuple(args.worker_arg),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import random
 import shutil
@@ -300,7 +301,10 @@ class _Run:
         started = time.monotonic()
         # Unarmed workers from here on; stopping the armed ones gracefully is
         # one more fault (SIGTERM with messages in flight).
-        await asyncio.to_thread(pool.replace_all)
+        # No overlap seen yet (every held claim was cut short by some fault):
+        # one drain worker holds its first claims past AckWait, in calm.
+        overlaps = await asyncio.to_thread(_count_in_logs, pool, '"message.claim_timeout"')
+        await asyncio.to_thread(functools.partial(pool.replace_all, stall=overlaps == 0))
         monitor = asyncio.create_task(_monitor(pool, self.report.timings_s))
         try:
             drained = await _wait_drained(js, self.spec, self.config.drain_deadline_s)
@@ -350,6 +354,14 @@ class _Run:
             r.missing_evidence = checker.missing_evidence(r.evidence)
         r.worker_exits = pool.exits
         r.incarnations = len(pool.incarnations)
+
+
+def _count_in_logs(pool: workers.WorkerPool, needle: str) -> int:
+    total = 0
+    for path in pool.logs():
+        with contextlib.suppress(OSError):
+            total += path.read_text(encoding="utf-8", errors="replace").count(needle)
+    return total
 
 
 async def _ignore(_: Exception) -> None:

@@ -84,6 +84,9 @@ _SERVER_WIDE = {
     "consumer_recreate",
 }
 CALM_EVERY_S = 12.0
+# A recreated consumer redelivers the whole stream (DeliverPolicy all): in a long
+# run, recreating it every few seconds would leave nothing but replays.
+_SPACING_S: dict[Kind, float] = {"consumer_recreate": 60.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +122,7 @@ def build(
         if resource is None or busy_until.get(resource, 0.0) <= now:
             if resource is not None:
                 # Leave time to recover before the next outage of the same thing.
-                busy_until[resource] = now + fault.duration_s + 2.0
+                busy_until[resource] = now + fault.duration_s + _SPACING_S.get(kind, 2.0)
             schedule.append(fault)
         now += rng.expovariate(1.0 / mean_gap_s)
     return schedule
@@ -171,6 +174,13 @@ def kill_plan(seed: int, incarnation: int, point: faults.Point) -> WorkerPlan:
     """Only a kill at ``point``, at one of its first passes."""
     rng = random.Random(f"eop-chaos-worker:{seed}:{incarnation}")
     return WorkerPlan((_kill_rule(rng, point),), rng.randrange(2**31))
+
+
+def stall_plan(seed: int, incarnation: int, ack_wait_s: float) -> WorkerPlan:
+    """Hold the claims of the first four deliveries for 2 x AckWait each."""
+    stall_s = round(ack_wait_s * 2.0, 2)
+    rules = tuple(faults.Rule("after_claim", "stall", stall_s, nth=n) for n in range(1, 5))
+    return WorkerPlan(rules, seed + incarnation)
 
 
 def _kill_rule(rng: random.Random, point: faults.Point) -> faults.Rule:

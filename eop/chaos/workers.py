@@ -67,6 +67,7 @@ class WorkerPool:
         self.arming = True
         """Whether new incarnations get fault points (off once the run heals)."""
         self.top_up: list[faults.Point] = []
+        self.stall_top_up = False
         self.slots: list[Incarnation | None] = [None] * count
         self.incarnations: list[Incarnation] = []
         self.kills_fired: collections.Counter[str] = collections.Counter()
@@ -94,6 +95,9 @@ class WorkerPool:
         if self.arming:
             point = self._next_kill_point(slot, number)
             plan = schedule.worker_plan(self.seed, number, point, ack_wait_s=self.ack_wait_s)
+        elif self.stall_top_up:
+            self.stall_top_up = False
+            plan = schedule.stall_plan(self.seed, number, self.ack_wait_s)
         elif self.top_up:
             plan = schedule.kill_plan(self.seed, number, self.top_up.pop(0))
         log = self.log_dir / f"worker-{number:04d}.log"
@@ -183,14 +187,16 @@ class WorkerPool:
         for inc in self.incarnations:
             self.resume(inc)
 
-    def replace_all(self) -> None:
+    def replace_all(self, *, stall: bool = False) -> None:
         """Stop every worker gracefully (SIGTERM) and start unarmed ones (the heal step).
 
         A fault point that no worker died at yet gets one last worker armed
-        to die there early in the drain, where the backlog passes every point.
+        to die there early in the drain, where the backlog passes every point;
+        with ``stall``, one more holds its first claims past AckWait.
         """
         self.arming = False
         self.top_up = [p for p in faults.POINTS if not self.kills_fired[p]]
+        self.stall_top_up = stall
         self.resume_all()
         old = self.running()
         for inc in old:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import struct
@@ -85,6 +86,28 @@ def test_worker_plan_arms_its_kill_point_and_renders_to_env() -> None:
     assert plan.kill_point == "after_commit"
     parsed = faults.parse(plan.env()[faults.FAULTS_VAR])
     assert parsed == list(plan.rules)
+
+
+def test_consumer_is_recreated_at_most_once_a_minute() -> None:
+    """A recreated consumer replays the stream: a long run must not do nothing but replay."""
+    recreations = [
+        f.at_s
+        for f in schedule.build(4, 1800, mean_gap_s=0.2, workers=3, ack_wait_s=4.0)
+        if f.kind == "consumer_recreate"
+    ]
+    assert len(recreations) > 5
+    assert all(b - a >= 60.0 for a, b in itertools.pairwise(recreations))
+
+
+def test_stall_plan_holds_the_first_claims_past_ack_wait() -> None:
+    """The drain's staller holds its first four claims for twice AckWait, then runs calm."""
+    plan = schedule.stall_plan(3, 7, ack_wait_s=4.0)
+    assert plan.kill_point is None
+    assert [(r.point, r.action, r.nth) for r in plan.rules] == [
+        ("after_claim", "stall", n) for n in range(1, 5)
+    ]
+    assert all(r.seconds == 8.0 for r in plan.rules)
+    assert faults.parse(plan.env()[faults.FAULTS_VAR]) == list(plan.rules)
 
 
 def test_publish_plan_republishes_some_inside_and_some_after_the_window() -> None:
