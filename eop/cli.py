@@ -208,9 +208,20 @@ def _overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, obje
 
 def load_app(path: str) -> App:
     """Import ``module:attribute`` and return the :class:`eop.App` it names."""
+    app = import_attribute(path, "MODULE:APP, e.g. myapp:app")
+    if not isinstance(app, App):
+        raise errors.ConfigurationError(f"{path!r} is not an eop.App (got {type(app).__name__})")
+    return app
+
+
+def import_attribute(path: str, form: str) -> object:
+    """Import ``module:attribute`` and return the attribute (``None`` when it is missing).
+
+    ``form`` names what the user should have written, for the error message.
+    """
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise errors.ConfigurationError(f"expected MODULE:APP, e.g. myapp:app, not {path!r}")
+        raise errors.ConfigurationError(f"expected {form}, not {path!r}")
     # Like uvicorn: the current directory is importable, as users expect.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -218,10 +229,7 @@ def load_app(path: str) -> App:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise errors.ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
-    app = getattr(module, attr, None)
-    if not isinstance(app, App):
-        raise errors.ConfigurationError(f"{path!r} is not an eop.App (got {type(app).__name__})")
-    return app
+    return getattr(module, attr, None)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:

@@ -24,14 +24,11 @@ published and nothing else.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
 import random
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from eop import errors
+from eop import cli, errors
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -80,20 +77,10 @@ class Target:
 
 def load_callable(path: str) -> Callable[..., Any]:
     """Import ``module:function`` and return it."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise errors.ConfigurationError(f"expected MODULE:FUNCTION, not {path!r}")
-    # Like `eop worker`: the current directory is importable, as users expect.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise errors.ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
-    func = getattr(module, attr, None)
+    func = cli.import_attribute(path, "MODULE:FUNCTION")
     if not callable(func):
         raise errors.ConfigurationError(f"{path!r} is not callable")
-    return func  # type: ignore[no-any-return]  # checked callable above
+    return func
 
 
 def from_options(
