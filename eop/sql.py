@@ -186,6 +186,19 @@ def find_by_key(
     )
 
 
+def find_by_keys(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seqs: list[int]
+) -> sa.Select[tuple[int, bytes, str]]:
+    """The sequence, fingerprint and outcome of each of ``seqs`` the inbox holds (one query)."""
+    c = t.inbox.c
+    return sa.select(c.stream_seq, c.fingerprint, c.outcome).where(
+        c.subscription == subscription,
+        c.stream == stream,
+        c.stream_epoch == epoch,
+        c.stream_seq == sa.any_(sa.literal(seqs, postgresql.ARRAY(sa.BigInteger))),
+    )
+
+
 def find_by_msg_id(
     t: models.Tables, subscription: str, msg_id: str
 ) -> sa.Select[tuple[str, str, int, str]]:

@@ -36,9 +36,6 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import ARRAY
-
 from eop import ack, errors, inbox, log, models, sql
 from eop.app import App
 from eop.handler import HandlerSpec
@@ -375,13 +372,8 @@ async def _existing(
     if not taken:
         return []
     first = taken[0]
-    c = tables.inbox.c
-    stmt = sa.select(c.stream_seq, c.fingerprint, c.outcome).where(
-        c.subscription == first.subscription,
-        c.stream == first.stream,
-        c.stream_epoch == first.stream_epoch,
-        c.stream_seq == sa.any_(sa.literal([m.seq for m in taken], ARRAY(sa.BigInteger))),
-    )
+    seqs = [m.seq for m in taken]
+    stmt = sql.find_by_keys(tables, first.subscription, first.stream, first.stream_epoch, seqs)
     by_key = {int(seq): (fp, outcome) for seq, fp, outcome in await tx.select(stmt)}
     mark = await tx.select(
         sql.watermark(tables, first.subscription, first.stream, first.stream_epoch)
