@@ -136,7 +136,7 @@ class Settings:
         shown = []
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in _SECRET_FIELDS and value:
+            if field.name in SECRET_FIELDS and value:
                 value = log.REDACTED
             elif field.name == "database_url":
                 value = log.redact_url(value)
@@ -177,7 +177,7 @@ class Settings:
 
 
 #: Fields whose values are secrets: redacted in reprs, never offered as command-line flags.
-_SECRET_FIELDS = frozenset({"nats_password", "nats_token"})
+SECRET_FIELDS = frozenset({"nats_password", "nats_token"})
 
 
 def env_var(field_name: str) -> str:

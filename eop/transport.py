@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import ssl
 import urllib.parse
@@ -134,6 +135,11 @@ class NatsAccess:
                 raise errors.ConfigurationError(
                     f"nats_{name}: no such file {path!r} (EOP_NATS_{name.upper()})"
                 )
+        signing = "nats_creds_file" if self.creds_file else "nats_nkey_seed_file"
+        if (self.creds_file or self.nkey_seed_file) and importlib.util.find_spec("nkeys") is None:
+            raise errors.ConfigurationError(
+                f"{signing} needs the nkeys package: pip install 'eop[nkeys]'"
+            )
         url_user, url_password = _url_credentials(self.url)
         user, password, token = self.user, self.password, self.token
         if url_user is not None and url_password is not None:
