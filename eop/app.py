@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy import orm
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-from eop import errors
+from eop import errors, transport
 from eop import handler as handler_mod
 from eop import settings as settings_mod
 
@@ -153,8 +153,11 @@ class App:
     def engine(self) -> AsyncEngine:
         """The async engine: the one given, or one made from ``database_url``."""
         if self._engine is None:
+            # libpq's TLS parameters (sslrootcert...) become asyncpg's ssl context.
+            url, connect_args = transport.asyncpg_url(self.settings.database_url)
             self._engine = create_async_engine(
-                self.settings.database_url,
+                url,
+                connect_args=connect_args,
                 # Batches share connections: a few transactions at a time keep
                 # the database busy without exhausting max_connections.
                 pool_size=min(self.settings.concurrency, 16),
@@ -174,7 +177,10 @@ class App:
         """The sync sessionmaker for sync handlers (made from the async URL if not given)."""
         if self._sync_sessionmaker is None:
             self._sync_sessionmaker = orm.sessionmaker(
-                sa.create_engine(sync_url(self.engine.url), pool_pre_ping=True),
+                # From the settings' URL: the engine's lost the TLS parameters libpq reads.
+                sa.create_engine(
+                    sync_url(sa.make_url(self.settings.database_url)), pool_pre_ping=True
+                ),
                 expire_on_commit=False,
             )
         return self._sync_sessionmaker

@@ -19,6 +19,19 @@ from eop import errors, log
 from eop import settings as settings_mod
 from eop.app import App
 
+#: The NATS authentication and TLS settings offered as flags. Passwords and
+#: tokens are not: a command line is visible to every user of the machine.
+NATS_AUTH_FIELDS = (
+    "nats_user",
+    "nats_nkey_seed_file",
+    "nats_creds_file",
+    "nats_tls_ca_file",
+    "nats_tls_cert_file",
+    "nats_tls_key_file",
+    "nats_tls_hostname",
+    "nats_tls_handshake_first",
+)
+
 _WORKER_FIELDS = (
     "database_url",
     "nats_url",
@@ -42,6 +55,7 @@ _WORKER_FIELDS = (
     "msg_id_retention_s",
     "shutdown_grace_s",
     "create",
+    *NATS_AUTH_FIELDS,
 )
 
 

@@ -101,7 +101,9 @@ class NatsServer:
     """A nats-server with JetStream on 127.0.0.1 and file storage that survives restarts.
 
     ``store_dir`` defaults to a temporary directory removed by :meth:`close`;
-    ``args`` are passed to nats-server as they are (``["-c", "server.conf"]``).
+    ``args`` are passed to nats-server as they are (``["-c", "server.conf"]``);
+    ``config`` is configuration text (authorization, TLS, operator...) written
+    to a file of the scratch directory and given with ``-c``.
     Use as a context manager, or call :meth:`start` and :meth:`close`.
     """
 
@@ -113,10 +115,12 @@ class NatsServer:
         args: Sequence[str] = (),
         binary: str | os.PathLike[str] | None = None,
         start_timeout_s: float = 10.0,
+        config: str | None = None,
     ) -> None:
         self._binary = Path(binary) if binary is not None else nats_server_binary()
         self._port = port if port is not None else free_port()
         self._args = list(args)
+        self._config = config
         self._start_timeout_s = start_timeout_s
         self._child = _child.Child("nats", signal.SIGTERM)
         self._finalizer = weakref.finalize(self, self._child.cleanup)
@@ -155,6 +159,11 @@ class NatsServer:
         # The pid file puts the scratch directory on the command line, which
         # is how an orphan is recognised as ours (see eop._child).
         argv += ["-sd", str(self._store_dir), "-P", str(self._child.scratch / "nats.pid")]
+        if self._config is not None:
+            # Flags win over the file, so host, port and store stay ours.
+            conf = self._child.scratch / "nats.conf"
+            conf.write_text(self._config)
+            argv += ["-c", str(conf)]
         self._child.start([*argv, *self._args])
         # nats-server opens the client port only once JetStream has recovered
         # its streams, so an open port means a usable server.

@@ -28,6 +28,14 @@ class NatsUnavailable(ServiceUnavailable):
     """NATS is unreachable."""
 
 
+class NatsAuthenticationFailed(ConfigurationError, NatsUnavailable):
+    """NATS refused the connection's credentials: check the nats_* authentication settings."""
+
+
+class NatsTlsError(ConfigurationError, NatsUnavailable):
+    """The TLS handshake with NATS failed: check the nats_tls_* settings."""
+
+
 class DatabaseUnavailable(ServiceUnavailable):
     """PostgreSQL is unreachable."""
 

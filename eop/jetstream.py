@@ -17,7 +17,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from eop import errors, log
+from eop import errors, log, transport
 from eop.handler import HandlerSpec, StreamSpec
 from eop.settings import Settings
 
@@ -40,25 +40,18 @@ async def connect(settings: Settings, *, name: str = "eop") -> Any:
     async def on_reconnect() -> None:
         logger.info(log.Event.NATS_RECONNECTED)
 
-    servers = [u.strip() for u in settings.nats_url.split(",") if u.strip()]
-    try:
-        nc = await nats.connect(
-            servers=servers,
-            name=name,
-            connect_timeout=2,
-            reconnect_time_wait=0.5,
-            # A few tries only for the first connection, so that a worker
-            # started against a dead server exits with a clear error...
-            max_reconnect_attempts=2,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
-        )
-    except _NATS_ERRORS as exc:
-        raise errors.NatsUnavailable(
-            f"NATS is unreachable at {log.redact_urls(settings.nats_url)}: "
-            f"{type(exc).__name__} {exc}".strip()
-        ) from exc
+    access = transport.NatsAccess.from_settings(settings)
+    # A few tries only for the first connection, so that a worker started
+    # against a dead server exits with a clear error (and at once when the
+    # server refuses its credentials or certificate)...
+    nc = await transport.connect_nats(
+        access,
+        name=name,
+        max_reconnect_attempts=2,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+    )
     # ...and, once connected, reconnect for as long as it takes. nats-py reads
     # this option on every reconnect cycle.
     nc.options["max_reconnect_attempts"] = -1
@@ -67,7 +60,7 @@ async def connect(settings: Settings, *, name: str = "eop") -> Any:
     except _NATS_ERRORS as exc:
         await nc.close()
         raise errors.NatsUnavailable(
-            f"JetStream is not available at {log.redact_urls(settings.nats_url)} "
+            f"JetStream is not available at {access.where} "
             f"(start nats-server with -js): {type(exc).__name__}"
         ) from exc
     return nc

@@ -82,6 +82,24 @@ class Settings:
     log_format: LogFormat = _field("console", "``console`` for people, ``json`` for machines.")
     log_level: LogLevel = _field("info", "Lowest level logged.")
 
+    # -- NATS authentication and TLS (see eop.transport; PostgreSQL's TLS is in database_url).
+    nats_user: str = _field("", "NATS user name (with nats_password); or nats://USER:PASS@host.")
+    nats_password: str = _field("", "NATS password (a secret: set it in the environment).")
+    nats_token: str = _field("", "NATS authentication token (a secret); or nats://TOKEN@host.")
+    nats_nkey_seed_file: str = _field("", "File holding the user's NKey seed (SU...).")
+    nats_creds_file: str = _field("", "Credentials file (.creds: user JWT and NKey seed).")
+    nats_tls_ca_file: str = _field(
+        "", "CA certificate(s) that sign NATS's certificate (PEM); turns TLS on and requires it."
+    )
+    nats_tls_cert_file: str = _field("", "Client certificate for mutual TLS (PEM).")
+    nats_tls_key_file: str = _field("", "Private key of nats_tls_cert_file (PEM).")
+    nats_tls_hostname: str = _field(
+        "", "Name to expect in NATS's certificate, when it is not the URL's host."
+    )
+    nats_tls_handshake_first: bool = _field(
+        False, "TLS handshake before NATS's INFO (the server's handshake_first option)."
+    )
+
     def __post_init__(self) -> None:
         for name in ("concurrency", "batch", "max_attempts", "max_ack_pending"):
             if getattr(self, name) < 1:
@@ -107,6 +125,25 @@ class Settings:
             )
         if not self.schema.isidentifier():
             raise errors.ConfigurationError(f"schema must be an identifier, not {self.schema!r}")
+        from eop import transport  # here: transport needs this module's Settings
+
+        transport.NatsAccess.from_settings(self).check()
+
+    def __repr__(self) -> str:
+        # Settings get printed and logged: no passwords, tokens or URL credentials.
+        from eop import log
+
+        shown = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in SECRET_FIELDS and value:
+                value = log.REDACTED
+            elif field.name == "database_url":
+                value = log.redact_url(value)
+            elif field.name == "nats_url":
+                value = log.redact_urls(value)
+            shown.append(f"{field.name}={value!r}")
+        return f"Settings({', '.join(shown)})"
 
     @classmethod
     def from_env(
@@ -137,6 +174,10 @@ class Settings:
         """A copy with ``changes`` applied (None values are ignored)."""
         kept = {k: v for k, v in changes.items() if v is not None}
         return dataclasses.replace(self, **kept)  # type: ignore[arg-type]  # field names
+
+
+#: Fields whose values are secrets: redacted in reprs, never offered as command-line flags.
+SECRET_FIELDS = frozenset({"nats_password", "nats_token"})
 
 
 def env_var(field_name: str) -> str:

@@ -19,7 +19,7 @@ from alembic import context
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from eop import errors, migrate, models
+from eop import errors, migrate, models, transport
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -86,7 +86,8 @@ def prepare_schema(connection: sa.Connection) -> None:
 
 async def run_async_migrations(url: sa.URL) -> None:
     """Run on a fresh async engine, through its sync facade."""
-    engine = create_async_engine(url, poolclass=NullPool)
+    url, connect_args = transport.asyncpg_url(url)
+    engine = create_async_engine(url, poolclass=NullPool, connect_args=connect_args)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(run_migrations)

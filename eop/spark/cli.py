@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from eop import cli as eop_cli
 from eop import errors as eop_errors
+from eop import transport
 from eop.app import App, select_handlers
 from eop.spark.apply import Counts
 from eop.spark.offsets import DEFAULT_MESSAGES_PER_PARTITION
@@ -52,6 +53,7 @@ _FLAG_FIELDS = (
     "lock_timeout_s",
     "statement_timeout_s",
     "tx_retries",
+    *eop_cli.NATS_AUTH_FIELDS,
 )
 
 
@@ -172,6 +174,7 @@ def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, j
     target = sink.Target.create(args.app, spec.name, **{f: getattr(s, f) for f in SINK_FIELDS})
     read = jobs.ReadOptions(
         nats_url=s.nats_url,
+        nats=transport.NatsAccess.from_settings(s),
         from_seq=args.from_seq,
         to_seq=getattr(args, "to_seq", None),
         per_partition=args.messages_per_partition,

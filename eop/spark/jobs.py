@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 from eop import errors as eop_errors
+from eop import transport
 from eop.handler import HandlerSpec, parse_order_by
 from eop.spark import errors, sink
 from eop.spark.apply import Counts
@@ -38,6 +39,8 @@ class ReadOptions:
     per_partition: int | None = None
     max_per_batch: int | None = None
     """Streaming only."""
+    nats: transport.NatsAccess | None = None
+    """Authentication and TLS (``nats_url`` wins over its ``url``)."""
 
     def options(self, spec: HandlerSpec) -> dict[str, str]:
         """The ``jetstream`` source options for ``spec``'s stream and subject."""
@@ -50,7 +53,8 @@ class ReadOptions:
             "messagesPerPartition": self.per_partition,
             "maxMessagesPerBatch": self.max_per_batch,
         }
-        return {k: str(v) for k, v in opts.items() if v is not None}
+        auth = self.nats.spark_options() if self.nats is not None else {}
+        return {**auth, **{k: str(v) for k, v in opts.items() if v is not None}}
 
 
 def ordered(df: DataFrame, spec: HandlerSpec) -> DataFrame:

@@ -14,6 +14,7 @@ from typing import Any
 
 from eop import errors as eop_errors
 from eop import settings as settings_mod
+from eop import transport
 from eop.spark import errors
 
 DEFAULT_MESSAGES_PER_PARTITION = 1000
@@ -40,6 +41,17 @@ class SourceOptions:
     """``maxMessagesPerBatch``: sequences per micro-batch (streaming only); unbounded by default."""
     per_partition: int = DEFAULT_MESSAGES_PER_PARTITION
     """``messagesPerPartition``: sequences per partition, so per task and per sink transaction."""
+    nats_auth: transport.NatsAccess | None = None
+    """``natsUser``, ``natsPassword``, ``natsToken``, ``natsNkeySeedFile``, ``natsCredsFile``,
+    ``natsTlsCaFile``, ``natsTlsCertFile``, ``natsTlsKeyFile``, ``natsTlsHostname``,
+    ``natsTlsHandshakeFirst``: default the ``EOP_NATS_*`` settings."""
+
+    @property
+    def nats(self) -> transport.NatsAccess:
+        """How to reach NATS: ``nats_url`` with the authentication and TLS options."""
+        return dataclasses.replace(
+            self.nats_auth or transport.NatsAccess(url=self.nats_url), url=self.nats_url
+        )
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -50,11 +62,14 @@ class SourceOptions:
             raise eop_errors.ConfigurationError(
                 'the jetstream source needs .option("stream", NAME)'
             )
-        nats_url = opts.get("natsurl") or settings_mod.Settings.from_env().nats_url
+        base = transport.NatsAccess.from_settings(settings_mod.Settings.from_env())
+        access = transport.NatsAccess.from_spark_options(opts, base)
+        access.check()
         return cls(
             stream=stream,
             subject=opts.get("subject") or None,
-            nats_url=nats_url,
+            nats_url=access.url,
+            nats_auth=access,
             start_seq=_positive(opts, "startsequence"),
             end_seq=_positive(opts, "endsequence"),
             max_per_batch=_positive(opts, "maxmessagesperbatch"),

@@ -28,7 +28,7 @@ import nats.js.errors
 from nats.js import api
 
 from eop import errors as eop_errors
-from eop import jetstream, log, message
+from eop import jetstream, message, transport
 from eop.spark import errors
 from eop.spark.offsets import SeqRange, StreamState, check_available, check_epoch
 
@@ -49,26 +49,15 @@ CONSUMER_INACTIVE_S = 120.0
 """How long the server keeps a reading consumer whose reader vanished (died mid-read)."""
 
 
-async def connect(nats_url: str) -> Any:
+async def connect(access: transport.NatsAccess) -> Any:
     """A NATS connection for reading; :class:`eop.NatsUnavailable` when there is none.
 
     Quiet, unlike the workers' (:func:`eop.jetstream.connect`): readers open
     and close connections all the time, and a lost one fails the read.
     """
-    servers = [u.strip() for u in nats_url.split(",") if u.strip()]
-    try:
-        return await nats.connect(
-            servers=servers,
-            name="eop-spark-jetstream",
-            connect_timeout=2,
-            reconnect_time_wait=0.5,
-            max_reconnect_attempts=2,
-        )
-    except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
-        where = log.redact_urls(nats_url)
-        raise eop_errors.NatsUnavailable(
-            f"NATS is unreachable at {where}: {type(exc).__name__} {exc}".strip()
-        ) from exc
+    return await transport.connect_nats(
+        access, name="eop-spark-jetstream", max_reconnect_attempts=2
+    )
 
 
 async def stream_state(nc: Any, stream: str) -> StreamState:
@@ -222,11 +211,11 @@ async def _cleanup(js: Any, sub: Any, stream: str, consumer: str) -> None:
             await sub.unsubscribe()
 
 
-def iterate(nats_url: str, seqs: SeqRange) -> Iterator[list[Row]]:
+def iterate(access: transport.NatsAccess, seqs: SeqRange) -> Iterator[list[Row]]:
     """:func:`read_range` for synchronous callers (a Spark task), on a private event loop."""
     loop = asyncio.new_event_loop()
     try:
-        nc = loop.run_until_complete(connect(nats_url))
+        nc = loop.run_until_complete(connect(access))
         try:
             batches = read_range(nc, seqs)
             try:
@@ -244,11 +233,11 @@ def iterate(nats_url: str, seqs: SeqRange) -> Iterator[list[Row]]:
         loop.close()
 
 
-def state_once(nats_url: str, stream: str) -> StreamState:
+def state_once(access: transport.NatsAccess, stream: str) -> StreamState:
     """:func:`stream_state` over a connection of its own, for one-off planning."""
 
     async def probe() -> StreamState:
-        nc = await connect(nats_url)
+        nc = await connect(access)
         try:
             return await stream_state(nc, stream)
         finally:
@@ -265,8 +254,8 @@ class StateProbe:
     pings between those calls.
     """
 
-    def __init__(self, nats_url: str) -> None:
-        self._url = nats_url
+    def __init__(self, access: transport.NatsAccess) -> None:
+        self._access = access
         self._loop: asyncio.AbstractEventLoop | None = None
         self._nc: Any = None
 
@@ -276,7 +265,7 @@ class StateProbe:
 
     async def _state(self, stream: str) -> StreamState:
         if self._nc is None:
-            self._nc = await connect(self._url)
+            self._nc = await connect(self._access)
         return await stream_state(self._nc, stream)
 
     def _call(self, coro: Awaitable[T]) -> T:

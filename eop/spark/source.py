@@ -34,7 +34,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from eop import log
+from eop import transport
 from eop.spark import errors, offsets, reader
 from eop.spark.offsets import Offset, SeqRange, SourceOptions
 
@@ -44,11 +44,11 @@ class RangePartition(InputPartition):
     """One Spark partition: a sequence range, and the server to read it from."""
 
     seqs: SeqRange
-    nats_url: str
+    nats: transport.NatsAccess
 
     def __repr__(self) -> str:
         # Spark prints partitions in plans and logs: no credentials there.
-        return f"RangePartition({self.seqs!r}, {log.redact_urls(self.nats_url)!r})"
+        return f"RangePartition({self.seqs!r}, {self.nats!r})"
 
 
 class JetStreamDataSource(DataSource):
@@ -74,7 +74,7 @@ class JetStreamDataSource(DataSource):
 
 def _partitions(opts: SourceOptions, epoch: str, start: int, end: int) -> list[RangePartition]:
     ranges = offsets.split(opts.stream, epoch, opts.subject, start, end, opts.per_partition)
-    return [RangePartition(seqs, opts.nats_url) for seqs in ranges]
+    return [RangePartition(seqs, opts.nats) for seqs in ranges]
 
 
 ARROW_SCHEMA = pa.schema(
@@ -96,7 +96,7 @@ def _read(partition: InputPartition) -> Iterator[pa.RecordBatch]:
     if not isinstance(partition, RangePartition):
         # Spark reads one partition of its own making when the plan has none.
         return
-    for rows in reader.iterate(partition.nats_url, partition.seqs):
+    for rows in reader.iterate(partition.nats, partition.seqs):
         # Arrow batches, not tuples: Spark's per-row conversion would cost more
         # than the read itself.
         yield to_arrow(rows)
@@ -117,7 +117,7 @@ class JetStreamBatchReader(DataSourceReader):
 
     def partitions(self) -> Sequence[InputPartition]:
         """The requested sequences that the stream has stored, in ranges."""
-        state = reader.state_once(self.opts.nats_url, self.opts.stream)
+        state = reader.state_once(self.opts.nats, self.opts.stream)
         start, end = offsets.batch_bounds(self.opts, state)
         return _partitions(self.opts, state.epoch, start, end)
 
@@ -142,7 +142,7 @@ class JetStreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
     def _state(self) -> offsets.StreamState:
         if self._probe is None:
-            self._probe = reader.StateProbe(self.opts.nats_url)
+            self._probe = reader.StateProbe(self.opts.nats)
         return self._probe.state(self.opts.stream)
 
     def initialOffset(self) -> dict[str, Any]:
