@@ -1,4 +1,4 @@
-"""The ``eop`` command line: ``eop worker``, ``eop db ...``, ``eop demo``.
+"""The ``eop`` command line: ``eop worker``, ``eop db ...``, ``eop dlq ...``, ``eop status``, ...
 
 Every flag can also be set by the ``EOP_*`` variable that ``--help`` shows.
 Errors print their cause chain, never a traceback.
@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("revision", nargs="?", default="head" if action == "upgrade" else "-1")
         _add_db_options(p)
         p.set_defaults(command=_cmd_db, action=action)
+
+    _add_ops_commands(sub)
 
     demo = sub.add_parser(
         "demo",
@@ -296,3 +298,249 @@ def _print_error(exc: BaseException) -> None:
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         print(f"  caused by {type(cause).__name__}: {text}"[:300], file=sys.stderr)
         cause = cause.__cause__
+
+
+# --- Operations: `eop dlq ...` (eop.dlq) and `eop status` (eop.status) ------
+
+
+def _add_ops_commands(sub: Any) -> None:
+    dlq = sub.add_parser("dlq", help="list, show, replay and purge dead letters")
+    dlq_sub = dlq.add_subparsers(title="actions", required=True, metavar="ACTION")
+
+    listing = dlq_sub.add_parser("list", help="dead letters as a table (newest first)")
+    _add_dlq_filters(listing, before=False)
+    listing.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    listing.add_argument("--json", action="store_true", help="one JSON array, for scripts")
+    listing.set_defaults(command=_cmd_dlq_list)
+
+    show = dlq_sub.add_parser("show", help="everything about one dead letter")
+    show.add_argument("id", type=int, metavar="ID")
+    show.add_argument(
+        "--payload", action="store_true", help="write the raw payload (only it) to stdout"
+    )
+    show.add_argument("--json", action="store_true", help="as JSON (without the payload)")
+    show.set_defaults(command=_cmd_dlq_show)
+
+    replay = dlq_sub.add_parser(
+        "replay",
+        help="publish dead letters again with a fresh Nats-Msg-Id, or --rerun their handler; "
+        "safe to repeat",
+    )
+    replay.add_argument("ids", type=int, nargs="*", metavar="ID")
+    replay.add_argument("--all", action="store_true", help="every dead letter the filters match")
+    _add_dlq_filters(replay, before=False)
+    replay.add_argument("--limit", type=int, default=None, help="with --all: at most this many")
+    replay.add_argument(
+        "--rerun",
+        action="store_true",
+        help="run the handler here, in one transaction with the bookkeeping (needs --app)",
+    )
+    replay.add_argument(
+        "--again",
+        action="store_true",
+        help="replay dead letters replayed before once more (a second effect)",
+    )
+    replay.add_argument(
+        "--allow-fanout",
+        action="store_true",
+        help="publish even if other durable consumers of the subject would get the message",
+    )
+    replay.add_argument("--json", action="store_true", help="results as JSON")
+    _add_setting(replay, "nats_url")
+    replay.set_defaults(command=_cmd_dlq_replay)
+
+    purge = dlq_sub.add_parser("purge", help="delete dead letters (their inbox rows stay)")
+    _add_dlq_filters(purge, before=True)
+    purge.add_argument("--all", action="store_true", help="every dead letter (no filter needed)")
+    purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    purge.set_defaults(command=_cmd_dlq_purge)
+
+    for p in (listing, show, replay, purge):
+        _add_log_options(p, suppress=True)
+        _add_db_options(p)
+
+    status = sub.add_parser(
+        "status", help="per handler: lag, ack-pending window, redeliveries, inbox, dead letters"
+    )
+    _add_log_options(status, suppress=True)
+    status.add_argument("app", metavar="MODULE:APP", help="the eop.App, e.g. myapp:app")
+    status.add_argument(
+        "--handler", action="append", default=[], metavar="NAME", help="only this handler"
+    )
+    status.add_argument("--json", action="store_true", help="one JSON array, for scripts")
+    for name in ("database_url", "nats_url", "schema"):
+        _add_setting(status, name)
+    status.set_defaults(command=_cmd_status)
+
+
+def _add_dlq_filters(parser: argparse.ArgumentParser, *, before: bool) -> None:
+    parser.add_argument("--handler", metavar="NAME", help="only this handler's dead letters")
+    parser.add_argument(
+        "--reason", metavar="TEXT", help="reason or error contains TEXT (case-insensitive)"
+    )
+    parser.add_argument("--since", metavar="WHEN", help="created at or after WHEN (ISO or 2h)")
+    parser.add_argument(
+        "--before" if before else "--until",
+        dest="until",
+        metavar="WHEN",
+        help="created before WHEN (ISO time, UTC if no offset, or a duration ago like 7d)",
+    )
+
+
+def _dlq_filters(args: argparse.Namespace, ids: Sequence[int] = ()) -> Any:
+    from eop import dlq
+
+    limit = getattr(args, "limit", None)
+    return dlq.Filters(
+        ids=tuple(ids),
+        handler=args.handler,
+        reason=args.reason,
+        since=dlq.parse_when(args.since) if args.since else None,
+        until=dlq.parse_when(args.until) if args.until else None,
+        limit=limit if limit and limit > 0 else None,
+    )
+
+
+def _ops_app(args: argparse.Namespace, names: Sequence[str]) -> App:
+    """The app named by --app (or EOP_APP) with flags applied, else one built from settings."""
+    path = getattr(args, "app", None)
+    if path:
+        return load_app(path).with_settings(**_overrides(args, names))
+    return App(settings=settings_mod.Settings.from_env(overrides=_overrides(args, names)))
+
+
+def _run_with(app: App, coro: Any) -> Any:
+    async def run() -> Any:
+        try:
+            return await coro
+        finally:
+            await app.dispose()
+
+    return asyncio.run(run())
+
+
+_DLQ_DB = ("database_url", "schema")
+
+
+def _cmd_dlq_list(args: argparse.Namespace) -> int:
+    import json
+
+    from eop import dlq
+
+    app = _ops_app(args, _DLQ_DB)
+    filters = _dlq_filters(args)
+    store = dlq.DeadLetters(app)
+
+    async def read() -> tuple[list[dict[str, Any]], int]:
+        return await store.rows(filters), await store.count(filters)
+
+    rows, total = _run_with(app, read())
+    if args.json:
+        print(json.dumps([dlq.to_json(r) for r in rows], indent=2))
+        return 0
+    print(dlq.format_table(rows))
+    if total > len(rows):
+        print(f"({len(rows)} of {total} shown; --limit N shows more)", file=sys.stderr)
+    return 0
+
+
+def _cmd_dlq_show(args: argparse.Namespace) -> int:
+    import json
+
+    from eop import dlq
+
+    app = _ops_app(args, _DLQ_DB)
+    store = dlq.DeadLetters(app)
+    if args.payload:
+        payload = _run_with(app, store.payload(args.id))
+        sys.stdout.buffer.write(payload)
+        sys.stdout.flush()
+        return 0
+    row = _run_with(app, store.get(args.id))
+    print(json.dumps(dlq.to_json(row), indent=2) if args.json else dlq.format_details(row))
+    return 0
+
+
+def _cmd_dlq_replay(args: argparse.Namespace) -> int:
+    import json
+
+    from eop import dlq, jetstream
+
+    if bool(args.ids) == bool(args.all):
+        raise errors.ConfigurationError("name the dead letters to replay (IDs) or pass --all")
+    if args.rerun and not args.app:
+        raise errors.ConfigurationError("--rerun runs the handler: pass --app MODULE:APP")
+    if args.ids and (args.handler or args.reason or args.since or args.until):
+        raise errors.ConfigurationError("filters apply to --all only, not to listed IDs")
+    app = _ops_app(args, (*_DLQ_DB, "nats_url"))
+    mode: dlq.ReplayMode = "rerun" if args.rerun else "publish"
+
+    async def replay() -> list[dlq.ReplayResult]:
+        ids = list(args.ids) or await dlq.DeadLetters(app).ids(_dlq_filters(args))
+        if mode == "rerun":
+            return await dlq.Replayer(app).replay_many(ids, mode=mode, again=args.again)
+        nc = await jetstream.connect(app.settings, name="eop-dlq-replay")
+        try:
+            replayer = dlq.Replayer(app, nc.jetstream(), allow_fanout=args.allow_fanout)
+            return await replayer.replay_many(ids, mode=mode, again=args.again)
+        finally:
+            await nc.close()
+
+    results = _run_with(app, replay())
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
+    else:
+        for result in results:
+            print(result.describe())
+        if not results:
+            print("no dead letters match")
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+def _cmd_dlq_purge(args: argparse.Namespace) -> int:
+    from eop import dlq
+
+    filters = _dlq_filters(args)
+    if filters.empty and not args.all:
+        raise errors.ConfigurationError(
+            "purge needs a filter (--handler, --reason, --since, --before) or --all"
+        )
+    app = _ops_app(args, _DLQ_DB)
+    store = dlq.DeadLetters(app)
+    if not args.yes:
+        count = _run_with(app, store.count(filters))
+        if count == 0:
+            print("purged 0 dead letters")
+            return 0
+        if not sys.stdin.isatty():
+            raise errors.ConfigurationError(
+                f"{count} dead letters match: pass --yes to delete them without a prompt"
+            )
+        answer = input(f"Delete {count} dead letters? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+        app = _ops_app(args, _DLQ_DB)
+    deleted = _run_with(app, dlq.DeadLetters(app).purge(filters))
+    print(f"purged {deleted} dead letters")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from eop import status
+
+    app = load_app(args.app).with_settings(
+        **_overrides(args, ("database_url", "nats_url", "schema"))
+    )
+    handlers = args.handler or _env_list("EOP_HANDLERS")
+    statuses = _run_with(app, status.collect(app, handlers))
+    if args.json:
+        print(json.dumps([s.to_json() for s in statuses], indent=2))
+    else:
+        print(status.format_table(statuses))
+    problems = [f"{s.handler}: {p}" for s in statuses for p in s.problems]
+    if problems:
+        raise errors.StatusProblem("; ".join(problems))
+    return 0

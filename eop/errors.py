@@ -85,3 +85,18 @@ class ServerBinaryNotFound(EmbeddedServerError):
 
 class TransactionConflict(EopError):
     """Serialization failure or deadlock: the whole transaction is retried."""
+
+
+# --- Dead letters (`eop dlq`) and status (`eop status`) ---
+
+
+class DeadLetterNotFound(EopError):
+    """No dead letter has this id."""
+
+
+class ReplayRefused(EopError):
+    """The replay was not attempted: it could apply the message's effect twice."""
+
+
+class StatusProblem(EopError):
+    """A handler's stream or consumer is missing: see `eop status`."""

@@ -23,6 +23,10 @@ REASON_UNDECODABLE = "undecodable"
 REASON_ATTEMPTS_EXHAUSTED = "attempts_exhausted"
 REASON_SEQUENCE_REUSED = "sequence_reused"
 
+#: How a dead letter was replayed (``eop dlq replay``).
+REPLAY_PUBLISH = "publish"
+REPLAY_RERUN = "rerun"
+
 #: Name of eop's own Alembic version table, kept apart from the host app's.
 VERSION_TABLE = "eop_alembic_version"
 
@@ -99,6 +103,20 @@ def tables(schema: str = "eop") -> Tables:
             sa.DateTime(timezone=True),
             nullable=False,
             server_default=sa.func.now(),
+        ),
+        # Replay bookkeeping (eop.dlq): the generation counts replays the user
+        # asked for; the msg-id of a publish is derived from it and recorded
+        # (with replay_requested_at) *before* the publish, so a crash between
+        # the publish and replayed_at is resumed, never replayed anew.
+        sa.Column("replay_generation", sa.Integer, nullable=False, server_default=sa.text("0")),
+        sa.Column("replay_mode", sa.Text, nullable=True),
+        sa.Column("replay_msg_id", sa.Text, nullable=True),
+        sa.Column("replay_requested_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("replayed_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("replay_stream_seq", sa.BigInteger, nullable=True),
+        sa.CheckConstraint(
+            f"replay_mode IN ('{REPLAY_PUBLISH}', '{REPLAY_RERUN}')",
+            name="dead_letters_replay_mode_check",
         ),
         # A redelivered poison message must not produce a second dead letter.
         sa.UniqueConstraint(

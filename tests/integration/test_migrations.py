@@ -86,10 +86,42 @@ def test_downgrade_to_base_then_upgrade_round_trips(database_url: str) -> None:
     migrate.upgrade(database_url)
     migrate.check(database_url)
     migrate.downgrade(database_url)  # one step down from head
+    assert migrate.current(database_url) == "eop_0002"
+    assert "replayed_at" not in columns_of(database_url, "eop", "dead_letters")
+    migrate.downgrade(database_url)
     assert migrate.current(database_url) == "eop_0001"
     assert "watermarks" not in tables_in(database_url, "eop")
     migrate.upgrade(database_url)
     migrate.check(database_url)
+
+
+def columns_of(url: str, schema: str, table: str) -> set[str]:
+    rows = query(
+        url,
+        "SELECT column_name FROM information_schema.columns "
+        f"WHERE table_schema = '{schema}' AND table_name = '{table}'",
+    )
+    return {str(name) for (name,) in rows}
+
+
+def test_replay_columns_upgrade_over_existing_dead_letters(database_url: str) -> None:
+    """eop_0003 over a table with dead letters: they start at generation 0, never replayed."""
+    migrate.downgrade(database_url, revision="eop_0002")
+    query(database_url, "SELECT 1")
+    engine = sa.create_engine(sync_url(database_url), poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO eop.dead_letters (subscription, stream, stream_epoch, stream_seq,"
+                " fingerprint, subject, headers, payload, reason, error, delivery_count)"
+                " VALUES ('h', 'S', 'e', 1, '\\x00', 'S.a', '{}', '\\x01', 'rejected', 'no', 1)"
+            )
+        )
+    engine.dispose()
+    migrate.upgrade(database_url)
+    migrate.check(database_url)
+    rows = query(database_url, "SELECT replay_generation, replayed_at FROM eop.dead_letters")
+    assert rows == [(0, None)]
 
 
 def test_version_table_is_eop_own_and_host_alembic_version_untouched(
