@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(command=_cmd_db, action=action)
 
     _add_ops_commands(sub)
+    _add_audit(sub)
 
     demo = sub.add_parser(
         "demo",
@@ -283,6 +284,75 @@ def _cmd_db(args: argparse.Namespace) -> int:
         migrate.check(url, schema=schema)
         print("eop tables are up to date")
     return 0
+
+
+def _add_audit(sub: Any) -> None:
+    audit = sub.add_parser(
+        "audit",
+        help="prove exactly-once on your data: walk the stream against the inbox "
+        "(exit 0 clean, 1 anomalies, 2 errors)",
+    )
+    _add_log_options(audit, suppress=True)
+    audit.add_argument("app", metavar="MODULE:APP", help="the eop.App to audit, e.g. myapp:app")
+    audit.add_argument(
+        "--handler",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="audit only this handler (repeatable; default: all)",
+    )
+    for flag, help_text in (
+        ("from-seq", "first stream sequence to walk (default: the stream's first)"),
+        ("to-seq", "last stream sequence to walk (default: the stream's last)"),
+        ("limit", "check at most this many messages per handler, then stop"),
+    ):
+        audit.add_argument(f"--{flag}", type=int, metavar="N", help=help_text)
+    audit.add_argument(
+        "--batch", type=int, default=500, metavar="N", help="messages per fetch (default: 500)"
+    )
+    audit.add_argument(
+        "--stuck-after-s",
+        type=float,
+        metavar="S",
+        help="a delivery unacknowledged this long is stuck (default: 3 AckWaits)",
+    )
+    audit.add_argument(
+        "--current-epoch-only",
+        action="store_true",
+        help="ignore outcomes of earlier incarnations of the stream (after a deliberate "
+        "recreation)",
+    )
+    audit.add_argument("--json", action="store_true", help="print the report as JSON")
+    for name in ("database_url", "nats_url", "schema"):
+        _add_setting(audit, name)
+    audit.set_defaults(command=_cmd_audit)
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from eop import audit
+
+    try:
+        for flag in ("from_seq", "to_seq", "limit", "batch"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise errors.ConfigurationError(f"--{flag.replace('_', '-')} must be at least 1")
+        app = load_app(args.app).with_settings(
+            **_overrides(args, ("database_url", "nats_url", "schema"))
+        )
+        options = audit.Options(
+            from_seq=args.from_seq,
+            to_seq=args.to_seq,
+            limit=args.limit,
+            batch=args.batch,
+            stuck_after_s=args.stuck_after_s,
+            current_epoch_only=args.current_epoch_only,
+        )
+        report = asyncio.run(audit.run(app, args.handler, options))
+    except errors.EopError as exc:
+        _print_error(exc)
+        return 2
+    print(report.as_json() if args.json else audit.render(report))
+    return 0 if report.clean else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import json
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import nats
@@ -116,8 +117,7 @@ class StreamEpochs:
                 f"cannot read stream {stream!r}: {info['error'].get('description')}"
             )
         created = _parse_time(info["created"])
-        metadata = info.get("config", {}).get("metadata") or {}
-        epoch = str(metadata.get(EPOCH_METADATA_KEY) or created.isoformat())
+        epoch = epoch_from_info(info)
         history = self._history.setdefault(stream, [])
         if not history or history[-1][1] != epoch:
             history.append((created, epoch))
@@ -128,6 +128,17 @@ class StreamEpochs:
 
 
 _EPOCH_MIN = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+
+
+def epoch_from_info(info: Mapping[str, Any]) -> str:
+    """A stream's epoch from its raw ``STREAM.INFO`` response: eop's id, else its creation time."""
+    metadata = info.get("config", {}).get("metadata") or {}
+    return str(metadata.get(EPOCH_METADATA_KEY) or _parse_time(info["created"]).isoformat())
+
+
+def parse_time(text: str) -> datetime.datetime:
+    """An RFC 3339 time from nats-server (nanoseconds, 'Z'), to microseconds, UTC."""
+    return _parse_time(text)
 
 
 def _parse_time(text: str) -> datetime.datetime:

@@ -411,3 +411,88 @@ def dead_letter_summary(t: models.Tables, subscription: str) -> sa.Executable:
     return sa.select(sa.func.count(), sa.func.count().filter(c.replayed_at.is_(None))).where(
         c.subscription == subscription
     )
+
+
+# --- audit (eop audit): range reads of one subscription's inbox and dead letters ---
+# Each read is bounded to one (subscription, stream, epoch) so it walks the
+# primary key (inbox) or dead_letters_message_key in sequence order.
+
+
+def audit_inbox_rows(
+    t: models.Tables,
+    subscription: str,
+    stream: str,
+    epoch: str,
+    lo: int,
+    hi: int | None,
+    limit: int | None = None,
+) -> sa.Select[Any]:
+    """Inbox rows of one epoch with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
+    c = t.inbox.c
+    stmt = sa.select(c.stream_seq, c.fingerprint, c.msg_id, c.outcome, c.delivery_count).where(
+        c.subscription == subscription,
+        c.stream == stream,
+        c.stream_epoch == epoch,
+        c.stream_seq >= lo,
+    )
+    if hi is not None:
+        stmt = stmt.where(c.stream_seq <= hi)
+    return stmt.order_by(c.stream_seq).limit(limit)
+
+
+def audit_dead_letters(
+    t: models.Tables,
+    subscription: str,
+    stream: str,
+    epoch: str,
+    lo: int,
+    hi: int | None,
+    limit: int | None = None,
+) -> sa.Select[Any]:
+    """Dead letters of one epoch with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
+    c = t.dead_letters.c
+    stmt = sa.select(c.stream_seq, c.fingerprint, c.id, c.reason).where(
+        c.subscription == subscription,
+        c.stream == stream,
+        c.stream_epoch == epoch,
+        c.stream_seq >= lo,
+    )
+    if hi is not None:
+        stmt = stmt.where(c.stream_seq <= hi)
+    return stmt.order_by(c.stream_seq, c.id).limit(limit)
+
+
+def audit_by_msg_ids(t: models.Tables, subscription: str, msg_ids: list[str]) -> sa.Select[Any]:
+    """The inbox rows (any stream, any epoch) holding one of ``msg_ids`` for a subscription."""
+    c = t.inbox.c
+    return sa.select(c.msg_id, c.stream, c.stream_epoch, c.stream_seq, c.outcome).where(
+        c.subscription == subscription, c.msg_id.is_not(None), c.msg_id.in_(msg_ids)
+    )
+
+
+def audit_epochs(t: models.Tables, subscription: str, stream: str) -> sa.CompoundSelect[Any]:
+    """Every epoch of a stream that the subscription's inbox, dead letters or watermarks name."""
+    parts = [
+        sa.select(table.c.stream_epoch).where(
+            table.c.subscription == subscription, table.c.stream == stream
+        )
+        for table in (t.inbox, t.dead_letters, t.watermarks)
+    ]
+    return sa.union(*parts)
+
+
+def audit_count_inbox(
+    t: models.Tables, subscription: str, stream: str, epoch: str, lo: int, hi: int
+) -> sa.Select[Any]:
+    """How many inbox rows one epoch holds between ``lo`` and ``hi``."""
+    c = t.inbox.c
+    return (
+        sa.select(sa.func.count())
+        .select_from(t.inbox)
+        .where(
+            c.subscription == subscription,
+            c.stream == stream,
+            c.stream_epoch == epoch,
+            c.stream_seq.between(lo, hi),
+        )
+    )

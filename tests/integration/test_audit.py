@@ -1,0 +1,262 @@
+"""`eop audit` against real JetStream and PostgreSQL: clean runs, and each anomaly provoked."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+
+import eop
+from eop import audit, jetstream
+
+from .bed import STREAM, SUBJECT, bed_settings, drained, publish, running, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_app(database_url: str, nats_url: str, **changes: Any) -> eop.App:
+    """An app with one handler, `billing`, on ORDERS.created (effects go to the inbox only)."""
+    app = eop.App(settings=bed_settings(database_url, nats_url, **changes))
+    app.stream(STREAM, subjects=["ORDERS.>"], storage="file")
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="billing")
+    async def bill(msg: eop.Message, session: AsyncSession) -> None:
+        if msg.data == b"poison":
+            raise eop.Reject("poison")
+
+    return app
+
+
+async def process(app: eop.App, js: Any, bodies: list[str], **publish_kw: Any) -> None:
+    """Publish ``bodies`` and run a worker until the consumer has acked them all."""
+    async with running(app):
+        for body in bodies:
+            await publish(js, body, **publish_kw)
+        await wait_for(lambda: drained(js, "eop-billing"), what="all messages acked")
+
+
+async def audit_of(app: eop.App, **options: Any) -> audit.HandlerAudit:
+    """Audit `billing` on a copy of the app (run() disposes the app's engine)."""
+    report = await audit.run(app.with_settings(), ["billing"], audit.Options(**options))
+    return report.handlers[0]
+
+
+def kinds(h: audit.HandlerAudit) -> dict[str, list[int | None]]:
+    """The anomalies found, as kind -> sequences."""
+    found: dict[str, list[int | None]] = {}
+    for a in h.anomalies:
+        found.setdefault(a.kind, []).append(a.seq)
+    return found
+
+
+async def test_clean_run_checks_every_message_and_finds_nothing(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """After a drained worker: every message checked, one outcome each, no anomaly."""
+    app = make_app(database_url, nats_url, compaction_interval_s=0)
+    await process(app, js, [f"m{i}" for i in range(30)] + ["poison"])
+    h = await audit_of(app)
+    assert h.clean, h.anomalies
+    assert (h.checked, h.outcomes, h.dead_letters, h.compacted) == (31, 30, 1, 0)
+    assert (h.range_from, h.range_to) == (1, 31)
+
+
+async def test_compacted_messages_are_counted_not_flagged(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Rows compacted below the watermark are counted; msg-id rows kept there still verify."""
+    app = make_app(database_url, nats_url, compaction_interval_s=0.1)
+    await process(app, js, [f"m{i}" for i in range(10)])
+    await process(app, js, [f"k{i}" for i in range(5)], msg_id=None)
+    async with running(app):
+        for i in range(5):
+            await publish(js, f"id{i}", msg_id=f"id-{i}")
+        await wait_for(lambda: drained(js, "eop-billing"))
+
+        async def compacted() -> bool:
+            async with engine.connect() as conn:
+                wm = (
+                    await conn.execute(sa.text("SELECT max(watermark) FROM eop.watermarks"))
+                ).scalar()
+                return bool(wm and wm >= 20)
+
+        await wait_for(compacted, what="the watermark to pass everything")
+        await asyncio.sleep(0.3)  # one more compaction round deletes the rows below it
+    h = await audit_of(app)
+    assert h.clean, h.anomalies
+    assert h.checked == 20
+    assert h.compacted == 15
+    assert h.verified_below_watermark == 5  # the msg-id rows are kept for msg_id_retention_s
+
+
+async def test_deleted_inbox_row_above_the_watermark_is_acked_without_outcome(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """An acked message whose inbox row vanished (above the watermark) is reported, by seq."""
+    app = make_app(database_url, nats_url, compaction_interval_s=0)
+    await process(app, js, [f"m{i}" for i in range(10)])
+    async with engine.begin() as conn:
+        await conn.execute(sa.text("DELETE FROM eop.inbox WHERE stream_seq = 4"))
+    h = await audit_of(app)
+    assert kinds(h) == {"acked_without_outcome": [4]}
+
+
+async def test_outcome_of_a_deleted_message_and_interior_deletes(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A message deleted after its outcome is reported; one deleted before delivery is not."""
+    app = make_app(database_url, nats_url, compaction_interval_s=0)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-billing"), what="the consumer")
+    for i in range(10):
+        await publish(js, f"m{i}")
+    await js.delete_msg(STREAM, 3)  # never delivered: no outcome expected
+    await process(app, js, [])
+    await js.delete_msg(STREAM, 6)  # deleted after its outcome committed
+    h = await audit_of(app)
+    assert kinds(h) == {"outcome_message_gone": [6]}
+    assert h.checked == 8
+
+
+async def test_subject_filtered_consumer_gives_no_false_positives(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Messages on other subjects of the stream are neither walked nor missing."""
+    app = make_app(database_url, nats_url, compaction_interval_s=0)
+    async with running(app):
+        for i in range(12):
+            await publish(js, f"m{i}", subject=SUBJECT if i % 3 else "ORDERS.other")
+        await wait_for(lambda: drained(js, "eop-billing"))
+    h = await audit_of(app)
+    assert h.clean, h.anomalies
+    assert (h.checked, h.outcomes, h.filters) == (8, 8, [SUBJECT])
+
+
+async def test_changed_fingerprint_in_the_same_epoch_is_a_reused_sequence(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """An inbox row whose fingerprint is not the message's now at that sequence."""
+    app = make_app(database_url, nats_url, compaction_interval_s=0)
+    await process(app, js, [f"m{i}" for i in range(5)])
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.text("UPDATE eop.inbox SET fingerprint = '\\x00'::bytea WHERE stream_seq = 2")
+        )
+    h = await audit_of(app)
+    assert kinds(h) == {"reused_sequence": [2]}
+
+
+async def test_recreated_stream_reuses_sequences(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Outcomes of the deleted stream: reused where the new one holds the sequence, else gone."""
+    app = make_app(database_url, nats_url, compaction_interval_s=0)
+    await process(app, js, [f"old{i}" for i in range(5)])
+    await js.delete_stream(STREAM)
+    await process(app, js, [f"new{i}" for i in range(3)])
+    h = await audit_of(app)
+    assert kinds(h) == {"reused_sequence": [1, 2, 3], "outcome_message_gone": [4, 5]}
+    assert h.outcomes == 3
+    assert (await audit_of(app, current_epoch_only=True)).clean
+
+
+async def test_message_left_pending_and_redelivered_is_stuck(
+    database_url: str, nats_url: str, js: Any, nc: Any, engine: AsyncEngine
+) -> None:
+    """A delivery never acked (redelivered each AckWait) is a stuck delivery."""
+    app = make_app(database_url, nats_url, ack_wait_s=1.0)
+    spec = app.handlers["billing"]
+    await jetstream.ensure_stream(js, app.stream_spec(STREAM), create=True)
+    await jetstream.ensure_consumer(js, spec, app.settings, create=True)
+    await publish(js, "m0")
+    sub = await js.pull_subscribe_bind(durable=spec.durable, stream=STREAM)
+    deliveries = 0
+    while deliveries < 3:
+        try:
+            (msg,) = await sub.fetch(1, timeout=2)
+        except asyncio.TimeoutError:
+            continue
+        deliveries = msg.metadata.num_delivered
+    h = await audit_of(app, stuck_after_s=0.5)
+    assert kinds(h) == {"stuck_delivery": [1]}
+    assert h.unsettled == 1
+
+
+async def test_limit_and_range_options(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """--limit stops the walk and says where to go on; --from-seq/--to-seq bound it."""
+    app = make_app(database_url, nats_url, compaction_interval_s=0)
+    await process(app, js, [f"m{i}" for i in range(20)])
+    h = await audit_of(app, limit=7, batch=3)
+    assert (h.checked, h.truncated, h.next_seq, h.range_to) == (7, True, 8, 7)
+    h = await audit_of(app, from_seq=8, to_seq=15, batch=4)
+    assert (h.checked, h.truncated, h.range_from, h.range_to) == (8, False, 8, 15)
+    assert h.clean
+
+
+def test_cli_exit_codes(database_url: str, nats_url: str) -> None:
+    """`eop audit` exits 0 on a clean stream, 1 on an anomaly, 2 when it cannot connect."""
+    import os
+
+    env = dict(os.environ, EOP_DATABASE_URL=database_url, EOP_NATS_URL=nats_url)
+
+    def eop(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "eop", "audit", "tests.integration.cliapp:app", *args],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    async def provision() -> str:
+        import nats as nats_mod
+
+        from tests.integration import cliapp
+
+        nc = await nats_mod.connect(nats_url)
+        js = nc.jetstream()
+        app = cliapp.app.with_settings(database_url=database_url, nats_url=nats_url)
+        await jetstream.ensure_stream(js, app.stream_spec(STREAM), create=True)
+        await jetstream.ensure_consumer(js, app.handlers["cli"], app.settings, create=True)
+        await js.publish(SUBJECT, b"never delivered")
+        info = await js.stream_info(STREAM)
+        await nc.close()
+        return str(info.config.metadata[jetstream.EPOCH_METADATA_KEY])
+
+    epoch = asyncio.run(provision())
+    done = eop("--json")
+    assert done.returncode == 0, done.stderr
+    assert '"clean": true' in done.stdout
+    text = eop()
+    assert text.returncode == 0
+    assert "result: clean" in text.stdout
+
+    async def outcome_beyond_the_stream() -> None:
+        engine = create_async_engine(database_url)
+        async with engine.begin() as conn:
+            await conn.execute(
+                sa.text(
+                    "INSERT INTO eop.inbox (subscription, stream, stream_epoch, stream_seq,"
+                    " fingerprint, subject, outcome, delivery_count) VALUES"
+                    " ('cli', :s, :e, 99, '\\x00'::bytea, :subj, 'processed', 1)"
+                ),
+                {"s": STREAM, "e": epoch, "subj": SUBJECT},
+            )
+        await engine.dispose()
+
+    asyncio.run(outcome_beyond_the_stream())
+    found = eop()
+    assert found.returncode == 1, found.stderr
+    assert "outcome_message_gone  seq 99" in found.stdout
+    broken = eop("--nats-url", "nats://127.0.0.1:1")
+    assert broken.returncode == 2
+    assert "NATS is unreachable" in broken.stderr
