@@ -42,6 +42,9 @@ _WORKER_FIELDS = (
     "msg_id_retention_s",
     "shutdown_grace_s",
     "create",
+    "metrics_port",
+    "metrics_host",
+    "tracing",
 )
 
 

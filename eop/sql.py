@@ -239,3 +239,9 @@ def list_dead_letters(t: models.Tables, subscription: str | None = None) -> sa.S
     if subscription is not None:
         stmt = stmt.where(c.subscription == subscription)
     return stmt
+
+
+# health (obs): the readiness probe's ping of an idle worker
+def ping() -> sa.Select[tuple[int]]:
+    """``SELECT 1``: the database answers."""
+    return sa.select(sa.literal(1))
