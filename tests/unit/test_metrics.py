@@ -1,4 +1,4 @@
-"""The Prometheus text exposition format, histograms, and the worker's metrics fed by the protocol."""
+"""The Prometheus text format, histograms, and the worker metrics fed by the protocol."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_counter_renders_help_type_and_labelled_samples() -> None:
 
 
 def test_label_values_and_help_are_escaped() -> None:
-    """Backslash, double quote and newline are escaped in label values; backslash and newline in HELP."""
+    """Label values escape backslash, double quote and newline; HELP backslash and newline."""
     r = metrics.Registry()
     g = r.add(metrics.Gauge("g", 'Help with \\ and\nnewline and "quotes".', ("k",)))
     g.labels('a"b\\c\nd').set(3)
