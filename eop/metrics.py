@@ -102,14 +102,13 @@ class _Child:
 
 
 class _Value(_Child):
+    # Counters and gauges change only on the event loop's thread: no lock.
     def __init__(self) -> None:
         self.value = 0.0
-        self._lock = threading.Lock()
 
     def inc(self, amount: float = 1.0) -> None:
         """Add ``amount``."""
-        with self._lock:
-            self.value += amount
+        self.value += amount
 
     def samples(self, name: str, names: Sequence[str], values: Sequence[str]) -> list[str]:
         return [f"{name}{_labels(names, values)} {format_value(self.value)}"]
@@ -118,8 +117,7 @@ class _Value(_Child):
 class _GaugeValue(_Value):
     def dec(self, amount: float = 1.0) -> None:
         """Subtract ``amount``."""
-        with self._lock:
-            self.value -= amount
+        self.value -= amount
 
     def set(self, value: float) -> None:
         """Set the value."""

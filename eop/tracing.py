@@ -17,7 +17,7 @@ Spans are exported by whatever SDK the application configures
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from eop import observe
@@ -91,11 +91,26 @@ class Tracing(observe.Observer):
             raise RuntimeError("opentelemetry-api is not installed: pip install 'eop[otel]'")
         from eop import __version__
 
+        self._provider = tracer_provider
         self._tracer = trace.get_tracer("eop", __version__, tracer_provider)
         self._spans: dict[_Key, Any] = {}
 
+    def _recording(self) -> bool:
+        """False while no SDK is configured: then spans would be no-ops, so make none.
+
+        opentelemetry-api often arrives as a dependency of something else;
+        without an SDK behind it, extracting headers and building attributes
+        for a non-recording span would cost ~15 us per message for nothing.
+        """
+        if self._provider is not None:
+            return True
+        provider = trace.get_tracer_provider()
+        return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
     def received(self, spec: HandlerSpec, deliveries: Sequence[Delivery]) -> None:
         """Start a CONSUMER span per delivery, parented by the context in its headers."""
+        if not self._recording():
+            return
         for delivery in deliveries:
             key = _key(spec, delivery)
             if key is None or key in self._spans:
@@ -115,6 +130,8 @@ class Tracing(observe.Observer):
 
     def failed(self, spec: HandlerSpec, delivery: Delivery, error: BaseException) -> None:
         """Record the handler's exception on the span and mark it as an error."""
+        if not self._spans:
+            return
         key = _key(spec, delivery)
         span = self._spans.get(key) if key is not None else None
         if span is not None:
@@ -132,6 +149,8 @@ class Tracing(observe.Observer):
         acked: bool = True,
     ) -> None:
         """Set the outcome and end the span."""
+        if not self._spans:
+            return
         key = _key(spec, delivery)
         span = self._spans.pop(key, None) if key is not None else None
         if span is None:
@@ -149,6 +168,8 @@ class Tracing(observe.Observer):
         self, spec: HandlerSpec, deliveries: Sequence[Delivery], error: BaseException
     ) -> None:
         """eop's own I/O failed: record it on the spans still open."""
+        if not self._spans:
+            return
         for delivery in deliveries:
             key = _key(spec, delivery)
             span = self._spans.get(key) if key is not None else None
@@ -157,6 +178,8 @@ class Tracing(observe.Observer):
 
     def done(self, spec: HandlerSpec, deliveries: Sequence[Delivery]) -> None:
         """End the spans of deliveries that got no outcome (left to a redelivery)."""
+        if not self._spans:
+            return
         for delivery in deliveries:
             key = _key(spec, delivery)
             span = self._spans.pop(key, None) if key is not None else None
@@ -169,7 +192,7 @@ class Tracing(observe.Observer):
 
     def handler_started(self, spec: HandlerSpec, arg: Any) -> Any:
         """Make the message's span current while its handler runs (not for batch handlers)."""
-        if isinstance(arg, list):
+        if not self._spans or isinstance(arg, list):
             return None
         msg: Message = arg
         span = self._spans.get((spec.name, msg.stream, msg.seq, msg.num_delivered))
@@ -184,7 +207,7 @@ class Tracing(observe.Observer):
 
 
 def _attributes(
-    spec: HandlerSpec, delivery: Delivery, key: _Key, headers: Iterable[str] | Any
+    spec: HandlerSpec, delivery: Delivery, key: _Key, headers: Mapping[str, str]
 ) -> dict[str, Any]:
     _, stream, seq, delivered = key
     attributes: dict[str, Any] = {
@@ -200,7 +223,7 @@ def _attributes(
         "eop.stream_seq": seq,
         "eop.delivery_count": delivered,
     }
-    msg_id = headers.get("Nats-Msg-Id") if hasattr(headers, "get") else None
+    msg_id = headers.get("Nats-Msg-Id")
     if msg_id:
         attributes["messaging.message.id"] = str(msg_id)
     return attributes
