@@ -56,6 +56,9 @@ _WORKER_FIELDS = (
     "shutdown_grace_s",
     "create",
     *NATS_AUTH_FIELDS,
+    "metrics_port",
+    "metrics_host",
+    "tracing",
 )
 
 

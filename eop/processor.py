@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from eop import ack, errors, faults, inbox, log, message, models
+from eop import ack, errors, faults, inbox, log, message, models, observe
 from eop.handler import HandlerSpec
 from eop.settings import Settings
 
@@ -100,6 +100,7 @@ class Processor:
     epochs: Epochs
     critical: Critical = dataclasses.field(default_factory=Critical)
     clock: Callable[[], float] = time.monotonic
+    observer: observe.Observer = observe.NOOP
 
     @property
     def max_attempts(self) -> int:
@@ -126,12 +127,14 @@ class Processor:
             # Stored before the stream's current incarnation: that stream, and
             # this message with it, were deleted; it cannot even be acked.
             logger.warning(log.Event.MESSAGE_STREAM_GONE, action=log.Action.LEFT)
+            self.observer.outcome(self.spec, delivery, Outcome.LEFT)
             return Outcome.LEFT
         msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
         remaining = self.ack_wait_s - (self.clock() - received_at)
         if remaining < self.settings.lease_margin_s:
             # The server may already have handed this message to someone else.
             logger.info(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, lease_s=remaining)
+            self.observer.outcome(self.spec, delivery, Outcome.LEFT)
             return Outcome.LEFT
         if msg.num_delivered > self.max_attempts:
             # Earlier deliveries ended without an outcome: the worker died in them.
@@ -242,11 +245,20 @@ class Processor:
     ) -> Outcome:
         """Ack a processed message, term a dead-lettered or quarantined one, and log it."""
         if outcome is Outcome.PROCESSED:
-            await self._ack(delivery, logger)
+            committed_at = time.perf_counter()
+            acked = await self._ack(delivery, logger)
             logger.info(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK, **extra)
+            self.observer.outcome(
+                self.spec,
+                delivery,
+                outcome,
+                ack_s=time.perf_counter() - committed_at,
+                acked=acked,
+            )
             return outcome
         await ack.term(delivery, logger)
         assert dead is not None
+        self.observer.outcome(self.spec, delivery, outcome, reason=dead.reason)
         if outcome is Outcome.QUARANTINED:
             logger.error(log.Event.MESSAGE_QUARANTINED, action=log.Action.TERM, alarm=True, **extra)
         else:
@@ -283,6 +295,7 @@ class Processor:
             # redelivery's claim decides, and it cannot apply the effect twice.
             return await self._nak(delivery, msg, None, logger)
         logger.warning(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, ambiguous=True)
+        self.observer.outcome(self.spec, delivery, Outcome.LEFT)
         return Outcome.LEFT
 
     async def _not_claimed(
@@ -309,12 +322,14 @@ class Processor:
             by=existing.by,
             outcome=existing.outcome,
         )
+        self.observer.outcome(self.spec, delivery, Outcome.DUPLICATE)
         return Outcome.DUPLICATE
 
     async def _handler_failed(
         self, delivery: ack.Delivery, msg: message.Message, exc: Exception | None, logger: Any
     ) -> Outcome:
         assert exc is not None
+        self.observer.failed(self.spec, delivery, exc)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if isinstance(exc, errors.Reject):
             reason = (
@@ -370,15 +385,16 @@ class Processor:
                 self._commit_and_settle(tx, delivery, msg, Outcome.QUARANTINED, logger, dead)
             )
 
-    async def _ack(self, delivery: ack.Delivery, logger: Any) -> None:
+    async def _ack(self, delivery: ack.Delivery, logger: Any) -> bool:
         await faults.point("during_ack")
-        await ack.confirm(
+        acked = await ack.confirm(
             delivery,
             timeout_s=self.settings.ack_timeout_s,
             give_up_s=self.settings.ack_give_up_s,
             logger=logger,
         )
         await faults.point("after_ack")
+        return acked
 
     async def _nak(
         self, delivery: ack.Delivery, msg: message.Message, delay_s: float | None, logger: Any
@@ -388,6 +404,7 @@ class Processor:
                 msg.num_delivered, self.settings.backoff_base_s, self.settings.backoff_max_s
             )
         await ack.nak(delivery, delay_s, logger)
+        self.observer.outcome(self.spec, delivery, Outcome.RETRY)
         return Outcome.RETRY
 
 

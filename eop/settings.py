@@ -79,6 +79,14 @@ class Settings:
     create: bool = _field(
         True, "Create streams and consumers that do not exist (else bind to existing ones only)."
     )
+    # metrics, health and tracing (obs)
+    metrics_port: int = _field(
+        0, "Port of the worker's HTTP endpoint: /metrics, /healthz, /readyz (0: off)."
+    )
+    metrics_host: str = _field("0.0.0.0", "Address the metrics and health endpoint listens on.")
+    tracing: bool = _field(
+        True, "An OpenTelemetry span per message, when opentelemetry-api (eop[otel]) is installed."
+    )
     log_format: LogFormat = _field("console", "``console`` for people, ``json`` for machines.")
     log_level: LogLevel = _field("info", "Lowest level logged.")
 

@@ -496,3 +496,9 @@ def audit_count_inbox(
             c.stream_seq.between(lo, hi),
         )
     )
+
+
+# health (obs): the readiness probe's ping of an idle worker
+def ping() -> sa.Select[tuple[int]]:
+    """``SELECT 1``: the database answers."""
+    return sa.select(sa.literal(1))

@@ -27,8 +27,10 @@ from eop import (
     jetstream,
     log,
     migrate,
+    observe,
     ordering,
     processor,
+    telemetry,
 )
 from eop.app import App, select_handlers
 from eop.handler import HandlerSpec
@@ -65,6 +67,11 @@ class Worker:
         self._blocked = ordering.BlockedKeys()
         self._logger = log.get_logger()
         self.processed = 0
+        self.nats: Any = None
+        """The NATS connection while the worker runs."""
+        self.telemetry = telemetry.Telemetry(self)
+        """Metrics, health endpoints and tracing (see :mod:`eop.telemetry`)."""
+        self._observer = self.telemetry.observer
 
     def stop(self, *, force: bool = False) -> None:
         """Stop fetching and finish in-flight messages; ``force`` cancels their handlers.
@@ -80,8 +87,24 @@ class Worker:
         # A second Ctrl-C means "now": do not wait for slow handlers.
         self.stop(force=self._stopping.is_set())
 
+    @property
+    def draining(self) -> bool:
+        """True once a stop was asked for."""
+        return self._stopping.is_set()
+
     async def run(self) -> None:
-        """Connect, bind the subscriptions, process until stopped, then drain."""
+        """Connect, bind the subscriptions, process until stopped, then drain.
+
+        With ``metrics_port`` set, ``/metrics``, ``/healthz`` and ``/readyz``
+        are served from before connecting until the worker has stopped.
+        """
+        await self.telemetry.start()
+        try:
+            await self._run()
+        finally:
+            await self.telemetry.close()
+
+    async def _run(self) -> None:
         s = self.settings
         self._logger.info(
             log.Event.WORKER_STARTING,
@@ -93,6 +116,7 @@ class Worker:
         )
         await migrate.ensure_ready(self.app.engine, s.schema)
         nc = await jetstream.connect(s, name=f"eop-worker-{'-'.join(sp.name for sp in self.specs)}")
+        self.nats = nc
         try:
             js = nc.jetstream()
             store = inbox.PostgresStore(self.app)
@@ -103,6 +127,8 @@ class Worker:
                 proc = processor.Processor(
                     spec=spec, settings=s, store=store, epochs=epochs, critical=self._critical
                 )
+                proc.spec = observe.instrument(spec, self._observer)
+                proc.observer = self._observer
                 loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
                 if s.compaction_interval_s > 0:
                     compactor = compaction.Compactor(js, store, spec, epochs)
@@ -205,6 +231,7 @@ class Worker:
     ) -> None:
         """Process a key's messages in order; when one is retried, its followers wait."""
         name = proc.spec.name
+        self._observer.received(proc.spec, msgs)
         try:
             # The retried message the previous lane waits for must not wait for it.
             awaited = self._blocked.blocked_seq(name, key)
@@ -215,6 +242,7 @@ class Worker:
                 await asyncio.wait({previous})
             await self._run_lane(proc, key, rest, received_at)
         finally:
+            self._observer.done(proc.spec, msgs)
             for _ in msgs:
                 self._slots.release()
 
@@ -278,6 +306,7 @@ class Worker:
         self, proc: processor.Processor, msgs: list[Any], received_at: float
     ) -> None:
         """Process one message, or a batch in one transaction; release their slots."""
+        self._observer.received(proc.spec, msgs)
         try:
             if len(msgs) == 1:
                 outcomes = [await proc.handle(msgs[0], received_at)]
@@ -293,9 +322,11 @@ class Worker:
                 handler=proc.spec.name,
                 error=f"{type(exc).__name__}: {exc}",
             )
+            self._observer.errored(proc.spec, msgs, exc)
             for msg in msgs:
                 await ack.nak(msg, self.settings.backoff_max_s, self._logger)
         finally:
+            self._observer.done(proc.spec, msgs)
             for _ in msgs:
                 self._slots.release()
 
