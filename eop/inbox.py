@@ -307,8 +307,13 @@ class AsyncTransaction(SqlTransaction):
         await self._call(messages)
 
     async def _call(self, messages: list[Message]) -> None:
-        arg: Any = messages if self.spec.batch else messages[0]
-        await self.spec.func(arg, self.session)  # type: ignore[arg-type,misc]
+        if self.spec.payload is None:
+            arg: Any = messages if self.spec.batch else messages[0]
+            await self.spec.func(arg, self.session)  # type: ignore[arg-type,misc]
+        else:
+            typed: Any = self.spec.func  # called with the decoded payload
+            value, extra = self.spec.payload.arguments(messages)
+            await typed(value, self.session, **extra)
         # Flushing here makes errors of the handler's pending ORM writes the
         # handler's errors, rather than surprises at COMMIT.
         await self.session.flush()
@@ -365,8 +370,13 @@ class SyncTransaction(SqlTransaction):
         await asyncio.to_thread(self._call, messages)
 
     def _call(self, messages: list[Message]) -> None:
-        arg: Any = messages if self.spec.batch else messages[0]
-        self.spec.func(arg, self.session)  # type: ignore[arg-type]
+        if self.spec.payload is None:
+            arg: Any = messages if self.spec.batch else messages[0]
+            self.spec.func(arg, self.session)  # type: ignore[arg-type]
+        else:
+            typed: Any = self.spec.func  # called with the decoded payload
+            value, extra = self.spec.payload.arguments(messages)
+            typed(value, self.session, **extra)
         self.session.flush()
 
     async def run_isolated(self, messages: list[Message]) -> Exception | None:

@@ -81,7 +81,8 @@ class Message:
         """
         try:
             return json.loads(self.data)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError and integers past Python's digit limit.
+        except (ValueError, RecursionError) as exc:
             raise errors.UndecodableMessage(f"payload is not valid JSON: {exc}") from exc
 
 
