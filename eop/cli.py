@@ -42,6 +42,7 @@ _WORKER_FIELDS = (
     "msg_id_retention_s",
     "shutdown_grace_s",
     "create",
+    "startup_attempts",
 )
 
 

@@ -77,3 +77,7 @@ class ServerBinaryNotFound(EmbeddedServerError):
 
 class TransactionConflict(EopError):
     """Serialization failure or deadlock: the whole transaction is retried."""
+
+
+class PayloadTooLarge(EopError):
+    """A message is larger than the NATS server accepts (its max_payload)."""

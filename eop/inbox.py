@@ -22,6 +22,7 @@ import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
 from eop import errors, log, models, sql
+from eop import message as message_mod
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -49,6 +50,12 @@ class DeadLetter:
     reason: str
     error: str
     traceback: str | None = None
+
+    def __post_init__(self) -> None:
+        # An error message may quote the payload's NUL bytes; PostgreSQL text refuses them.
+        object.__setattr__(self, "error", message_mod.pg_text(self.error))
+        if self.traceback is not None:
+            object.__setattr__(self, "traceback", message_mod.pg_text(self.traceback))
 
 
 class Transaction(Protocol):

@@ -29,6 +29,7 @@ from eop import (
     migrate,
     ordering,
     processor,
+    startup,
 )
 from eop.app import App, select_handlers
 from eop.handler import HandlerSpec
@@ -91,8 +92,9 @@ class Worker:
             concurrency=s.concurrency,
             batch=s.batch,
         )
-        await migrate.ensure_ready(self.app.engine, s.schema)
-        nc = await jetstream.connect(s, name=f"eop-worker-{'-'.join(sp.name for sp in self.specs)}")
+        name = f"eop-worker-{'-'.join(sp.name for sp in self.specs)}"
+        await startup.retrying(lambda: migrate.ensure_ready(self.app.engine, s.schema), s)
+        nc = await startup.retrying(lambda: jetstream.connect(s, name=name), s)
         try:
             js = nc.jetstream()
             store = inbox.PostgresStore(self.app)
