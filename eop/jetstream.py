@@ -191,6 +191,14 @@ async def ensure_consumer(js: Any, spec: HandlerSpec, settings: Settings, *, cre
     anything else would break the protocol, so it is an error, not a warning.
     """
     with _translated(f"consumer {spec.durable!r} on stream {spec.stream!r}"):
+        subjects = await _stream_subjects(js, spec.stream)
+        if subjects is not None and not any(subject_covers(s, spec.subject) for s in subjects):
+            # The server accepts such a consumer: it would wait for ever, silently.
+            raise errors.ConfigurationError(
+                f"stream {spec.stream!r} holds subjects {', '.join(subjects)}, which do not "
+                f"cover handler {spec.name!r}'s subject {spec.subject}: add it to the stream's "
+                "subjects, or fix the handler's stream= or subject="
+            )
         try:
             info = await js.consumer_info(spec.stream, spec.durable)
         except nats.js.errors.NotFoundError:
@@ -237,6 +245,19 @@ async def _stream_subjects(js: Any, stream: str) -> list[str] | None:
     except _NATS_ERRORS:
         return None
     return list(info.config.subjects or [])
+
+
+def subject_covers(pattern: str, subject: str) -> bool:
+    """Whether every subject matching ``subject`` (wildcards allowed) matches ``pattern``."""
+    have, want = pattern.split("."), subject.split(".")
+    for i, token in enumerate(have):
+        if token == ">":
+            return len(want) > i
+        if i >= len(want) or want[i] == ">":
+            return False
+        if token != "*" and token != want[i]:
+            return False
+    return len(want) == len(have)
 
 
 def _describe(exc: BaseException) -> str:
