@@ -1,4 +1,4 @@
-"""Typed payloads on a real worker: valid ones processed once, invalid ones dead-lettered at once."""
+"""Typed payloads on a real worker: valid ones processed once, invalid ones dead-lettered."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ async def dead_letters(engine: AsyncEngine) -> list[Any]:
 async def test_dataclass_handler_processes_valid_and_dead_letters_invalid_at_first_delivery(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
-    """One valid order takes effect once; an invalid one is dead-lettered on delivery 1, no retry."""
+    """A valid order takes effect once; an invalid one is dead-lettered at delivery 1, no retry."""
     await create_effects_table(engine)
     app = make_app(database_url, nats_url, max_attempts=5)
     seen: list[Order] = []
