@@ -65,6 +65,11 @@ async def publish(
             f"no stream answered for subject {subject}: no stream holds it (add it to a "
             "stream's subjects) or JetStream is not enabled"
         ) from None
+    except nats.errors.BadHeaderError as exc:
+        raise errors.ConfigurationError(
+            f"invalid header name {str(exc).rsplit(': ', 1)[-1]}: NATS header names are "
+            "letters, digits and !#$%&'*+-.^_`|~"
+        ) from None
     except nats.errors.MaxPayloadError as exc:
         raise errors.PayloadTooLarge(
             f"message to {subject} is above the server's max_payload of {limit} bytes"

@@ -159,3 +159,10 @@ async def test_publish_to_a_subject_no_stream_holds_is_a_clear_error(nc: Any) ->
     """No stream for the subject: ConfigurationError, not a bare timeout."""
     with pytest.raises(eop.ConfigurationError, match="no stream holds it"):
         await eop.publish(nc, "NOWHERE.x", b"{}", timeout_s=1)
+
+
+async def test_publish_with_a_malformed_header_name_is_a_clear_error(nc: Any, js: Any) -> None:
+    """A header name NATS refuses: ConfigurationError naming it, not 'NATS unavailable'."""
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    with pytest.raises(eop.ConfigurationError, match="invalid header name 'a b;c'"):
+        await eop.publish(nc, "ORDERS.created", b"{}", headers={"a b;c": "v"})
