@@ -14,12 +14,14 @@ from eop.errors import (
     DatabaseUnavailable,
     EopError,
     NatsUnavailable,
+    PayloadTooLarge,
     Reject,
     Retry,
     SchemaNotReady,
     UndecodableMessage,
 )
 from eop.message import Message
+from eop.publish import publish
 from eop.settings import Settings
 
 __version__ = "0.1.0"
@@ -29,6 +31,7 @@ __all__ = [
     "App",
     "Message",
     "Settings",
+    "publish",
     # what handlers raise
     "Reject",
     "Retry",
@@ -39,6 +42,7 @@ __all__ = [
     "ConfigurationError",
     "DatabaseUnavailable",
     "NatsUnavailable",
+    "PayloadTooLarge",
     "SchemaNotReady",
     "__version__",
 ]

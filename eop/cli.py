@@ -59,6 +59,7 @@ _WORKER_FIELDS = (
     "metrics_port",
     "metrics_host",
     "tracing",
+    "startup_attempts",
 )
 
 

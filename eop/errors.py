@@ -100,3 +100,7 @@ class ReplayRefused(EopError):
 
 class StatusProblem(EopError):
     """A handler's stream or consumer is missing: see `eop status`."""
+
+
+class PayloadTooLarge(EopError):
+    """A message is larger than the NATS server accepts (its max_payload)."""

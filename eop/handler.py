@@ -8,7 +8,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal, Union
 
-from eop import errors
+from eop import errors, payload
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -75,6 +75,11 @@ class HandlerSpec:
     msg_id_guard: bool = True
     """Also skip a message whose ``Nats-Msg-Id`` this handler already processed
     under another sequence (a republish after the duplicate window)."""
+    payload: payload.Binding | None = dataclasses.field(
+        default=None, init=False, compare=False, repr=False
+    )
+    """How a typed handler gets its decoded payload (None: it takes the message itself);
+    resolved from the handler's annotations when the spec is made."""
 
     @property
     def is_async(self) -> bool:
@@ -93,6 +98,8 @@ class HandlerSpec:
             parse_order_by(self.order_by)
         if self.max_attempts is not None and self.max_attempts < 1:
             raise errors.ConfigurationError("max_attempts must be at least 1")
+        binding = payload.bind(self.func, batch=self.batch, handler=self.name)
+        object.__setattr__(self, "payload", binding)  # a frozen dataclass's derived field
 
 
 def parse_order_by(order_by: str) -> tuple[str, str]:

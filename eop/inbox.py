@@ -22,6 +22,7 @@ import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
 from eop import errors, log, models, sql
+from eop import message as message_mod
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -49,6 +50,12 @@ class DeadLetter:
     reason: str
     error: str
     traceback: str | None = None
+
+    def __post_init__(self) -> None:
+        # An error message may quote the payload's NUL bytes; PostgreSQL text refuses them.
+        object.__setattr__(self, "error", message_mod.pg_text(self.error))
+        if self.traceback is not None:
+            object.__setattr__(self, "traceback", message_mod.pg_text(self.traceback))
 
 
 class Transaction(Protocol):
@@ -307,8 +314,13 @@ class AsyncTransaction(SqlTransaction):
         await self._call(messages)
 
     async def _call(self, messages: list[Message]) -> None:
-        arg: Any = messages if self.spec.batch else messages[0]
-        await self.spec.func(arg, self.session)  # type: ignore[arg-type,misc]
+        if self.spec.payload is None:
+            arg: Any = messages if self.spec.batch else messages[0]
+            await self.spec.func(arg, self.session)  # type: ignore[arg-type,misc]
+        else:
+            typed: Any = self.spec.func  # called with the decoded payload
+            value, extra = self.spec.payload.arguments(messages)
+            await typed(value, self.session, **extra)
         # Flushing here makes errors of the handler's pending ORM writes the
         # handler's errors, rather than surprises at COMMIT.
         await self.session.flush()
@@ -365,8 +377,13 @@ class SyncTransaction(SqlTransaction):
         await asyncio.to_thread(self._call, messages)
 
     def _call(self, messages: list[Message]) -> None:
-        arg: Any = messages if self.spec.batch else messages[0]
-        self.spec.func(arg, self.session)  # type: ignore[arg-type]
+        if self.spec.payload is None:
+            arg: Any = messages if self.spec.batch else messages[0]
+            self.spec.func(arg, self.session)  # type: ignore[arg-type]
+        else:
+            typed: Any = self.spec.func  # called with the decoded payload
+            value, extra = self.spec.payload.arguments(messages)
+            typed(value, self.session, **extra)
         self.session.flush()
 
     async def run_isolated(self, messages: list[Message]) -> Exception | None:

@@ -10,7 +10,7 @@ import contextlib
 import datetime
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import nats
@@ -152,25 +152,39 @@ def _parse_time(text: str) -> datetime.datetime:
 
 async def ensure_stream(js: Any, spec: StreamSpec, *, create: bool) -> None:
     """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata)."""
-    try:
-        await js.stream_info(spec.name)
-        return
-    except nats.js.errors.NotFoundError:
-        if not create:
-            raise errors.ConfigurationError(
-                f"stream {spec.name!r} does not exist: create it, or run with create enabled"
-            ) from None
-    config = api.StreamConfig(
-        name=spec.name,
-        subjects=list(spec.subjects),
-        storage=api.StorageType.MEMORY if spec.storage == "memory" else api.StorageType.FILE,
-        duplicate_window=spec.duplicate_window_s,
-        max_age=spec.max_age_s or None,
-        metadata={EPOCH_METADATA_KEY: uuid.uuid4().hex},
-    )
-    with contextlib.suppress(nats.js.errors.BadRequestError):
-        # BadRequest: another worker created it first, with its own epoch id.
-        await js.add_stream(config)
+    with _translated(f"stream {spec.name!r}"):
+        try:
+            await js.stream_info(spec.name)
+            return
+        except nats.js.errors.NotFoundError:
+            if not create:
+                raise errors.ConfigurationError(
+                    f"stream {spec.name!r} does not exist and creating streams is off "
+                    f"(--no-create, EOP_CREATE=false): create it (`nats stream add {spec.name} "
+                    f"--subjects '{','.join(spec.subjects)}'`) or let eop create it"
+                ) from None
+        config = api.StreamConfig(
+            name=spec.name,
+            subjects=list(spec.subjects),
+            storage=api.StorageType.MEMORY if spec.storage == "memory" else api.StorageType.FILE,
+            duplicate_window=spec.duplicate_window_s,
+            max_age=spec.max_age_s or None,
+            metadata={EPOCH_METADATA_KEY: uuid.uuid4().hex},
+        )
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError as exc:
+            # Another worker may have created it first, with its own epoch id;
+            # if it still does not exist, the server refused it (overlapping
+            # subjects, an invalid subject, limits).
+            try:
+                await js.stream_info(spec.name)
+            except nats.js.errors.NotFoundError:
+                raise errors.ConfigurationError(
+                    f"cannot create stream {spec.name!r} with subjects "
+                    f"{', '.join(spec.subjects)}: {_describe(exc)} (does another stream "
+                    "already hold these subjects? declare its name with stream= instead)"
+                ) from None
 
 
 async def ensure_consumer(js: Any, spec: HandlerSpec, settings: Settings, *, create: bool) -> None:
@@ -179,43 +193,138 @@ async def ensure_consumer(js: Any, spec: HandlerSpec, settings: Settings, *, cre
     An existing consumer must ack explicitly and filter the handler's subject;
     anything else would break the protocol, so it is an error, not a warning.
     """
-    try:
-        info = await js.consumer_info(spec.stream, spec.durable)
-    except nats.js.errors.NotFoundError:
-        if not create:
+    with _translated(f"consumer {spec.durable!r} on stream {spec.stream!r}"):
+        subjects = await _stream_subjects(js, spec.stream)
+        if subjects is not None and not any(subject_covers(s, spec.subject) for s in subjects):
+            # The server accepts such a consumer: it would wait for ever, silently.
             raise errors.ConfigurationError(
-                f"consumer {spec.durable!r} on stream {spec.stream!r} does not exist"
-            ) from None
-    else:
-        _check_consumer(info.config, spec)
-        return
-    config = api.ConsumerConfig(
-        durable_name=spec.durable,
-        ack_policy=api.AckPolicy.EXPLICIT,
-        deliver_policy=api.DeliverPolicy.ALL,
-        ack_wait=spec.ack_wait_s or settings.ack_wait_s,
-        # eop counts attempts itself and dead-letters the last one; a server-side
-        # limit would silently drop a message before eop could record it.
-        max_deliver=-1,
-        max_ack_pending=settings.max_ack_pending,
-        filter_subject=spec.subject,
-    )
-    await js.add_consumer(spec.stream, config)
-
-
-def _check_consumer(config: Any, spec: HandlerSpec) -> None:
-    if config.ack_policy != api.AckPolicy.EXPLICIT:
-        raise errors.ConfigurationError(
-            f"consumer {spec.durable!r} must use AckPolicy explicit, not {config.ack_policy}"
+                f"stream {spec.stream!r} holds subjects {', '.join(subjects)}, which do not "
+                f"cover handler {spec.name!r}'s subject {spec.subject}: add it to the stream's "
+                "subjects, or fix the handler's stream= or subject="
+            )
+        try:
+            info = await js.consumer_info(spec.stream, spec.durable)
+        except nats.js.errors.NotFoundError:
+            if not create:
+                raise errors.ConfigurationError(
+                    f"consumer {spec.durable!r} on stream {spec.stream!r} does not exist and "
+                    "creating consumers is off (--no-create, EOP_CREATE=false): let eop "
+                    "create it, or create a durable pull consumer with ack policy explicit "
+                    f"and filter subject {spec.subject}"
+                ) from None
+        else:
+            _check_consumer(info.config, spec, settings)
+            return
+        config = api.ConsumerConfig(
+            durable_name=spec.durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_wait=spec.ack_wait_s or settings.ack_wait_s,
+            # eop counts attempts itself and dead-letters the last one; a server-side
+            # limit would silently drop a message before eop could record it.
+            max_deliver=-1,
+            max_ack_pending=settings.max_ack_pending,
+            filter_subject=spec.subject,
         )
+        try:
+            await js.add_consumer(spec.stream, config)
+        except nats.js.errors.APIError as exc:
+            subjects = await _stream_subjects(js, spec.stream)
+            hint = (
+                f" (stream {spec.stream!r} holds subjects {', '.join(subjects)}: the handler's "
+                f"subject {spec.subject} must fall under one of them)"
+                if subjects is not None
+                else ""
+            )
+            raise errors.ConfigurationError(
+                f"cannot create consumer {spec.durable!r} on stream {spec.stream!r} for "
+                f"handler {spec.name!r}: {_describe(exc)}{hint}"
+            ) from None
+
+
+async def _stream_subjects(js: Any, stream: str) -> list[str] | None:
+    try:
+        info = await js.stream_info(stream)
+    except _NATS_ERRORS:
+        return None
+    return list(info.config.subjects or [])
+
+
+def subject_covers(pattern: str, subject: str) -> bool:
+    """Whether every subject matching ``subject`` (wildcards allowed) matches ``pattern``."""
+    have, want = pattern.split("."), subject.split(".")
+    for i, token in enumerate(have):
+        if token == ">":
+            return len(want) > i
+        if i >= len(want) or want[i] == ">":
+            return False
+        if token != "*" and token != want[i]:
+            return False
+    return len(want) == len(have)
+
+
+def _describe(exc: BaseException) -> str:
+    return str(getattr(exc, "description", None) or exc or type(exc).__name__)
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """nats-py errors while provisioning, as eop's: unexpected API errors and lost servers."""
+    try:
+        yield
+    except nats.js.errors.APIError as exc:
+        raise errors.ConfigurationError(f"{what}: the server refused: {_describe(exc)}") from exc
+    except _NATS_ERRORS as exc:
+        raise errors.NatsUnavailable(
+            f"{what}: NATS did not answer ({type(exc).__name__}): is JetStream enabled "
+            "and the server reachable?"
+        ) from exc
+
+
+def _check_consumer(config: Any, spec: HandlerSpec, settings: Settings | None = None) -> None:
+    """Refuse an existing consumer whose configuration would break the protocol.
+
+    The error names every field that differs, what eop needs instead, and
+    the fix: deleting the consumer is safe (eop recreates it, and its inbox
+    and watermark skip what was already processed).
+    """
+    problems = []
+    if config.ack_policy != api.AckPolicy.EXPLICIT:
+        problems.append(f"ack_policy is {_value(config.ack_policy)}, eop needs explicit")
     filters = set(config.filter_subjects or []) | (
         {config.filter_subject} if config.filter_subject else set()
     )
     if filters and spec.subject not in filters:
-        raise errors.ConfigurationError(
-            f"consumer {spec.durable!r} filters {sorted(filters)}, "
-            f"but handler {spec.name!r} subscribes to {spec.subject!r}"
+        problems.append(
+            f"filter_subject is {', '.join(sorted(filters))}, "
+            f"handler {spec.name!r} subscribes to {spec.subject}"
         )
+    deliver = config.deliver_policy
+    if deliver is not None and deliver != api.DeliverPolicy.ALL:
+        problems.append(
+            f"deliver_policy is {_value(deliver)}, eop needs all "
+            "(messages stored before the consumer would never be processed)"
+        )
+    if getattr(config, "deliver_subject", None):
+        problems.append("it is a push consumer (deliver_subject set), eop needs a pull consumer")
+    max_attempts = spec.max_attempts or (settings.max_attempts if settings else 1)
+    if config.max_deliver not in (None, -1, 0) and config.max_deliver <= max_attempts:
+        problems.append(
+            f"max_deliver is {config.max_deliver}, eop needs -1 (unlimited) or above "
+            f"max_attempts ({max_attempts}): the server would drop a message before eop "
+            "dead-letters it"
+        )
+    if problems:
+        raise errors.ConfigurationError(
+            f"consumer {spec.durable!r} on stream {spec.stream!r} conflicts with handler "
+            f"{spec.name!r}: {'; '.join(problems)}. Fix: delete it "
+            f"(`nats consumer rm {spec.stream} {spec.durable}`; eop recreates it and its inbox "
+            f"skips what was already processed), or give the handler another durable= name"
+        )
+
+
+def _value(option: Any) -> str:
+    return str(getattr(option, "value", option))
 
 
 async def subscribe(js: Any, spec: HandlerSpec) -> Any:

@@ -39,6 +39,7 @@ class Event(str, enum.Enum):
     WORKER_STARTED = "worker.started"
     WORKER_STOPPING = "worker.stopping"
     WORKER_STOPPED = "worker.stopped"
+    WORKER_STARTUP_RETRY = "worker.startup_retry"
     SUBSCRIPTION_BOUND = "subscription.bound"
     SUBSCRIPTION_LOST = "subscription.lost"
     FETCH_FAILED = "fetch.failed"

@@ -81,7 +81,8 @@ class Message:
         """
         try:
             return json.loads(self.data)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError and integers past Python's digit limit.
+        except (ValueError, RecursionError) as exc:
             raise errors.UndecodableMessage(f"payload is not valid JSON: {exc}") from exc
 
 
@@ -96,9 +97,11 @@ def from_nats(msg: Any, *, subscription: str, stream_epoch: str) -> Message:
     except Exception as exc:  # nats-py raises a bare ValueError/IndexError here
         raise errors.UndecodableMessage(f"not a JetStream message: {exc}") from exc
     headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
+    if any("\x00" in k or "\x00" in v for k, v in headers.items()):
+        headers = {pg_text(k): pg_text(v) for k, v in headers.items()}
     return Message(
         subscription=subscription,
-        subject=msg.subject,
+        subject=pg_text(msg.subject),
         data=bytes(msg.data or b""),
         headers=headers,
         stream=meta.stream,
@@ -107,3 +110,13 @@ def from_nats(msg: Any, *, subscription: str, stream_epoch: str) -> Message:
         num_delivered=int(meta.num_delivered),
         timestamp=meta.timestamp,
     )
+
+
+def pg_text(text: str) -> str:
+    """``text`` as PostgreSQL can store it: text and jsonb refuse NUL characters.
+
+    A header, subject or error holding one would make every attempt to
+    record the message's outcome fail, so it could never be settled; NUL
+    becomes U+FFFD, as nats-py already does with bytes that are not UTF-8.
+    """
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text

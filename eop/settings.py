@@ -87,6 +87,12 @@ class Settings:
     tracing: bool = _field(
         True, "An OpenTelemetry span per message, when opentelemetry-api (eop[otel]) is installed."
     )
+    # -- bad input (start-up retries)
+    startup_attempts: int = _field(
+        4,
+        "Attempts to reach PostgreSQL and NATS when a worker starts, with backoff, "
+        "before it exits with an error.",
+    )
     log_format: LogFormat = _field("console", "``console`` for people, ``json`` for machines.")
     log_level: LogLevel = _field("info", "Lowest level logged.")
 
@@ -109,7 +115,7 @@ class Settings:
     )
 
     def __post_init__(self) -> None:
-        for name in ("concurrency", "batch", "max_attempts", "max_ack_pending"):
+        for name in ("concurrency", "batch", "max_attempts", "max_ack_pending", "startup_attempts"):
             if getattr(self, name) < 1:
                 raise errors.ConfigurationError(f"{name} must be at least 1")
         for field in dataclasses.fields(self):

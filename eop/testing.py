@@ -31,7 +31,7 @@ import dataclasses
 import datetime
 import inspect
 from collections.abc import AsyncIterator, Generator, Iterable, Mapping
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import nats.errors
 
@@ -525,7 +525,12 @@ class MemoryTransaction:
         runs it in a worker thread).
         """
         self._check_open()
-        result = self.spec.func(message, self.session)  # type: ignore[arg-type]  # a fake session
+        if self.spec.payload is None:
+            result = self.spec.func(message, self.session)  # type: ignore[arg-type]  # a fake session
+        else:
+            typed: Any = self.spec.func  # called with the decoded payload
+            value, extra = self.spec.payload.arguments([message])
+            result = typed(value, self.session, **extra)
         if inspect.isawaitable(result):
             await result
 

@@ -30,6 +30,7 @@ from eop import (
     observe,
     ordering,
     processor,
+    startup,
     telemetry,
 )
 from eop.app import App, select_handlers
@@ -114,8 +115,9 @@ class Worker:
             concurrency=s.concurrency,
             batch=s.batch,
         )
-        await migrate.ensure_ready(self.app.engine, s.schema)
-        nc = await jetstream.connect(s, name=f"eop-worker-{'-'.join(sp.name for sp in self.specs)}")
+        name = f"eop-worker-{'-'.join(sp.name for sp in self.specs)}"
+        await startup.retrying(lambda: migrate.ensure_ready(self.app.engine, s.schema), s)
+        nc = await startup.retrying(lambda: jetstream.connect(s, name=name), s)
         self.nats = nc
         try:
             js = nc.jetstream()

@@ -159,3 +159,17 @@ async def nc(nats_url: str) -> AsyncIterator[NATS]:
 def js(nc: NATS) -> JetStreamContext:
     """The JetStream context of :func:`nc`."""
     return nc.jetstream()
+
+
+# -- hypothesis (the fuzz tests): a fixed, derandomized profile in CI, so a run is repeatable.
+try:
+    from hypothesis import HealthCheck
+    from hypothesis import settings as hypothesis_settings
+except ImportError:  # the dev extra brings it; without it the fuzz tests are skipped
+    pass
+else:
+    hypothesis_settings.register_profile(
+        "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    hypothesis_settings.register_profile("dev", deadline=None)
+    hypothesis_settings.load_profile("ci" if IN_CI else "dev")

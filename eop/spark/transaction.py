@@ -46,8 +46,13 @@ class SyncPartitionTx(inbox.SqlTransaction):
         self._call(messages)
 
     def _call(self, messages: list[Message]) -> None:
-        arg: Any = messages if self.spec.batch else messages[0]
-        self.spec.func(arg, self.session)
+        if self.spec.payload is None:
+            arg: Any = messages if self.spec.batch else messages[0]
+            self.spec.func(arg, self.session)
+        else:
+            typed: Any = self.spec.func  # called with the decoded payload
+            value, extra = self.spec.payload.arguments(messages)
+            typed(value, self.session, **extra)
         self.session.flush()
 
     async def run_isolated(self, messages: list[Message]) -> Exception | None:
