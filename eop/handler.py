@@ -98,7 +98,9 @@ class HandlerSpec:
             parse_order_by(self.order_by)
         if self.max_attempts is not None and self.max_attempts < 1:
             raise errors.ConfigurationError("max_attempts must be at least 1")
-        binding = payload.bind(self.func, batch=self.batch, handler=self.name)
+        # Through wrappers (eop.observe.instrument) to the user's function and its hints.
+        func = inspect.unwrap(self.func)
+        binding = payload.bind(func, batch=self.batch, handler=self.name)
         object.__setattr__(self, "payload", binding)  # a frozen dataclass's derived field
 
 

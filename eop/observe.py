@@ -59,7 +59,11 @@ class Observer:
         """The deliveries passed to :meth:`received` are no longer in flight."""
 
     def handler_started(self, spec: HandlerSpec, arg: Any) -> Any:
-        """The handler function is called with ``arg`` (a Message or a list); returns a token."""
+        """The handler function is called with ``arg``; returns a token.
+
+        ``arg`` is a Message (a list for batch handlers), or the decoded payload
+        of a typed handler.
+        """
         return None
 
     def handler_finished(self, spec: HandlerSpec, token: Any, seconds: float) -> None:
@@ -136,29 +140,30 @@ def instrument(spec: HandlerSpec, observer: Observer) -> HandlerSpec:
 
     The wrapper keeps the function's kind (``async def`` or plain ``def``), so
     eop still runs a sync handler in a worker thread; it is not applied at all
-    when ``observer`` is :data:`NOOP`.
+    when ``observer`` is :data:`NOOP`. Keyword arguments (a typed handler's raw
+    message) pass through; the payload binding stays the original function's.
     """
     if observer is NOOP:
         return spec
     func: Any = spec.func
     if spec.is_async:
 
-        async def observed_async(arg: Any, session: Any) -> None:
+        async def observed_async(arg: Any, session: Any, **extra: Any) -> None:
             token = observer.handler_started(spec, arg)
             started = time.perf_counter()
             try:
-                await func(arg, session)
+                await func(arg, session, **extra)
             finally:
                 observer.handler_finished(spec, token, time.perf_counter() - started)
 
         wrapped: Any = observed_async
     else:
 
-        def observed_sync(arg: Any, session: Any) -> None:
+        def observed_sync(arg: Any, session: Any, **extra: Any) -> None:
             token = observer.handler_started(spec, arg)
             started = time.perf_counter()
             try:
-                func(arg, session)
+                func(arg, session, **extra)
             finally:
                 observer.handler_finished(spec, token, time.perf_counter() - started)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from eop import observe
+from eop import message, observe
 from eop.handler import HandlerSpec
 
 try:
@@ -34,7 +34,6 @@ else:
 
 if TYPE_CHECKING:
     from eop.ack import Delivery
-    from eop.message import Message
     from eop.processor import Outcome
 
 _ERROR_OUTCOMES = frozenset({"dead_lettered", "quarantined"})
@@ -192,9 +191,10 @@ class Tracing(observe.Observer):
 
     def handler_started(self, spec: HandlerSpec, arg: Any) -> Any:
         """Make the message's span current while its handler runs (not for batch handlers)."""
-        if not self._spans or isinstance(arg, list):
+        # A typed handler gets its decoded payload, which carries no coordinates.
+        if not self._spans or not isinstance(arg, message.Message):
             return None
-        msg: Message = arg
+        msg = arg
         span = self._spans.get((spec.name, msg.stream, msg.seq, msg.num_delivered))
         if span is None:
             return None

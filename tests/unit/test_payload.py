@@ -334,3 +334,43 @@ async def test_invalid_typed_payload_is_dead_lettered_at_the_first_delivery() ->
     assert "id: expected an integer, got string" in dead.error
     assert dead.payload == b'{"id": "x"}'
     assert dead.delivery_count == 1
+
+
+OBSERVED_CALLS: list[tuple[Order, eop.Message]] = []
+
+
+async def observed_handler(order: Order, session: Any, msg: eop.Message) -> None:
+    """Module level, so that its string annotations resolve only in this module."""
+    OBSERVED_CALLS.append((order, msg))
+
+
+async def test_an_observed_typed_handler_keeps_its_binding_and_gets_its_raw_message() -> None:
+    """Metrics or tracing wrap the handler; it still gets the decoded payload and the message."""
+    from eop import observe
+
+    OBSERVED_CALLS.clear()
+    spec = HandlerSpec(
+        func=observed_handler, name="h", stream=STREAM, subject="orders.>", durable="d"
+    )
+    started: list[Any] = []
+
+    class Recording(observe.Observer):
+        def handler_started(self, spec: HandlerSpec, arg: Any) -> Any:
+            started.append(arg)
+
+    observed = observe.instrument(spec, Recording())
+    assert observed.func is not observed_handler
+    assert observed.payload is not None
+    assert observed.payload.message_param == "msg"
+    proc = processor.Processor(
+        spec=observed,
+        settings=FAST,
+        store=testing.MemoryStore(),
+        epochs=testing.FakeEpochs({STREAM: "e1"}),
+    )
+    good = delivery(b'{"id": 1, "lines": []}', seq=1)
+    assert await proc.handle(good, proc.clock()) is processor.Outcome.PROCESSED
+    [(order, msg)] = OBSERVED_CALLS
+    assert order == Order(id=1, lines=[])
+    assert msg.seq == 1
+    assert started == [Order(id=1, lines=[])]
