@@ -33,7 +33,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from eop import errors, inbox, log, message, models, sql
+from eop import errors, inbox, jetstream, log, message, models, sql
 
 if TYPE_CHECKING:
     from eop.app import App
@@ -204,15 +204,8 @@ def replay_headers(
     return headers, dropped
 
 
-def subject_matches(pattern: str, subject: str) -> bool:
-    """Whether a NATS subject filter (with ``*`` and ``>``) matches ``subject``."""
-    want, have = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
+#: Kept here for callers of ``dlq.subject_matches``; NATS's rules live in :mod:`eop.jetstream`.
+subject_matches = jetstream.subject_matches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,10 +344,8 @@ class Replayer:
             config = info.config
             if not config.durable_name or config.durable_name == own:
                 continue
-            filters = list(config.filter_subjects or []) or (
-                [config.filter_subject] if config.filter_subject else [">"]
-            )
-            if any(subject_matches(f, row["subject"]) for f in filters):
+            filters = jetstream.consumer_filters(config.filter_subjects, config.filter_subject)
+            if any(jetstream.subject_matches(f, row["subject"]) for f in filters or (">",)):
                 others.append(config.durable_name)
         if others:
             raise errors.ReplayRefused(
@@ -395,7 +386,7 @@ class Replayer:
             ack = await self.js.publish(
                 row["subject"], bytes(row["payload"]), stream=row["stream"], headers=headers
             )
-        except (OSError, TimeoutError, nats.errors.Error) as exc:
+        except jetstream.NATS_ERRORS as exc:
             raise errors.NatsUnavailable(
                 f"publishing the replay of dead letter {row['id']} failed ({type(exc).__name__}: "
                 f"{exc}); running the same command again resumes it safely"

@@ -478,10 +478,18 @@ async def _connected(awaitable: Any) -> Any:
     try:
         return await awaitable
     except Exception as exc:
-        # At this edge an OSError can only come from reaching the server.
-        if isinstance(exc, OSError) or classify(exc) is DbFailure.CONNECTION:
+        if unreachable(exc):
             raise errors.DatabaseUnavailable(f"PostgreSQL is unreachable: {_short(exc)}") from exc
         raise
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while opening or using a connection, means PostgreSQL is gone.
+
+    Unlike :func:`classify`, a bare ``OSError`` counts too: at this edge (no
+    handler code runs) it can only come from reaching the server.
+    """
+    return isinstance(exc, OSError) or classify(exc) is DbFailure.CONNECTION
 
 
 def _short(exc: BaseException) -> str:

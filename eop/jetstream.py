@@ -10,7 +10,7 @@ import contextlib
 import datetime
 import json
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import nats
@@ -25,7 +25,11 @@ from eop.settings import Settings
 #: Stream metadata key under which eop records the epoch of streams it creates.
 EPOCH_METADATA_KEY = "eop_epoch"
 
-_NATS_ERRORS = (OSError, asyncio.TimeoutError, nats.errors.Error)
+#: The subject prefix of the JetStream API (of the default account domain).
+API_PREFIX = "$JS.API"
+
+#: What nats-py raises when the server cannot be reached or does not answer.
+NATS_ERRORS = transport.NATS_ERRORS
 
 
 async def connect(settings: Settings, *, name: str = "eop") -> Any:
@@ -58,7 +62,7 @@ async def connect(settings: Settings, *, name: str = "eop") -> Any:
     nc.options["max_reconnect_attempts"] = -1
     try:
         await nc.jetstream().account_info()
-    except _NATS_ERRORS as exc:
+    except NATS_ERRORS as exc:
         await nc.close()
         raise errors.NatsUnavailable(
             f"JetStream is not available at {access.where} "
@@ -77,7 +81,7 @@ class StreamEpochs:
     known epoch belongs to a deleted stream and gets None.
     """
 
-    def __init__(self, nc: Any, api_prefix: str = "$JS.API") -> None:
+    def __init__(self, nc: Any, api_prefix: str = API_PREFIX) -> None:
         self._nc = nc
         self._prefix = api_prefix
         self._history: dict[str, list[tuple[datetime.datetime, str]]] = {}
@@ -106,23 +110,14 @@ class StreamEpochs:
 
     async def refresh(self, stream: str) -> str:
         """Read the stream's current epoch from the server; returns it."""
-        # A raw request, since nats-py drops the response's server time ("ts").
-        try:
-            reply = await self._nc.request(f"{self._prefix}.STREAM.INFO.{stream}", b"", timeout=5)
-        except _NATS_ERRORS as exc:
-            raise errors.NatsUnavailable(f"cannot read stream {stream!r}: {exc!r}") from exc
-        info = json.loads(reply.data)
-        if "error" in info:
-            raise errors.ConfigurationError(
-                f"cannot read stream {stream!r}: {info['error'].get('description')}"
-            )
-        created = _parse_time(info["created"])
+        info = await raw_stream_info(self._nc, stream, prefix=self._prefix)
+        created = parse_time(info["created"])
         epoch = epoch_from_info(info)
         history = self._history.setdefault(stream, [])
         if not history or history[-1][1] != epoch:
             history.append((created, epoch))
             history.sort(key=lambda item: item[0])
-        self._as_of[stream] = _parse_time(info["ts"]) if "ts" in info else created
+        self._as_of[stream] = parse_time(info["ts"]) if "ts" in info else created
         self._first_seq[stream] = int(info.get("state", {}).get("first_seq", 1))
         return epoch
 
@@ -133,15 +128,34 @@ _EPOCH_MIN = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
 def epoch_from_info(info: Mapping[str, Any]) -> str:
     """A stream's epoch from its raw ``STREAM.INFO`` response: eop's id, else its creation time."""
     metadata = info.get("config", {}).get("metadata") or {}
-    return str(metadata.get(EPOCH_METADATA_KEY) or _parse_time(info["created"]).isoformat())
+    return str(metadata.get(EPOCH_METADATA_KEY) or parse_time(info["created"]).isoformat())
+
+
+async def api_request(nc: Any, subject: str, *, what: str, prefix: str = API_PREFIX) -> Any:
+    """The decoded reply of a raw JetStream API request (``STREAM.INFO.X``, ...).
+
+    Raw, since nats-py's typed infos drop the server's time (``ts``) that
+    epochs and the audit's clock rely on. A reply that reports an error is
+    returned as it is (its ``error`` key); an unreachable server raises
+    :class:`eop.NatsUnavailable`, its message starting with ``what``.
+    """
+    try:
+        reply = await nc.request(f"{prefix}.{subject}", b"", timeout=5)
+    except NATS_ERRORS as exc:
+        raise errors.NatsUnavailable(f"{what}: {exc!r}") from exc
+    return json.loads(reply.data)
+
+
+async def raw_stream_info(nc: Any, stream: str, *, prefix: str = API_PREFIX) -> dict[str, Any]:
+    """The raw ``STREAM.INFO`` of ``stream``; :class:`eop.ConfigurationError` if it is missing."""
+    what = f"cannot read stream {stream!r}"
+    info: dict[str, Any] = await api_request(nc, f"STREAM.INFO.{stream}", what=what, prefix=prefix)
+    if "error" in info:
+        raise errors.ConfigurationError(f"{what}: {info['error'].get('description')}")
+    return info
 
 
 def parse_time(text: str) -> datetime.datetime:
-    """An RFC 3339 time from nats-server (nanoseconds, 'Z'), to microseconds, UTC."""
-    return _parse_time(text)
-
-
-def _parse_time(text: str) -> datetime.datetime:
     """An RFC 3339 time from nats-server (nanoseconds, 'Z'), to microseconds, UTC."""
     main, _, rest = text.rstrip("Z").partition(".")
     fraction = "".join(ch for ch in rest if ch.isdigit())[:6].ljust(6, "0")
@@ -245,7 +259,7 @@ async def ensure_consumer(js: Any, spec: HandlerSpec, settings: Settings, *, cre
 async def _stream_subjects(js: Any, stream: str) -> list[str] | None:
     try:
         info = await js.stream_info(stream)
-    except _NATS_ERRORS:
+    except NATS_ERRORS:
         return None
     return list(info.config.subjects or [])
 
@@ -274,7 +288,7 @@ def _translated(what: str) -> Iterator[None]:
         yield
     except nats.js.errors.APIError as exc:
         raise errors.ConfigurationError(f"{what}: the server refused: {_describe(exc)}") from exc
-    except _NATS_ERRORS as exc:
+    except NATS_ERRORS as exc:
         raise errors.NatsUnavailable(
             f"{what}: NATS did not answer ({type(exc).__name__}): is JetStream enabled "
             "and the server reachable?"
@@ -291,9 +305,7 @@ def _check_consumer(config: Any, spec: HandlerSpec, settings: Settings | None = 
     problems = []
     if config.ack_policy != api.AckPolicy.EXPLICIT:
         problems.append(f"ack_policy is {_value(config.ack_policy)}, eop needs explicit")
-    filters = set(config.filter_subjects or []) | (
-        {config.filter_subject} if config.filter_subject else set()
-    )
+    filters = set(consumer_filters(config.filter_subjects, config.filter_subject))
     if filters and spec.subject not in filters:
         problems.append(
             f"filter_subject is {', '.join(sorted(filters))}, "
@@ -325,6 +337,32 @@ def _check_consumer(config: Any, spec: HandlerSpec, settings: Settings | None = 
 
 def _value(option: Any) -> str:
     return str(getattr(option, "value", option))
+
+
+def consumer_filters(
+    filter_subjects: Sequence[str] | None, filter_subject: str | None
+) -> tuple[str, ...]:
+    """A consumer's subject filters, from whichever of its two config fields is set.
+
+    Empty when it filters nothing (it receives every subject of its stream).
+    """
+    if filter_subjects:
+        return tuple(filter_subjects)
+    return (filter_subject,) if filter_subject else ()
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether a NATS subject filter matches ``subject``.
+
+    ``*`` is one token, a final ``>`` one or more tokens.
+    """
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">" and i == len(want) - 1:
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
 
 
 async def subscribe(js: Any, spec: HandlerSpec) -> Any:

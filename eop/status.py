@@ -13,7 +13,6 @@ import datetime
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import nats.errors
 import nats.js.errors
 
 from eop import errors, jetstream, migrate, models, sql
@@ -111,7 +110,7 @@ async def _from_nats(
     except nats.js.errors.NotFoundError:
         status.problems.append(f"stream {spec.stream!r} does not exist")
         return
-    except (nats.errors.Error, OSError, TimeoutError) as exc:
+    except jetstream.NATS_ERRORS as exc:
         raise errors.NatsUnavailable(f"cannot read stream {spec.stream!r}: {exc!r}") from exc
     status.epoch = await epochs.refresh(spec.stream)
     try:

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 _SECRETS = frozenset({"password", "token"})
 _FILES = ("nkey_seed_file", "creds_file", "tls_ca_file", "tls_cert_file", "tls_key_file")
-_NATS_ERRORS = (OSError, asyncio.TimeoutError, nats.errors.Error)
+#: What nats-py raises when the server cannot be reached or does not answer.
+NATS_ERRORS = (OSError, asyncio.TimeoutError, nats.errors.Error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,7 +362,7 @@ async def connect_nats(
     except _Refused as exc:
         await _abandon(nc)
         raise exc.error from None
-    except _NATS_ERRORS as exc:
+    except NATS_ERRORS as exc:
         await _abandon(nc)
         cause = last[0] if last else exc
         raise errors.NatsUnavailable(

@@ -25,8 +25,6 @@ from eop.chaos import proxy, schedule, workers
 from eop.handler import HandlerSpec
 from eop.settings import Settings
 
-_NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
-
 
 class Injector:
     """Injects scheduled faults into servers, proxies, workers and the consumer."""
@@ -173,7 +171,7 @@ class Injector:
     async def _consumer_recreate(self, fault: schedule.Fault) -> bool:
         try:
             await self.js.delete_consumer(self.spec.stream, self.spec.durable)
-        except (*_NATS_ERRORS, nats.js.errors.NotFoundError):
+        except (*jetstream.NATS_ERRORS, nats.js.errors.NotFoundError):
             return False
         await asyncio.sleep(fault.duration_s)
         await self.ensure_consumer()
@@ -186,7 +184,7 @@ class Injector:
             try:
                 await jetstream.ensure_consumer(self.js, self.spec, self.settings, create=True)
                 return
-            except (*_NATS_ERRORS, nats.js.errors.Error):
+            except (*jetstream.NATS_ERRORS, nats.js.errors.Error):
                 if time.monotonic() > end:
                     raise
                 await asyncio.sleep(0.2)
@@ -202,5 +200,5 @@ class Injector:
         if self.pg.pid is None:
             await asyncio.to_thread(self.pg.start)
         # The workers recreate it too; if neither can, the drain deadline says so.
-        with contextlib.suppress(*_NATS_ERRORS, nats.js.errors.Error):
+        with contextlib.suppress(*jetstream.NATS_ERRORS, nats.js.errors.Error):
             await self.ensure_consumer()

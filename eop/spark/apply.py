@@ -36,7 +36,7 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-from eop import ack, errors, inbox, log, models, sql
+from eop import ack, errors, inbox, jetstream, log, models, sql
 from eop.app import App
 from eop.handler import HandlerSpec
 from eop.message import Message
@@ -106,15 +106,8 @@ class Counts:
         return text + (f", {self.skipped} not for this handler" if self.skipped else "")
 
 
-def subject_matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: ``*`` is one token, a final ``>`` one or more."""
-    want, have = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">" and i == len(want) - 1:
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
+#: Kept here for callers of ``apply.subject_matches``; NATS's rules live in :mod:`eop.jetstream`.
+subject_matches = jetstream.subject_matches
 
 
 class Partition:
@@ -205,7 +198,7 @@ async def _connected(awaitable: Awaitable[Any]) -> None:
     try:
         await awaitable
     except Exception as exc:
-        if isinstance(exc, OSError) or inbox.classify(exc) is inbox.DbFailure.CONNECTION:
+        if inbox.unreachable(exc):
             raise errors.DatabaseUnavailable(
                 f"PostgreSQL is unreachable: {_describe(exc)[:200]}"
             ) from exc
@@ -251,7 +244,7 @@ class _Pass:
         mine = []
         for msg in batch:
             theirs = msg.stream != self.spec.stream
-            if theirs or not subject_matches(self.spec.subject, msg.subject):
+            if theirs or not jetstream.subject_matches(self.spec.subject, msg.subject):
                 counts.add(RowOutcome.SKIPPED)
             elif (msg.stream_epoch, msg.seq) in seen:
                 counts.add(RowOutcome.DUPLICATE)
