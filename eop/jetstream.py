@@ -35,12 +35,15 @@ NATS_ERRORS = transport.NATS_ERRORS
 async def connect(settings: Settings, *, name: str = "eop") -> Any:
     """Connect to NATS, failing fast if it is unreachable now, reconnecting for ever later."""
     logger = log.get_logger()
+    nc: Any = None
 
     async def on_error(exc: Exception) -> None:
         logger.warning(log.Event.NATS_ERROR, error=type(exc).__name__)
 
     async def on_disconnect() -> None:
-        logger.warning(log.Event.NATS_DISCONNECTED)
+        # nats-py calls this on our own close() too: that is no news for the operator.
+        if nc is None or not nc.is_closed:
+            logger.warning(log.Event.NATS_DISCONNECTED)
 
     async def on_reconnect() -> None:
         logger.info(log.Event.NATS_RECONNECTED)
