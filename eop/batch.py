@@ -85,7 +85,7 @@ class BatchProcessor:
                 others.append(delivery)
                 continue
             msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
-            logger = log.get_logger(
+            logger = log.LazyLogger(
                 handler=self.spec.name, stream=msg.stream, seq=msg.seq, delivered=msg.num_delivered
             )
             items.append(_Item(delivery, msg, logger))

@@ -115,7 +115,7 @@ class Processor:
         """Process one delivery fetched at ``received_at`` (on :attr:`clock`)."""
         await faults.point("after_fetch")
         meta = delivery.metadata
-        logger = log.get_logger(
+        logger = log.LazyLogger(
             handler=self.spec.name,
             stream=meta.stream,
             seq=meta.sequence.stream,
@@ -243,7 +243,8 @@ class Processor:
         """Ack a processed message, term a dead-lettered or quarantined one, and log it."""
         if outcome is Outcome.PROCESSED:
             await self._ack(delivery, logger)
-            logger.info(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK, **extra)
+            # Per message at debug: the worker logs one info line per batch.
+            logger.debug(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK, **extra)
             return outcome
         await ack.term(delivery, logger)
         assert dead is not None

@@ -8,8 +8,10 @@ period, and never cuts between a COMMIT and its ack.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
+import logging
 import signal
 import time
 from collections.abc import Iterable
@@ -285,6 +287,7 @@ class Worker:
                 outcomes = await batch.BatchProcessor(proc).handle_batch(msgs, received_at)
             settled = (processor.Outcome.PROCESSED, processor.Outcome.DEAD_LETTERED)
             self.processed += sum(1 for o in outcomes if o in settled)
+            self._log_batch(proc, msgs, outcomes)
         except Exception as exc:
             # Not a handler failure (those are settled in the protocol) but eop's
             # own I/O failing beyond its retries: let the messages come back later.
@@ -298,6 +301,24 @@ class Worker:
         finally:
             for _ in msgs:
                 self._slots.release()
+
+    def _log_batch(
+        self, proc: processor.Processor, msgs: list[Any], outcomes: list[processor.Outcome]
+    ) -> None:
+        """One info line per batch (the per-message lines are debug lines)."""
+        if not log.enabled(logging.INFO):
+            return
+        counts = collections.Counter(o.value for o in outcomes)
+        first, last = msgs[0].metadata, msgs[-1].metadata
+        self._logger.info(
+            log.Event.BATCH_PROCESSED,
+            handler=proc.spec.name,
+            stream=first.stream,
+            first_seq=first.sequence.stream,
+            last_seq=last.sequence.stream,
+            messages=len(msgs),
+            **counts,
+        )
 
     async def _finish_inflight(self) -> None:
         """Wait for in-flight messages, up to the grace period or a second stop."""
