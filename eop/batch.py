@@ -176,11 +176,8 @@ class BatchProcessor:
             # A deferred constraint failed at COMMIT: one of the handlers' writes.
             raise _BatchRejected() from exc
         await faults.point("after_commit")
-        return list(
-            await asyncio.gather(
-                *(self.single._settle(i.delivery, Outcome.PROCESSED, i.logger, None) for i in done)
-            )
-        )
+        await self.single.ack_processed([i.delivery for i in done], [i.logger for i in done])
+        return [Outcome.PROCESSED] * len(done)
 
     @contextlib.asynccontextmanager
     async def _heartbeat(self, items: list[_Item]) -> AsyncIterator[None]:

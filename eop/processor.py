@@ -100,6 +100,8 @@ class Processor:
     epochs: Epochs
     critical: Critical = dataclasses.field(default_factory=Critical)
     clock: Callable[[], float] = time.monotonic
+    acker: ack.Acker | None = None
+    """Confirms a batch's acks together; None: one ``ack_sync`` per message."""
 
     @property
     def max_attempts(self) -> int:
@@ -380,6 +382,26 @@ class Processor:
             logger=logger,
         )
         await faults.point("after_ack")
+
+    async def ack_processed(self, deliveries: list[ack.Delivery], loggers: list[Any]) -> None:
+        """Confirmed acks of a committed batch, together when an :class:`ack.Acker` is set."""
+        if self.acker is None:
+            await asyncio.gather(
+                *(
+                    self._settle(d, Outcome.PROCESSED, lg, None)
+                    for d, lg in zip(deliveries, loggers, strict=True)
+                )
+            )
+            return
+        await self.acker.confirm_many(
+            deliveries,
+            loggers,
+            timeout_s=self.settings.ack_timeout_s,
+            give_up_s=self.settings.ack_give_up_s,
+        )
+        for logger in loggers:
+            await faults.point("after_ack")
+            logger.debug(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK)
 
     async def _nak(
         self, delivery: ack.Delivery, msg: message.Message, delay_s: float | None, logger: Any

@@ -99,11 +99,17 @@ class Worker:
             js = nc.jetstream()
             store = inbox.PostgresStore(self.app)
             epochs = jetstream.StreamEpochs(nc)
+            acker = ack.Acker(nc)
             loops = []
             for spec in self.specs:
                 sub = await self._bind(js, spec)
                 proc = processor.Processor(
-                    spec=spec, settings=s, store=store, epochs=epochs, critical=self._critical
+                    spec=spec,
+                    settings=s,
+                    store=store,
+                    epochs=epochs,
+                    critical=self._critical,
+                    acker=acker,
                 )
                 loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
                 if s.compaction_interval_s > 0:
