@@ -100,6 +100,15 @@ def create_watermark(t: models.Tables, subscription: str, stream: str, epoch: st
     )
 
 
+def lock_inbox_shared(t: models.Tables) -> sa.TextClause:
+    """A SHARE lock on the inbox table: granted once every transaction writing to it ended.
+
+    New claims wait behind it, so it is taken only with a short lock timeout
+    and released at once (see :meth:`eop.compaction.Compactor.prepare`).
+    """
+    return sa.text(f'LOCK TABLE "{t.schema}".inbox IN SHARE MODE')
+
+
 def advance_watermark(
     t: models.Tables, subscription: str, stream: str, epoch: str, value: int
 ) -> sa.Executable:

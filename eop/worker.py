@@ -65,6 +65,7 @@ class Worker:
         self._critical = processor.Critical()
         self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
         self._blocked = ordering.BlockedKeys()
+        self._compactors: dict[str, compaction.Compactor] = {}
         self._logger = log.get_logger()
         self.processed = 0
 
@@ -111,9 +112,11 @@ class Worker:
                     critical=self._critical,
                     acker=acker,
                 )
+                compactor = compaction.Compactor(js, store, spec, epochs)
+                await self._prepare_compaction(compactor)
                 loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
                 if s.compaction_interval_s > 0:
-                    compactor = compaction.Compactor(js, store, spec, epochs)
+                    self._compactors[spec.name] = compactor
                     loops.append(
                         asyncio.create_task(
                             compactor.run_forever(s.compaction_interval_s, self._stopping)
@@ -134,6 +137,23 @@ class Worker:
             await nc.close()
             await self.app.dispose()
         self._logger.info(log.Event.WORKER_STOPPED, processed=self.processed)
+
+    async def _prepare_compaction(self, compactor: compaction.Compactor) -> None:
+        """Create the watermark row before fetching; a failure here only delays compaction."""
+        try:
+            await compactor.prepare()
+        except (errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+            self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
+        except Exception as exc:
+            if inbox.classify(exc) is inbox.DbFailure.OTHER:
+                raise
+            self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
+
+    def _count(self, spec: HandlerSpec, settled: int) -> None:
+        self.processed += settled
+        compactor = self._compactors.get(spec.name)
+        if compactor is not None:
+            compactor.processed(settled)
 
     def install_signal_handlers(self) -> None:
         """Stop on SIGTERM and SIGINT (a second one stops at once)."""
@@ -237,7 +257,7 @@ class Worker:
             outcome = await proc.handle(msg, received_at)
             self._blocked.update(name, key, msg, outcome, self.settings)
             if outcome in (processor.Outcome.PROCESSED, processor.Outcome.DEAD_LETTERED):
-                self.processed += 1
+                self._count(proc.spec, 1)
 
     async def _take_slots(self) -> int:
         """Wait for a free slot, then take as many as are free, up to the batch size."""
@@ -292,7 +312,7 @@ class Worker:
             else:
                 outcomes = await batch.BatchProcessor(proc).handle_batch(msgs, received_at)
             settled = (processor.Outcome.PROCESSED, processor.Outcome.DEAD_LETTERED)
-            self.processed += sum(1 for o in outcomes if o in settled)
+            self._count(proc.spec, sum(1 for o in outcomes if o in settled))
             self._log_batch(proc, msgs, outcomes)
         except Exception as exc:
             # Not a handler failure (those are settled in the protocol) but eop's
