@@ -7,7 +7,6 @@ Errors print their cause chain, never a traceback.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import importlib
 import os
@@ -39,9 +38,11 @@ _WORKER_FIELDS = (
     "tx_retries",
     "lease_margin_s",
     "compaction_interval_s",
+    "compaction_after_messages",
     "msg_id_retention_s",
     "shutdown_grace_s",
     "create",
+    "uvloop",
 )
 
 
@@ -225,14 +226,14 @@ def load_app(path: str) -> App:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from eop import faults, worker
+    from eop import eventloop, faults, worker
 
     # Fault points stay disarmed unless a chaos run set EOP_FAULTS (eop.faults).
     faults.arm_from_env()
     app = load_app(args.app).with_settings(**_overrides(args, _WORKER_FIELDS))
     # Flags replace the environment's list rather than adding to it.
     handlers = args.handler or _env_list("EOP_HANDLERS")
-    asyncio.run(worker.run_worker(app, handlers=handlers))
+    eventloop.run(worker.run_worker(app, handlers=handlers), use_uvloop=app.settings.uvloop)
     return 0
 
 

@@ -84,6 +84,10 @@ class Settings:
     create: bool = _field(
         True, "Create streams and consumers that do not exist (else bind to existing ones only)."
     )
+    # Throughput (issue 4).
+    uvloop: bool = _field(
+        True, "Run the worker on uvloop when it is installed (the ``fast`` extra)."
+    )
     log_format: LogFormat = _field("console", "``console`` for people, ``json`` for machines.")
     log_level: LogLevel = _field("info", "Lowest level logged.")
 
