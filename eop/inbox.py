@@ -298,6 +298,28 @@ class AsyncTransaction(SqlTransaction):
         result = await self.session.execute(stmt)
         return [tuple(row) for row in result]
 
+    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
+        """Claim a batch in one statement, sent on asyncpg's own connection when it is one.
+
+        The transaction is already open on that connection (the local
+        timeouts were set through the session), so the claim is part of it.
+        """
+        driver = await self._driver()
+        if driver is None:
+            return await super().claim_many(messages, outcome)
+        rows = [self.claim_row(m, outcome) for m in messages]
+        columns = [[row[name] for row in rows] for name in sql.CLAIM_COLUMNS]
+        records = await driver.fetch(sql.claim_driver_text(self.tables.schema), *columns)
+        return {int(record[0]) for record in records}
+
+    async def _driver(self) -> Any:
+        """The asyncpg connection under the session, or None for another driver."""
+        connection = await self.session.connection()
+        if connection.dialect.driver != "asyncpg":
+            return None
+        raw = await connection.get_raw_connection()
+        return raw.driver_connection
+
     async def run(self, message: Message) -> None:
         """Await the handler with this transaction's session."""
         await self._call([message])
