@@ -332,8 +332,10 @@ class AsyncTransaction(SqlTransaction):
         arg: Any = messages if self.spec.batch else messages[0]
         await self.spec.func(arg, self.session)  # type: ignore[arg-type,misc]
         # Flushing here makes errors of the handler's pending ORM writes the
-        # handler's errors, rather than surprises at COMMIT.
-        await self.session.flush()
+        # handler's errors, rather than surprises at COMMIT. A handler that only
+        # executed statements left nothing to flush: skip the greenlet hop.
+        if self.session.new or self.session.dirty or self.session.deleted:
+            await self.session.flush()
 
     async def run_isolated(self, messages: list[Message]) -> Exception | None:
         """Run the handler inside a savepoint; roll it back alone if it fails."""

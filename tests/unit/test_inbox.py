@@ -144,6 +144,9 @@ class FakeAsyncSession:
         self.results = list(results or [])
         self.commit_error = commit_error
         self.calls: list[str] = []
+        self.new: list[object] = []
+        self.dirty: list[object] = []
+        self.deleted: list[object] = []
 
     driver = "fake"
     """The driver the session's connection reports (``asyncpg``: claims go to it directly)."""
@@ -345,8 +348,15 @@ async def test_rollback_never_raises() -> None:
 
 async def test_run_flushes_the_handlers_writes_so_their_errors_are_handler_errors() -> None:
     session = FakeAsyncSession()
+    session.new.append(object())  # the handler session.add()-ed something
     await transaction(session).run(message())
     assert session.calls == ["handler", "flush"]
+
+
+async def test_run_skips_the_flush_when_the_handler_left_nothing_pending() -> None:
+    session = FakeAsyncSession()
+    await transaction(session).run(message())
+    assert session.calls == ["handler"]
 
 
 async def test_connecting_error_becomes_database_unavailable() -> None:
