@@ -247,6 +247,10 @@ async def test_batch_claim_on_asyncpg_sends_one_array_per_column_to_the_driver()
     assert columns["fingerprint"] == [m.fingerprint for m in msgs]
     assert columns["outcome"] == ["processed", "processed"]
     assert "$9::integer[]" in query
+    # The same values as the SQLAlchemy path's rows.
+    tx = transaction(FakeAsyncSession())
+    rows = [tx.claim_row(m, models.OUTCOME_PROCESSED) for m in msgs]
+    assert columns == {name: [row[name] for row in rows] for name in sql.CLAIM_COLUMNS}
 
 
 async def test_claim_is_false_when_the_insert_returns_nothing() -> None:
