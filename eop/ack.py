@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import nats.errors
 import tenacity
 
-from eop import log
+from eop import faults, log
+
+_ACK = b"+ACK"
+_STATUS_HEADER = "Status"
+_NO_RESPONDERS = "503"
 
 # Errors after which the same ack may be sent again: the reply was lost, or the
 # client is reconnecting and will resend from its pending buffer.
@@ -29,6 +33,11 @@ _RETRYABLE_ACK_ERRORS: tuple[type[BaseException], ...] = (
     nats.errors.OutboundBufferLimitError,
     nats.errors.FlushTimeoutError,
 )
+
+
+# Sending a batch of acks stops at any client error: those not confirmed then
+# take the per-message path, which knows which errors are worth a retry.
+_BATCH_SEND_ERRORS: tuple[type[BaseException], ...] = (*_RETRYABLE_ACK_ERRORS, nats.errors.Error)
 
 
 class Delivery(Protocol):
@@ -98,6 +107,110 @@ async def confirm(delivery: Delivery, *, timeout_s: float, give_up_s: float, log
         )
         return False
     return True
+
+
+class _Waiting:
+    """The replies a batch of acks still waits for."""
+
+    __slots__ = ("confirmed", "done", "left")
+
+    def __init__(self, count: int, done: asyncio.Future[None]) -> None:
+        self.confirmed = [False] * count
+        self.left = count
+        self.done = done
+
+    def reply(self, index: int, confirmed: bool) -> None:
+        if self.confirmed[index] or self.done.done():
+            return
+        self.confirmed[index] = confirmed
+        if confirmed:
+            self.left -= 1
+            if self.left == 0:
+                self.done.set_result(None)
+
+
+class Acker:
+    """Confirmed acks for a batch: sent together, their replies awaited together.
+
+    ``ack_sync`` per message costs a request each (a reply token, a future, a
+    ``wait_for`` timer, a task to gather). Here the acks of a batch go out
+    back to back with reply subjects under one wildcard subscription of this
+    connection, and one timer waits for all the replies. An ack whose reply
+    does not come in time (or says no responders) goes the per-message way of
+    :func:`confirm`: retried with tenacity, then given up with a warning.
+    """
+
+    def __init__(self, nc: Any) -> None:
+        self._nc = nc
+        self._prefix: str | None = None
+        self._lock = asyncio.Lock()
+        self._waiting: dict[str, tuple[_Waiting, int]] = {}
+        self._next = 0
+
+    async def _reply_prefix(self) -> str:
+        if self._prefix is None:
+            async with self._lock:
+                if self._prefix is None:
+                    inbox = self._nc.new_inbox()
+                    await self._nc.subscribe(f"{inbox}.*", cb=self._on_reply)
+                    self._prefix = f"{inbox}."
+        return self._prefix
+
+    async def _on_reply(self, msg: Any) -> None:
+        assert self._prefix is not None
+        entry = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+        if entry is not None:
+            # As in nats-py's request(): any reply confirms, except "no responders".
+            status = msg.headers.get(_STATUS_HEADER) if msg.headers else None
+            entry[0].reply(entry[1], status != _NO_RESPONDERS)
+
+    async def confirm_many(
+        self,
+        deliveries: Sequence[Delivery],
+        loggers: Sequence[Any],
+        *,
+        timeout_s: float,
+        give_up_s: float,
+    ) -> list[bool]:
+        """Ack every delivery and wait for the server's confirmations.
+
+        Returns, per delivery, whether the server has the ack (False: given up
+        after ``give_up_s``, with a warning, as :func:`confirm` does).
+        """
+        if not deliveries:
+            return []
+        waiting = _Waiting(len(deliveries), asyncio.get_running_loop().create_future())
+        tokens: list[str] = []
+        try:
+            prefix = await self._reply_prefix()
+            for index, delivery in enumerate(deliveries):
+                await faults.point("during_ack")
+                self._next += 1
+                token = str(self._next)
+                self._waiting[token] = (waiting, index)
+                tokens.append(token)
+                await self._nc.publish(delivery.reply, _ACK, reply=prefix + token)
+            await asyncio.wait({waiting.done}, timeout=timeout_s)
+        except _BATCH_SEND_ERRORS:
+            pass  # the ones not confirmed are retried one by one below
+        finally:
+            for token in tokens:
+                self._waiting.pop(token, None)
+            waiting.done.cancel()
+        confirmed = waiting.confirmed
+        retries = [i for i, ok in enumerate(confirmed) if not ok]
+        if retries:
+            again = await asyncio.gather(
+                *(
+                    confirm(
+                        deliveries[i], timeout_s=timeout_s, give_up_s=give_up_s, logger=loggers[i]
+                    )
+                    for i in retries
+                )
+            )
+            for i, ok in zip(retries, again, strict=True):
+                confirmed[i] = ok
+        return confirmed
 
 
 async def nak(delivery: Delivery, delay_s: float, logger: Any) -> None:

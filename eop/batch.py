@@ -73,9 +73,10 @@ class BatchProcessor:
         items: list[_Item] = []
         others: list[ack.Delivery] = []
         lease_left = self.single.ack_wait_s - (self.single.clock() - received_at)
+        shared = await self._shared_epoch(deliveries)
         for delivery in deliveries:
             meta = delivery.metadata
-            epoch = await self.single.epochs.epoch_of(meta.stream, meta.timestamp)
+            epoch = shared or await self.single.epochs.epoch_of(meta.stream, meta.timestamp)
             usual = (
                 epoch is not None
                 and lease_left >= self.settings.lease_margin_s
@@ -85,11 +86,29 @@ class BatchProcessor:
                 others.append(delivery)
                 continue
             msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
-            logger = log.get_logger(
+            logger = log.LazyLogger(
                 handler=self.spec.name, stream=msg.stream, seq=msg.seq, delivered=msg.num_delivered
             )
             items.append(_Item(delivery, msg, logger))
         return items, others
+
+    async def _shared_epoch(self, deliveries: Sequence[ack.Delivery]) -> str | None:
+        """The epoch of every message of the batch, when one epoch holds them all.
+
+        An epoch covers the messages stored from its creation until the next
+        one's, so if the oldest and the newest message share an epoch, every
+        message between them has it too. The newest is asked first: if it is
+        newer than the last reading, that reading is refreshed before the
+        oldest is looked up.
+        """
+        metas = [d.metadata for d in deliveries]
+        stamps = [m.timestamp for m in metas]
+        if not metas or None in stamps or len({m.stream for m in metas}) != 1:
+            return None
+        stream, epochs = metas[0].stream, self.single.epochs
+        newest = await epochs.epoch_of(stream, max(stamps))
+        oldest = await epochs.epoch_of(stream, min(stamps))
+        return newest if newest is not None and newest == oldest else None
 
     async def _run(
         self, items: list[_Item], *, isolate: bool
@@ -176,11 +195,8 @@ class BatchProcessor:
             # A deferred constraint failed at COMMIT: one of the handlers' writes.
             raise _BatchRejected() from exc
         await faults.point("after_commit")
-        return list(
-            await asyncio.gather(
-                *(self.single._settle(i.delivery, Outcome.PROCESSED, i.logger, None) for i in done)
-            )
-        )
+        await self.single.ack_processed([i.delivery for i in done], [i.logger for i in done])
+        return [Outcome.PROCESSED] * len(done)
 
     @contextlib.asynccontextmanager
     async def _heartbeat(self, items: list[_Item]) -> AsyncIterator[None]:

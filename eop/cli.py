@@ -52,6 +52,7 @@ _WORKER_FIELDS = (
     "tx_retries",
     "lease_margin_s",
     "compaction_interval_s",
+    "compaction_after_messages",
     "msg_id_retention_s",
     "shutdown_grace_s",
     "create",
@@ -60,6 +61,7 @@ _WORKER_FIELDS = (
     "metrics_host",
     "tracing",
     "startup_attempts",
+    "uvloop",
 )
 
 
@@ -254,14 +256,14 @@ def import_attribute(path: str, form: str) -> object:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from eop import faults, worker
+    from eop import eventloop, faults, worker
 
     # Fault points stay disarmed unless a chaos run set EOP_FAULTS (eop.faults).
     faults.arm_from_env()
     app = load_app(args.app).with_settings(**_overrides(args, _WORKER_FIELDS))
     # Flags replace the environment's list rather than adding to it.
     handlers = args.handler or _env_list("EOP_HANDLERS")
-    asyncio.run(worker.run_worker(app, handlers=handlers))
+    eventloop.run(worker.run_worker(app, handlers=handlers), use_uvloop=app.settings.uvloop)
     return 0
 
 

@@ -305,6 +305,39 @@ class AsyncTransaction(SqlTransaction):
         result = await self.session.execute(stmt)
         return [tuple(row) for row in result]
 
+    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
+        """Claim a batch in one statement, sent on asyncpg's own connection when it is one.
+
+        The transaction is already open on that connection (the local
+        timeouts were set through the session), so the claim is part of it.
+        """
+        driver = await self._driver()
+        if driver is None:
+            return await super().claim_many(messages, outcome)
+        guard = self.spec.msg_id_guard
+        # One list per column, in the order of sql.CLAIM_COLUMNS (the values of claim_row).
+        columns = (
+            [m.subscription for m in messages],
+            [m.stream for m in messages],
+            [m.stream_epoch for m in messages],
+            [m.seq for m in messages],
+            [m.fingerprint for m in messages],
+            [m.msg_id if guard else None for m in messages],
+            [m.subject for m in messages],
+            [outcome] * len(messages),
+            [m.num_delivered for m in messages],
+        )
+        records = await driver.fetch(sql.claim_driver_text(self.tables.schema), *columns)
+        return {int(record[0]) for record in records}
+
+    async def _driver(self) -> Any:
+        """The asyncpg connection under the session, or None for another driver."""
+        connection = await self.session.connection()
+        if connection.dialect.driver != "asyncpg":
+            return None
+        raw = await connection.get_raw_connection()
+        return raw.driver_connection
+
     async def run(self, message: Message) -> None:
         """Await the handler with this transaction's session."""
         await self._call([message])
@@ -322,8 +355,10 @@ class AsyncTransaction(SqlTransaction):
             value, extra = self.spec.payload.arguments(messages)
             await typed(value, self.session, **extra)
         # Flushing here makes errors of the handler's pending ORM writes the
-        # handler's errors, rather than surprises at COMMIT.
-        await self.session.flush()
+        # handler's errors, rather than surprises at COMMIT. A handler that only
+        # executed statements left nothing to flush: skip the greenlet hop.
+        if self.session.new or self.session.dirty or self.session.deleted:
+            await self.session.flush()
 
     async def run_isolated(self, messages: list[Message]) -> Exception | None:
         """Run the handler inside a savepoint; roll it back alone if it fails."""

@@ -44,6 +44,7 @@ class Event(str, enum.Enum):
     SUBSCRIPTION_LOST = "subscription.lost"
     FETCH_FAILED = "fetch.failed"
     MESSAGE_PROCESSED = "message.processed"
+    BATCH_PROCESSED = "batch.processed"
     MESSAGE_DUPLICATE = "message.duplicate"
     MESSAGE_RETRY = "message.retry"
     MESSAGE_DEAD_LETTERED = "message.dead_lettered"
@@ -117,6 +118,55 @@ def _stringify_enums(
 def get_logger(**bindings: Any) -> Any:
     """A structlog logger with ``bindings`` bound."""
     return structlog.get_logger("eop").bind(**bindings)
+
+
+class LazyLogger:
+    """A logger whose bindings are bound only when it logs at an enabled level.
+
+    The hot path makes one of these per message; binding a structlog logger
+    costs more than most lines it would log, and at the default level most
+    per-message lines (``message.processed``) are debug lines that are dropped.
+    """
+
+    __slots__ = ("_bindings", "_bound")
+
+    def __init__(self, **bindings: Any) -> None:
+        self._bindings = bindings
+        self._bound: Any = None
+
+    def _logger(self) -> Any:
+        if self._bound is None:
+            self._bound = get_logger(**self._bindings)
+        return self._bound
+
+    def bind(self, **more: Any) -> LazyLogger:
+        """A lazy logger with ``more`` bound as well."""
+        return LazyLogger(**{**self._bindings, **more})
+
+    def debug(self, event: Any, **kw: Any) -> None:
+        """Log at debug level, if that level is enabled."""
+        if enabled(logging.DEBUG):
+            self._logger().debug(event, **kw)
+
+    def info(self, event: Any, **kw: Any) -> None:
+        """Log at info level, if that level is enabled."""
+        if enabled(logging.INFO):
+            self._logger().info(event, **kw)
+
+    def warning(self, event: Any, **kw: Any) -> None:
+        """Log at warning level."""
+        self._logger().warning(event, **kw)
+
+    def error(self, event: Any, **kw: Any) -> None:
+        """Log at error level."""
+        self._logger().error(event, **kw)
+
+
+def enabled(level: int) -> bool:
+    """Whether the configured structlog wrapper logs at ``level`` (unknown: yes)."""
+    wrapper = structlog.get_config()["wrapper_class"]
+    check = getattr(wrapper, "is_enabled_for", None)
+    return True if check is None else bool(check(None, level))
 
 
 def redact_url(url: str) -> str:

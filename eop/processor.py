@@ -101,6 +101,8 @@ class Processor:
     critical: Critical = dataclasses.field(default_factory=Critical)
     clock: Callable[[], float] = time.monotonic
     observer: observe.Observer = observe.NOOP
+    acker: ack.Acker | None = None
+    """Confirms a batch's acks together; None: one ``ack_sync`` per message."""
 
     @property
     def max_attempts(self) -> int:
@@ -116,7 +118,7 @@ class Processor:
         """Process one delivery fetched at ``received_at`` (on :attr:`clock`)."""
         await faults.point("after_fetch")
         meta = delivery.metadata
-        logger = log.get_logger(
+        logger = log.LazyLogger(
             handler=self.spec.name,
             stream=meta.stream,
             seq=meta.sequence.stream,
@@ -247,7 +249,8 @@ class Processor:
         if outcome is Outcome.PROCESSED:
             committed_at = time.perf_counter()
             acked = await self._ack(delivery, logger)
-            logger.info(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK, **extra)
+            # Per message at debug: the worker logs one info line per batch.
+            logger.debug(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK, **extra)
             self.observer.outcome(
                 self.spec,
                 delivery,
@@ -395,6 +398,29 @@ class Processor:
         )
         await faults.point("after_ack")
         return acked
+
+    async def ack_processed(self, deliveries: list[ack.Delivery], loggers: list[Any]) -> None:
+        """Confirmed acks of a committed batch, together when an :class:`ack.Acker` is set."""
+        if self.acker is None:
+            await asyncio.gather(
+                *(
+                    self._settle(d, Outcome.PROCESSED, lg, None)
+                    for d, lg in zip(deliveries, loggers, strict=True)
+                )
+            )
+            return
+        committed_at = time.perf_counter()
+        acked = await self.acker.confirm_many(
+            deliveries,
+            loggers,
+            timeout_s=self.settings.ack_timeout_s,
+            give_up_s=self.settings.ack_give_up_s,
+        )
+        ack_s = time.perf_counter() - committed_at
+        for delivery, logger, ok in zip(deliveries, loggers, acked, strict=True):
+            await faults.point("after_ack")
+            logger.debug(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK)
+            self.observer.outcome(self.spec, delivery, Outcome.PROCESSED, ack_s=ack_s, acked=ok)
 
     async def _nak(
         self, delivery: ack.Delivery, msg: message.Message, delay_s: float | None, logger: Any

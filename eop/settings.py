@@ -68,6 +68,11 @@ class Settings:
     compaction_interval_s: float = _field(
         5.0, "How often the inbox rows below the consumer's ack floor are deleted (0: never)."
     )
+    compaction_after_messages: int = _field(
+        1000,
+        "Also compact once this many messages were processed since the last round, so the "
+        "inbox stays near the in-flight window whatever the rate (0: by interval only).",
+    )
     msg_id_retention_s: float = _field(
         3600.0,
         "How long compaction keeps inbox rows that carry a Nats-Msg-Id (the guard against "
@@ -92,6 +97,10 @@ class Settings:
         4,
         "Attempts to reach PostgreSQL and NATS when a worker starts, with backoff, "
         "before it exits with an error.",
+    )
+    # Throughput (issue 4).
+    uvloop: bool = _field(
+        True, "Run the worker on uvloop when it is installed (the ``fast`` extra)."
     )
     log_format: LogFormat = _field("console", "``console`` for people, ``json`` for machines.")
     log_level: LogLevel = _field("info", "Lowest level logged.")
@@ -118,6 +127,8 @@ class Settings:
         for name in ("concurrency", "batch", "max_attempts", "max_ack_pending", "startup_attempts"):
             if getattr(self, name) < 1:
                 raise errors.ConfigurationError(f"{name} must be at least 1")
+        if self.compaction_after_messages < 0:
+            raise errors.ConfigurationError("compaction_after_messages must not be negative")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name.endswith("_s") and not (math.isfinite(value) and value >= 0):

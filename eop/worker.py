@@ -8,8 +8,10 @@ period, and never cuts between a COMMIT and its ack.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
+import logging
 import signal
 import time
 from collections.abc import Iterable
@@ -66,6 +68,7 @@ class Worker:
         self._critical = processor.Critical()
         self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
         self._blocked = ordering.BlockedKeys()
+        self._compactors: dict[str, compaction.Compactor] = {}
         self._logger = log.get_logger()
         self.processed = 0
         self.nats: Any = None
@@ -123,17 +126,25 @@ class Worker:
             js = nc.jetstream()
             store = inbox.PostgresStore(self.app)
             epochs = jetstream.StreamEpochs(nc)
+            acker = ack.Acker(nc)
             loops = []
             for spec in self.specs:
                 sub = await self._bind(js, spec)
                 proc = processor.Processor(
-                    spec=spec, settings=s, store=store, epochs=epochs, critical=self._critical
+                    spec=spec,
+                    settings=s,
+                    store=store,
+                    epochs=epochs,
+                    critical=self._critical,
+                    acker=acker,
                 )
                 proc.spec = observe.instrument(spec, self._observer)
                 proc.observer = self._observer
+                compactor = compaction.Compactor(js, store, spec, epochs)
+                await self._prepare_compaction(compactor)
                 loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
                 if s.compaction_interval_s > 0:
-                    compactor = compaction.Compactor(js, store, spec, epochs)
+                    self._compactors[spec.name] = compactor
                     loops.append(
                         asyncio.create_task(
                             compactor.run_forever(s.compaction_interval_s, self._stopping)
@@ -154,6 +165,23 @@ class Worker:
             await nc.close()
             await self.app.dispose()
         self._logger.info(log.Event.WORKER_STOPPED, processed=self.processed)
+
+    async def _prepare_compaction(self, compactor: compaction.Compactor) -> None:
+        """Create the watermark row before fetching; a failure here only delays compaction."""
+        try:
+            await compactor.prepare()
+        except (errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+            self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
+        except Exception as exc:
+            if inbox.classify(exc) is inbox.DbFailure.OTHER:
+                raise
+            self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
+
+    def _count(self, spec: HandlerSpec, settled: int) -> None:
+        self.processed += settled
+        compactor = self._compactors.get(spec.name)
+        if compactor is not None:
+            compactor.processed(settled)
 
     def install_signal_handlers(self) -> None:
         """Stop on SIGTERM and SIGINT (a second one stops at once)."""
@@ -259,7 +287,7 @@ class Worker:
             outcome = await proc.handle(msg, received_at)
             self._blocked.update(name, key, msg, outcome, self.settings)
             if outcome in (processor.Outcome.PROCESSED, processor.Outcome.DEAD_LETTERED):
-                self.processed += 1
+                self._count(proc.spec, 1)
 
     async def _take_slots(self) -> int:
         """Wait for a free slot, then take as many as are free, up to the batch size."""
@@ -315,7 +343,8 @@ class Worker:
             else:
                 outcomes = await batch.BatchProcessor(proc).handle_batch(msgs, received_at)
             settled = (processor.Outcome.PROCESSED, processor.Outcome.DEAD_LETTERED)
-            self.processed += sum(1 for o in outcomes if o in settled)
+            self._count(proc.spec, sum(1 for o in outcomes if o in settled))
+            self._log_batch(proc, msgs, outcomes)
         except Exception as exc:
             # Not a handler failure (those are settled in the protocol) but eop's
             # own I/O failing beyond its retries: let the messages come back later.
@@ -331,6 +360,24 @@ class Worker:
             self._observer.done(proc.spec, msgs)
             for _ in msgs:
                 self._slots.release()
+
+    def _log_batch(
+        self, proc: processor.Processor, msgs: list[Any], outcomes: list[processor.Outcome]
+    ) -> None:
+        """One info line per batch (the per-message lines are debug lines)."""
+        if not log.enabled(logging.INFO):
+            return
+        counts = collections.Counter(o.value for o in outcomes)
+        first, last = msgs[0].metadata, msgs[-1].metadata
+        self._logger.info(
+            log.Event.BATCH_PROCESSED,
+            handler=proc.spec.name,
+            stream=first.stream,
+            first_seq=first.sequence.stream,
+            last_seq=last.sequence.stream,
+            messages=len(msgs),
+            **counts,
+        )
 
     async def _finish_inflight(self) -> None:
         """Wait for in-flight messages, up to the grace period or a second stop."""

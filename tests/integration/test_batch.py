@@ -143,6 +143,37 @@ async def test_compaction_bounds_the_inbox_and_redeliveries_below_the_watermark_
     assert await effects_by_body(engine) == dict.fromkeys([*bodies, "late"], 1)
 
 
+async def test_watermark_row_exists_at_bind_and_compaction_follows_the_message_count(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """The watermark row is created before the first fetch; with an interval far away,
+    compaction still runs after compaction_after_messages processed messages."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, compaction_interval_s=3600, compaction_after_messages=20)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="counted")
+    async def counted(msg: eop.Message, session: AsyncSession) -> None:
+        await record_effect(session, "counted", msg)
+
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    async with running(app):
+        assert await scalar(engine, "SELECT watermark FROM eop.watermarks") == 0
+        for i in range(100):
+            await publish(js, f"c{i}")
+        await wait_for(lambda: drained(js, "eop-counted"), what="the messages")
+        await wait_for(
+            lambda: _inbox_below(engine, 40), what="compaction by count (interval is 1 h)"
+        )
+        assert await scalar(engine, "SELECT watermark FROM eop.watermarks") >= 60
+    assert await effects_by_body(engine) == {f"c{i}": 1 for i in range(100)}
+
+
+async def _inbox_below(engine: AsyncEngine, rows: int) -> bool:
+    async with engine.connect() as conn:
+        count = (await conn.execute(sa.text("SELECT count(*) FROM eop.inbox"))).scalar()
+    return int(count or 0) < rows
+
+
 async def _inbox_empty(engine: AsyncEngine) -> bool:
     async with engine.connect() as conn:
         return not (await conn.execute(sa.text("SELECT count(*) FROM eop.inbox"))).scalar()

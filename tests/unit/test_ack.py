@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import types
+from typing import Any
 
 import nats.errors
 import pytest
@@ -173,3 +175,95 @@ async def test_heartbeat_lets_the_body_error_through() -> None:
     with pytest.raises(KeyError):
         async with ack.heartbeat(d, 10.0, LOGGER):
             raise KeyError("handler failed")
+
+
+# ---------------------------------------------------------------- confirm_many
+
+
+class FakeAckConnection:
+    """Just enough of a nats-py client for :class:`ack.Acker`: replies as told per delivery."""
+
+    def __init__(self, replies: dict[str, str | None]) -> None:
+        self.replies = replies  # delivery reply subject -> "ok", "503" or None (lost)
+        self.published: list[tuple[str, bytes, str]] = []
+        self.subscriptions: list[str] = []
+        self._cb: Any = None
+
+    def new_inbox(self) -> str:
+        return "_INBOX.test"
+
+    async def subscribe(self, subject: str, cb: Any) -> None:
+        self.subscriptions.append(subject)
+        self._cb = cb
+
+    async def publish(self, subject: str, payload: bytes, reply: str) -> None:
+        self.published.append((subject, payload, reply))
+        answer = self.replies.get(subject, "ok")
+        if answer is not None:
+            headers = {"Status": answer} if answer != "ok" else None
+            msg = types.SimpleNamespace(subject=reply, headers=headers, data=b"")
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._cb(msg)))
+
+
+async def confirm_many(
+    acker: ack.Acker, deliveries: list[testing.FakeDelivery], give_up_s: float = 0.2
+) -> list[bool]:
+    loggers = [LOGGER] * len(deliveries)
+    return await acker.confirm_many(deliveries, loggers, timeout_s=0.05, give_up_s=give_up_s)
+
+
+def deliveries(count: int) -> list[testing.FakeDelivery]:
+    return [testing.FakeDelivery.make(seq=seq) for seq in range(1, count + 1)]
+
+
+async def test_confirm_many_sends_every_ack_and_waits_for_the_replies_together() -> None:
+    ds = deliveries(5)
+    nc = FakeAckConnection({})
+    acker = ack.Acker(nc)
+    assert await confirm_many(acker, ds) == [True] * 5
+    assert [(s, p) for s, p, _ in nc.published] == [(d.reply, b"+ACK") for d in ds]
+    assert len({reply for _, _, reply in nc.published}) == 5
+    # No per-message fallback: every reply came back on the shared subscription.
+    assert all(d.ack_attempts == 0 for d in ds)
+    assert await confirm_many(acker, deliveries(2)) == [True, True]
+    assert nc.subscriptions == ["_INBOX.test.*"]
+    assert acker._waiting == {}
+
+
+async def test_confirm_many_retries_a_lost_reply_with_the_confirmed_ack() -> None:
+    ds = deliveries(3)
+    nc = FakeAckConnection({ds[1].reply: None})
+    assert await confirm_many(ack.Acker(nc), ds) == [True, True, True]
+    assert [d.ack_attempts for d in ds] == [0, 1, 0]
+    assert ds[1].acked
+
+
+async def test_confirm_many_retries_no_responders_and_then_gives_up_with_a_warning() -> None:
+    ds = deliveries(2)
+    ds[0].fail_acks(10_000, nats.errors.NoRespondersError)
+    nc = FakeAckConnection({ds[0].reply: "503"})
+    with capture_logs() as logs:
+        assert await confirm_many(ack.Acker(nc), ds, give_up_s=0.1) == [False, True]
+    [warning] = events(logs, log.Event.ACK_GAVE_UP)
+    assert warning["error"] == "NoRespondersError"
+    assert ds[0].ack_attempts > 1
+
+
+async def test_confirm_many_falls_back_to_single_acks_when_publishing_fails() -> None:
+    class Reconnecting(FakeAckConnection):
+        async def publish(self, subject: str, payload: bytes, reply: str) -> None:
+            raise nats.errors.ConnectionReconnectingError
+
+    ds = deliveries(3)
+    assert await confirm_many(ack.Acker(Reconnecting({})), ds) == [True] * 3
+    assert [d.ack_attempts for d in ds] == [1, 1, 1]
+
+
+async def test_a_late_reply_after_the_fallback_is_ignored() -> None:
+    ds = deliveries(1)
+    nc = FakeAckConnection({ds[0].reply: None})
+    acker = ack.Acker(nc)
+    assert await confirm_many(acker, ds) == [True]
+    late = types.SimpleNamespace(subject=nc.published[0][2], headers=None, data=b"")
+    await acker._on_reply(late)  # nothing waits for it any more: no error
+    assert acker._waiting == {}

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from typing import Any
 
 import pytest
 import sqlalchemy.exc as sa_exc
 from sqlalchemy.dialects import postgresql
 
-from eop import errors, inbox, models
+from eop import errors, inbox, models, sql
 from eop.handler import HandlerSpec
 from eop.message import Message
 
@@ -142,6 +144,31 @@ class FakeAsyncSession:
         self.results = list(results or [])
         self.commit_error = commit_error
         self.calls: list[str] = []
+        self.new: list[object] = []
+        self.dirty: list[object] = []
+        self.deleted: list[object] = []
+
+    driver = "fake"
+    """The driver the session's connection reports (``asyncpg``: claims go to it directly)."""
+
+    async def connection(self) -> Any:
+        session = self
+
+        class Raw:
+            driver_connection = self
+
+        class Connection:
+            dialect = types.SimpleNamespace(driver=session.driver)
+
+            async def get_raw_connection(self) -> Raw:
+                return Raw()
+
+        return Connection()
+
+    async def fetch(self, query: str, *args: Any) -> list[tuple[Any, ...]]:
+        """The asyncpg connection's fetch, when :attr:`driver` is ``asyncpg``."""
+        self.executed.append((query, args))
+        return self.results.pop(0) if self.results else []
 
     async def execute(self, stmt: Any) -> list[tuple[Any, ...]]:
         self.executed.append(stmt)
@@ -200,6 +227,30 @@ def params(stmt: Any) -> dict[str, Any]:
 async def test_claim_is_true_when_the_insert_returns_a_row() -> None:
     session = FakeAsyncSession(results=[[(3,)]])
     assert await transaction(session).claim(message(), models.OUTCOME_PROCESSED) is True
+
+
+async def test_batch_claim_on_asyncpg_sends_one_array_per_column_to_the_driver() -> None:
+    """On asyncpg the claim skips SQLAlchemy: the same statement, arrays as positional
+    parameters in the order of sql.CLAIM_COLUMNS, the watermark read FOR SHARE."""
+    session = FakeAsyncSession(results=[[(3,)]])
+    session.driver = "asyncpg"
+    msgs = [message({"Nats-Msg-Id": "m-1"}), dataclasses.replace(message(), seq=4)]
+    claimed = await transaction(session).claim_many(msgs, models.OUTCOME_PROCESSED)
+    assert claimed == {3}
+    [(query, args)] = session.executed
+    assert query == sql.claim_driver_text("eop")
+    assert "FOR SHARE" in query
+    assert "ON CONFLICT DO NOTHING" in query
+    columns = dict(zip(sql.CLAIM_COLUMNS, args, strict=True))
+    assert columns["stream_seq"] == [3, 4]
+    assert columns["msg_id"] == ["m-1", None]
+    assert columns["fingerprint"] == [m.fingerprint for m in msgs]
+    assert columns["outcome"] == ["processed", "processed"]
+    assert "$9::integer[]" in query
+    # The same values as the SQLAlchemy path's rows.
+    tx = transaction(FakeAsyncSession())
+    rows = [tx.claim_row(m, models.OUTCOME_PROCESSED) for m in msgs]
+    assert columns == {name: [row[name] for row in rows] for name in sql.CLAIM_COLUMNS}
 
 
 async def test_claim_is_false_when_the_insert_returns_nothing() -> None:
@@ -301,8 +352,15 @@ async def test_rollback_never_raises() -> None:
 
 async def test_run_flushes_the_handlers_writes_so_their_errors_are_handler_errors() -> None:
     session = FakeAsyncSession()
+    session.new.append(object())  # the handler session.add()-ed something
     await transaction(session).run(message())
     assert session.calls == ["handler", "flush"]
+
+
+async def test_run_skips_the_flush_when_the_handler_left_nothing_pending() -> None:
+    session = FakeAsyncSession()
+    await transaction(session).run(message())
+    assert session.calls == ["handler"]
 
 
 async def test_connecting_error_becomes_database_unavailable() -> None:

@@ -157,3 +157,23 @@ def test_get_logger_binds_the_given_context() -> None:
         log.get_logger(handler="orders", seq=3).info("x")
     assert logs[0]["handler"] == "orders"
     assert logs[0]["seq"] == 3
+
+
+def test_lazy_logger_drops_lines_below_the_configured_level_without_binding() -> None:
+    out = io.StringIO()
+    log.configure("console", "info", stream=out)
+    logger = log.LazyLogger(handler="orders", seq=3)
+    logger.debug(log.Event.MESSAGE_PROCESSED)
+    assert logger._bound is None
+    assert out.getvalue() == ""
+    logger.info(log.Event.MESSAGE_DUPLICATE, action=log.Action.ACK)
+    assert "message.duplicate" in out.getvalue()
+    assert "handler=orders" in out.getvalue()
+
+
+def test_lazy_logger_logs_debug_lines_when_debug_is_enabled() -> None:
+    out = io.StringIO()
+    log.configure("json", "debug", stream=out)
+    log.LazyLogger(handler="orders").bind(seq=4).debug(log.Event.MESSAGE_PROCESSED)
+    line = json.loads(out.getvalue())
+    assert (line["event"], line["handler"], line["seq"]) == ("message.processed", "orders", 4)
