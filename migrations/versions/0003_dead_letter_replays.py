@@ -50,7 +50,9 @@ def upgrade() -> None:
         schema=schema,
     )
     op.add_column(
-        "dead_letters", sa.Column("replay_stream_seq", sa.BigInteger(), nullable=True), schema=schema
+        "dead_letters",
+        sa.Column("replay_stream_seq", sa.BigInteger(), nullable=True),
+        schema=schema,
     )
     op.create_check_constraint(
         "dead_letters_replay_mode_check",
