@@ -7,7 +7,6 @@ works without the ``spark`` extra); the commands do when they run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import signal
@@ -16,10 +15,10 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from eop import cli as eop_cli
 from eop import errors as eop_errors
 from eop import transport
 from eop.app import App, select_handlers
+from eop.cli import options
 from eop.spark.apply import Counts
 from eop.spark.offsets import DEFAULT_MESSAGES_PER_PARTITION
 from eop.spark.session import DEFAULT_MASTER
@@ -53,7 +52,7 @@ _FLAG_FIELDS = (
     "lock_timeout_s",
     "statement_timeout_s",
     "tx_retries",
-    *eop_cli.NATS_AUTH_FIELDS,
+    *options.NATS_AUTH_FIELDS,
 )
 
 
@@ -94,7 +93,7 @@ def add_commands(sub: Any) -> None:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    eop_cli._add_log_options(parser, suppress=True)
+    options.add_log_options(parser, suppress=True)
     parser.add_argument("app", metavar="MODULE:APP", help="the eop.App, e.g. myapp:app")
     _env_flag(parser, "--handler", str, "the handler to run", metavar="NAME", required=True)
     _env_flag(
@@ -118,8 +117,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help=f"a Spark setting (repeatable) [env: {var}, comma separated]",
     )
-    for name in _FLAG_FIELDS:
-        eop_cli._add_setting(parser, name)
+    options.add_settings(parser, _FLAG_FIELDS)
 
 
 def _env_flag(
@@ -152,7 +150,7 @@ def _env_flag(
 
 
 def _conf(args: argparse.Namespace) -> dict[str, str]:
-    items = args.conf or eop_cli._env_list("EOP_SPARK_CONF")
+    items = args.conf or options.env_list("EOP_SPARK_CONF")
     conf = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -167,10 +165,10 @@ def _conf(args: argparse.Namespace) -> dict[str, str]:
 def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, jobs.ReadOptions]:
     from eop.spark import jobs, sink
 
-    app = eop_cli.load_app(args.app).with_settings(**eop_cli._overrides(args, _FLAG_FIELDS))
+    app = options.configured_app(args, _FLAG_FIELDS)
     (spec,) = select_handlers(app, [args.handler])
     s = app.settings
-    asyncio.run(_check_schema(app))
+    options.run_with(app, _check_schema(app))
     target = sink.Target.create(args.app, spec.name, **{f: getattr(s, f) for f in SINK_FIELDS})
     read = jobs.ReadOptions(
         nats_url=s.nats_url,
@@ -207,10 +205,7 @@ async def _check_schema(app: App) -> None:
     """Fail before Spark starts, not in every task, when eop's tables are not there."""
     from eop import migrate
 
-    try:
-        await migrate.ensure_ready(app.engine, app.settings.schema)
-    finally:
-        await app.dispose()
+    await migrate.ensure_ready(app.engine, app.settings.schema)
 
 
 def _cmd_backfill(args: argparse.Namespace) -> int:

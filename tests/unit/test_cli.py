@@ -43,7 +43,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------- flags
 
 
-@pytest.mark.parametrize("field", cli._WORKER_FIELDS)
+@pytest.mark.parametrize("field", cli.WORKER_FIELDS)
 def test_every_worker_flag_help_names_its_variable(field: str) -> None:
     worker = subcommand(cli.build_parser(), "worker")
     action = flags(worker)[flag_of(field)]
@@ -73,20 +73,20 @@ def test_worker_help_lists_the_variables(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["worker", "--help"])
     out = capsys.readouterr().out
-    for field in cli._WORKER_FIELDS:
+    for field in cli.WORKER_FIELDS:
         assert env_var(field) in out
 
 
 def test_unset_worker_flags_leave_the_environment_in_charge() -> None:
     args = cli.build_parser().parse_args(["worker", "m:app"])
-    assert cli._overrides(args, cli._WORKER_FIELDS) == {}
+    assert cli.overrides(args, cli.WORKER_FIELDS) == {}
 
 
 def test_worker_flags_are_typed() -> None:
     args = cli.build_parser().parse_args(
         ["worker", "m:app", "--ack-wait-s", "5", "--concurrency", "3", "--no-create"]
     )
-    assert cli._overrides(args, cli._WORKER_FIELDS) == {
+    assert cli.overrides(args, cli.WORKER_FIELDS) == {
         "ack_wait_s": 5.0,
         "concurrency": 3,
         "create": False,

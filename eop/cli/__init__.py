@@ -1,0 +1,85 @@
+"""The ``eop`` command line: ``eop worker``, ``eop db ...``, ``eop dlq ...``, ``eop status``, ...
+
+Every flag can also be set by the ``EOP_*`` variable that ``--help`` shows.
+Errors print their cause chain, never a traceback.
+
+One module per family of commands (:mod:`eop.cli.worker`,
+:mod:`eop.cli.operations`, :mod:`eop.cli.audit`), each adding its commands to
+the parser; what they share is in :mod:`eop.cli.options`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from eop import errors, log
+from eop import settings as settings_mod
+from eop.cli import audit, operations, options, worker
+from eop.cli.options import (
+    NATS_AUTH_FIELDS,
+    import_attribute,
+    load_app,
+    overrides,
+)
+from eop.cli.worker import WORKER_FIELDS
+
+__all__ = [
+    "main",
+    "build_parser",
+    "load_app",
+    "import_attribute",
+    "overrides",
+    "NATS_AUTH_FIELDS",
+    "WORKER_FIELDS",
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``eop`` command; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_mod.Settings.from_env(
+            overrides={"log_format": args.log_format, "log_level": args.log_level}
+        )
+        log.configure(settings.log_format, settings.log_level)
+        command: Callable[[argparse.Namespace], int] = args.command
+        return command(args)
+    except errors.EopError as exc:
+        options.print_error(exc)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``eop`` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="eop",
+        description="Exactly-once processing of NATS JetStream messages into PostgreSQL.",
+    )
+    options.add_log_options(parser)
+    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    # In this order in --help.
+    worker.add_worker(sub)
+    worker.add_db(sub)
+    operations.add_dlq(sub)
+    operations.add_status(sub)
+    audit.add_audit(sub)
+    worker.add_demo(sub)
+
+    # Imported here, not at the top: these modules import eop.cli themselves,
+    # and `import eop.cli` stays light for those that only need load_app.
+    from eop.spark import cli as spark_cli
+
+    spark_cli.add_commands(sub)
+
+    from eop.chaos import cli as chaos_cli
+
+    chaos_cli.add_command(sub)
+
+    from eop import bench
+
+    bench.add_command(sub)
+    return parser

@@ -1,0 +1,187 @@
+"""What the commands of ``eop`` share: flags for settings, app loading, running, errors.
+
+Also used by the commands that live beside their features (:mod:`eop.spark.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib
+import os
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar, get_type_hints
+
+from eop import errors
+from eop import settings as settings_mod
+from eop.app import App
+
+T = TypeVar("T")
+
+#: The NATS authentication and TLS settings offered as flags. Passwords and
+#: tokens are not: a command line is visible to every user of the machine.
+NATS_AUTH_FIELDS = (
+    "nats_user",
+    "nats_nkey_seed_file",
+    "nats_creds_file",
+    "nats_tls_ca_file",
+    "nats_tls_cert_file",
+    "nats_tls_key_file",
+    "nats_tls_hostname",
+    "nats_tls_handshake_first",
+)
+
+#: The settings of the commands that read the database only.
+DB_FIELDS = ("database_url", "schema")
+
+#: The settings of the commands that read the database and the stream.
+SERVER_FIELDS = ("database_url", "nats_url", "schema")
+
+
+def env_list(var: str) -> list[str]:
+    """The comma separated items of the environment variable ``var`` (none when unset)."""
+    return [item.strip() for item in os.environ.get(var, "").split(",") if item.strip()]
+
+
+def env_int(var: str, default: int | None) -> int | None:
+    """The integer in the environment variable ``var``, else ``default``; exits if not one."""
+    raw = os.environ.get(var)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"eop: error: {var}={raw!r} is not an integer") from None
+
+
+def add_log_options(parser: argparse.ArgumentParser, *, suppress: bool = False) -> None:
+    """Log flags, accepted before and after the subcommand.
+
+    On subcommands their default is SUPPRESS, so they only override a value
+    given before the subcommand when they are given themselves.
+    """
+    add_setting(parser, "log_format", choices=["console", "json"], suppress=suppress)
+    add_setting(
+        parser, "log_level", choices=["debug", "info", "warning", "error"], suppress=suppress
+    )
+
+
+def add_app_arguments(parser: argparse.ArgumentParser, *, app_help: str, handler_help: str) -> None:
+    """The log flags, the ``MODULE:APP`` argument and a repeatable ``--handler NAME``."""
+    add_log_options(parser, suppress=True)
+    parser.add_argument("app", metavar="MODULE:APP", help=app_help)
+    parser.add_argument("--handler", action="append", default=[], metavar="NAME", help=handler_help)
+
+
+def add_db_options(parser: argparse.ArgumentParser) -> None:
+    """``--app`` (optional: where the database settings come from) and the database flags."""
+    parser.add_argument(
+        "--app",
+        metavar="MODULE:APP",
+        default=os.environ.get("EOP_APP"),
+        help="take the database URL and schema from this app [env: EOP_APP]",
+    )
+    add_settings(parser, DB_FIELDS)
+
+
+def add_settings(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """A flag for each of the Settings fields ``names``."""
+    for name in names:
+        add_setting(parser, name)
+
+
+def add_setting(
+    parser: argparse.ArgumentParser,
+    name: str,
+    choices: Sequence[str] | None = None,
+    *,
+    suppress: bool = False,
+) -> None:
+    """A flag for a Settings field; its help names the env var and the default."""
+    field = {f.name: f for f in dataclasses.fields(settings_mod.Settings)}[name]
+    hint = get_type_hints(settings_mod.Settings)[name]
+    flag = "--" + name.replace("_", "-")
+    help_text = (
+        f"{field.metadata['help']} [env: {settings_mod.env_var(name)}; default: {field.default}]"
+    )
+    if hint is bool:
+        parser.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
+        return
+    kind: Any = hint if hint in (int, float) else str
+    parser.add_argument(
+        flag,
+        type=kind,
+        default=argparse.SUPPRESS if suppress else None,
+        choices=choices,
+        metavar=name.upper(),
+        help=help_text,
+    )
+
+
+def overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, object]:
+    """The settings among ``names`` given as flags (unset flags leave the environment's)."""
+    return {n: getattr(args, n, None) for n in names if getattr(args, n, None) is not None}
+
+
+def load_app(path: str) -> App:
+    """Import ``module:attribute`` and return the :class:`eop.App` it names."""
+    app = import_attribute(path, "MODULE:APP, e.g. myapp:app")
+    if not isinstance(app, App):
+        raise errors.ConfigurationError(f"{path!r} is not an eop.App (got {type(app).__name__})")
+    return app
+
+
+def import_attribute(path: str, form: str) -> object:
+    """Import ``module:attribute`` and return the attribute (``None`` when it is missing).
+
+    ``form`` names what the user should have written, for the error message.
+    """
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise errors.ConfigurationError(f"expected {form}, not {path!r}")
+    # Like uvicorn: the current directory is importable, as users expect.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise errors.ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+    return getattr(module, attr, None)
+
+
+def configured_app(args: argparse.Namespace, names: Sequence[str]) -> App:
+    """The app of the ``MODULE:APP`` argument with the flags among ``names`` applied."""
+    return load_app(args.app).with_settings(**overrides(args, names))
+
+
+def db_app(args: argparse.Namespace, names: Sequence[str]) -> App:
+    """The app named by --app (or EOP_APP) with flags applied, else one built from settings."""
+    if getattr(args, "app", None):
+        return configured_app(args, names)
+    return App(settings=settings_mod.Settings.from_env(overrides=overrides(args, names)))
+
+
+def run_with(app: App, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end, then close the app's connection pools."""
+
+    async def run() -> T:
+        try:
+            return await coro
+        finally:
+            await app.dispose()
+
+    return asyncio.run(run())
+
+
+def print_error(exc: BaseException) -> None:
+    """Print ``exc`` and its cause chain to stderr, one line each, never a traceback."""
+    print(f"eop: error: {exc}", file=sys.stderr)
+    cause = exc.__cause__
+    while cause is not None:
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        print(f"  caused by {type(cause).__name__}: {text}"[:300], file=sys.stderr)
+        cause = cause.__cause__

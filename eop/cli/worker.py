@@ -1,0 +1,131 @@
+"""``eop worker``, ``eop db ...`` and ``eop demo``: running handlers and what they need."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from eop.cli import options
+
+#: The settings offered as ``eop worker`` flags: all but the secrets.
+WORKER_FIELDS = (
+    "database_url",
+    "nats_url",
+    "schema",
+    "concurrency",
+    "batch",
+    "batch_transactions",
+    "fetch_timeout_s",
+    "ack_wait_s",
+    "max_ack_pending",
+    "max_attempts",
+    "backoff_base_s",
+    "backoff_max_s",
+    "ack_timeout_s",
+    "ack_give_up_s",
+    "lock_timeout_s",
+    "statement_timeout_s",
+    "tx_retries",
+    "lease_margin_s",
+    "compaction_interval_s",
+    "compaction_after_messages",
+    "msg_id_retention_s",
+    "shutdown_grace_s",
+    "create",
+    *options.NATS_AUTH_FIELDS,
+    "metrics_port",
+    "metrics_host",
+    "tracing",
+    "startup_attempts",
+    "uvloop",
+)
+
+
+def add_worker(sub: Any) -> None:
+    """Add ``worker`` to the subparsers of ``eop``."""
+    worker = sub.add_parser("worker", help="run handlers: pull, process exactly once, ack")
+    options.add_app_arguments(
+        worker,
+        app_help="the eop.App to run, e.g. myapp:app",
+        handler_help="run only this handler (repeatable; default: all) "
+        "[env: EOP_HANDLERS, comma separated]",
+    )
+    options.add_settings(worker, WORKER_FIELDS)
+    worker.set_defaults(command=_cmd_worker)
+
+
+def add_db(sub: Any) -> None:
+    """Add ``db`` and its actions to the subparsers of ``eop``."""
+    db = sub.add_parser("db", help="manage eop's tables (Alembic migrations)")
+    db_sub = db.add_subparsers(title="actions", required=True, metavar="ACTION")
+    for action, help_text in (
+        ("upgrade", "migrate eop's tables up to REVISION (default: head)"),
+        ("downgrade", "migrate eop's tables down to REVISION (default: -1; 'base' drops them)"),
+        ("current", "print the current revision of eop's tables"),
+        ("check", "exit non-zero unless eop's tables are at head and match the models"),
+    ):
+        p = db_sub.add_parser(action, help=help_text)
+        options.add_log_options(p, suppress=True)
+        if action in ("upgrade", "downgrade"):
+            p.add_argument("revision", nargs="?", default="head" if action == "upgrade" else "-1")
+        options.add_db_options(p)
+        p.set_defaults(command=_cmd_db, action=action)
+
+
+def add_demo(sub: Any) -> None:
+    """Add ``demo`` to the subparsers of ``eop``."""
+    demo = sub.add_parser(
+        "demo",
+        help="run the demo on embedded servers: duplicates and crashes, every message once",
+    )
+    options.add_log_options(demo, suppress=True)
+    for flag, default, help_text in (
+        ("messages", 200, "logical messages"),
+        ("workers", 2, "worker processes"),
+        ("seed", None, "seed of the crash schedule (default: random)"),
+    ):
+        var = f"EOP_DEMO_{flag.upper()}"
+        demo.add_argument(
+            f"--{flag}",
+            type=int,
+            default=options.env_int(var, default),
+            help=f"{help_text} [env: {var}; default: {default}]",
+        )
+    demo.set_defaults(command=_cmd_demo)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from eop import eventloop, faults, worker
+
+    # Fault points stay disarmed unless a chaos run set EOP_FAULTS (eop.faults).
+    faults.arm_from_env()
+    app = options.configured_app(args, WORKER_FIELDS)
+    # Flags replace the environment's list rather than adding to it.
+    handlers = args.handler or options.env_list("EOP_HANDLERS")
+    eventloop.run(worker.run_worker(app, handlers=handlers), use_uvloop=app.settings.uvloop)
+    return 0
+
+
+def _cmd_db(args: argparse.Namespace) -> int:
+    from eop import migrate
+
+    settings = options.db_app(args, options.DB_FIELDS).settings
+    url, schema = settings.database_url, settings.schema
+    if args.action == "upgrade":
+        migrate.upgrade(url, schema=schema, revision=args.revision)
+        print(f"eop tables at {migrate.current(url, schema=schema)} in schema {schema!r}")
+    elif args.action == "downgrade":
+        migrate.downgrade(url, schema=schema, revision=args.revision)
+        print(f"eop tables at {migrate.current(url, schema=schema) or 'base'} in schema {schema!r}")
+    elif args.action == "current":
+        print(migrate.current(url, schema=schema) or "base (not migrated)")
+    else:
+        migrate.check(url, schema=schema)
+        print("eop tables are up to date")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from eop import demo
+
+    return demo.run(messages=args.messages, workers=args.workers, seed=args.seed)
