@@ -175,6 +175,10 @@ class SqlTransaction(abc.ABC):
     @abc.abstractmethod
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]: ...
 
+    async def select(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
+        """The rows of one of eop's own statements (:mod:`eop.sql`), run in this transaction."""
+        return await self._rows(stmt)
+
     @abc.abstractmethod
     async def run(self, message: Message) -> None:
         """Run the handler inside this transaction."""

@@ -210,6 +210,15 @@ def env_var(field_name: str) -> str:
     return "EOP_" + field_name.upper()
 
 
+def parse_value(field_name: str, hint: object, raw: str) -> object:
+    """``raw``, read from :func:`env_var` of ``field_name``, as a ``hint`` (bool, int, float, str).
+
+    Booleans are 1/true/yes/on or 0/false/no/off; anything else that does not
+    parse raises :class:`eop.errors.ConfigurationError` naming the variable.
+    """
+    return _parse(field_name, hint, raw)
+
+
 def _parse(name: str, hint: object, raw: str) -> object:
     try:
         if hint is bool:

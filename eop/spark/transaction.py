@@ -33,10 +33,6 @@ class SyncPartitionTx(inbox.SqlTransaction):
     async def _rows(self, stmt: Any) -> list[tuple[Any, ...]]:
         return [tuple(row) for row in self.session.execute(stmt)]
 
-    async def select(self, stmt: Any) -> list[tuple[Any, ...]]:
-        """The rows of a query of eop's own."""
-        return await self._rows(stmt)
-
     async def run(self, message: Message) -> None:
         """Call the handler and flush its writes, so that their errors are the handler's."""
         self._call([message])
@@ -90,10 +86,6 @@ class SyncPartitionTx(inbox.SqlTransaction):
 
 class AsyncPartitionTx(inbox.AsyncTransaction):
     """A partition's transaction on an ``AsyncSession``, for ``async def`` handlers."""
-
-    async def select(self, stmt: Any) -> list[tuple[Any, ...]]:
-        """The rows of a query of eop's own."""
-        return await self._rows(stmt)
 
 
 PartitionTx = SyncPartitionTx | AsyncPartitionTx

@@ -7,6 +7,7 @@ import io
 import pytest
 
 from eop import bench
+from eop.bench import measurement
 
 
 def test_throughput_starts_after_the_first_completion() -> None:
@@ -31,14 +32,14 @@ def test_window_takes_cpu_across_it_and_the_most_rows_around_it() -> None:
     """The samples bracketing a window give its CPU per message; the inbox rows are the
     most seen from just before to just after it."""
     samples = [
-        bench._Sample(floor=5_000, rows=900, cpu=1.0),
-        bench._Sample(floor=12_000, rows=4_000, cpu=2.0),
-        bench._Sample(floor=25_000, rows=700, cpu=4.0),
+        measurement.Sample(floor=5_000, rows=900, cpu=1.0),
+        measurement.Sample(floor=12_000, rows=4_000, cpu=2.0),
+        measurement.Sample(floor=25_000, rows=700, cpu=4.0),
     ]
-    rows, cpu_us = bench._window(samples, (10_001, 20_000))
+    rows, cpu_us = measurement.window_stats(samples, (10_001, 20_000))
     assert rows == 4_000
     assert cpu_us == pytest.approx(3.0 / 20_000 * 1e6)
-    assert bench._window([], (1, 2)) == (0, None)
+    assert measurement.window_stats([], (1, 2)) == (0, None)
 
 
 def test_progress_prints_plain_lines_off_a_terminal() -> None:

@@ -1,0 +1,63 @@
+"""``eop bench``: eop's throughput and latency beside the loops it replaces.
+
+One run starts its own nats-server and PostgreSQL (eop.embedded, free ports)
+and measures on them, one after another and each in its own process: (a) a
+raw at-least-once loop (fetch + plain ack, no database); (b) the naive
+exactly-once loop (per message a transaction with an inbox claim and one
+INSERT, then one sequential ack_sync); (c) an `eop worker` with the default
+settings; (d) an `eop worker` with the --tuned flags and a batch handler.
+(b), (c) and (d) do the same handler work: one INSERT per message.
+
+Throughput: a backlog is published, then drained; the rate runs from the
+first completion to the last, so start-up is excluded. Latency: then messages
+are published at a steady share (--latency-load) of that rate for
+--latency-s; publish-to-commit is the commit time of the effect row
+(track_commit_timestamp) minus the stream timestamp ((a): publish-to-ack).
+--big measures eop default at 10,000 and at 1,000,000 processed messages,
+with the inbox row count at both points.
+
+This package is also the app of the bench's workers (``eop.bench:app``) and
+the program of the (a) and (b) child processes (``python -m eop.bench``).
+
+Its modules: :mod:`~eop.bench.runs` (what is measured: the runs, their app,
+the options), :mod:`~eop.bench.loops` (the raw and naive loops of (a) and (b)),
+:mod:`~eop.bench.harness` (the servers' clients, the child processes, the
+progress line), :mod:`~eop.bench.measurement` (one run measured, and the
+arithmetic), :mod:`~eop.bench.runner` (every run on fresh servers),
+:mod:`~eop.bench.report` (the table) and :mod:`~eop.bench.command` (``eop bench``).
+"""
+
+from __future__ import annotations
+
+from eop.bench.command import add_command, run_command
+from eop.bench.harness import Bench, Child, Progress
+from eop.bench.measurement import BigResult, Result, measure, measure_big, percentile, throughput
+from eop.bench.report import format_report
+from eop.bench.runner import run
+from eop.bench.runs import BIG, RUNS, Options, Run, app, record, record_batch
+
+__all__ = [
+    # the command
+    "add_command",
+    "run_command",
+    "run",
+    "format_report",
+    # what is measured
+    "Options",
+    "Run",
+    "RUNS",
+    "BIG",
+    "app",
+    "record",
+    "record_batch",
+    # measuring
+    "Bench",
+    "Child",
+    "Progress",
+    "Result",
+    "BigResult",
+    "measure",
+    "measure_big",
+    "throughput",
+    "percentile",
+]

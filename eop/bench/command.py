@@ -1,0 +1,80 @@
+"""``eop bench``: its flags (each with an ``EOP_BENCH_*`` variable) and its output."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from eop import errors
+from eop import settings as settings_mod
+from eop.bench import report, runner, runs
+
+_FLAGS: tuple[tuple[str, Any, str], ...] = (
+    ("messages", int, "backlog of each of the runs (a), (c), (d)"),
+    ("naive-messages", int, "backlog of the naive run (b), which is slow"),
+    ("payload-bytes", int, "size of every message's payload"),
+    ("latency-s", float, "length of each run's steady-load latency phase"),
+    ("latency-load", float, "publish rate of the latency phase, as a share of the run's rate"),
+    ("tuned", str, "`eop worker` flags of the tuned run (d), which has a batch handler"),
+    ("big", bool, "also the long run: --big-messages through eop default (minutes)"),
+    ("big-messages", int, "messages of the long run (rates at 10k-20k and the last 10k)"),
+    ("fsync", bool, "PostgreSQL with fsync on, as in production"),
+)
+
+
+def add_command(sub: Any) -> None:
+    """Add ``bench`` to the subparsers of ``eop``."""
+    from eop import bench
+
+    parser = sub.add_parser(
+        "bench",
+        help="measure eop beside a raw and a naive loop, on embedded servers",
+        # The package's docstring says what the runs are.
+        description=(bench.__doc__ or "").split("\n\n")[1],
+    )
+    defaults = runs.Options()
+    for flag, kind, help_text in _FLAGS:
+        var = "EOP_BENCH_" + flag.upper().replace("-", "_")
+        default = getattr(defaults, flag.replace("-", "_"))
+        raw = os.environ.get(var)
+        parser.add_argument(
+            f"--{flag}",
+            default=default if raw is None else _parse_env(var, kind, raw),
+            help=f"{help_text} [env: {var}; default: {default}]",
+            **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}),
+        )
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        default=os.environ.get("EOP_BENCH_JSON"),
+        help="also write the results as JSON to FILE ('-': stdout, instead of the table) "
+        "[env: EOP_BENCH_JSON]",
+    )
+    parser.set_defaults(command=run_command)
+
+
+def _parse_env(var: str, kind: Any, raw: str) -> Any:
+    try:
+        # The EOP_* variables' own rules: `eop worker`'s and the bench's read alike.
+        return settings_mod.parse_value(var.removeprefix("EOP_").lower(), kind, raw)
+    except errors.ConfigurationError as exc:
+        # Like the other commands: a sentence, not a traceback (the parser is built early).
+        raise SystemExit(f"eop: error: {exc}") from None
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``eop bench``: print the table (and write the JSON)."""
+    results = runner.run(
+        runs.Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(runs.Options)})
+    )
+    if args.json == "-":
+        print(json.dumps(results, indent=2))
+        return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    print(report.format_report(results))
+    return 0

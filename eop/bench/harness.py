@@ -1,0 +1,228 @@
+"""The bench's clients of the servers, its child processes and its progress line."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from eop import errors
+from eop.bench import runs
+
+_DDL = (
+    "CREATE TABLE bench_effects (variant text NOT NULL, seq bigint NOT NULL,"
+    " stored_at timestamptz NOT NULL)",
+    "CREATE TABLE bench_naive_inbox (stream text, seq bigint, PRIMARY KEY (stream, seq))",
+)
+_POINTS = sa.text(
+    "SELECT seq, extract(epoch FROM stored_at)::float8,"
+    " extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8"
+    " FROM bench_effects WHERE variant = :v AND seq BETWEEN :lo AND :hi"
+)
+
+
+class Progress:
+    """One status line: redrawn in place on a terminal, printed every few seconds otherwise."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._printed = 0.0
+        self._width = 0
+
+    def show(self, label: str, done: int, total: int, rate: float | None = None) -> None:
+        """Report ``done`` of ``total`` (and the current rate) for ``label``."""
+        bar = "#" * int(24 * min(1.0, done / total)) if total > 0 else ""
+        text = f"{label:<34} [{bar:<24}] {done:>9,}/{total:,}"
+        text += f"  {rate:,.0f} msg/s" if rate else ""
+        now = time.monotonic()
+        if self.tty:
+            self.stream.write("\r" + text.ljust(self._width))
+            self._width = len(text)
+        elif now - self._printed >= 5.0 or done >= total:
+            self.stream.write(text + "\n")
+            self._printed = now
+        self.stream.flush()
+
+    def end(self) -> None:
+        """Close the current line."""
+        if self.tty and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+        self._width, self._printed = 0, 0.0
+
+
+class Child:
+    """A run's consumer process, its output kept in a log file."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        # No EOP_* variable of the caller's: the default run must run on defaults.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EOP_")}
+        with log_path.open("wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def tail(self) -> str:
+        """The last lines of the child's output."""
+        lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(lines[-5:]) or "no output"
+
+    def cpu_s(self) -> float | None:
+        """The CPU time (user + system) the child used so far; None if unknown (not Linux)."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+    def check(self) -> None:
+        """Raise if the child has exited."""
+        if self.proc.poll() is not None:
+            raise errors.EopError(f"child exited with {self.proc.returncode}: {self.tail()}")
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 30 s; wait for the exit."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(self.proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+
+
+class Bench:
+    """The servers' clients and the steps that the runs share."""
+
+    def __init__(self, options: runs.Options, nats_url: str, database_url: str, tmp: Path) -> None:
+        self.options, self.tmp = options, tmp
+        self.nats_url, self.database_url = nats_url, database_url
+        self.progress = Progress()
+        self.payload = b"x" * options.payload_bytes
+        self.engine: AsyncEngine = create_async_engine(database_url)
+        self.js: Any = None
+
+    async def start(self, nc: Any) -> None:
+        """Create the bench's tables, its streams, and the consumers of (a) and (b)."""
+        from nats.js import api
+
+        from eop import jetstream
+
+        self.js = nc.jetstream()
+        async with self.engine.begin() as conn:
+            for ddl in _DDL:
+                await conn.execute(sa.text(ddl))
+        for run in (*runs.RUNS, runs.BIG):
+            await jetstream.ensure_stream(self.js, runs.app.stream_spec(run.stream), create=True)
+            if not run.handler:  # as eop makes them: explicit acks, the default limits
+                config = api.ConsumerConfig(
+                    durable_name=run.durable,
+                    ack_policy=api.AckPolicy.EXPLICIT,
+                    max_ack_pending=runs.app.settings.max_ack_pending,
+                )
+                await self.js.add_consumer(run.stream, config)
+
+    def command(self, run: runs.Run, extra: Sequence[str] = ()) -> list[str]:
+        """The argv of a run's consumer process."""
+        if not run.handler:
+            out = str(self.tmp / f"{run.key}.records")
+            child = [run.key, self.nats_url, self.database_url, run.stream, run.durable, out]
+            return [sys.executable, "-m", "eop.bench", *child]
+        urls = ["--database-url", self.database_url, "--nats-url", self.nats_url]
+        worker = ["worker", "eop.bench:app", "--handler", run.handler, *urls, *extra]
+        return [sys.executable, "-m", "eop", *worker]
+
+    async def publish(self, run: runs.Run, count: int) -> None:
+        """Publish a backlog of ``count`` messages, confirmed, 1,000 at a time."""
+        for sent in range(0, count, 1000):
+            chunk = min(1000, count - sent)
+            await asyncio.gather(
+                *(self.js.publish(run.subject, self.payload) for _ in range(chunk))
+            )
+            self.progress.show(f"({run.key}) publishing", sent + chunk, count)
+        self.progress.end()
+
+    async def publish_paced(self, run: runs.Run, rate: float, seconds: float) -> tuple[int, float]:
+        """Publish at ``rate`` messages/s for ``seconds``; (messages, the rate achieved)."""
+        loop = asyncio.get_running_loop()
+        total, sent, start = max(1, int(rate * seconds)), 0, loop.time()
+        while sent < total:
+            due = min(total, int((loop.time() - start) * rate) + 1)
+            await asyncio.gather(
+                *(self.js.publish(run.subject, self.payload) for _ in range(due - sent))
+            )
+            sent = due
+            self.progress.show(f"({run.key}) latency at {rate:,.0f} msg/s", sent, total)
+            await asyncio.sleep(0.005)
+        self.progress.end()
+        return total, total / max(loop.time() - start, 1e-9)
+
+    async def acked(self, run: runs.Run) -> tuple[int, int]:
+        """The consumer's ack floor and its deliveries awaiting an ack ((0, 0) if absent)."""
+        import nats.js.errors
+
+        try:
+            info = await self.js.consumer_info(run.stream, run.durable)
+        except nats.js.errors.NotFoundError:  # an eop worker creates its consumer as it starts
+            return 0, 0
+        return int(info.ack_floor.stream_seq), int(info.num_ack_pending)
+
+    async def drain(
+        self, run: runs.Run, child: Child, target: int, label: str
+    ) -> tuple[float, float | None]:
+        """Wait until every sequence up to ``target`` is acked.
+
+        Returns the rate seen since the first ack, and the child's CPU time per
+        message meanwhile in microseconds (None if unknown).
+        """
+        base, _ = await self.acked(run)
+        first: tuple[float, int, float | None] | None = None
+        rate, last_move, last_floor = 0.0, time.monotonic(), base
+        while True:
+            floor, pending = await self.acked(run)
+            now = time.monotonic()
+            if first is None and floor > base:
+                first = (now, floor, child.cpu_s())
+            elif first is not None and now > first[0]:
+                rate = (floor - first[1]) / (now - first[0])
+            self.progress.show(label, floor - base, target - base, rate)
+            if floor >= target and pending == 0:
+                self.progress.end()
+                cpu = child.cpu_s()
+                if first is None or first[2] is None or cpu is None or floor <= first[1]:
+                    return rate, None
+                return rate, (cpu - first[2]) / (floor - first[1]) * 1e6
+            if floor != last_floor:
+                last_move, last_floor = now, floor
+            elif now - last_move > 60:
+                raise errors.EopError(f"{label}: stuck at {floor:,} for 60 s ({child.tail()})")
+            child.check()
+            await asyncio.sleep(0.1)
+
+    async def points(self, run: runs.Run, first: int, last: int) -> list[tuple[int, float, float]]:
+        """(sequence, stored at, done at) of the run's messages ``first`` to ``last``."""
+        if run.key == "a":
+            lines = (self.tmp / "a.records").read_text().splitlines()
+            rows: Any = (line.split() for line in lines)
+        else:
+            async with self.engine.connect() as conn:
+                params = {"v": run.handler or run.durable, "lo": first, "hi": last}
+                rows = (await conn.execute(_POINTS, params)).all()
+        points = [(int(s), float(stored), float(done)) for s, stored, done in rows]
+        return [p for p in points if first <= p[0] <= last]
+
+    async def inbox_rows(self, run: runs.Run) -> int:
+        """The inbox rows of an eop run, now."""
+        schema = runs.app.settings.schema
+        query = sa.text(f'SELECT count(*) FROM "{schema}".inbox WHERE subscription = :s')
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(query, {"s": run.handler})).scalar_one())

@@ -1,0 +1,65 @@
+"""Every run of ``eop bench``, one after another, on servers of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shlex
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from eop.bench import harness, measurement, report, runs
+
+
+def run(options: runs.Options) -> dict[str, Any]:
+    """Start the servers, run every measurement, return the report."""
+    from eop import embedded, migrate
+
+    started, machine = time.monotonic(), report.machine()
+    with (
+        tempfile.TemporaryDirectory(prefix="eop-bench-") as tmp,
+        embedded.NatsServer() as nats_server,
+        # Commit times of the effect rows give publish-to-commit latency.
+        embedded.PostgresServer(
+            fsync=options.fsync, settings={"track_commit_timestamp": "on"}
+        ) as pg,
+    ):
+        migrate.upgrade(pg.url)
+        results, big = asyncio.run(_run_all(options, nats_server.url, pg.url, Path(tmp)))
+    rate = {r.key: r.rate for r in results}
+    machine["load_average_end"] = round(os.getloadavg()[0], 2)
+    return {
+        "options": dataclasses.asdict(options),
+        "machine": machine,
+        "runs": [dataclasses.asdict(r) for r in results],
+        "ratios": {
+            name: rate[x] / rate[y] if rate[y] else 0.0
+            for name, x, y in (("c/a", "c", "a"), ("c/b", "c", "b"), ("d/a", "d", "a"))
+        },
+        "big": dataclasses.asdict(big) if big else None,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+async def _run_all(
+    options: runs.Options, nats_url: str, database_url: str, tmp: Path
+) -> tuple[list[measurement.Result], measurement.BigResult | None]:
+    import nats
+
+    bench = harness.Bench(options, nats_url, database_url, tmp)
+    nc = await nats.connect(nats_url)
+    try:
+        await bench.start(nc)
+        results = []
+        for run_ in runs.RUNS:
+            count = options.naive_messages if run_.key == "b" else options.messages
+            extra = shlex.split(options.tuned) if run_.key == "d" else ()
+            results.append(await measurement.measure(bench, run_, count, extra))
+        big = await measurement.measure_big(bench, options.big_messages) if options.big else None
+        return results, big
+    finally:
+        await nc.close()
+        await bench.engine.dispose()

@@ -1,0 +1,72 @@
+"""Fakes for testing handlers, and eop itself, without NATS or PostgreSQL.
+
+Like procrastinate's ``testing`` module or dramatiq's stub broker, these run
+the real protocol (:class:`eop.processor.Processor`) against in-memory stand-ins
+that keep the semantics that matter and can be told to fail::
+
+    from eop import Settings, testing
+    from eop.processor import Outcome, Processor
+
+    store = testing.MemoryStore()
+    processor = Processor(spec=app.handlers["orders"], settings=Settings(),
+                          store=store, epochs=testing.FakeEpochs())
+    delivery = testing.FakeDelivery.make(data=b'{"id": 1}', subject="orders.new")
+    assert await processor.handle(delivery, processor.clock()) is Outcome.PROCESSED
+    assert delivery.acked and store.effects == [...]  # what the handler session.add()-ed
+
+- :class:`FakeDelivery`: one JetStream delivery; records ack/nak/term and
+  heartbeats, and can lose ack replies.
+- :class:`MemoryStore`: the inbox with PostgreSQL's semantics (claims wait on
+  each other, rows are visible after COMMIT only, a rollback discards); handlers
+  get a :class:`FakeSession` whose ``add()`` calls become ``store.effects`` at
+  COMMIT.
+- :class:`FakeEpochs`: stream epochs from a dict.
+
+Its modules: :mod:`~eop.testing.deliveries`, :mod:`~eop.testing.epochs`,
+:mod:`~eop.testing.store` (with :mod:`~eop.testing.transaction` and the rows
+of :mod:`~eop.testing.rows`) and :mod:`~eop.testing.failures` (the errors the
+fakes can be told to raise).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+# `X as X`: names importable since eop.testing was one module, outside `__all__`.
+from eop.inbox import DeadLetter as DeadLetter
+from eop.inbox import Existing as Existing
+from eop.testing.deliveries import DEFAULT_TIMESTAMP as DEFAULT_TIMESTAMP
+from eop.testing.deliveries import FakeDelivery, FakeMetadata, SequencePair
+from eop.testing.deliveries import Operation as Operation
+from eop.testing.epochs import FakeEpochs
+from eop.testing.failures import ErrorSpec as ErrorSpec
+from eop.testing.failures import LockNotAvailable
+from eop.testing.rows import DeadLetterRow, InboxKey, InboxRow
+from eop.testing.rows import inbox_key as inbox_key
+from eop.testing.store import MemoryStore
+from eop.testing.transaction import FakeSession, MemoryTransaction
+
+if TYPE_CHECKING:
+    from eop import ack, inbox, processor
+
+__all__ = [
+    "DeadLetterRow",
+    "FakeDelivery",
+    "FakeEpochs",
+    "FakeMetadata",
+    "FakeSession",
+    "InboxKey",
+    "InboxRow",
+    "LockNotAvailable",
+    "MemoryStore",
+    "MemoryTransaction",
+    "SequencePair",
+]
+
+if TYPE_CHECKING:
+
+    def _conforms(
+        store: MemoryStore, delivery: FakeDelivery, epochs: FakeEpochs
+    ) -> tuple[inbox.Store, ack.Delivery, processor.Epochs]:
+        """Let mypy check that the fakes implement eop's protocols."""
+        return store, delivery, epochs

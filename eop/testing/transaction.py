@@ -1,0 +1,201 @@
+"""One transaction of a :class:`~eop.testing.store.MemoryStore`, and its handler session."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Generator, Iterable
+from typing import TYPE_CHECKING, Any
+
+from eop import errors
+from eop.inbox import DeadLetter, Existing
+from eop.testing.failures import Ambiguous, instantiate
+from eop.testing.rows import DeadLetterRow, InboxRow, inbox_key
+
+if TYPE_CHECKING:
+    from eop.handler import HandlerSpec
+    from eop.message import Message
+    from eop.testing.store import MemoryStore
+
+
+class FakeSession:
+    """The session a handler gets from :class:`MemoryStore`: it records ``add()`` calls.
+
+    What is added becomes :attr:`MemoryStore.effects` when the transaction
+    commits, and is discarded when it rolls back.
+    """
+
+    def __init__(self) -> None:
+        self.added: list[object] = []
+        """Objects added in this transaction, in order."""
+        self.flushes = 0
+        """``flush()`` calls."""
+
+    def add(self, instance: object) -> None:
+        """Record ``instance`` as a write of this transaction."""
+        self.added.append(instance)
+
+    def add_all(self, instances: Iterable[object]) -> None:
+        """Record each of ``instances``."""
+        self.added.extend(instances)
+
+    def flush(self) -> _Done:
+        """Do nothing, as ``session.flush()`` or ``await session.flush()``."""
+        self.flushes += 1
+        return _Done()
+
+
+class _Done:
+    """An awaitable that is already done."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield from ()
+
+
+class MemoryTransaction:
+    """One transaction of a :class:`MemoryStore` (implements :class:`eop.inbox.Transaction`)."""
+
+    def __init__(self, store: MemoryStore, spec: HandlerSpec) -> None:
+        self.store = store
+        self.spec = spec
+        self.session = FakeSession()
+        """The session handed to the handler."""
+        self.committed = False
+        self._rows: list[InboxRow] = []
+        self._dead_letters: list[DeadLetterRow] = []
+        self._ended = asyncio.Event()
+        self._committing = False
+
+    @property
+    def ended(self) -> bool:
+        """Committed or rolled back."""
+        return self._ended.is_set()
+
+    async def claim(self, message: Message, outcome: str) -> bool:
+        """Insert the inbox row unless its key (or, with the msg-id guard, msg-id) is taken.
+
+        Like ``INSERT ... ON CONFLICT DO NOTHING`` under READ COMMITTED, a key
+        held by another open transaction makes this wait for it to end; the
+        store's ``lock_timeout_s`` bounds that wait (:class:`LockNotAvailable`).
+        """
+        self._check_open()
+        self.store._failures.raise_next("claim")
+        key = inbox_key(message)
+        msg_id = message.msg_id if self.spec.msg_id_guard else None
+        id_key = None if msg_id is None else (message.subscription, msg_id)
+        holder = await self.store._wait_for_holders(self, key, id_key)
+        if holder is self:
+            return False
+        if key in self.store.inbox or (id_key is not None and id_key in self.store._by_msg_id):
+            return False
+        row = InboxRow.of(message, outcome, msg_id)
+        self._rows.append(row)
+        self.store._claims[key] = self
+        if id_key is not None:
+            self.store._msg_id_claims[id_key] = self
+        return True
+
+    async def find(self, message: Message) -> Existing | None:
+        """What the inbox holds (committed, or claimed by this transaction) for the message."""
+        self._check_open()
+        key = inbox_key(message)
+        visible = {row.key: row for row in self._rows}
+        visible.update(self.store.inbox)
+        row = visible.get(key)
+        if row is not None:
+            return Existing(by="key", fingerprint=row.fingerprint, outcome=row.outcome)
+        if message.msg_id is not None and self.spec.msg_id_guard:
+            id_key = (message.subscription, message.msg_id)
+            by_id = {(r.subscription, r.msg_id): r for r in self._rows if r.msg_id is not None}
+            found = by_id.get(id_key)
+            if found is None and id_key in self.store._by_msg_id:
+                found = self.store.inbox[self.store._by_msg_id[id_key]]
+            if found is not None:
+                return Existing(by="msg_id", fingerprint=None, outcome=found.outcome)
+        return None
+
+    async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
+        """Record a dead letter; one for the same key and fingerprint is dropped."""
+        self._check_open()
+        self._dead_letters.append(DeadLetterRow.of(message, dead))
+
+    async def run(self, message: Message) -> None:
+        """Call ``spec.func(message, session)``, awaiting it when it returns an awaitable.
+
+        A plain ``def`` handler runs on the event loop here (the real store
+        runs it in a worker thread).
+        """
+        self._check_open()
+        if self.spec.payload is None:
+            result = self.spec.func(message, self.session)  # type: ignore[arg-type]  # a fake session
+        else:
+            typed: Any = self.spec.func  # called with the decoded payload
+            value, extra = self.spec.payload.arguments([message])
+            result = typed(value, self.session, **extra)
+        if inspect.isawaitable(result):
+            await result
+
+    async def commit(self) -> None:
+        """COMMIT, unless the store was told to fail it (see :class:`MemoryStore`)."""
+        self._check_open()
+        self._committing = True
+        try:
+            await self.store._before_commit()
+            failure = self.store._next_commit_failure()
+            if isinstance(failure, Ambiguous):
+                if failure.committed:
+                    self._apply()
+                else:
+                    self._end()
+                raise errors.AmbiguousCommit()
+            if failure is not None:
+                self._end()
+                raise instantiate(failure)
+            self._apply()
+        finally:
+            self._committing = False
+
+    async def rollback(self) -> None:
+        """ROLLBACK: discard the claim, the dead letters and the handler's writes."""
+        self._end()
+
+    def _check_open(self) -> None:
+        if self.ended:
+            raise RuntimeError("this MemoryTransaction has already committed or rolled back")
+
+    def _apply(self) -> None:
+        store = self.store
+        for row in self._rows:
+            store.inbox[row.key] = row
+            if row.msg_id is not None:
+                store._by_msg_id[(row.subscription, row.msg_id)] = row.key
+        known = {dead.unique_key for dead in store.dead_letters}
+        for dead in self._dead_letters:
+            if dead.unique_key not in known:
+                known.add(dead.unique_key)
+                store.dead_letters.append(dead)
+        store.effects.extend(self.session.added)
+        store.commits += 1
+        self.committed = True
+        self._end()
+
+    def _end(self) -> None:
+        if self.ended:
+            return
+        if not self.committed:
+            self.session.added.clear()
+        self._rows.clear()
+        self._dead_letters.clear()
+        self.store._release(self)
+        self._ended.set()
+
+    def _close(self) -> None:
+        """The transaction's scope is left: roll back what is not committed."""
+        if self._committing:
+            # A real session would refuse (SQLAlchemy raises IllegalStateChangeError)
+            # or break the connection under the running COMMIT.
+            self.store.misuse.append(
+                f"transaction of {self.spec.name!r} closed while its COMMIT was in progress"
+            )
+            return
+        self._end()
