@@ -123,7 +123,7 @@ def _cmd_dlq_list(args: argparse.Namespace) -> int:
     async def read() -> tuple[list[dict[str, Any]], int]:
         return await store.rows(filters), await store.count(filters)
 
-    rows, total = options.run_with(app, read())
+    rows, total = options.run_with(app, read(), schema_ready=True)
     if args.json:
         print(json.dumps([dlq.to_json(r) for r in rows], indent=2))
         return 0
@@ -141,11 +141,11 @@ def _cmd_dlq_show(args: argparse.Namespace) -> int:
     app = options.db_app(args, options.DB_FIELDS)
     store = dlq.DeadLetters(app)
     if args.payload:
-        payload = options.run_with(app, store.payload(args.id))
+        payload = options.run_with(app, store.payload(args.id), schema_ready=True)
         sys.stdout.buffer.write(payload)
         sys.stdout.flush()
         return 0
-    row = options.run_with(app, store.get(args.id))
+    row = options.run_with(app, store.get(args.id), schema_ready=True)
     print(json.dumps(dlq.to_json(row), indent=2) if args.json else dlq.format_details(row))
     return 0
 
@@ -175,7 +175,7 @@ def _cmd_dlq_replay(args: argparse.Namespace) -> int:
         finally:
             await nc.close()
 
-    results = options.run_with(app, replay())
+    results = options.run_with(app, replay(), schema_ready=True)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
     else:
@@ -197,7 +197,7 @@ def _cmd_dlq_purge(args: argparse.Namespace) -> int:
     app = options.db_app(args, options.DB_FIELDS)
     store = dlq.DeadLetters(app)
     if not args.yes:
-        count = options.run_with(app, store.count(filters))
+        count = options.run_with(app, store.count(filters), schema_ready=True)
         if count == 0:
             print("purged 0 dead letters")
             return 0
@@ -210,7 +210,7 @@ def _cmd_dlq_purge(args: argparse.Namespace) -> int:
             print("nothing deleted")
             return 1
         app = options.db_app(args, options.DB_FIELDS)
-    deleted = options.run_with(app, dlq.DeadLetters(app).purge(filters))
+    deleted = options.run_with(app, dlq.DeadLetters(app).purge(filters), schema_ready=True)
     print(f"purged {deleted} dead letters")
     return 0
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar, get_type_hints
 
-from eop import errors
+from eop import errors, migrate
 from eop import settings as settings_mod
 from eop.app import App
 
@@ -165,13 +165,20 @@ def db_app(args: argparse.Namespace, names: Sequence[str]) -> App:
     return App(settings=settings_mod.Settings.from_env(overrides=overrides(args, names)))
 
 
-def run_with(app: App, coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to its end, then close the app's connection pools."""
+def run_with(app: App, coro: Coroutine[Any, Any, T], *, schema_ready: bool = False) -> T:
+    """Run ``coro`` to its end, then close the app's connection pools.
+
+    With ``schema_ready``, first check that eop's tables are migrated, so that a
+    command on an unmigrated database says to run ``eop db upgrade``.
+    """
 
     async def run() -> T:
         try:
+            if schema_ready:
+                await migrate.ensure_ready(app.engine, app.settings.schema)
             return await coro
         finally:
+            coro.close()  # not started when the check failed: no "never awaited" warning
             await app.dispose()
 
     return asyncio.run(run())

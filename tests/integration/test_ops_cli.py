@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from nats.js import api
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -190,3 +191,18 @@ async def test_status_cli_json_and_clear_errors_for_missing_consumer_and_schema(
     unknown = run_eop("status", APP, "--handler", "nope", env=env)
     assert unknown.returncode == 1
     assert "unknown handler" in unknown.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("list",), ("show", "1"), ("replay", "1"), ("purge", "--all", "--yes")],
+    ids=["list", "show", "replay", "purge"],
+)
+def test_dlq_commands_on_an_unmigrated_schema_say_to_upgrade(
+    empty_database_url: str, nats_url: str, command: tuple[str, ...]
+) -> None:
+    """Every `eop dlq` command on a database without eop's tables: one line, exit 1."""
+    result = run_eop("dlq", *command, "--app", APP, env=eop_env(empty_database_url, nats_url))
+    assert result.returncode == 1
+    assert "run `eop db upgrade`" in result.stderr
+    assert "Traceback" not in result.stderr
