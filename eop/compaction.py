@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
@@ -99,8 +100,12 @@ class Compactor:
             stop.cancel()
 
     async def _round(self) -> None:
+        await self.quietly(self.compact_once)
+
+    async def quietly(self, step: Callable[[], Awaitable[object]]) -> None:
+        """Run ``step``, logging (not raising) the I/O failures a later round recovers from."""
         try:
-            await self.compact_once()
+            await step()
         except (errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
             self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
         except Exception as exc:

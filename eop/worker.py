@@ -141,7 +141,8 @@ class Worker:
                 proc.spec = observe.instrument(spec, self._observer)
                 proc.observer = self._observer
                 compactor = compaction.Compactor(js, store, spec, epochs)
-                await self._prepare_compaction(compactor)
+                # The watermark row before fetching; a failure only delays compaction.
+                await compactor.quietly(compactor.prepare)
                 loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
                 if s.compaction_interval_s > 0:
                     self._compactors[spec.name] = compactor
@@ -165,17 +166,6 @@ class Worker:
             await nc.close()
             await self.app.dispose()
         self._logger.info(log.Event.WORKER_STOPPED, processed=self.processed)
-
-    async def _prepare_compaction(self, compactor: compaction.Compactor) -> None:
-        """Create the watermark row before fetching; a failure here only delays compaction."""
-        try:
-            await compactor.prepare()
-        except (errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
-            self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
-        except Exception as exc:
-            if inbox.classify(exc) is inbox.DbFailure.OTHER:
-                raise
-            self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
 
     def _count(self, spec: HandlerSpec, settled: int) -> None:
         self.processed += settled
