@@ -9,9 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eop import errors
-from eop import settings as settings_mod
 from eop.bench import report, runner, runs
+from eop.cli import options
 
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("messages", int, "backlog of each of the runs (a), (c), (d)"),
@@ -43,7 +42,7 @@ def add_command(sub: Any) -> None:
         raw = os.environ.get(var)
         parser.add_argument(
             f"--{flag}",
-            default=default if raw is None else _parse_env(var, kind, raw),
+            default=default if raw is None else options.env_value(var, kind, raw),
             help=f"{help_text} [env: {var}; default: {default}]",
             **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}),
         )
@@ -55,15 +54,6 @@ def add_command(sub: Any) -> None:
         "[env: EOP_BENCH_JSON]",
     )
     parser.set_defaults(command=run_command)
-
-
-def _parse_env(var: str, kind: Any, raw: str) -> Any:
-    try:
-        # The EOP_* variables' own rules: `eop worker`'s and the bench's read alike.
-        return settings_mod.parse_value(var.removeprefix("EOP_").lower(), kind, raw)
-    except errors.ConfigurationError as exc:
-        # Like the other commands: a sentence, not a traceback (the parser is built early).
-        raise SystemExit(f"eop: error: {exc}") from None
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 from eop import errors
 from eop.chaos import workers
+from eop.cli import options
 
 # flag, type, default, help
 _OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
@@ -58,7 +59,7 @@ def add_command(sub: Any) -> None:
     for flag, kind, default, help_text in _OPTIONS:
         var = _env_var(flag)
         raw = os.environ.get(var)
-        value = kind(raw) if raw is not None else default
+        value = options.env_value(var, kind, raw) if raw is not None else default
         parser.add_argument(
             f"--{flag}",
             type=kind,

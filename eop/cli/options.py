@@ -45,6 +45,19 @@ def env_list(var: str) -> list[str]:
     return [item.strip() for item in os.environ.get(var, "").split(",") if item.strip()]
 
 
+def env_value(var: str, kind: Any, raw: str) -> Any:
+    """``raw``, the value of ``EOP_*`` variable ``var``, as a ``kind`` (bool, int, float, str).
+
+    The rules of eop's settings (true/false words, numbers); a bad value stops
+    the command with one sentence naming the variable, not a traceback (parsers
+    are built before ``main`` can catch anything).
+    """
+    try:
+        return settings_mod.parse_value(var.removeprefix("EOP_").lower(), kind, raw)
+    except errors.ConfigurationError as exc:
+        raise SystemExit(f"eop: error: {exc}") from None
+
+
 def env_int(var: str, default: int | None) -> int | None:
     """The integer in the environment variable ``var``, else ``default``; exits if not one."""
     raw = os.environ.get(var)

@@ -163,3 +163,12 @@ def test_chaos_command_names_its_variables_and_refuses_half_a_target(
     assert "EOP_CHAOS_SEED" in capsys.readouterr().out
     assert cli.main(["chaos", "--app", "myapp:app"]) == 1
     assert "--app needs --handler" in capsys.readouterr().err
+
+
+def test_a_bad_chaos_variable_is_one_sentence_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EOP_CHAOS_* values follow the settings' rules; a bad one is not a traceback."""
+    monkeypatch.setenv("EOP_CHAOS_WORKERS", "three")
+    with pytest.raises(SystemExit, match="EOP_CHAOS_WORKERS='three' is not a valid int"):
+        cli.build_parser()
+    monkeypatch.setenv("EOP_CHAOS_WORKERS", "5")
+    assert cli.build_parser().parse_args(["chaos"]).workers == 5
