@@ -6,7 +6,7 @@ import dataclasses
 import inspect
 import re
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from eop import errors, payload
 
@@ -80,6 +80,16 @@ class HandlerSpec:
     )
     """How a typed handler gets its decoded payload (None: it takes the message itself);
     resolved from the handler's annotations when the spec is made."""
+
+    def arguments(self, messages: list[Message]) -> tuple[Any, dict[str, Any]]:
+        """What to call :attr:`func` with for ``messages``, after the session.
+
+        The message (the list, for a batch handler), or a typed handler's
+        decoded payload and the keyword arguments naming its raw messages.
+        """
+        if self.payload is None:
+            return (messages if self.batch else messages[0]), {}
+        return self.payload.arguments(messages)
 
     @property
     def is_async(self) -> bool:

@@ -351,13 +351,9 @@ class AsyncTransaction(SqlTransaction):
         await self._call(messages)
 
     async def _call(self, messages: list[Message]) -> None:
-        if self.spec.payload is None:
-            arg: Any = messages if self.spec.batch else messages[0]
-            await self.spec.func(arg, self.session)  # type: ignore[arg-type,misc]
-        else:
-            typed: Any = self.spec.func  # called with the decoded payload
-            value, extra = self.spec.payload.arguments(messages)
-            await typed(value, self.session, **extra)
+        arg, extra = self.spec.arguments(messages)
+        func: Any = self.spec.func  # an async handler, given the AsyncSession
+        await func(arg, self.session, **extra)
         # Flushing here makes errors of the handler's pending ORM writes the
         # handler's errors, rather than surprises at COMMIT. A handler that only
         # executed statements left nothing to flush: skip the greenlet hop.
@@ -416,13 +412,9 @@ class SyncTransaction(SqlTransaction):
         await asyncio.to_thread(self._call, messages)
 
     def _call(self, messages: list[Message]) -> None:
-        if self.spec.payload is None:
-            arg: Any = messages if self.spec.batch else messages[0]
-            self.spec.func(arg, self.session)  # type: ignore[arg-type]
-        else:
-            typed: Any = self.spec.func  # called with the decoded payload
-            value, extra = self.spec.payload.arguments(messages)
-            typed(value, self.session, **extra)
+        arg, extra = self.spec.arguments(messages)
+        func: Any = self.spec.func  # a sync handler, given the Session
+        func(arg, self.session, **extra)
         self.session.flush()
 
     async def run_isolated(self, messages: list[Message]) -> Exception | None:

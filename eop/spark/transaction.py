@@ -42,13 +42,9 @@ class SyncPartitionTx(inbox.SqlTransaction):
         self._call(messages)
 
     def _call(self, messages: list[Message]) -> None:
-        if self.spec.payload is None:
-            arg: Any = messages if self.spec.batch else messages[0]
-            self.spec.func(arg, self.session)
-        else:
-            typed: Any = self.spec.func  # called with the decoded payload
-            value, extra = self.spec.payload.arguments(messages)
-            typed(value, self.session, **extra)
+        arg, extra = self.spec.arguments(messages)
+        func: Any = self.spec.func  # a sync handler, given the Session
+        func(arg, self.session, **extra)
         self.session.flush()
 
     async def run_isolated(self, messages: list[Message]) -> Exception | None:

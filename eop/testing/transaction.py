@@ -126,12 +126,9 @@ class MemoryTransaction:
         runs it in a worker thread).
         """
         self._check_open()
-        if self.spec.payload is None:
-            result = self.spec.func(message, self.session)  # type: ignore[arg-type]  # a fake session
-        else:
-            typed: Any = self.spec.func  # called with the decoded payload
-            value, extra = self.spec.payload.arguments([message])
-            result = typed(value, self.session, **extra)
+        arg, extra = self.spec.arguments([message])
+        func: Any = self.spec.func  # given a fake session
+        result = func(arg, self.session, **extra)
         if inspect.isawaitable(result):
             await result
 
