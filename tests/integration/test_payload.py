@@ -80,7 +80,12 @@ async def test_dataclass_handler_processes_valid_and_dead_letters_invalid_at_fir
         await js.publish(SUBJECT, json.dumps(invalid).encode())
         await js.publish(SUBJECT, b"not json")
         await wait_for(lambda: drained(js, "eop-orders"), what="all three messages")
-    assert seen == [Order(id=1, items=[Item("a", 2), Item("b", 3)])]
+    # Only the valid order reaches the handler. It may reach it twice when the
+    # invalid one shared its batch (the batch is rerun with a savepoint per
+    # message, see eop.batch); its effect counts once either way.
+    expected = Order(id=1, items=[Item("a", 2), Item("b", 3)])
+    assert seen
+    assert all(order == expected for order in seen)
     assert await effects_by_body(engine) == {"order-1-5": 1}
     dead = sorted(await dead_letters(engine), key=lambda r: r.error)
     assert [(r.reason, r.delivery_count) for r in dead] == [("undecodable", 1)] * 2
