@@ -205,10 +205,20 @@ class WorkerPool:
             self._wait(inc, 30.0)
         self.poll()
 
-    def stop_all(self, timeout_s: float = 30.0) -> dict[int, int]:
-        """SIGTERM every worker and wait; returns exit codes by incarnation number."""
+    def stop_all(self, timeout_s: float = 30.0, start_wait_s: float = 20.0) -> dict[int, int]:
+        """SIGTERM every worker and wait; returns exit codes by incarnation number.
+
+        A worker started a moment ago may still be importing, before its
+        SIGTERM handler exists, and would die of the signal: that proves
+        nothing about a graceful stop, so each gets up to ``start_wait_s`` to
+        log ``worker.starting`` (handlers installed) first.
+        """
         self.resume_all()
         alive = self.running()
+        deadline = time.monotonic() + start_wait_s
+        for inc in alive:
+            while inc.proc.poll() is None and time.monotonic() < deadline and not _starting(inc):
+                time.sleep(0.05)
         for inc in alive:
             inc.proc.send_signal(signal.SIGTERM)
         codes = {inc.number: self._wait(inc, timeout_s) for inc in alive}
@@ -240,3 +250,11 @@ class WorkerPool:
                     os.kill(inc.proc.pid, signal.SIGCONT)
                 inc.proc.kill()
                 inc.proc.wait()
+
+
+def _starting(inc: Incarnation) -> bool:
+    """Whether the worker logged ``worker.starting``: its signal handlers are installed."""
+    try:
+        return b'"worker.starting"' in inc.log.read_bytes()
+    except OSError:
+        return False

@@ -6,6 +6,8 @@ import itertools
 import json
 import random
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,3 +174,28 @@ def test_a_bad_chaos_variable_is_one_sentence_naming_it(monkeypatch: pytest.Monk
         cli.build_parser()
     monkeypatch.setenv("EOP_CHAOS_WORKERS", "5")
     assert cli.build_parser().parse_args(["chaos"]).workers == 5
+
+
+_SLOW_STARTER = """
+import signal, sys, time
+time.sleep(0.5)  # importing, before any SIGTERM handler exists
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+with open(sys.argv[1], "a") as log:
+    log.write('{"event": "worker.starting"}\\n')
+time.sleep(60)
+"""
+
+
+def test_the_final_stop_waits_for_a_new_worker_to_install_its_handlers(tmp_path: Path) -> None:
+    """A worker still importing is not SIGTERMed to death: it stops cleanly (exit 0)."""
+    from eop.chaos import workers
+
+    pool = workers.WorkerPool(
+        app="x:app", handler="h", env={}, log_dir=tmp_path, count=1, seed=1, ack_wait_s=4.0
+    )
+    log = tmp_path / "worker-0000.log"
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_STARTER, str(log)])
+    inc = workers.Incarnation(0, 0, proc, schedule.WorkerPlan((), 1), log)
+    pool.incarnations.append(inc)
+    pool.slots[0] = inc
+    assert pool.stop_all(timeout_s=10.0) == {0: 0}
