@@ -17,6 +17,15 @@ from sqlalchemy.dialects import postgresql
 from eop import models
 
 
+def _in_epoch(c: Any, subscription: str, stream: str, epoch: str) -> tuple[Any, ...]:
+    """The conditions selecting one subscription's rows of one stream incarnation.
+
+    ``c`` is the columns of the inbox, the dead letters or the watermarks:
+    all carry (subscription, stream, stream_epoch).
+    """
+    return (c.subscription == subscription, c.stream == stream, c.stream_epoch == epoch)
+
+
 def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.TextClause:
     """``SET LOCAL lock_timeout`` and ``statement_timeout`` for this transaction only.
 
@@ -64,11 +73,16 @@ def claim(t: models.Tables, rows: list[dict[str, Any]]) -> sa.TextClause:
 
 @functools.cache
 def _claim_text(schema: str) -> sa.TextClause:
-    names = ", ".join(name for name, _, _ in _CLAIM_COLUMNS)
     arrays = ", ".join(f"CAST(:{name} AS {pg}[])" for name, _, pg in _CLAIM_COLUMNS)
+    return sa.text(_claim_sql(schema, arrays))
+
+
+def _claim_sql(schema: str, arrays: str) -> str:
+    """The claim statement, its nine column arrays given as ``arrays`` (placeholders)."""
+    names = ", ".join(name for name, _, _ in _CLAIM_COLUMNS)
     # The schema name is checked to be an identifier by Settings; quoting keeps
     # it literal.
-    return sa.text(
+    return (
         f'INSERT INTO "{schema}".inbox ({names}) '
         f"SELECT i.* FROM unnest({arrays}) AS i({names}) "
         "WHERE i.stream_seq > COALESCE(("
@@ -90,17 +104,8 @@ def claim_driver_text(schema: str) -> str:
     :data:`CLAIM_COLUMNS`: passing the arrays straight to the driver skips
     SQLAlchemy's per-element bind processing of nine arrays per batch.
     """
-    names = ", ".join(name for name, _, _ in _CLAIM_COLUMNS)
     arrays = ", ".join(f"${i}::{pg}[]" for i, (_, _, pg) in enumerate(_CLAIM_COLUMNS, 1))
-    return (
-        f'INSERT INTO "{schema}".inbox ({names}) '
-        f"SELECT i.* FROM unnest({arrays}) AS i({names}) "
-        "WHERE i.stream_seq > COALESCE(("
-        f'SELECT w.watermark FROM "{schema}".watermarks AS w '
-        "WHERE w.subscription = i.subscription AND w.stream = i.stream "
-        "AND w.stream_epoch = i.stream_epoch FOR SHARE), 0) "
-        "ON CONFLICT DO NOTHING RETURNING stream_seq"
-    )
+    return _claim_sql(schema, arrays)
 
 
 CLAIM_COLUMNS: tuple[str, ...] = tuple(name for name, _, _ in _CLAIM_COLUMNS)
@@ -112,9 +117,7 @@ def watermark(
 ) -> sa.Select[tuple[int]]:
     """The watermark of a subscription on one stream epoch."""
     w = t.watermarks.c
-    return sa.select(w.watermark).where(
-        w.subscription == subscription, w.stream == stream, w.stream_epoch == epoch
-    )
+    return sa.select(w.watermark).where(*_in_epoch(w, subscription, stream, epoch))
 
 
 def create_watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> sa.Insert:
@@ -146,7 +149,7 @@ def advance_watermark(
     w = t.watermarks.c
     return (
         sa.update(t.watermarks)
-        .where(w.subscription == subscription, w.stream == stream, w.stream_epoch == epoch)
+        .where(*_in_epoch(w, subscription, stream, epoch))
         .values(watermark=sa.func.greatest(w.watermark, value), updated_at=sa.func.now())
         .returning(w.watermark)
     )
@@ -172,9 +175,7 @@ def delete_below_watermark(
         sa.select(sa.literal_column("ctid"))
         .select_from(t.inbox)
         .where(
-            c.subscription == subscription,
-            c.stream == stream,
-            c.stream_epoch == epoch,
+            *_in_epoch(c, subscription, stream, epoch),
             c.stream_seq <= value,
             sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),
         )
@@ -203,9 +204,7 @@ def unclaim(
     return (
         sa.delete(t.inbox)
         .where(
-            c.subscription == subscription,
-            c.stream == stream,
-            c.stream_epoch == epoch,
+            *_in_epoch(c, subscription, stream, epoch),
             c.stream_seq == seq,
         )
         .returning(c.stream_seq)
@@ -218,9 +217,7 @@ def find_by_key(
     """The fingerprint and outcome stored under an inbox key."""
     c = t.inbox.c
     return sa.select(c.fingerprint, c.outcome).where(
-        c.subscription == subscription,
-        c.stream == stream,
-        c.stream_epoch == epoch,
+        *_in_epoch(c, subscription, stream, epoch),
         c.stream_seq == seq,
     )
 
@@ -231,9 +228,7 @@ def find_by_keys(
     """The sequence, fingerprint and outcome of each of ``seqs`` the inbox holds (one query)."""
     c = t.inbox.c
     return sa.select(c.stream_seq, c.fingerprint, c.outcome).where(
-        c.subscription == subscription,
-        c.stream == stream,
-        c.stream_epoch == epoch,
+        *_in_epoch(c, subscription, stream, epoch),
         c.stream_seq == sa.any_(sa.literal(seqs, postgresql.ARRAY(sa.BigInteger))),
     )
 
@@ -254,9 +249,7 @@ def find_dead_letter(
     """The id of the dead letter recorded for one message (key and fingerprint)."""
     c = t.dead_letters.c
     return sa.select(c.id).where(
-        c.subscription == subscription,
-        c.stream == stream,
-        c.stream_epoch == epoch,
+        *_in_epoch(c, subscription, stream, epoch),
         c.stream_seq == seq,
         c.fingerprint == fingerprint,
     )
@@ -409,9 +402,7 @@ def settle_rerun_inbox(
     return (
         sa.update(t.inbox)
         .where(
-            c.subscription == subscription,
-            c.stream == stream,
-            c.stream_epoch == epoch,
+            *_in_epoch(c, subscription, stream, epoch),
             c.stream_seq == seq,
             c.fingerprint == fingerprint,
             c.outcome == models.OUTCOME_DEAD_LETTERED,
@@ -467,9 +458,7 @@ def audit_inbox_rows(
     """Inbox rows of one epoch with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
     c = t.inbox.c
     stmt = sa.select(c.stream_seq, c.fingerprint, c.msg_id, c.outcome, c.delivery_count).where(
-        c.subscription == subscription,
-        c.stream == stream,
-        c.stream_epoch == epoch,
+        *_in_epoch(c, subscription, stream, epoch),
         c.stream_seq >= lo,
     )
     if hi is not None:
@@ -489,9 +478,7 @@ def audit_dead_letters(
     """Dead letters of one epoch with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
     c = t.dead_letters.c
     stmt = sa.select(c.stream_seq, c.fingerprint, c.id, c.reason).where(
-        c.subscription == subscription,
-        c.stream == stream,
-        c.stream_epoch == epoch,
+        *_in_epoch(c, subscription, stream, epoch),
         c.stream_seq >= lo,
     )
     if hi is not None:
@@ -527,9 +514,7 @@ def audit_count_inbox(
         sa.select(sa.func.count())
         .select_from(t.inbox)
         .where(
-            c.subscription == subscription,
-            c.stream == stream,
-            c.stream_epoch == epoch,
+            *_in_epoch(c, subscription, stream, epoch),
             c.stream_seq.between(lo, hi),
         )
     )
