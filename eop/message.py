@@ -60,11 +60,7 @@ class Message:
         Two deliveries with the same inbox key but different fingerprints mean
         the stream sequence was reused for another message.
         """
-        digest = hashlib.sha256()
-        for part in (self.subject.encode(), (self.msg_id or "").encode(), self.data):
-            digest.update(len(part).to_bytes(8, "big"))
-            digest.update(part)
-        return digest.digest()
+        return fingerprint(self.subject, self.msg_id, self.data)
 
     def text(self) -> str:
         """The payload decoded as UTF-8; :class:`eop.UndecodableMessage` if it is not."""
@@ -110,6 +106,19 @@ def from_nats(msg: Any, *, subscription: str, stream_epoch: str) -> Message:
         num_delivered=int(meta.num_delivered),
         timestamp=meta.timestamp,
     )
+
+
+def fingerprint(subject: str, msg_id: str | None, data: bytes) -> bytes:
+    """The SHA-256 of the subject, the msg-id and the payload, each length-prefixed.
+
+    What the inbox stores per message (:attr:`Message.fingerprint`), and what
+    ``eop audit`` recomputes from the stream.
+    """
+    digest = hashlib.sha256()
+    for part in (subject.encode(), (msg_id or "").encode(), data):
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    return digest.digest()
 
 
 def pg_text(text: str) -> str:

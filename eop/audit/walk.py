@@ -70,16 +70,8 @@ class Stream:
 
 def fingerprint(subject: str, headers: Mapping[str, str] | None, data: bytes | None) -> bytes:
     """The fingerprint eop stores for a message (see :attr:`eop.Message.fingerprint`)."""
-    return message.Message(
-        subscription="",
-        subject=subject,
-        data=bytes(data or b""),
-        headers={str(k): str(v) for k, v in (headers or {}).items()},
-        stream="",
-        stream_epoch="",
-        seq=0,
-        num_delivered=0,
-    ).fingerprint
+    msg_id = (headers or {}).get(message.MSG_ID_HEADER)
+    return message.fingerprint(subject, None if msg_id is None else str(msg_id), bytes(data or b""))
 
 
 def stream_from_info(name: str, info: Mapping[str, Any]) -> Stream:
