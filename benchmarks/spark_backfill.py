@@ -21,20 +21,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import nats
 import sqlalchemy as sa
+import worker_throughput  # type: ignore[import-not-found]  # beside this script, on sys.path
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from eop import embedded, migrate
 
-ROOT = Path(__file__).resolve().parents[1]
-APP = "tests.integration.cliapp:app"
+APP = worker_throughput.APP
 RESET = (
     "TRUNCATE effects, eop.inbox, eop.dead_letters, eop.watermarks",
     "CREATE TABLE IF NOT EXISTS effects (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
@@ -74,24 +71,10 @@ async def time_worker(nats_url: str, database_url: str) -> float:
         CLIAPP_HANDLER_DELAY_S="0",
     )
     nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    started = time.perf_counter()
-    proc = subprocess.Popen(  # noqa: ASYNC220  # the loop has nothing else to do meanwhile
-        [sys.executable, "-m", "eop", "worker", APP], env=env, cwd=ROOT
-    )
-    while True:
-        await asyncio.sleep(0.1)
-        try:
-            info = await js.consumer_info("ORDERS", "eop-cli")
-        except Exception:
-            continue
-        if info.num_pending == 0 and info.num_ack_pending == 0:
-            break
-    elapsed = time.perf_counter() - started
-    proc.terminate()
-    await asyncio.to_thread(proc.wait)
-    await nc.close()
-    return elapsed
+    try:
+        return await worker_throughput.time_worker(nc.jetstream(), env)
+    finally:
+        await nc.close()
 
 
 def time_spark(

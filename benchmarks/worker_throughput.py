@@ -16,7 +16,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import nats
 import sqlalchemy as sa
@@ -25,6 +27,29 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from eop import embedded, migrate
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+APP = "tests.integration.cliapp:app"
+
+
+async def time_worker(js: Any, env: dict[str, str], extra: Sequence[str] = ()) -> float:
+    """Seconds from starting one `eop worker` on APP until its consumer has drained."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(  # noqa: ASYNC220  # the loop has nothing else to do meanwhile
+        [sys.executable, "-m", "eop", "worker", APP, *extra], env=env, cwd=ROOT
+    )
+    while True:
+        await asyncio.sleep(0.1)
+        try:
+            info = await js.consumer_info("ORDERS", "eop-cli")
+        except Exception:
+            continue
+        if info.num_pending == 0 and info.num_ack_pending == 0:
+            break
+    elapsed = time.perf_counter() - started
+    proc.terminate()
+    await asyncio.to_thread(proc.wait)
+    return elapsed
 
 
 async def main(messages: int, extra: list[str]) -> None:
@@ -53,23 +78,7 @@ async def main(messages: int, extra: list[str]) -> None:
             EOP_LOG_LEVEL="warning",
             CLIAPP_HANDLER_DELAY_S="0",
         )
-        started = time.perf_counter()
-        proc = subprocess.Popen(  # noqa: ASYNC220  # the loop has nothing else to do meanwhile
-            [sys.executable, "-m", "eop", "worker", "tests.integration.cliapp:app", *extra],
-            env=env,
-            cwd=ROOT,
-        )
-        while True:
-            await asyncio.sleep(0.1)
-            try:
-                info = await js.consumer_info("ORDERS", "eop-cli")
-            except Exception:
-                continue
-            if info.num_pending == 0 and info.num_ack_pending == 0:
-                break
-        elapsed = time.perf_counter() - started
-        proc.terminate()
-        await asyncio.to_thread(proc.wait)
+        elapsed = await time_worker(js, env, extra)
         async with engine.connect() as conn:
             effects = (await conn.execute(sa.text("SELECT count(*) FROM effects"))).scalar()
         await engine.dispose()
