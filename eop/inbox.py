@@ -15,8 +15,8 @@ import dataclasses
 import enum
 import functools
 import json
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from eop.app import App
     from eop.handler import HandlerSpec
     from eop.message import Message
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,28 +390,31 @@ class SyncTransaction(SqlTransaction):
     """A transaction on a sync ``Session``; each step runs in a worker thread.
 
     Steps run one after another, never concurrently, so handing the session
-    from thread to thread is safe.
+    from thread to thread is safe. Where each step runs is :meth:`_step`'s choice.
     """
 
     def __init__(self, session: Session, tables: models.Tables, spec: HandlerSpec) -> None:
         super().__init__(tables, spec)
         self.session = session
 
+    async def _step(self, func: Callable[..., T], *args: Any) -> T:
+        """Run one blocking step of the transaction: in a worker thread, off the event loop."""
+        return await asyncio.to_thread(func, *args)
+
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
         def execute() -> list[tuple[Any, ...]]:
             result = self.session.execute(stmt)
             return [tuple(row) for row in result]
 
-        return await asyncio.to_thread(execute)
+        return await self._step(execute)
 
     async def run(self, message: Message) -> None:
         """Call the handler in a worker thread, off the event loop, and flush its writes."""
-
-        await asyncio.to_thread(self._call, [message])
+        await self._step(self._call, [message])
 
     async def run_many(self, messages: list[Message]) -> None:
         """Call a batch handler in a worker thread with the messages of a batch."""
-        await asyncio.to_thread(self._call, messages)
+        await self._step(self._call, messages)
 
     def _call(self, messages: list[Message]) -> None:
         arg, extra = self.spec.arguments(messages)
@@ -419,30 +424,29 @@ class SyncTransaction(SqlTransaction):
 
     async def run_isolated(self, messages: list[Message]) -> Exception | None:
         """Run the handler inside a savepoint in a worker thread; roll it back alone if it fails."""
+        return await self._step(self._isolated, messages)
 
-        def isolated() -> Exception | None:
-            savepoint = self.session.begin_nested()
-            try:
-                self._call(messages)
-                savepoint.commit()
-            except Exception as exc:
-                if classify(exc) in (DbFailure.CONFLICT, DbFailure.CONNECTION):
-                    raise
-                savepoint.rollback()
-                return exc
-            return None
-
-        return await asyncio.to_thread(isolated)
+    def _isolated(self, messages: list[Message]) -> Exception | None:
+        savepoint = self.session.begin_nested()
+        try:
+            self._call(messages)
+            savepoint.commit()
+        except Exception as exc:
+            if classify(exc) in (DbFailure.CONFLICT, DbFailure.CONNECTION):
+                raise
+            savepoint.rollback()
+            return exc
+        return None
 
     async def commit(self) -> None:
         """COMMIT in a worker thread; a connection lost during it makes the outcome unknown."""
-        await _commit(functools.partial(asyncio.to_thread, self.session.commit))
+        await _commit(functools.partial(self._step, self.session.commit))
         self.committed = True
 
     async def rollback(self) -> None:
         """ROLLBACK, ignoring a broken connection."""
         with contextlib.suppress(Exception):
-            await asyncio.to_thread(self.session.rollback)
+            await self._step(self.session.rollback)
 
 
 async def _commit(commit: Any) -> None:
