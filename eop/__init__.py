@@ -25,6 +25,7 @@ from eop.errors import (
 from eop.message import Message
 from eop.publish import publish
 from eop.settings import Settings
+from eop.writes import Writes
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "App",
     "Message",
     "Settings",
+    "Writes",
     "publish",
     # what handlers raise
     "Reject",

@@ -144,14 +144,18 @@ class BatchProcessor:
         return outcomes, leftovers, failures
 
     async def _run_optimistically(self, tx: inbox.SqlTransaction, mine: list[_Item]) -> None:
+        # The handlers' writes and ORM objects go out together at the end: one
+        # executemany per statement instead of a round trip per message. A
+        # failure among them is one of the handlers', as any other here.
         try:
             if self.spec.batch:
                 if mine:
-                    await tx.run_many([i.msg for i in mine])
+                    await tx.run_many([i.msg for i in mine], flush=False)
             else:
                 for item in mine:
-                    await tx.run(item.msg)
+                    await tx.run(item.msg, flush=False)
                     await faults.point("mid_handler")
+            await tx.flush()
         except Exception as exc:
             if _transient(exc):
                 raise

@@ -8,7 +8,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal, Union
 
-from eop import errors, payload
+from eop import errors, payload, writes
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -20,7 +20,20 @@ AsyncHandler = Callable[["Message", "AsyncSession"], Awaitable[None]]
 SyncHandler = Callable[["Message", "Session"], None]
 AsyncBatchHandler = Callable[[list["Message"], "AsyncSession"], Awaitable[None]]
 SyncBatchHandler = Callable[[list["Message"], "Session"], None]
-HandlerFunc = Union[AsyncHandler, SyncHandler, AsyncBatchHandler, SyncBatchHandler]  # noqa: UP007  # a runtime alias on 3.10
+AsyncWritesHandler = Callable[["Message", "writes.Writes"], Awaitable[None]]
+SyncWritesHandler = Callable[["Message", "writes.Writes"], None]
+AsyncBatchWritesHandler = Callable[[list["Message"], "writes.Writes"], Awaitable[None]]
+SyncBatchWritesHandler = Callable[[list["Message"], "writes.Writes"], None]
+HandlerFunc = Union[  # noqa: UP007  # a runtime alias on 3.10
+    AsyncHandler,
+    SyncHandler,
+    AsyncBatchHandler,
+    SyncBatchHandler,
+    AsyncWritesHandler,
+    SyncWritesHandler,
+    AsyncBatchWritesHandler,
+    SyncBatchWritesHandler,
+]
 
 StorageType = Literal["file", "memory"]
 
@@ -80,6 +93,9 @@ class HandlerSpec:
     )
     """How a typed handler gets its decoded payload (None: it takes the message itself);
     resolved from the handler's annotations when the spec is made."""
+    takes_writes: bool = dataclasses.field(default=False, init=False, compare=False, repr=False)
+    """The handler's second parameter is annotated :class:`eop.Writes`: it gets the
+    transaction's write queue instead of the session."""
 
     def arguments(self, messages: list[Message]) -> tuple[Any, dict[str, Any]]:
         """What to call :attr:`func` with for ``messages``, after the session.
@@ -111,7 +127,25 @@ class HandlerSpec:
         # Through wrappers (eop.observe.instrument) to the user's function and its hints.
         func = inspect.unwrap(self.func)
         binding = payload.bind(func, batch=self.batch, handler=self.name)
-        object.__setattr__(self, "payload", binding)  # a frozen dataclass's derived field
+        object.__setattr__(self, "payload", binding)  # a frozen dataclass's derived fields
+        object.__setattr__(self, "takes_writes", _takes_writes(func, self.name))
+
+
+def _takes_writes(func: Callable[..., Any], handler: str) -> bool:
+    """Whether the handler's second parameter is annotated ``eop.Writes`` (else: the session)."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if len(params) < 2 or params[1].annotation is inspect.Parameter.empty:
+        return False
+    annotation = params[1].annotation
+    try:
+        resolved = payload.resolve(func, params[1], {}, f"handler {handler!r}")
+    except errors.ConfigurationError:
+        # Imported under TYPE_CHECKING, as sessions often are: the name decides.
+        return isinstance(annotation, str) and annotation.rsplit(".", 1)[-1] == "Writes"
+    return resolved is writes.Writes
 
 
 def parse_order_by(order_by: str) -> tuple[str, str]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
-from eop import errors, log, models, sql
+from eop import errors, log, models, sql, writes
 from eop import message as message_mod
 
 if TYPE_CHECKING:
@@ -173,6 +173,8 @@ class SqlTransaction(abc.ABC):
         self.tables = tables
         self.spec = spec
         self.committed = False
+        self.writes: writes.Writes | None = None
+        """The handler's write queue, when it takes one (:attr:`HandlerSpec.takes_writes`)."""
 
     @abc.abstractmethod
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]: ...
@@ -182,8 +184,17 @@ class SqlTransaction(abc.ABC):
         return await self._rows(stmt)
 
     @abc.abstractmethod
-    async def run(self, message: Message) -> None:
-        """Run the handler inside this transaction."""
+    async def run(self, message: Message, *, flush: bool = True) -> None:
+        """Run the handler inside this transaction.
+
+        With ``flush=False`` the handler's queued writes (:class:`eop.Writes`)
+        and pending ORM objects stay queued, to be sent with the rest of the
+        batch's by :meth:`flush`.
+        """
+
+    @abc.abstractmethod
+    async def flush(self) -> None:
+        """Send the handlers' queued writes, then their pending ORM objects."""
 
     @abc.abstractmethod
     async def commit(self) -> None:
@@ -192,6 +203,20 @@ class SqlTransaction(abc.ABC):
     @abc.abstractmethod
     async def rollback(self) -> None:
         """ROLLBACK (never raises)."""
+
+    def _second_argument(self, session: Any) -> Any:
+        """What the handler gets after the message: its write queue, or the session."""
+        return self.writes if self.writes is not None else session
+
+    def _watch_reads(self, sync_session: Session) -> None:
+        """Send queued writes before any later statement of the session, as autoflush does."""
+        queue = self.writes
+        if queue is not None:
+
+            def before_execute(state: Any) -> None:
+                queue.send(state.session)
+
+            sa.event.listen(sync_session, "do_orm_execute", before_execute)
 
     async def claim(self, message: Message, outcome: str) -> bool:
         """Insert the inbox row; False when the key or the msg-id is taken, or below the
@@ -230,7 +255,7 @@ class SqlTransaction(abc.ABC):
         )
 
     @abc.abstractmethod
-    async def run_many(self, messages: list[Message]) -> None:
+    async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:
         """Run a batch handler on ``messages`` inside this transaction."""
 
     @abc.abstractmethod
@@ -306,6 +331,9 @@ class AsyncTransaction(SqlTransaction):
     def __init__(self, session: AsyncSession, tables: models.Tables, spec: HandlerSpec) -> None:
         super().__init__(tables, spec)
         self.session = session
+        if spec.takes_writes:
+            self.writes = writes.Writes(session)
+            self._watch_reads(session.sync_session)
 
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
         result = await self.session.execute(stmt)
@@ -344,21 +372,29 @@ class AsyncTransaction(SqlTransaction):
         raw = await connection.get_raw_connection()
         return raw.driver_connection
 
-    async def run(self, message: Message) -> None:
-        """Await the handler with this transaction's session."""
-        await self._call([message])
+    async def run(self, message: Message, *, flush: bool = True) -> None:
+        """Await the handler with this transaction's session (or write queue)."""
+        await self._call([message], flush=flush)
 
-    async def run_many(self, messages: list[Message]) -> None:
+    async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:
         """Await a batch handler with the messages of a batch."""
-        await self._call(messages)
+        await self._call(messages, flush=flush)
 
-    async def _call(self, messages: list[Message]) -> None:
+    async def _call(self, messages: list[Message], *, flush: bool = True) -> None:
         arg, extra = self.spec.arguments(messages)
-        func: Any = self.spec.func  # an async handler, given the AsyncSession
-        await func(arg, self.session, **extra)
-        # Flushing here makes errors of the handler's pending ORM writes the
-        # handler's errors, rather than surprises at COMMIT. A handler that only
-        # executed statements left nothing to flush: skip the greenlet hop.
+        func: Any = self.spec.func  # an async handler, given the AsyncSession or Writes
+        await func(arg, self._second_argument(self.session), **extra)
+        if flush:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Send queued writes and pending ORM objects, so their errors are the handler's.
+
+        A handler that only executed statements left nothing to send: no
+        greenlet hop then.
+        """
+        if self.writes:
+            await self.session.run_sync(self.writes.send)
         if self.session.new or self.session.dirty or self.session.deleted:
             await self.session.flush()
 
@@ -369,6 +405,8 @@ class AsyncTransaction(SqlTransaction):
             await self._call(messages)
             await savepoint.commit()
         except Exception as exc:
+            if self.writes is not None:
+                self.writes.discard()
             if classify(exc) in (DbFailure.CONFLICT, DbFailure.CONNECTION):
                 raise
             await savepoint.rollback()
@@ -377,6 +415,8 @@ class AsyncTransaction(SqlTransaction):
 
     async def commit(self) -> None:
         """COMMIT; a connection lost during it makes the outcome unknown."""
+        if self.writes:
+            await self.flush()  # never left behind, whoever ran the handler
         await _commit(self.session.commit)
         self.committed = True
 
@@ -396,6 +436,9 @@ class SyncTransaction(SqlTransaction):
     def __init__(self, session: Session, tables: models.Tables, spec: HandlerSpec) -> None:
         super().__init__(tables, spec)
         self.session = session
+        if spec.takes_writes:
+            self.writes = writes.Writes(session)
+            self._watch_reads(session)
 
     async def _step(self, func: Callable[..., T], *args: Any) -> T:
         """Run one blocking step of the transaction: in a worker thread, off the event loop."""
@@ -408,18 +451,28 @@ class SyncTransaction(SqlTransaction):
 
         return await self._step(execute)
 
-    async def run(self, message: Message) -> None:
+    async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call the handler in a worker thread, off the event loop, and flush its writes."""
-        await self._step(self._call, [message])
+        await self._step(self._call, [message], flush)
 
-    async def run_many(self, messages: list[Message]) -> None:
+    async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:
         """Call a batch handler in a worker thread with the messages of a batch."""
-        await self._step(self._call, messages)
+        await self._step(self._call, messages, flush)
 
-    def _call(self, messages: list[Message]) -> None:
+    def _call(self, messages: list[Message], flush: bool = True) -> None:
         arg, extra = self.spec.arguments(messages)
-        func: Any = self.spec.func  # a sync handler, given the Session
-        func(arg, self.session, **extra)
+        func: Any = self.spec.func  # a sync handler, given the Session or Writes
+        func(arg, self._second_argument(self.session), **extra)
+        if flush:
+            self._flush()
+
+    async def flush(self) -> None:
+        """Send queued writes, then flush pending ORM objects, in a worker thread."""
+        await self._step(self._flush)
+
+    def _flush(self) -> None:
+        if self.writes is not None:
+            self.writes.send(self.session)
         self.session.flush()
 
     async def run_isolated(self, messages: list[Message]) -> Exception | None:
@@ -432,6 +485,8 @@ class SyncTransaction(SqlTransaction):
             self._call(messages)
             savepoint.commit()
         except Exception as exc:
+            if self.writes is not None:
+                self.writes.discard()
             if classify(exc) in (DbFailure.CONFLICT, DbFailure.CONNECTION):
                 raise
             savepoint.rollback()
@@ -440,6 +495,8 @@ class SyncTransaction(SqlTransaction):
 
     async def commit(self) -> None:
         """COMMIT in a worker thread; a connection lost during it makes the outcome unknown."""
+        if self.writes:
+            await self.flush()  # never left behind, whoever ran the handler
         await _commit(functools.partial(self._step, self.session.commit))
         self.committed = True
 

@@ -85,7 +85,7 @@ def bind(func: Callable[..., Any], *, batch: bool, handler: str) -> Binding | No
     first = params[0]
     hints = _hints(func)
     where = f"handler {handler!r}, parameter {first.name!r}"
-    annotation = _resolve(func, first, hints, where)
+    annotation = resolve(func, first, hints, where)
     item, is_list = _unwrap_sequence(annotation)
     if _is_raw(annotation) or (is_list and _is_raw(item)):
         if _is_raw(annotation) or batch:
@@ -121,9 +121,15 @@ def _hints(func: Callable[..., Any]) -> dict[str, Any]:
         return {}
 
 
-def _resolve(
+def resolve(
     func: Callable[..., Any], param: inspect.Parameter, hints: dict[str, Any], where: str
 ) -> Any:
+    """The type a handler parameter is annotated with, resolved in the handler's module.
+
+    ``hints`` are the function's resolved hints when they all resolve; otherwise
+    this one annotation is resolved alone, and a :class:`eop.ConfigurationError`
+    names ``where`` when it cannot be.
+    """
     if param.name in hints:
         return hints[param.name]
     annotation = param.annotation
@@ -145,7 +151,7 @@ def _resolve(
 
 
 def _stub() -> None:
-    """The code object of the namespace stubs of :func:`_resolve`."""
+    """The code object of the namespace stubs of :func:`resolve`."""
 
 
 def _message_param(
@@ -161,7 +167,7 @@ def _message_param(
         if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             continue
         where = f"handler {handler!r}, parameter {param.name!r}"
-        annotation = _resolve(func, param, hints, where)
+        annotation = resolve(func, param, hints, where)
         item, is_list = _unwrap_sequence(annotation)
         if annotation is Message or (is_list and item is Message):
             if is_list != batch:

@@ -255,12 +255,14 @@ class _Pass:
 
     async def _optimistic(self, tx: inbox.SqlTransaction, todo: list[Message]) -> None:
         try:
+            # Writes go out together, one executemany per statement (eop.writes).
             if self.spec.batch:
                 for chunk in _chunks(todo, self.p.settings.batch):
-                    await tx.run_many(chunk)
+                    await tx.run_many(chunk, flush=False)
             else:
                 for msg in todo:
-                    await tx.run(msg)
+                    await tx.run(msg, flush=False)
+            await tx.flush()
         except Exception as exc:
             if transient(exc):
                 raise

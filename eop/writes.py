@@ -1,0 +1,116 @@
+"""Writes: a handler's statements, queued and sent together before its transaction commits.
+
+Most handlers only write: an INSERT of the effect, an UPDATE of a balance.
+Sent one by one, each such statement costs a round trip and SQLAlchemy's
+per-call work, more than the rest of eop's protocol put together. A handler
+that takes ``eop.Writes`` as its second parameter (instead of the session)
+queues them instead::
+
+    ADD = sa.text("INSERT INTO orders (id, total) VALUES (:id, :total)")
+
+    @app.handler(stream="ORDERS", subject="ORDERS.created")
+    async def save(msg: eop.Message, writes: eop.Writes) -> None:
+        writes.add(ADD, {"id": msg.msg_id, "total": 10})
+
+When several messages of a batch run in one transaction, eop sends each run
+of consecutive writes of the same statement object, with the same parameter
+names, as one ``executemany``. The guarantees are those of the session:
+
+- The statements run in the order they were added, inside the handler's
+  transaction, before any later statement sent through the session (by the
+  handler through :attr:`Writes.session`, or by eop) and before COMMIT, so a
+  later read sees them.
+- A write that fails fails its message: eop rolls the batch back and runs
+  each message again in its own savepoint, its writes sent at its end, so the
+  error is the message's own.
+
+Only statements whose results nobody reads belong here (an INSERT, UPDATE or
+DELETE without RETURNING); a handler that needs a row count or a returned row
+executes that statement through :attr:`Writes.session`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from eop import errors
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
+_Group = tuple[sa.Executable, list[dict[str, Any]]]
+
+
+class Writes:
+    """The statements a handler queues for its transaction; see :mod:`eop.writes`.
+
+    An ``async def`` handler's :attr:`session` is an ``AsyncSession``; a plain
+    ``def`` handler's (run in a worker thread) is a ``Session``.
+    """
+
+    __slots__ = ("_groups", "_session")
+
+    def __init__(self, session: AsyncSession | Session) -> None:
+        self._session = session
+        self._groups: list[_Group] = []
+
+    @property
+    def session(self) -> Any:
+        """The transaction's session, for reads and for statements whose result matters."""
+        return self._session
+
+    def add(self, statement: sa.Executable, params: Mapping[str, Any] | None = None) -> None:
+        """Queue ``statement`` with one set of ``params``; it runs before the next read or COMMIT.
+
+        Pass the parameters here rather than baked into the statement
+        (``.values(...)``): only writes of one statement object with the same
+        parameter names share an ``executemany``.
+        """
+        if not isinstance(statement, sa.Executable) or isinstance(statement, sa.Select):
+            raise errors.ConfigurationError(
+                f"Writes.add takes an INSERT, UPDATE or DELETE statement, not {statement!r}: "
+                "run queries through writes.session"
+            )
+        if getattr(statement, "_returning", ()):
+            raise errors.ConfigurationError(
+                "Writes.add cannot return rows (RETURNING): execute the statement through "
+                "writes.session to read them"
+            )
+        row = dict(params) if params is not None else {}
+        groups = self._groups
+        if groups:
+            last_statement, rows = groups[-1]
+            if last_statement is statement and rows[0].keys() == row.keys():
+                rows.append(row)
+                return
+        groups.append((statement, [row]))
+
+    def __len__(self) -> int:
+        """How many writes are queued."""
+        return sum(len(rows) for _, rows in self._groups)
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    def discard(self) -> None:
+        """Forget the queued writes (their handler failed and its savepoint was rolled back)."""
+        self._groups = []
+
+    def send(self, session: Session) -> None:
+        """Execute the queued writes on ``session``'s connection, in order; the queue empties.
+
+        Called by eop (in SQLAlchemy's sync context, so for an ``AsyncSession``
+        through ``run_sync`` or from a session event). The statements run as
+        Core statements on the connection: a list of parameter sets is a plain
+        ``executemany``, never an ORM bulk operation.
+        """
+        groups, self._groups = self._groups, []
+        if not groups:
+            return
+        connection = session.connection()
+        for statement, rows in groups:
+            connection.execute(statement, rows[0] if len(rows) == 1 else rows)

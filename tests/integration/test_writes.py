@@ -1,0 +1,148 @@
+"""eop.Writes: a handler's queued writes, against real JetStream and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+import eop
+
+from .bed import (
+    STREAM,
+    SUBJECT,
+    create_effects_table,
+    drained,
+    effects_by_body,
+    running,
+    scalar,
+    wait_for,
+)
+from .test_batch import make_app, prepublish
+
+EFFECT = sa.text("INSERT INTO effects (handler, msg_key, body) VALUES (:h, :k, :b)")
+
+
+def _effect(handler: str, msg: eop.Message) -> dict[str, str]:
+    return {"h": handler, "k": msg.idempotency_key, "b": msg.data.decode()}
+
+
+def _count_executemany(app: eop.App) -> list[int]:
+    """How many parameter sets each INSERT INTO effects the app's engine sends carries."""
+    sizes: list[int] = []
+
+    def before(
+        conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool
+    ) -> None:
+        if statement.startswith("INSERT INTO effects"):
+            sizes.append(len(params) if many else 1)
+
+    sa.event.listen(app.engine.sync_engine, "before_cursor_execute", before)
+    return sizes
+
+
+async def test_queued_writes_of_a_batch_go_out_as_one_executemany_and_count_once(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A per-message handler taking eop.Writes: its batch's INSERTs share an executemany,
+    and each message's effect is written exactly once."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+    sizes = _count_executemany(app)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="queued")
+    async def queued(msg: eop.Message, writes: eop.Writes) -> None:
+        writes.add(EFFECT, _effect("queued", msg))
+
+    bodies = [f"w{i}" for i in range(40)]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-queued"), what="the batches")
+    assert await effects_by_body(engine) == dict.fromkeys(bodies, 1)
+    assert sum(sizes) == 40
+    assert max(sizes) > 1  # the first fetch returns a full batch of pre-published messages
+
+
+async def test_a_failing_write_fails_its_own_message_only(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A write that violates a constraint at the batch's flush: the batch reruns with a
+    savepoint per message; the culprit is dead-lettered, its neighbours commit once."""
+    await create_effects_table(engine)
+    async with engine.begin() as conn:
+        await conn.execute(sa.text("ALTER TABLE effects ADD CHECK (body <> 'poison')"))
+    app = make_app(database_url, nats_url, max_attempts=2)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="checked")
+    async def checked(msg: eop.Message, writes: eop.Writes) -> None:
+        writes.add(EFFECT, _effect("checked", msg))
+
+    bodies = [f"a{i}" for i in range(5)] + ["poison"] + [f"b{i}" for i in range(5)]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-checked"), what="the batch and the poison")
+    good = [b for b in bodies if b != "poison"]
+    assert await effects_by_body(engine) == dict.fromkeys(good, 1)
+    reason = await scalar(engine, "SELECT reason FROM eop.dead_letters")
+    error = await scalar(engine, "SELECT error FROM eop.dead_letters")
+    assert reason == "attempts_exhausted"
+    assert "effects_body_check" in error
+
+
+async def test_reads_through_the_session_see_the_writes_queued_before_them(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A read through writes.session first sends what is queued, as autoflush would:
+    each message of a batch sees the effects of the messages before it."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+    seen: list[int] = []
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="reader")
+    async def reader(msg: eop.Message, writes: eop.Writes) -> None:
+        count = await writes.session.scalar(sa.text("SELECT count(*) FROM effects"))
+        seen.append(int(count))
+        writes.add(EFFECT, _effect("reader", msg))
+
+    bodies = [f"r{i}" for i in range(20)]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-reader"), what="the batch")
+    assert seen == list(range(20))
+    assert await effects_by_body(engine) == dict.fromkeys(bodies, 1)
+
+
+async def test_sync_and_batch_handlers_take_writes_too(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A plain def handler and a batch handler get eop.Writes by their annotation;
+    a Reject drops the rejected message's queued write with its savepoint."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="sync-queued")
+    def sync_queued(msg: eop.Message, writes: eop.Writes) -> None:
+        writes.add(EFFECT, _effect("sync", msg))
+        if msg.data == b"bad":
+            raise eop.Reject("bad")
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="bulk-queued", batch=True)
+    async def bulk_queued(msgs: list[eop.Message], writes: eop.Writes) -> None:
+        for msg in msgs:
+            writes.add(EFFECT, _effect("bulk", msg))
+
+    bodies = ["a", "b", "bad", "c"]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-sync-queued"), what="the sync handler")
+        await wait_for(lambda: drained(js, "eop-bulk-queued"), what="the batch handler")
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            sa.text("SELECT handler, body, count(*) FROM effects GROUP BY handler, body")
+        )
+        counts = {(h, b): int(n) for h, b, n in rows}
+    assert counts == {
+        **{("sync", b): 1 for b in ("a", "b", "c")},
+        **{("bulk", b): 1 for b in bodies},
+    }
