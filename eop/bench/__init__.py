@@ -5,8 +5,10 @@ and measures on them, one after another and each in its own process: (a) a
 raw at-least-once loop (fetch + plain ack, no database); (b) the naive
 exactly-once loop (per message a transaction with an inbox claim and one
 INSERT, then one sequential ack_sync); (c) an `eop worker` with the default
-settings; (d) an `eop worker` with the --tuned flags and a batch handler.
-(b), (c) and (d) do the same handler work: one INSERT per message.
+settings, whose handler queues its write (eop.Writes); (d) an `eop worker`
+with the --tuned flags and a batch handler; (e) eop default again, its handler
+executing the INSERT through the session (a round trip per message). (b) to
+(e) do the same handler work: one INSERT per message.
 
 Throughput: a backlog is published, then drained; the rate runs from the
 first completion to the last, so start-up is excluded. Latency: then messages
@@ -34,7 +36,7 @@ from eop.bench.harness import Bench, Child, Progress
 from eop.bench.measurement import BigResult, Result, measure, measure_big, percentile, throughput
 from eop.bench.report import format_report
 from eop.bench.runner import run
-from eop.bench.runs import BIG, RUNS, Options, Run, app, record, record_batch
+from eop.bench.runs import BIG, RUNS, Options, Run, app, record, record_batch, record_direct
 
 __all__ = [
     # the command
@@ -50,6 +52,7 @@ __all__ = [
     "app",
     "record",
     "record_batch",
+    "record_direct",
     # measuring
     "Bench",
     "Child",

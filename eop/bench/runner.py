@@ -37,7 +37,13 @@ def run(options: runs.Options) -> dict[str, Any]:
         "runs": [dataclasses.asdict(r) for r in results],
         "ratios": {
             name: rate[x] / rate[y] if rate[y] else 0.0
-            for name, x, y in (("c/a", "c", "a"), ("c/b", "c", "b"), ("d/a", "d", "a"))
+            for name, x, y in (
+                ("c/a", "c", "a"),
+                ("c/b", "c", "b"),
+                ("d/a", "d", "a"),
+                ("e/a", "e", "a"),
+                ("e/b", "e", "b"),
+            )
         },
         "big": dataclasses.asdict(big) if big else None,
         "seconds": round(time.monotonic() - started, 1),

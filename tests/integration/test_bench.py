@@ -36,13 +36,19 @@ def test_bench_measures_the_four_runs_end_to_end(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for row in ("(a) raw at-least-once", "(b) naive", "(c) eop default", "(d) eop tuned"):
+    for row in (
+        "(a) raw at-least-once",
+        "(b) naive",
+        "(c) eop default",
+        "(d) eop tuned",
+        "(e) eop default, session",
+    ):
         assert row in proc.stdout
     assert "c/a = " in proc.stdout
     assert "c/b = " in proc.stdout
     assert "WARNING" not in proc.stdout
     report = json.loads(report_path.read_text())
-    assert [run["key"] for run in report["runs"]] == ["a", "b", "c", "d"]
+    assert [run["key"] for run in report["runs"]] == ["a", "b", "c", "d", "e"]
     for run in report["runs"]:
         assert run["rate"] > 0
         assert run["p99_ms"] >= run["p50_ms"] > 0
