@@ -18,7 +18,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from eop import errors, log, transport
+from eop import errors, fetcher, log, transport
 from eop.handler import HandlerSpec, StreamSpec
 from eop.settings import Settings
 
@@ -368,6 +368,6 @@ def subject_matches(pattern: str, subject: str) -> bool:
     return len(want) == len(have)
 
 
-async def subscribe(js: Any, spec: HandlerSpec) -> Any:
-    """A pull subscription bound to the handler's durable consumer."""
-    return await js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+async def subscribe(nc: Any, spec: HandlerSpec) -> fetcher.Fetcher:
+    """A :class:`eop.fetcher.Fetcher` of the handler's durable consumer."""
+    return await fetcher.Fetcher(nc, spec.stream, spec.durable).start()

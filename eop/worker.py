@@ -25,6 +25,7 @@ from eop import (
     batch,
     compaction,
     errors,
+    fetcher,
     inbox,
     jetstream,
     log,
@@ -129,7 +130,7 @@ class Worker:
             acker = ack.Acker(nc)
             loops = []
             for spec in self.specs:
-                sub = await self._bind(js, spec)
+                sub = await self._bind(nc, js, spec)
                 proc = processor.Processor(
                     spec=spec,
                     settings=s,
@@ -179,11 +180,11 @@ class Worker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
 
-    async def _bind(self, js: Any, spec: HandlerSpec) -> Any:
+    async def _bind(self, nc: Any, js: Any, spec: HandlerSpec) -> fetcher.Fetcher:
         create = self.settings.create
         await jetstream.ensure_stream(js, self.app.stream_spec(spec.stream), create=create)
         await jetstream.ensure_consumer(js, spec, self.settings, create=create)
-        sub = await jetstream.subscribe(js, spec)
+        sub = await jetstream.subscribe(nc, spec)
         self._logger.info(
             log.Event.SUBSCRIPTION_BOUND,
             handler=spec.name,
@@ -193,7 +194,7 @@ class Worker:
         return sub
 
     async def _fetch_loop(
-        self, js: Any, spec: HandlerSpec, sub: Any, proc: processor.Processor
+        self, js: Any, spec: HandlerSpec, sub: fetcher.Fetcher, proc: processor.Processor
     ) -> None:
         failures = 0
         while not self._stopping.is_set():
@@ -201,7 +202,7 @@ class Worker:
             if wanted == 0:
                 break
             try:
-                msgs = await sub.fetch(wanted, timeout=self.settings.fetch_timeout_s)
+                msgs = await sub.fetch(wanted, self.settings.fetch_timeout_s)
                 failures = 0
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 msgs = []
