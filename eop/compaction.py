@@ -205,7 +205,8 @@ class Compactor:
                 self.msg_id_retention_s,
             )
             async with self.store.session() as session:
-                deleted = len((await session.execute(stmt)).all())
+                result: Any = await session.execute(stmt)  # a CursorResult: DML has a rowcount
+                deleted = int(result.rowcount)
                 await session.commit()
             total += deleted
             if deleted < self.chunk_rows:

@@ -181,10 +181,9 @@ def delete_below_watermark(
         )
         .limit(limit)
     )
-    return (
-        sa.delete(t.inbox)
-        .where(sa.literal_column("ctid") == sa.any_(sa.func.array(chunk.scalar_subquery())))
-        .returning(c.stream_seq)
+    # No RETURNING: the worker needs the count only (rowcount), not a row per deleted row.
+    return sa.delete(t.inbox).where(
+        sa.literal_column("ctid") == sa.any_(sa.func.array(chunk.scalar_subquery()))
     )
 
 
