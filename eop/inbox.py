@@ -208,16 +208,6 @@ class SqlTransaction(abc.ABC):
         """What the handler gets after the message: its write queue, or the session."""
         return self.writes if self.writes is not None else session
 
-    def _watch_reads(self, sync_session: Session) -> None:
-        """Send queued writes before any later statement of the session, as autoflush does."""
-        queue = self.writes
-        if queue is not None:
-
-            def before_execute(state: Any) -> None:
-                queue.send(state.session)
-
-            sa.event.listen(sync_session, "do_orm_execute", before_execute)
-
     async def claim(self, message: Message, outcome: str) -> bool:
         """Insert the inbox row; False when the key or the msg-id is taken, or below the
         watermark."""
@@ -333,7 +323,6 @@ class AsyncTransaction(SqlTransaction):
         self.session = session
         if spec.takes_writes:
             self.writes = writes.Writes(session)
-            self._watch_reads(session.sync_session)
 
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
         result = await self.session.execute(stmt)
@@ -438,7 +427,6 @@ class SyncTransaction(SqlTransaction):
         self.session = session
         if spec.takes_writes:
             self.writes = writes.Writes(session)
-            self._watch_reads(session)
 
     async def _step(self, func: Callable[..., T], *args: Any) -> T:
         """Run one blocking step of the transaction: in a worker thread, off the event loop."""

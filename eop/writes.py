@@ -52,16 +52,29 @@ class Writes:
     ``def`` handler's (run in a worker thread) is a ``Session``.
     """
 
-    __slots__ = ("_groups", "_session")
+    __slots__ = ("_groups", "_session", "_watching")
 
     def __init__(self, session: AsyncSession | Session) -> None:
         self._session = session
         self._groups: list[_Group] = []
+        self._watching = False
 
     @property
     def session(self) -> Any:
-        """The transaction's session, for reads and for statements whose result matters."""
+        """The transaction's session, for reads and for statements whose result matters.
+
+        Any statement it executes first sends the queued writes. Only handlers
+        that ask for the session need that hook, so it is set up here, on the
+        first access, not for every transaction.
+        """
+        if not self._watching:
+            self._watching = True
+            sync_session = getattr(self._session, "sync_session", self._session)
+            sa.event.listen(sync_session, "do_orm_execute", self._before_execute)
         return self._session
+
+    def _before_execute(self, state: Any) -> None:
+        self.send(state.session)
 
     def add(self, statement: sa.Executable, params: Mapping[str, Any] | None = None) -> None:
         """Queue ``statement`` with one set of ``params``; it runs before the next read or COMMIT.
