@@ -162,6 +162,10 @@ class App:
                 # the database busy without exhausting max_connections.
                 pool_size=min(self.settings.concurrency, 16),
                 max_overflow=4,
+                # Bound values are payload data: keep them out of SQLAlchemy's
+                # error texts and echo logs (log.describe_error drops them too,
+                # for engines eop is given).
+                hide_parameters=True,
             )
         return self._engine
 
@@ -179,7 +183,9 @@ class App:
             self._sync_sessionmaker = orm.sessionmaker(
                 # From the settings' URL: the engine's lost the TLS parameters libpq reads.
                 sa.create_engine(
-                    sync_url(sa.make_url(self.settings.database_url)), pool_pre_ping=True
+                    sync_url(sa.make_url(self.settings.database_url)),
+                    pool_pre_ping=True,
+                    hide_parameters=True,  # as the async engine's
                 ),
                 expire_on_commit=False,
             )

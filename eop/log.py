@@ -3,7 +3,8 @@
 Every log line is an ``event`` from :class:`Event` plus, for message events,
 the message's coordinates (handler, stream, seq, delivery count) and the
 ``action`` taken on the delivery. Payloads are never logged; URLs and headers
-go through :func:`redact_url` and :func:`redact_headers` first.
+go through :func:`redact_url` and :func:`redact_headers` first, exceptions
+through :func:`describe_error` and :func:`format_traceback`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import enum
 import logging
 import re
 import sys
+import traceback
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import structlog
+from sqlalchemy import exc as sa_exc
 
 from eop import settings as settings_mod
 
@@ -202,3 +205,88 @@ def _redact_query(url: str) -> str:
 def redact_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """The headers with credential-bearing values replaced by ``***``."""
     return {k: (REDACTED if _SECRET_HEADER.search(k) else v) for k, v in headers.items()}
+
+
+def describe_error(exc: BaseException) -> str:
+    """``exc`` as ``Type: message``, for a log line or a dead letter's ``error``.
+
+    A failed SQL statement's text from SQLAlchemy carries its bound values
+    (``[parameters: ...]``: payload data) and the driver's DETAIL (PostgreSQL
+    quotes the failing row or key there). Database errors are described by their
+    driver's one-line message and, for a statement, its SQL only.
+    """
+    return f"{type(exc).__name__}: {_message(exc)}"
+
+
+def format_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback, causes included, with database errors as :func:`describe_error` says.
+
+    A plain traceback prints a failed statement's bound values and the driver's
+    DETAIL, for every SQLAlchemy and driver exception of the chain.
+    """
+    top = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    pending: list[tuple[traceback.TracebackException, BaseException]] = [(top, exc)]
+    while pending:
+        te, err = pending.pop()
+        text = _database_message(err)
+        if text is not None:
+            if "_str" not in vars(te):
+                # The traceback module no longer keeps the message where we
+                # replace it: keep the description, drop the frames.
+                return describe_error(exc)
+            vars(te)["_str"] = text
+        # TracebackException mirrors the chain it was built from, link by link.
+        if te.__cause__ is not None and err.__cause__ is not None:
+            pending.append((te.__cause__, err.__cause__))
+        if te.__context__ is not None and err.__context__ is not None:
+            pending.append((te.__context__, err.__context__))
+        members = getattr(te, "exceptions", None)  # an exception group's (3.11+)
+        if members:
+            pending.extend(zip(members, getattr(err, "exceptions", ()), strict=False))
+    return "".join(top.format())
+
+
+def _message(exc: BaseException) -> str:
+    text = _database_message(exc)
+    return _safe_str(exc) if text is None else text
+
+
+def _database_message(exc: BaseException) -> str | None:
+    """What may be said of a database error (None: ``exc`` is not one)."""
+    if isinstance(exc, sa_exc.StatementError):
+        # The driver's error line and the SQL; without the parameters, the
+        # driver's DETAIL lines and the background link SQLAlchemy appends.
+        lines = [f"({detail})" for detail in exc.detail]
+        lines.append(_first_line(_args_text(exc)))
+        if exc.statement:
+            lines.append(f"[SQL: {exc.statement}]")
+        return "\n".join(lines)
+    if isinstance(exc, sa_exc.SQLAlchemyError):
+        return _args_text(exc)  # without the background link
+    if type(exc).__module__.split(".")[0] in _DRIVER_MODULES:
+        # PostgreSQL's primary message is one line; DETAIL, HINT and CONTEXT
+        # follow it and may quote the row or the values.
+        return _first_line(_safe_str(exc))
+    return None
+
+
+# Drivers' exception modules; sqlalchemy's for the asyncpg dialect's emulated DBAPI errors.
+_DRIVER_MODULES = ("asyncpg", "psycopg", "psycopg2", "sqlalchemy")
+
+
+def _args_text(exc: BaseException) -> str:
+    # As SQLAlchemyError._message: its str() appends the background link to it.
+    if len(exc.args) == 1:
+        return str(exc.args[0])
+    return str(exc.args) if exc.args else ""
+
+
+def _first_line(text: str) -> str:
+    return text.strip().split("\n", 1)[0]
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return "(its message cannot be printed)"

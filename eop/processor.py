@@ -13,7 +13,6 @@ import dataclasses
 import datetime
 import enum
 import time
-import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -333,7 +332,7 @@ class Processor:
     ) -> Outcome:
         assert exc is not None
         self.observer.failed(self.spec, delivery, exc)
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        tb = log.format_traceback(exc)
         if isinstance(exc, errors.Reject):
             reason = (
                 models.REASON_UNDECODABLE
@@ -453,4 +452,4 @@ def _transient(exc: BaseException) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:2000]
+    return log.describe_error(exc)[:2000]

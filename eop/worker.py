@@ -342,7 +342,7 @@ class Worker:
             self._logger.error(
                 log.Event.MESSAGE_FAILED,
                 handler=proc.spec.name,
-                error=f"{type(exc).__name__}: {exc}",
+                error=log.describe_error(exc)[:2000],
             )
             self._observer.errored(proc.spec, msgs, exc)
             for msg in msgs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from eop import errors, inbox, message, models, sql
+from eop import errors, inbox, log, message, models, sql
 from eop.dlq import dead_letters, state
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ async def rerun(app: App, dead_letter_id: int, *, again: bool = False) -> state.
                 status="failed",
                 mode=models.REPLAY_RERUN,
                 generation=row["replay_generation"],
-                detail=f"{type(exc).__name__}: {exc}"[:500],
+                detail=log.describe_error(exc)[:500],
             )
         generation = row["replay_generation"] + 1
         await tx.select(

@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import enum
 import time
-import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -324,7 +323,7 @@ class _Pass:
         await tx.unclaim(msg)
         if not await tx.claim(msg, models.OUTCOME_DEAD_LETTERED):
             return await _not_claimed(tx, msg, await tx.find(msg))
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        tb = log.format_traceback(exc)
         await tx.add_dead_letter(
             msg, inbox.DeadLetter(reason=reason, error=_describe(exc), traceback=tb)
         )
@@ -401,4 +400,4 @@ def _chunks(items: list[Message], size: int) -> list[list[Message]]:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:2000]
+    return log.describe_error(exc)[:2000]

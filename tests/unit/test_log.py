@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import io
 import json
+import traceback
 
+import asyncpg
 import pytest
 import structlog
+from sqlalchemy import exc as sa_exc
 
+import eop
 from eop import log
 
 # ------------------------------------------------------------------ redact_url
@@ -177,3 +181,106 @@ def test_lazy_logger_logs_debug_lines_when_debug_is_enabled() -> None:
     log.LazyLogger(handler="orders").bind(seq=4).debug(log.Event.MESSAGE_PROCESSED)
     line = json.loads(out.getvalue())
     assert (line["event"], line["handler"], line["seq"]) == ("message.processed", "orders", 4)
+
+
+# ------------------------------------------------- describe_error, format_traceback
+
+SECRET = "payload-7c1d"
+
+
+class _DriverError(Exception):
+    """A driver's error whose text, like psycopg's, quotes the failing row on DETAIL."""
+
+
+_DriverError.__module__ = "psycopg.errors"
+
+_DRIVER_TEXT = (
+    'new row for relation "effects" violates check constraint "no_poison"\n'
+    f"DETAIL:  Failing row contains (1, {SECRET})."
+)
+_SQL = "INSERT INTO effects (handler, body) VALUES ($1, $2)"
+
+
+def _integrity_error() -> sa_exc.IntegrityError:
+    """A real IntegrityError, raised from its driver error as SQLAlchemy raises it."""
+    try:
+        try:
+            raise _DriverError(_DRIVER_TEXT)
+        except _DriverError as orig:
+            raise sa_exc.IntegrityError(_SQL, ("checked", SECRET), orig) from orig
+    except sa_exc.IntegrityError as exc:
+        return exc
+
+
+def test_a_statement_error_is_described_by_its_sql_and_driver_line_not_its_parameters() -> None:
+    exc = _integrity_error()
+    assert SECRET in str(exc)  # what SQLAlchemy itself prints: the reason for describe_error
+    assert log.describe_error(exc) == (
+        "IntegrityError: (psycopg.errors._DriverError) new row for relation "
+        '"effects" violates check constraint "no_poison"\n'
+        f"[SQL: {_SQL}]"
+    )
+
+
+def test_a_statement_error_description_keeps_sqlalchemys_own_detail_lines() -> None:
+    exc = _integrity_error()
+    exc.add_detail("raised as a result of Query-invoked autoflush")
+    described = log.describe_error(exc)
+    assert described.startswith(
+        "IntegrityError: (raised as a result of Query-invoked autoflush)\n(psycopg.errors."
+    )
+    assert SECRET not in described
+
+
+def test_a_driver_error_is_described_by_its_first_line_only() -> None:
+    """asyncpg's and psycopg's texts carry PostgreSQL's DETAIL, which quotes the row."""
+    orig = asyncpg.exceptions.CheckViolationError('violates check constraint "no_poison"')
+    orig.detail = f"Failing row contains (1, {SECRET})."
+    assert SECRET in str(orig)
+    assert log.describe_error(orig) == (
+        'CheckViolationError: violates check constraint "no_poison"'
+    )
+
+
+def test_a_sqlalchemy_error_is_described_without_its_background_link() -> None:
+    exc = sa_exc.InvalidRequestError("this session is closed", code="xd1r")
+    assert "sqlalche.me" in str(exc)
+    assert log.describe_error(exc) == "InvalidRequestError: this session is closed"
+
+
+def test_other_errors_are_described_by_their_whole_text() -> None:
+    assert log.describe_error(ValueError("bad\nworse")) == "ValueError: bad\nworse"
+
+
+def test_the_traceback_of_a_statement_error_holds_neither_its_parameters_nor_the_row() -> None:
+    """Every exception of the chain is scrubbed, the handler's own wrapper included."""
+
+    def handler() -> None:
+        raise RuntimeError("the handler gave up") from _integrity_error()
+
+    with pytest.raises(RuntimeError, match="gave up") as raised:
+        handler()
+    tb = log.format_traceback(raised.value)
+    assert SECRET not in tb
+    assert "[parameters:" not in tb
+    assert "sqlalche.me" not in tb
+    assert "in handler" in tb  # the frames are kept
+    assert "RuntimeError: the handler gave up" in tb
+    assert "sqlalchemy.exc.IntegrityError: (psycopg.errors._DriverError) new row" in tb
+    assert f"[SQL: {_SQL}]" in tb
+    assert tb.count("violates check constraint") == 2  # the driver's and SQLAlchemy's
+
+
+def test_the_traceback_of_other_errors_is_the_standard_one() -> None:
+    with pytest.raises(ValueError, match="plain") as raised:
+        raise ValueError("plain")
+    exc = raised.value
+    assert log.format_traceback(exc) == "".join(traceback.format_exception(exc))
+
+
+def test_the_engines_eop_makes_hide_bound_values() -> None:
+    """Defence in depth: SQLAlchemy's own texts and echo logs of eop's engines hide them."""
+    app = eop.App(database_url="postgresql+asyncpg://app@db.example/app")
+    assert app.engine.sync_engine.hide_parameters
+    bind = app.sync_sessionmaker.kw["bind"]
+    assert bind.hide_parameters

@@ -7,6 +7,7 @@ from typing import Any
 
 import nats.errors
 import pytest
+from sqlalchemy import exc as sa_exc
 from structlog.testing import capture_logs
 
 import eop
@@ -269,6 +270,30 @@ async def test_dead_letter_keeps_the_evidence_with_secrets_redacted(harness: Har
     )
     assert dead.headers == {"Nats-Msg-Id": "m-1", "Authorization": "***", "X-Trace": "t-1"}
     assert dead.msg_id == "m-1"
+
+
+async def test_a_failed_statements_bound_values_stay_out_of_dead_letter_and_logs(
+    harness: Harness,
+) -> None:
+    """SQLAlchemy prints a failed statement's parameters (payload data): the dead
+    letter's error and traceback, and the log line, keep the SQL and drop them."""
+    orig = UniqueViolation('duplicate key value violates unique constraint "orders_pkey"')
+    params = ("s3cr3t-id",)  # not on the raising line: the traceback quotes that line
+    try:
+        raise sa_exc.IntegrityError("INSERT INTO orders VALUES ($1)", params, orig)
+    except sa_exc.IntegrityError as exc:
+        failure = exc
+    harness.then(failure)
+    with capture_logs() as logs:
+        d = delivery(num_delivered=FAST.max_attempts)
+        assert await harness.handle(d) is Outcome.DEAD_LETTERED
+    [dead] = harness.store.dead_letters
+    assert dead.traceback is not None
+    [line] = events(logs, log.Event.MESSAGE_DEAD_LETTERED)
+    for text in (dead.error, dead.traceback, line["error"]):
+        assert "orders_pkey" in text
+        assert "[SQL: INSERT INTO orders VALUES ($1)]" in text
+        assert "s3cr3t-id" not in text
 
 
 # ------------------------------------------------------- transactions retried
