@@ -32,6 +32,19 @@ class NatsAuthenticationFailed(ConfigurationError, NatsUnavailable):
     """NATS refused the connection's credentials: check the nats_* authentication settings."""
 
 
+class NatsReauthenticationFailed(NatsAuthenticationFailed):
+    """NATS refused the credentials it had accepted before: changed, revoked or expired?
+
+    Raised by a worker that stopped after ``nats_auth_refusals`` refused
+    reconnects in a row (or after the server closed its connection for an
+    authentication error); ``refusals`` is how many attempts were refused.
+    """
+
+    def __init__(self, message: str | None = None, *, refusals: int = 0) -> None:
+        super().__init__(message)
+        self.refusals = refusals
+
+
 class NatsTlsError(ConfigurationError, NatsUnavailable):
     """The TLS handshake with NATS failed: check the nats_tls_* settings."""
 

@@ -10,7 +10,7 @@ import contextlib
 import datetime
 import json
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import nats
@@ -32,13 +32,38 @@ API_PREFIX = "$JS.API"
 NATS_ERRORS = transport.NATS_ERRORS
 
 
-async def connect(settings: Settings, *, name: str = "eop") -> Any:
-    """Connect to NATS, failing fast if it is unreachable now, reconnecting for ever later."""
+async def connect(
+    settings: Settings,
+    *,
+    name: str = "eop",
+    on_lost: Callable[[errors.NatsUnavailable], None] | None = None,
+) -> Any:
+    """Connect to NATS, failing fast if it is unreachable now, reconnecting for ever later.
+
+    For ever, unless the server keeps refusing the credentials it accepted
+    at first (``settings.nats_auth_refusals`` reconnects in a row) or closes
+    the connection itself: then ``on_lost`` gets the error, once, and the
+    caller decides what to do (a worker stops). The connection is left to
+    the caller to close.
+    """
     logger = log.get_logger()
     nc: Any = None
+    access = transport.NatsAccess.from_settings(settings)
+    refusals = transport.Refusals(access, settings.nats_auth_refusals)
+    handed_over = False
+    lost = False
+
+    def give_up(error: errors.NatsUnavailable) -> None:
+        nonlocal lost
+        if on_lost is not None and handed_over and not lost:
+            lost = True
+            on_lost(error)
 
     async def on_error(exc: Exception) -> None:
         logger.warning(log.Event.NATS_ERROR, error=type(exc).__name__)
+        refused = refusals.error(exc)
+        if refused is not None:
+            give_up(refused)
 
     async def on_disconnect() -> None:
         # nats-py calls this on our own close() too: that is no news for the operator.
@@ -46,9 +71,15 @@ async def connect(settings: Settings, *, name: str = "eop") -> Any:
             logger.warning(log.Event.NATS_DISCONNECTED)
 
     async def on_reconnect() -> None:
+        refusals.connected()
         logger.info(log.Event.NATS_RECONNECTED)
 
-    access = transport.NatsAccess.from_settings(settings)
+    async def on_closed() -> None:
+        # nats-py closes a connection by itself when the server ends it with
+        # an error: it will not reconnect. Our own close() is no news.
+        if nc is not None and not nc.eop_closing:
+            give_up(refusals.closed(nc.last_error))
+
     # A few tries only for the first connection, so that a worker started
     # against a dead server exits with a clear error (and at once when the
     # server refuses its credentials or certificate)...
@@ -59,6 +90,7 @@ async def connect(settings: Settings, *, name: str = "eop") -> Any:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        closed_cb=on_closed,
     )
     # ...and, once connected, reconnect for as long as it takes. nats-py reads
     # this option on every reconnect cycle.
@@ -71,6 +103,7 @@ async def connect(settings: Settings, *, name: str = "eop") -> Any:
             f"JetStream is not available at {access.where} "
             f"(start nats-server with -js): {type(exc).__name__}"
         ) from exc
+    handed_over = True
     return nc
 
 

@@ -67,6 +67,8 @@ class Event(str, enum.Enum):
     NATS_DISCONNECTED = "nats.disconnected"
     NATS_RECONNECTED = "nats.reconnected"
     NATS_ERROR = "nats.error"
+    NATS_AUTH_REFUSED = "nats.auth_refused"
+    NATS_CLOSED = "nats.closed"
     FAULT_ARMED = "fault.armed"
     FAULT_HIT = "fault.hit"
 

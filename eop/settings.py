@@ -98,6 +98,11 @@ class Settings:
         "Attempts to reach PostgreSQL and NATS when a worker starts, with backoff, "
         "before it exits with an error.",
     )
+    nats_auth_refusals: int = _field(
+        3,
+        "Refused authentications in a row while a running worker reconnects to NATS "
+        "(credentials changed, revoked or expired) before it stops and exits with an error.",
+    )
     # Throughput (issue 4).
     uvloop: bool = _field(
         True, "Run the worker on uvloop when it is installed (the ``fast`` extra)."
@@ -124,7 +129,14 @@ class Settings:
     )
 
     def __post_init__(self) -> None:
-        for name in ("concurrency", "batch", "max_attempts", "max_ack_pending", "startup_attempts"):
+        for name in (
+            "concurrency",
+            "batch",
+            "max_attempts",
+            "max_ack_pending",
+            "startup_attempts",
+            "nats_auth_refusals",
+        ):
             if getattr(self, name) < 1:
                 raise errors.ConfigurationError(f"{name} must be at least 1")
         if self.compaction_after_messages < 0:

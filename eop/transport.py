@@ -248,6 +248,16 @@ class _Client(nats.aio.client.Client):
     """
 
     eop_require_tls = False
+    eop_closing = False
+    """Set once the owner closes or drains the connection: nats-py did not give up on it."""
+
+    async def close(self) -> None:
+        self.eop_closing = True
+        await super().close()
+
+    async def drain(self) -> None:
+        self.eop_closing = True
+        await super().drain()
 
     async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
         if (
@@ -301,6 +311,65 @@ def refusal(exc: BaseException, access: NatsAccess) -> errors.EopError | None:
             "does the server require a client certificate (nats_tls_cert_file) it trusts?"
         )
     return None
+
+
+class Refusals:
+    """Counts the server's refusals of the credentials while reconnecting; says when to give up.
+
+    nats-py reconnects for ever, also to a server that now refuses the
+    credentials it accepted at first (changed, revoked or expired since):
+    each attempt ends in ``error_cb``. :meth:`error` is given every error
+    nats-py reports; the ``limit``-th refusal with no successful connection
+    in between returns the error to stop with. :meth:`connected` (a reconnect
+    that went through) starts the count again, so a server that refused for
+    a moment is forgiven. Other errors (an unreachable server between two
+    refusals) neither count nor reset.
+    """
+
+    def __init__(self, access: NatsAccess, limit: int) -> None:
+        self.access = access
+        self.limit = limit
+        self.count = 0
+        """Refusals since the last successful connection."""
+
+    def error(self, exc: BaseException) -> errors.NatsReauthenticationFailed | None:
+        """Note an error of the connection; the error to give up with at the limit, once."""
+        refused = refusal(exc, self.access)
+        # 'Authentication Timeout' means the server waited too long for our
+        # CONNECT (a loaded machine), not that it refused the credentials.
+        timed_out = "timeout" in str(exc).lower()
+        if not isinstance(refused, errors.NatsAuthenticationFailed) or timed_out:
+            return None
+        self.count += 1
+        if self.count != self.limit:
+            return None
+        return errors.NatsReauthenticationFailed(
+            f"{refused} ({self.count} reconnects in a row refused: were the credentials "
+            "changed, revoked or expired since the worker connected?)",
+            refusals=self.count,
+        )
+
+    def connected(self) -> None:
+        """A (re)connection went through: the credentials work again."""
+        self.count = 0
+
+    def closed(self, cause: BaseException | None) -> errors.NatsUnavailable:
+        """The error for a connection nats-py closed by itself (it never reconnects after that).
+
+        The server ends a connection with an error, such as an authorization
+        violation or an expired JWT, and nats-py gives up on it.
+        """
+        refused = refusal(cause, self.access) if cause is not None else None
+        if isinstance(refused, errors.NatsAuthenticationFailed):
+            return errors.NatsReauthenticationFailed(
+                f"{refused} (the server closed the connection: were the credentials "
+                "changed, revoked or expired since the worker connected?)",
+                refusals=self.count + 1,
+            )
+        reason = f": {type(cause).__name__} {cause}".rstrip() if cause is not None else ""
+        return errors.NatsUnavailable(
+            f"NATS at {self.access.where} closed the connection{reason}; it is not reconnected"
+        )
 
 
 def _how(access: NatsAccess) -> str:
@@ -360,10 +429,10 @@ async def connect_nats(
             **options,
         )
     except _Refused as exc:
-        await _abandon(nc)
+        await close_quietly(nc)
         raise exc.error from None
     except NATS_ERRORS as exc:
-        await _abandon(nc)
+        await close_quietly(nc)
         cause = last[0] if last else exc
         raise errors.NatsUnavailable(
             f"NATS is unreachable at {access.where}: {type(cause).__name__} {cause}".strip()
@@ -372,7 +441,12 @@ async def connect_nats(
     return nc
 
 
-async def _abandon(nc: Any) -> None:
+async def close_quietly(nc: Any) -> None:
+    """Close a nats-py connection, ignoring how that fails (within 2 s).
+
+    Closing a connection that is down can fail writing what it still had
+    pending; there is nothing left to do about it but let go.
+    """
     with contextlib.suppress(Exception):
         await asyncio.wait_for(nc.close(), timeout=2)
 

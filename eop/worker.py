@@ -35,6 +35,7 @@ from eop import (
     processor,
     startup,
     telemetry,
+    transport,
 )
 from eop.app import App, select_handlers
 from eop.handler import HandlerSpec
@@ -74,6 +75,7 @@ class Worker:
         self.processed = 0
         self.nats: Any = None
         """The NATS connection while the worker runs."""
+        self._lost: errors.NatsUnavailable | None = None
         self.telemetry = telemetry.Telemetry(self)
         """Metrics, health endpoints and tracing (see :mod:`eop.telemetry`)."""
         self._observer = self.telemetry.observer
@@ -87,6 +89,23 @@ class Worker:
         if force:
             self._force.set()
         self._stopping.set()
+
+    def _nats_lost(self, error: errors.NatsUnavailable) -> None:
+        """NATS will not take the worker back (credentials refused): stop, then raise ``error``.
+
+        The stop is a SIGTERM's: in-flight messages finish or are left for
+        redelivery, and none is acked without its COMMIT.
+        """
+        if self._lost is not None:
+            return
+        self._lost = error
+        if isinstance(error, errors.NatsReauthenticationFailed):
+            self._logger.error(
+                log.Event.NATS_AUTH_REFUSED, refusals=error.refusals, error=str(error)
+            )
+        else:
+            self._logger.error(log.Event.NATS_CLOSED, error=str(error))
+        self.stop()
 
     def _on_signal(self) -> None:
         # A second Ctrl-C means "now": do not wait for slow handlers.
@@ -102,12 +121,23 @@ class Worker:
 
         With ``metrics_port`` set, ``/metrics``, ``/healthz`` and ``/readyz``
         are served from before connecting until the worker has stopped.
+        When NATS refuses the worker's credentials on ``nats_auth_refusals``
+        reconnects in a row, or closes its connection for good, the worker
+        stops as on SIGTERM and raises :class:`~eop.errors.NatsReauthenticationFailed`
+        (or :class:`~eop.errors.NatsUnavailable`).
         """
         await self.telemetry.start()
         try:
             await self._run()
+        except Exception as exc:
+            if self._lost is None:
+                raise
+            # Whatever failed after NATS gave up on the worker follows from it.
+            raise self._lost from exc
         finally:
             await self.telemetry.close()
+        if self._lost is not None:
+            raise self._lost
 
     async def _run(self) -> None:
         s = self.settings
@@ -121,7 +151,9 @@ class Worker:
         )
         name = f"eop-worker-{'-'.join(sp.name for sp in self.specs)}"
         await startup.retrying(lambda: migrate.ensure_ready(self.app.engine, s.schema), s)
-        nc = await startup.retrying(lambda: jetstream.connect(s, name=name), s)
+        nc = await startup.retrying(
+            lambda: jetstream.connect(s, name=name, on_lost=self._nats_lost), s
+        )
         self.nats = nc
         try:
             js = nc.jetstream()
@@ -161,10 +193,14 @@ class Worker:
         finally:
             await self._critical.drain()
             # Not nc.drain(): it waits on the pull subscriptions' inboxes until its
-            # own timeout. Every ack was confirmed already; flush sends the naks.
+            # own timeout. Every ack was confirmed already; flush sends the naks
+            # (unless NATS gave up on the worker: they could never be sent).
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
-                await nc.flush(timeout=2)
-            await nc.close()
+                if self._lost is None:
+                    await nc.flush(timeout=2)
+            # A connection that is down may fail to write what it still had pending
+            # (naks): those messages come back after their AckWait anyway.
+            await transport.close_quietly(nc)
             await self.app.dispose()
         self._logger.info(log.Event.WORKER_STOPPED, processed=self.processed)
 

@@ -37,6 +37,7 @@ WORKER_FIELDS = (
     "metrics_host",
     "tracing",
     "startup_attempts",
+    "nats_auth_refusals",
     "uvloop",
 )
 

@@ -148,16 +148,29 @@ def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def encode_jwt(subject: str, name: str, nats: dict[str, object], issuer: NKey) -> str:
-    """A NATS JWT (v2) about ``subject``, signed by ``issuer`` (algorithm ed25519-nkey)."""
+def encode_jwt(
+    subject: str,
+    name: str,
+    nats: dict[str, object],
+    issuer: NKey,
+    *,
+    expires: int | None = None,
+) -> str:
+    """A NATS JWT (v2) about ``subject``, signed by ``issuer`` (algorithm ed25519-nkey).
+
+    ``expires`` (Unix seconds) is its ``exp`` claim: the server ends the
+    connections of a user whose JWT has expired.
+    """
     claims: dict[str, object] = {
         "jti": "",
         "iat": int(time.time()),
         "iss": issuer.public,
         "name": name,
         "sub": subject,
-        "nats": {**nats, "version": 2},
     }
+    if expires is not None:
+        claims["exp"] = expires
+    claims["nats"] = {**nats, "version": 2}
     # The id is a hash of the claims without it, as nats-io/jwt computes it.
     digest = hashlib.sha256(json.dumps(claims, separators=(",", ":")).encode()).digest()
     claims["jti"] = base64.b32encode(digest).decode().rstrip("=")
@@ -168,6 +181,7 @@ def encode_jwt(subject: str, name: str, nats: dict[str, object], issuer: NKey) -
 
 
 UNLIMITED = {"subs": -1, "data": -1, "payload": -1}
+_USER_CLAIMS: dict[str, object] = {"type": "user", "pub": {}, "sub": {}, **UNLIMITED}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +195,11 @@ class Operator:
     account_jwt: str
     user: NKey
     user_jwt: str
+    account: NKey
+
+    def user_jwt_expiring(self, expires: int) -> str:
+        """Another JWT of the same user, expiring at ``expires`` (Unix seconds)."""
+        return encode_jwt(self.user.public, "eop-user", _USER_CLAIMS, self.account, expires=expires)
 
     def server_config(self) -> str:
         """nats-server configuration: this operator, the account preloaded in memory."""
@@ -242,9 +261,14 @@ def new_operator() -> Operator:
     account_jwt = encode_jwt(
         account.public, "eop-acc", {"type": "account", "limits": limits}, operator
     )
-    user_jwt = encode_jwt(
-        user.public, "eop-user", {"type": "user", "pub": {}, "sub": {}, **UNLIMITED}, account
-    )
+    user_jwt = encode_jwt(user.public, "eop-user", _USER_CLAIMS, account)
     return Operator(
-        operator_jwt, system.public, system_jwt, account.public, account_jwt, user, user_jwt
+        operator_jwt,
+        system.public,
+        system_jwt,
+        account.public,
+        account_jwt,
+        user,
+        user_jwt,
+        account,
     )

@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import nkeys
 import pytest
+import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
 from eop import embedded, errors, transport
 from eop.spark import offsets, reader
+from eop.worker import Worker
 
 from .authbed import CertificateAuthority, new_nkey, new_operator
 from .bed import (
@@ -307,3 +312,177 @@ def test_cli_worker_with_a_wrong_password_exits_with_the_reason(
     assert proc.returncode == 1, proc.stderr
     assert "refused the authentication (user and password)" in proc.stderr
     assert PASSWORD not in proc.stderr + proc.stdout
+
+
+NEW_PASSWORD = "n3w-" + PASSWORD
+
+
+def _users(password: str) -> str:
+    return f'authorization {{ user: alice, password: "{password}" }}\n'
+
+
+def _worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`eop worker` on the CLI tests' app, its output into ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "eop", "worker", "tests.integration.cliapp:app"],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=out,
+        )
+
+
+async def _exited(proc: subprocess.Popen[bytes]) -> bool:
+    return proc.poll() is not None
+
+
+@pytest.mark.parametrize("change", ["reload", "restart"])
+async def test_cli_worker_whose_password_is_changed_stops_and_exits_with_the_reason(
+    change: str, tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    """Password changed under a running `eop worker` (SIGHUP reload or restart of the server).
+
+    After ``nats_auth_refusals`` refused reconnects it logs ``nats.auth_refused``
+    once (no password), stops as on SIGTERM and exits 1 with the reason; a
+    worker given the new password then takes the rest: every effect once.
+    """
+    conf = tmp_path / "nats.conf"
+    conf.write_text(_users(PASSWORD))
+    try:
+        server = embedded.NatsServer(args=["-c", str(conf)])
+    except errors.ServerBinaryNotFound as exc:
+        pytest.skip(str(exc))
+    with server:
+        await create_effects_table(engine)
+        env = dict(os.environ)
+        env.update(
+            EOP_DATABASE_URL=database_url,
+            EOP_NATS_URL=server.url,
+            EOP_NATS_USER="alice",
+            EOP_NATS_PASSWORD=PASSWORD,
+            EOP_LOG_FORMAT="json",
+            EOP_ACK_WAIT_S="3",
+            EOP_LEASE_MARGIN_S="0.5",
+            EOP_ACK_GIVE_UP_S="1",
+            EOP_FETCH_TIMEOUT_S="0.3",
+            EOP_CONCURRENCY="4",
+            EOP_BATCH="4",
+            CLIAPP_HANDLER_DELAY_S="0.02",
+            PYTHONPATH=str(ROOT),
+        )
+        first = _worker(env, tmp_path / "first.log")
+        try:
+            nc = await transport.connect_nats(
+                access_of(server.url, {"nats_user": "alice", "nats_password": PASSWORD}),
+                name="eop-test-publisher",
+            )
+            try:
+                js = nc.jetstream()
+                await wait_for(lambda: drained(js, "eop-cli"), what="the worker's consumer")
+                for i in range(40):
+                    await publish(js, f"m-{i}", msg_id=f"id-{i}")
+                # Some effects in, some messages still in flight or not fetched yet.
+                await wait_for(lambda: _at_least(engine, 5), what="the first effects", timeout_s=10)
+            finally:
+                await nc.close()
+            conf.write_text(_users(NEW_PASSWORD))
+            if change == "reload":
+                os.kill(server.pid or 0, signal.SIGHUP)
+            else:
+                server.restart()
+            await wait_for(lambda: _exited(first), what="the worker to exit", timeout_s=15)
+        finally:
+            if first.poll() is None:
+                first.kill()
+            first.wait()
+        output = (tmp_path / "first.log").read_text()
+        assert first.returncode == 1, output
+        assert PASSWORD not in output  # also a part of NEW_PASSWORD
+        events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+        names = [e["event"] for e in events]
+        refused = [e for e in events if e["event"] == "nats.auth_refused"]
+        assert len(refused) == 1, output
+        assert refused[0]["level"] == "error"
+        assert "nats.closed" not in names
+        # The stop of a SIGTERM, after the refusal.
+        assert names.index("nats.auth_refused") < names.index("worker.stopping")
+        assert names[-1] == "worker.stopped", output
+        assert (
+            "eop: error: NATS at "
+            f"{server.url} refused the authentication (user and password)" in output
+        )
+        if change == "restart" or refused[0]["refusals"] > 1:
+            assert refused[0]["refusals"] == 3
+            assert "3 reconnects in a row refused" in output
+        else:
+            # Servers that end the live connection on reload with an
+            # authorization violation, rather than dropping it (as 2.9 does).
+            assert "the server closed the connection" in output
+
+        # A worker given the new password: the messages left over, each once.
+        new = {"nats_user": "alice", "nats_password": NEW_PASSWORD}
+        env["EOP_NATS_PASSWORD"] = NEW_PASSWORD
+        second = _worker(env, tmp_path / "second.log")
+        try:
+            nc = await transport.connect_nats(access_of(server.url, new), name="eop-test-publisher")
+            try:
+                js = nc.jetstream()
+                for i in range(40, 50):
+                    await publish(js, f"m-{i}", msg_id=f"id-{i}")
+                await wait_for(lambda: drained(js, "eop-cli"), what="all messages acked")
+            finally:
+                await nc.close()
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(timeout=30) == 0, (tmp_path / "second.log").read_text()
+        finally:
+            if second.poll() is None:
+                second.kill()
+                second.wait()
+    assert await effects_by_body(engine) == {f"m-{i}": 1 for i in range(50)}
+
+
+async def _at_least(engine: AsyncEngine, count: int) -> bool:
+    return sum((await effects_by_body(engine)).values()) >= count
+
+
+async def test_worker_whose_credentials_expire_stops_with_the_reason(
+    tmp_path: Path, database_url: str, engine: AsyncEngine
+) -> None:
+    """A user JWT expiring under a running worker: the server ends the connection.
+
+    nats-py does not reconnect a connection the server ended with an error,
+    so the worker would idle for ever; instead it logs ``nats.auth_refused``,
+    stops and raises :class:`eop.errors.NatsReauthenticationFailed`.
+    """
+    operator = new_operator()
+    lasting = {"nats_creds_file": str(operator.creds(tmp_path / "user.creds"))}
+    try:
+        server = embedded.NatsServer(config=operator.server_config())
+    except errors.ServerBinaryNotFound as exc:
+        pytest.skip(str(exc))
+    with server:
+        await create_effects_table(engine)
+        nc = await transport.connect_nats(access_of(server.url, lasting), name="eop-test")
+        # Long enough for the worker to start and process, short for the test.
+        jwt = operator.user_jwt_expiring(int(time.time()) + 6)
+        expiring = operator.creds(tmp_path / "expiring.creds", user_jwt=jwt)
+        app = make_app(database_url, server.url, {"nats_creds_file": str(expiring)})
+        try:
+            js = nc.jetstream()
+            with structlog.testing.capture_logs() as logs:
+                worker = Worker(app)
+                task = asyncio.create_task(worker.run())
+                await wait_for(lambda: drained(js, "eop-secure"), what="the worker's consumer")
+                for i in range(5):
+                    await publish(js, f"m-{i}", msg_id=f"id-{i}")
+                await wait_for(lambda: drained(js, "eop-secure"), what="all messages acked")
+                with pytest.raises(errors.NatsReauthenticationFailed, match="closed the conn"):
+                    await asyncio.wait_for(task, timeout=20)
+        finally:
+            await nc.close()
+    events = [entry["event"] for entry in logs]
+    assert events.count("nats.auth_refused") == 1, logs
+    assert events.index("nats.auth_refused") < events.index("worker.stopping")
+    assert events[-1] == "worker.stopped"
+    assert await effects_by_body(engine) == {f"m-{i}": 1 for i in range(5)}

@@ -7,14 +7,17 @@ import io
 import ssl
 from pathlib import Path
 
+import nats.errors
 import pytest
 import sqlalchemy as sa
+from structlog.testing import capture_logs
 
 import eop
 from eop import cli, errors, transport
 from eop.app import App, sync_url
 from eop.settings import Settings
 from eop.spark import offsets
+from eop.worker import Worker
 from tests.integration.authbed import CertificateAuthority
 
 
@@ -209,3 +212,92 @@ def test_refusals_are_configuration_errors_and_nats_unavailable() -> None:
     assert issubclass(errors.NatsAuthenticationFailed, eop.ConfigurationError)
     assert issubclass(errors.NatsAuthenticationFailed, eop.NatsUnavailable)
     assert issubclass(errors.NatsTlsError, eop.ConfigurationError)
+
+
+# -- refused reconnects --------------------------------------------------------
+
+# What nats-py hands error_cb when a reconnect's CONNECT is refused.
+_REFUSED = nats.errors.Error("nats: 'Authorization Violation'")
+_ACCESS = transport.NatsAccess(url="nats://n1:4222", user="alice", password="hunter2")
+
+
+def test_refused_reconnects_give_up_at_the_limit_once_and_name_the_cause() -> None:
+    """The limit-th refusal in a row gives the error (count, cause, no secret); later ones none."""
+    refusals = transport.Refusals(_ACCESS, limit=3)
+    assert refusals.error(_REFUSED) is None
+    assert refusals.error(nats.errors.AuthorizationError()) is None
+    error = refusals.error(_REFUSED)
+    assert isinstance(error, errors.NatsReauthenticationFailed)
+    assert isinstance(error, errors.NatsAuthenticationFailed)
+    assert error.refusals == 3
+    assert "NATS at nats://n1:4222 refused the authentication (user and password)" in str(error)
+    assert "3 reconnects in a row" in str(error)
+    assert "hunter2" not in str(error)
+    assert refusals.error(_REFUSED) is None
+
+
+def test_a_successful_reconnect_resets_the_refusal_count() -> None:
+    """A server that refused for a moment, then let the worker in, is forgiven."""
+    refusals = transport.Refusals(_ACCESS, limit=2)
+    assert refusals.error(_REFUSED) is None
+    refusals.connected()
+    assert refusals.count == 0
+    assert refusals.error(_REFUSED) is None
+    assert refusals.error(_REFUSED) is not None
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        nats.errors.UnexpectedEOF(),
+        ConnectionRefusedError(111, "Connection refused"),
+        nats.errors.Error("nats: 'Authentication Timeout'"),
+        nats.errors.Error("nats: 'Permissions Violation for Subscription to \"x\"'"),
+    ],
+    ids=["eof", "connection_refused", "authentication_timeout", "permissions"],
+)
+def test_errors_that_are_not_refusals_neither_count_nor_reset(exc: Exception) -> None:
+    """An unreachable server or a slow CONNECT is not a refused credential; the count holds."""
+    refusals = transport.Refusals(_ACCESS, limit=2)
+    assert refusals.error(_REFUSED) is None
+    assert refusals.error(exc) is None
+    assert refusals.count == 1
+    assert refusals.error(_REFUSED) is not None
+
+
+def test_a_connection_the_server_closed_names_why() -> None:
+    """nats-py gave up on the connection: an authorization error is a refusal, else unavailable."""
+    refusals = transport.Refusals(_ACCESS, limit=3)
+    revoked = refusals.closed(nats.errors.AuthorizationError())
+    assert isinstance(revoked, errors.NatsReauthenticationFailed)
+    assert "closed the connection" in str(revoked)
+    other = refusals.closed(nats.errors.Error("nats: 'Maximum Connections Exceeded'"))
+    assert type(other) is errors.NatsUnavailable
+    assert "Maximum Connections Exceeded" in str(other)
+    assert "closed the connection" in str(refusals.closed(None))
+
+
+def test_nats_auth_refusals_must_be_at_least_one() -> None:
+    """Zero would give up before the first refusal."""
+    with pytest.raises(errors.ConfigurationError, match="nats_auth_refusals"):
+        Settings(nats_auth_refusals=0)
+
+
+async def test_a_worker_nats_gave_up_on_logs_once_and_stops() -> None:
+    """on_lost: one nats.auth_refused error line (no secret), then the stop of a SIGTERM."""
+    app = eop.App(settings=Settings(nats_password="hunter2", nats_user="alice"))
+
+    @app.handler(stream="S", subject="s.x", name="h")
+    async def handle(msg: eop.Message, session: object) -> None:
+        """Never called: the worker is not run."""
+
+    error = transport.Refusals(_ACCESS, limit=1).error(_REFUSED)
+    assert error is not None
+    with capture_logs() as logs:
+        worker = Worker(app)
+        worker._nats_lost(error)
+        worker._nats_lost(errors.NatsUnavailable("later"))
+    assert worker.draining
+    assert [(e["event"], e["log_level"]) for e in logs] == [("nats.auth_refused", "error")]
+    assert logs[0]["refusals"] == 1
+    assert "hunter2" not in str(logs)
