@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncSession
 
 import eop
 from eop.chaos import Payload
@@ -16,13 +15,16 @@ app.stream("NOTES", subjects=["notes.>"], duplicate_window_s=2.0)
 EFFECTS_SQL = "SELECT note, count(*) FROM notes GROUP BY note"
 
 
+_NOTE = sa.text("INSERT INTO notes (note) VALUES (:n)")
+
+
 @app.handler(stream="NOTES", subject="notes.new", name="notes")
-async def save(msg: eop.Message, session: AsyncSession) -> None:
-    """Store one note; a note that says 'poison' is refused."""
+async def save(msg: eop.Message, writes: eop.Writes) -> None:
+    """Queue one note (eop.Writes, sent with its batch's); a note that says 'poison' is refused."""
     text = msg.text()
     if text.startswith("poison"):
         raise eop.Reject("poisonous note")
-    await session.execute(sa.text("INSERT INTO notes (note) VALUES (:n)"), {"n": text})
+    writes.add(_NOTE, {"n": text})
 
 
 def payload(index: int, rng: random.Random) -> Payload:
