@@ -42,6 +42,7 @@ from .bed import (
     running,
     wait_for,
 )
+from .test_cli import eop_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "s3cr@t/pa:ss"  # characters that need quoting in a URL
@@ -355,17 +356,12 @@ async def test_cli_worker_whose_password_is_changed_stops_and_exits_with_the_rea
         pytest.skip(str(exc))
     with server:
         await create_effects_table(engine)
-        env = dict(os.environ)
-        env.update(
-            EOP_DATABASE_URL=database_url,
-            EOP_NATS_URL=server.url,
+        env = eop_env(
+            database_url,
+            server.url,
             EOP_NATS_USER="alice",
             EOP_NATS_PASSWORD=PASSWORD,
-            EOP_LOG_FORMAT="json",
-            EOP_ACK_WAIT_S="3",
-            EOP_LEASE_MARGIN_S="0.5",
             EOP_ACK_GIVE_UP_S="1",
-            EOP_FETCH_TIMEOUT_S="0.3",
             EOP_CONCURRENCY="4",
             EOP_BATCH="4",
             CLIAPP_HANDLER_DELAY_S="0.02",
