@@ -50,6 +50,8 @@ ledger = sa.Table(
 app = eop.App()
 app.stream(STREAM, subjects=[SUBJECT], duplicate_window_s=DUPLICATE_WINDOW_S)
 
+_WORKER = [sys.executable, "-m", "eop", "worker", "eop.demo:app"]
+
 
 @app.handler(stream=STREAM, subject=SUBJECT, name="demo-ledger")
 async def apply_transfer(msg: eop.Message, session: AsyncSession) -> None:
@@ -152,7 +154,8 @@ class _Workers:
         log_path = os.path.join(self.log_dir, f"worker-{self.started}.log")
         with open(log_path, "wb") as out:
             return subprocess.Popen(
-                [sys.executable, "-m", "eop", "worker", "eop.demo:app", "--concurrency", "4"],
+                # One process each: the demo SIGKILLs workers to show crashes.
+                [*_WORKER, "--concurrency", "4", "--processes", "1"],
                 env=self.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -43,6 +43,8 @@ class Event(str, enum.Enum):
     WORKER_STOPPING = "worker.stopping"
     WORKER_STOPPED = "worker.stopped"
     WORKER_STARTUP_RETRY = "worker.startup_retry"
+    PROCESSES_STARTED = "processes.started"
+    PROCESS_EXITED = "processes.exited"
     SUBSCRIPTION_BOUND = "subscription.bound"
     SUBSCRIPTION_LOST = "subscription.lost"
     FETCH_FAILED = "fetch.failed"

@@ -38,7 +38,17 @@ class Settings:
     )
     nats_url: str = _field(DEFAULT_NATS_URL, "NATS server URL(s), comma separated.")
     schema: str = _field("eop", "PostgreSQL schema that holds eop's tables.")
+    processes: int = _field(
+        0,
+        "Worker processes of one ``eop worker`` (0: one per CPU the worker may use, at most "
+        "4). Handlers with ``order_by`` run in the first process only.",
+    )
     concurrency: int = _field(128, "Messages in flight at the same time in one worker process.")
+    db_pool_size: int = _field(
+        0,
+        "Connections each worker process keeps open to PostgreSQL, plus up to 4 more at peaks "
+        "(0: min(concurrency, 16), shared out among the processes, at least 4 each).",
+    )
     batch: int = _field(64, "Messages fetched per pull request (and per transaction).")
     batch_transactions: bool = _field(
         True, "One transaction (and one multi-row claim) per fetched batch, not per message."
@@ -139,6 +149,10 @@ class Settings:
         ):
             if getattr(self, name) < 1:
                 raise errors.ConfigurationError(f"{name} must be at least 1")
+        if self.db_pool_size < 0:
+            raise errors.ConfigurationError("db_pool_size must not be negative (0: automatic)")
+        if self.processes < 0:
+            raise errors.ConfigurationError("processes must not be negative (0: automatic)")
         if self.compaction_after_messages < 0:
             raise errors.ConfigurationError("compaction_after_messages must not be negative")
         for field in dataclasses.fields(self):

@@ -61,6 +61,18 @@ class Progress:
         self._width, self._printed = 0, 0.0
 
 
+def _proc_stats() -> dict[int, tuple[int, int]]:
+    """Every process's parent and CPU ticks (user + system), from /proc."""
+    stats: dict[int, tuple[int, int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            stats[int(entry.parent.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not readable
+    return stats
+
+
 class Child:
     """A run's consumer process, its output kept in a log file."""
 
@@ -77,12 +89,16 @@ class Child:
         return " | ".join(lines[-5:]) or "no output"
 
     def cpu_s(self) -> float | None:
-        """The CPU time (user + system) the child used so far; None if unknown (not Linux)."""
-        try:
-            stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+        """The CPU time (user + system) the child and its own children used so far.
+
+        An ``eop worker`` with more than one process is a supervisor and its
+        worker processes: all of them count. None if unknown (not Linux).
+        """
+        stats = _proc_stats()
+        if self.proc.pid not in stats:
             return None
-        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        ticks = sum(cpu for pid, (ppid, cpu) in stats.items() if self.proc.pid in (pid, ppid))
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def check(self) -> None:
         """Raise if the child has exited."""

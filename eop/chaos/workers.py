@@ -113,7 +113,9 @@ class WorkerPool:
         if plan.rules and plan.kill_point is None:
             # A staller holds twice the claims: more overlaps per calm spell.
             env["EOP_CONCURRENCY"] = str(2 * int(env.get("EOP_CONCURRENCY", "4")))
+        # One process per worker: the harness kills and stops worker processes by PID.
         argv = [sys.executable, "-m", "eop", "worker", self.app, "--handler", self.handler]
+        argv += ["--processes", "1"]
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [*argv, *self.args], env=env, stdout=out, stderr=subprocess.STDOUT

@@ -11,6 +11,7 @@ the parser; what they share is in :mod:`eop.cli.options`.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 from eop import errors, log
@@ -39,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``eop`` command; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # `eop worker --processes N` starts its children with the same arguments.
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         settings = settings_mod.Settings.from_env(
             overrides={"log_format": args.log_format, "log_level": args.log_level}

@@ -12,7 +12,9 @@ WORKER_FIELDS = (
     "database_url",
     "nats_url",
     "schema",
+    "processes",
     "concurrency",
+    "db_pool_size",
     "batch",
     "batch_transactions",
     "fetch_timeout_s",
@@ -44,7 +46,13 @@ WORKER_FIELDS = (
 
 def add_worker(sub: Any) -> None:
     """Add ``worker`` to the subparsers of ``eop``."""
-    worker = sub.add_parser("worker", help="run handlers: pull, process exactly once, ack")
+    worker = sub.add_parser(
+        "worker",
+        help="run handlers: pull, process exactly once, ack",
+        # No abbreviated flags: --processes N passes the arguments on to its
+        # children, replacing --processes, --handler and --metrics-port by name.
+        allow_abbrev=False,
+    )
     options.add_app_arguments(
         worker,
         app_help="the eop.App to run, e.g. myapp:app",
@@ -96,13 +104,25 @@ def add_demo(sub: Any) -> None:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from eop import eventloop, faults, worker
+    from eop import eventloop, faults, supervisor, worker
+    from eop.app import select_handlers
 
     # Fault points stay disarmed unless a chaos run set EOP_FAULTS (eop.faults).
     faults.arm_from_env()
     app = options.configured_app(args, WORKER_FIELDS)
     # Flags replace the environment's list rather than adding to it.
     handlers = args.handler or options.env_list("EOP_HANDLERS")
+    count = supervisor.process_count(app.settings.processes)
+    if count > 1:
+        specs = select_handlers(app, handlers)
+        children = supervisor.plan(
+            count,
+            [(s.name, s.order_by is not None) for s in specs],
+            app.settings.metrics_port,
+            app.settings.db_pool_size or supervisor.pool_share(app.settings.concurrency, count),
+        )
+        if len(children) > 1:
+            return supervisor.supervise([supervisor.child_argv(args.argv, c) for c in children])
     eventloop.run(worker.run_worker(app, handlers=handlers), use_uvloop=app.settings.uvloop)
     return 0
 

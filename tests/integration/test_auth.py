@@ -300,6 +300,7 @@ def test_cli_worker_with_a_wrong_password_exits_with_the_reason(
         EOP_NATS_URL=url,
         EOP_NATS_USER="alice",
         EOP_NATS_PASSWORD="wrong-" + PASSWORD,
+        EOP_PROCESSES="1",
         PYTHONPATH=str(ROOT),
     )
     proc = subprocess.run(

@@ -7,11 +7,9 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from eop import embedded, migrate
@@ -34,6 +32,8 @@ def eop_env(database_url: str, nats_url: str, **extra: str) -> dict[str, str]:
         EOP_BACKOFF_BASE_S="0.1",
         EOP_BACKOFF_MAX_S="1",
         EOP_FETCH_TIMEOUT_S="0.3",
+        # One process: the tests read its output and signal it by PID.
+        EOP_PROCESSES="1",
         **extra,
     )
     return env
@@ -79,17 +79,6 @@ class Workers:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         return [proc.wait(timeout=60) for proc in self.procs]
-
-
-@pytest.fixture
-def workers(database_url: str, nats_url: str, tmp_path: Path) -> Iterator[Workers]:
-    """A pool of `eop worker` subprocesses on the test's servers."""
-    pool = Workers(eop_env(database_url, nats_url), tmp_path)
-    yield pool
-    for proc in pool.procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 async def consumer_exists(js: Any, durable: str = "eop-cli") -> bool:

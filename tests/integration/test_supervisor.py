@@ -1,0 +1,98 @@
+"""`eop worker --processes N` as a user runs it: real processes, signals, servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from .bed import create_effects_table, drained, effects_by_body, publish, wait_for
+from .test_cli import Workers, consumer_exists
+
+
+def _started_pids(log: Path) -> list[int]:
+    """The worker processes the supervisor says it started (its `processes.started` line)."""
+    for line in log.read_text().splitlines():
+        if line.startswith("{") and '"processes.started"' in line:
+            return [int(pid) for pid in json.loads(line)["pids"]]
+    return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def _pids(log: Path) -> list[int]:
+    await wait_for(lambda: _have_pids(log), what="the supervisor's processes.started line")
+    return _started_pids(log)
+
+
+async def _have_pids(log: Path) -> bool:
+    return len(_started_pids(log)) == 2
+
+
+async def _all_gone(pids: list[int]) -> bool:
+    return not any(_alive(pid) for pid in pids)
+
+
+async def test_two_processes_share_the_consumer_and_stop_together_on_sigterm(
+    engine: AsyncEngine, js: Any, workers: Workers, tmp_path: Path
+) -> None:
+    """Both processes consume; each message takes effect once; SIGTERM stops both; exit 0."""
+    await create_effects_table(engine)
+    proc = workers.start("--processes", "2", "--concurrency", "4", "--batch", "4")
+    pids = await _pids(tmp_path / "worker-0.log")
+    await wait_for(lambda: consumer_exists(js), what="the consumer")
+    for i in range(200):
+        await publish(js, f"m{i}")
+    await wait_for(lambda: drained(js, "eop-cli"), timeout_s=60, what="all messages")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    await wait_for(lambda: _all_gone(pids), what="both worker processes to exit")
+    assert await effects_by_body(engine) == {f"m{i}": 1 for i in range(200)}
+    log = workers.logs()
+    assert log.count('"worker.started"') == 2
+    assert log.count('"worker.stopped"') == 2
+
+
+async def test_a_worker_process_that_dies_stops_the_other_and_sets_the_exit_status(
+    engine: AsyncEngine, js: Any, workers: Workers, tmp_path: Path
+) -> None:
+    """SIGKILL of one process: the supervisor stops the other (SIGTERM) and exits 128 + 9."""
+    await create_effects_table(engine)
+    proc = workers.start("--processes", "2")
+    pids = await _pids(tmp_path / "worker-0.log")
+    await wait_for(lambda: consumer_exists(js), what="the consumer")
+    os.kill(pids[1], signal.SIGKILL)
+    assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+    await wait_for(lambda: _all_gone(pids), what="the other worker process to exit")
+    assert workers.logs().count('"worker.stopped"') == 1  # the survivor stopped cleanly
+
+
+async def test_the_worker_processes_do_not_outlive_a_killed_supervisor(
+    engine: AsyncEngine, js: Any, workers: Workers, tmp_path: Path
+) -> None:
+    """SIGKILL of the supervisor: its processes get SIGTERM (parent-death signal) and stop,
+    and messages published afterwards are processed once by a new worker."""
+    await create_effects_table(engine)
+    proc = workers.start("--processes", "2")
+    pids = await _pids(tmp_path / "worker-0.log")
+    await wait_for(lambda: consumer_exists(js), what="the consumer")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    await wait_for(lambda: _all_gone(pids), timeout_s=60, what="the orphaned processes to stop")
+    workers.start("--processes", "1")
+    for i in range(20):
+        await publish(js, f"after-{i}")
+    await wait_for(lambda: drained(js, "eop-cli"), timeout_s=60, what="the new worker")
+    assert await effects_by_body(engine) == {f"after-{i}": 1 for i in range(20)}

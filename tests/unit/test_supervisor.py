@@ -1,0 +1,111 @@
+"""eop.supervisor: how many processes, what each runs, with which arguments."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from eop import supervisor
+from eop.supervisor import Child
+
+
+def _affinity() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "expected"),
+    [
+        ("150000 100000\n", lambda n: min(n, 2)),  # 1.5 CPUs: two processes' worth
+        ("50000 100000\n", lambda n: 1),
+        ("max 100000\n", lambda n: n),
+        (None, lambda n: n),  # no cgroup v2 file
+        ("garbage", lambda n: n),
+    ],
+    ids=["quota-1.5", "quota-0.5", "no-quota", "no-file", "unreadable"],
+)
+def test_available_cpus_is_the_affinity_capped_by_the_cgroup_quota(
+    tmp_path: Path, cpu_max: str | None, expected: object
+) -> None:
+    """A container's CPU quota caps the cores its affinity shows."""
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    assert supervisor.available_cpus(path) == expected(_affinity())  # type: ignore[operator]
+
+
+def test_process_count_zero_means_available_cpus_up_to_four() -> None:
+    """0 is automatic (one per CPU, at most 4); anything else is taken as it is."""
+    assert supervisor.process_count(0) == min(supervisor.available_cpus(), 4)
+    assert supervisor.process_count(7) == 7
+    assert supervisor.process_count(1) == 1
+
+
+def test_ordered_handlers_run_in_the_first_process_only() -> None:
+    """Per-key order holds within a process: order_by handlers are not spread out."""
+    children = supervisor.plan(3, [("a", False), ("ordered", True), ("b", False)], 9000, 5)
+    assert [c.handlers for c in children] == [("a", "ordered", "b"), ("a", "b"), ("a", "b")]
+    assert [c.metrics_port for c in children] == [9000, 9001, 9002]
+    assert {c.db_pool_size for c in children} == {5}
+
+
+def test_only_ordered_handlers_means_one_process_and_no_metrics_port_stays_off() -> None:
+    """Nothing to spread: one child, and a metrics port of 0 stays 0."""
+    children = supervisor.plan(4, [("ordered", True)], 0, 4)
+    assert children == [Child(("ordered",), 0, 4)]
+
+
+def test_a_child_gets_the_same_arguments_with_its_own_per_child_flags() -> None:
+    """--processes, --handler, --metrics-port and --db-pool-size are replaced, in both
+    spellings; every other argument is passed on in order."""
+    argv = [
+        "--log-level",
+        "debug",
+        "worker",
+        "myapp:app",
+        "--processes",
+        "2",
+        "--handler",
+        "a",
+        "--handler=ordered",
+        "--metrics-port=9000",
+        "--batch",
+        "32",
+        "--db-pool-size",
+        "3",
+    ]
+    child = Child(("a",), 9001, 4)
+    assert supervisor.child_argv(argv, child) == [
+        "--log-level",
+        "debug",
+        "worker",
+        "myapp:app",
+        "--batch",
+        "32",
+        "--processes",
+        "1",
+        "--handler",
+        "a",
+        "--metrics-port",
+        "9001",
+        "--db-pool-size",
+        "4",
+    ]
+
+
+def test_the_connections_are_shared_out_but_never_below_four() -> None:
+    """min(concurrency, 16) divided among the processes, at least 4 each."""
+    assert supervisor.pool_share(128, 2) == 8
+    assert supervisor.pool_share(128, 4) == 4
+    assert supervisor.pool_share(128, 8) == 4
+    assert supervisor.pool_share(8, 1) == 8
+
+
+def test_worker_flags_cannot_be_abbreviated() -> None:
+    """The supervisor replaces its per-child flags by their full names only."""
+    from eop import cli
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["worker", "m:app", "--proc", "2"])
