@@ -7,8 +7,9 @@ exactly-once loop (per message a transaction with an inbox claim and one
 INSERT, then one sequential ack_sync); (c) an `eop worker` with the default
 settings, whose handler queues its write (eop.Writes); (d) an `eop worker`
 with the --tuned flags and a batch handler; (e) eop default again, its handler
-executing the INSERT through the session (a round trip per message). (b) to
-(e) do the same handler work: one INSERT per message.
+executing the INSERT through the session (a round trip per message); (f) eop
+default in one process (``--processes 1``), where (c) runs one per CPU. (b)
+to (f) do the same handler work: one INSERT per message.
 
 Throughput: a backlog is published, then drained; the rate runs from the
 first completion to the last, so start-up is excluded. Latency: then messages

@@ -57,7 +57,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"c/a = {ratios['c/a']:.2f} (target >= 0.6)   c/b = {ratios['c/b']:.1f} (target >= 15)"
-        f"   d/a = {ratios['d/a']:.2f}   e/a = {ratios['e/a']:.2f}   e/b = {ratios['e/b']:.1f}",
+        f"   d/a = {ratios['d/a']:.2f}   e/a = {ratios['e/a']:.2f}   e/b = {ratios['e/b']:.1f}"
+        f"   f/a = {ratios['f/a']:.2f}   f/b = {ratios['f/b']:.1f}",
     ]
     big = report["big"]
     if big:

@@ -43,6 +43,8 @@ def run(options: runs.Options) -> dict[str, Any]:
                 ("d/a", "d", "a"),
                 ("e/a", "e", "a"),
                 ("e/b", "e", "b"),
+                ("f/a", "f", "a"),
+                ("f/b", "f", "b"),
             )
         },
         "big": dataclasses.asdict(big) if big else None,
@@ -62,7 +64,9 @@ async def _run_all(
         results = []
         for run_ in runs.RUNS:
             count = options.naive_messages if run_.key == "b" else options.messages
-            extra = shlex.split(options.tuned) if run_.key == "d" else ()
+            extra = shlex.split(run_.args)
+            if run_.key == "d":
+                extra += shlex.split(options.tuned)
             results.append(await measurement.measure(bench, run_, count, extra))
         big = await measurement.measure_big(bench, options.big_messages) if options.big else None
         return results, big

@@ -49,6 +49,8 @@ class Run:
     stream: str
     durable: str
     handler: str = ""
+    args: str = ""
+    """Flags of its ``eop worker`` beyond the servers' URLs (the tuned run adds --tuned's)."""
 
     @property
     def subject(self) -> str:
@@ -62,6 +64,14 @@ RUNS = (
     Run("c", "eop default", "BENCH_C", "eop-bench-default", "bench-default"),
     Run("d", "eop tuned (batch handler)", "BENCH_D", "eop-bench-tuned", "bench-tuned"),
     Run("e", "eop default, session.execute", "BENCH_E", "eop-bench-direct", "bench-direct"),
+    Run(
+        "f",
+        "eop default, one process",
+        "BENCH_F",
+        "eop-bench-one",
+        "bench-one",
+        args="--processes 1",
+    ),
 )
 BIG = Run("big", "eop default, long run", "BENCH_BIG", "eop-bench-big", "bench-big")
 for _run in (*RUNS, BIG):
@@ -70,6 +80,7 @@ for _run, _func in (
     (RUNS[2], record),
     (RUNS[3], record_batch),
     (RUNS[4], record_direct),
+    (RUNS[5], record),
     (BIG, record),
 ):
     app.handler(

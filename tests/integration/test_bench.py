@@ -42,13 +42,14 @@ def test_bench_measures_the_four_runs_end_to_end(tmp_path: Path) -> None:
         "(c) eop default",
         "(d) eop tuned",
         "(e) eop default, session",
+        "(f) eop default, one process",
     ):
         assert row in proc.stdout
     assert "c/a = " in proc.stdout
     assert "c/b = " in proc.stdout
     assert "WARNING" not in proc.stdout
     report = json.loads(report_path.read_text())
-    assert [run["key"] for run in report["runs"]] == ["a", "b", "c", "d", "e"]
+    assert [run["key"] for run in report["runs"]] == ["a", "b", "c", "d", "e", "f"]
     for run in report["runs"]:
         assert run["rate"] > 0
         assert run["p99_ms"] >= run["p50_ms"] > 0
