@@ -153,7 +153,11 @@ def supervise(argvs: Sequence[Sequence[str]]) -> int:
     try:
         running = {c.pid: c for c in children}
         while running:
-            pid, status = os.waitpid(-1, 0)
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:  # reaped elsewhere: ask each one
+                pid = next(iter(running))
+                status = _status_of(running[pid].wait())
             child = running.pop(pid, None)
             if child is None:
                 continue
@@ -173,6 +177,11 @@ def supervise(argvs: Sequence[Sequence[str]]) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return first_failure or 0
+
+
+def _status_of(returncode: int) -> int:
+    """A wait status equivalent to Popen's ``returncode``."""
+    return (-returncode & 0x7F) if returncode < 0 else (returncode & 0xFF) << 8
 
 
 def _exit_code(status: int) -> int:

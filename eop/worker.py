@@ -107,9 +107,11 @@ class Worker:
             self._logger.error(log.Event.NATS_CLOSED, error=str(error))
         self.stop()
 
-    def _on_signal(self) -> None:
-        # A second Ctrl-C means "now": do not wait for slow handlers.
-        self.stop(force=self._stopping.is_set())
+    def _on_signal(self, signum: int) -> None:
+        # A second Ctrl-C means "now": do not wait for slow handlers. A second
+        # SIGTERM does not: systemd, for one, sends it to every process of a
+        # supervised worker, and the supervisor passes its own on as well.
+        self.stop(force=self._stopping.is_set() and signum == signal.SIGINT)
 
     @property
     def draining(self) -> bool:
@@ -211,10 +213,10 @@ class Worker:
             compactor.processed(settled)
 
     def install_signal_handlers(self) -> None:
-        """Stop on SIGTERM and SIGINT (a second one stops at once)."""
+        """Stop on SIGTERM and SIGINT (a second SIGINT stops at once)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal)
+            loop.add_signal_handler(sig, self._on_signal, sig)
 
     async def _bind(self, nc: Any, js: Any, spec: HandlerSpec) -> fetcher.Fetcher:
         create = self.settings.create

@@ -109,3 +109,12 @@ def test_worker_flags_cannot_be_abbreviated() -> None:
 
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["worker", "m:app", "--proc", "2"])
+
+
+def test_exit_codes_follow_the_shell_convention_for_signals() -> None:
+    """A child killed by signal N makes the supervisor exit 128 + N; an exit code passes as is."""
+    import signal
+
+    assert supervisor._exit_code(supervisor._status_of(-signal.SIGKILL)) == 128 + signal.SIGKILL
+    assert supervisor._exit_code(supervisor._status_of(3)) == 3
+    assert supervisor._exit_code(supervisor._status_of(0)) == 0
