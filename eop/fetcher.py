@@ -114,7 +114,10 @@ class Fetcher:
         if status is None:
             # A message is delivered under its own subject, whichever request
             # asked for it: while a fetch waits, it is that fetch's.
-            if self._wake is None:
+            # Beyond what it asked for (an abandoned request's late message), or
+            # with nobody waiting, it is kept for the next fetch: a fetch never
+            # returns more than its batch, the worker's slots count on that.
+            if self._wake is None or len(self._got) >= self._wanted:
                 self._leftover.append(msg)
                 return
             self._got.append(msg)

@@ -78,3 +78,28 @@ async def test_a_fetch_from_a_deleted_consumer_raises_an_api_error(nc: Any, js: 
     with pytest.raises(nats.js.errors.APIError):
         await f.fetch(8, timeout_s=2.0)
     await f.stop()
+
+
+async def test_a_fetch_never_returns_more_than_its_batch_and_keeps_late_messages(
+    nc: Any, js: Any
+) -> None:
+    """Messages beyond the batch (a timed-out request's late delivery) are kept for the
+    next fetch, not added to the current one: the worker's slots count on the bound."""
+    await _consumer(js)
+    f = await fetcher.Fetcher(nc, STREAM, DURABLE).start()
+    await _publish(js, 8)
+    # A fetch for 3, and at the same moment a request for 5 under a reply subject
+    # of the fetcher's that no fetch waits on (as a timed-out request's would be).
+    fetching = asyncio.create_task(f.fetch(3, timeout_s=30.0))
+    await nc.publish(
+        f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{DURABLE}",
+        b'{"batch": 5, "expires": 5000000000}',
+        reply=f._prefix + "0",
+    )
+    first = await asyncio.wait_for(fetching, 10.0)
+    assert len(first) <= 3
+    seen = list(first)
+    while len(seen) < 8:
+        seen += await asyncio.wait_for(f.fetch(3, timeout_s=5.0), 10.0)
+    assert sorted(m.data for m in seen) == sorted(f"m{i}".encode() for i in range(8))
+    await f.stop()
