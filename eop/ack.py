@@ -14,12 +14,13 @@ from typing import Any, Protocol
 
 import nats.errors
 import tenacity
+from nats.js import api
 
 from eop import faults, log
 
 _ACK = b"+ACK"
-_STATUS_HEADER = "Status"
-_NO_RESPONDERS = "503"
+_STATUS_HEADER = api.Header.STATUS.value
+_NO_RESPONDERS = api.StatusCode.SERVICE_UNAVAILABLE.value
 
 # Errors after which the same ack may be sent again: the reply was lost, or the
 # client is reconnecting and will resend from its pending buffer.

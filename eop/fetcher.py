@@ -29,12 +29,20 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
+from nats.js import api
 
-_STATUS = "Status"
-_HEARTBEAT = "100"
+_STATUS = api.Header.STATUS.value
+_HEARTBEAT = api.StatusCode.CONTROL_MESSAGE.value
 # The server's ways to end a pull request early: nothing there (404), expired
 # (408), or a conflict such as a deleted consumer or too many waiting pulls (409).
-_REQUEST_ENDED = frozenset({"404", "408", "409"})
+_REQUEST_ENDED = frozenset(
+    code.value
+    for code in (
+        api.StatusCode.NO_MESSAGES,
+        api.StatusCode.REQUEST_TIMEOUT,
+        api.StatusCode.CONFLICT,
+    )
+)
 _EXPIRES_MARGIN_NS = 100_000  # the server ends the request before our deadline
 
 
