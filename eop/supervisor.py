@@ -32,7 +32,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,39 +138,33 @@ def supervise(argvs: Sequence[Sequence[str]]) -> int:
         for argv in argvs
     ]
     logger.info(log.Event.PROCESSES_STARTED, pids=[c.pid for c in children])
+    running = {c.pid: c for c in children}
     stopping = False
     first_failure: int | None = None
 
     def pass_on(signum: int, _: Any) -> None:
         nonlocal stopping
         stopping = True
-        for child in children:
-            if child.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.send_signal(signum)
+        _signal_all(running.values(), signum)
 
     previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        running = {c.pid: c for c in children}
         while running:
             try:
                 pid, status = os.waitpid(-1, 0)
+                returncode = os.waitstatus_to_exitcode(status)
             except ChildProcessError:  # reaped elsewhere: ask each one
                 pid = next(iter(running))
-                status = _status_of(running[pid].wait())
-            child = running.pop(pid, None)
-            if child is None:
+                returncode = running[pid].wait()
+            if running.pop(pid, None) is None:
                 continue
-            code = _exit_code(status)
-            child.returncode = code
+            code = _exit_code(returncode)
             logger.info(log.Event.PROCESS_EXITED, pid=pid, code=code)
             if not stopping:
                 # A child ended by itself: the worker is not whole any more.
                 stopping = True
                 first_failure = code or 1
-                for other in running.values():
-                    with contextlib.suppress(ProcessLookupError):
-                        other.send_signal(signal.SIGTERM)
+                _signal_all(running.values(), signal.SIGTERM)
             elif code != 0 and first_failure is None:
                 first_failure = code
     finally:
@@ -179,15 +173,15 @@ def supervise(argvs: Sequence[Sequence[str]]) -> int:
     return first_failure or 0
 
 
-def _status_of(returncode: int) -> int:
-    """A wait status equivalent to Popen's ``returncode``."""
-    return (-returncode & 0x7F) if returncode < 0 else (returncode & 0xFF) << 8
+def _signal_all(children: Iterable[subprocess.Popen[bytes]], signum: int) -> None:
+    for child in list(children):
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
 
 
-def _exit_code(status: int) -> int:
-    if os.WIFSIGNALED(status):
-        return 128 + os.WTERMSIG(status)
-    return os.WEXITSTATUS(status)
+def _exit_code(returncode: int) -> int:
+    """A shell's exit status for Popen's ``returncode``: 128 + N for a child killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _die_with_parent(parent: int) -> Any:

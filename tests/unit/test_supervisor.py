@@ -115,6 +115,6 @@ def test_exit_codes_follow_the_shell_convention_for_signals() -> None:
     """A child killed by signal N makes the supervisor exit 128 + N; an exit code passes as is."""
     import signal
 
-    assert supervisor._exit_code(supervisor._status_of(-signal.SIGKILL)) == 128 + signal.SIGKILL
-    assert supervisor._exit_code(supervisor._status_of(3)) == 3
-    assert supervisor._exit_code(supervisor._status_of(0)) == 0
+    assert supervisor._exit_code(-signal.SIGKILL) == 128 + signal.SIGKILL
+    assert supervisor._exit_code(3) == 3
+    assert supervisor._exit_code(0) == 0
