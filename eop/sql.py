@@ -456,13 +456,12 @@ def audit_inbox_rows(
 ) -> sa.Select[Any]:
     """Inbox rows of one epoch with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
     c = t.inbox.c
-    stmt = sa.select(c.stream_seq, c.fingerprint, c.msg_id, c.outcome, c.delivery_count).where(
-        *_in_epoch(c, subscription, stream, epoch),
-        c.stream_seq >= lo,
+    stmt = sa.select(c.stream_seq, c.fingerprint, c.msg_id, c.outcome, c.delivery_count)
+    return (
+        stmt.where(*_in_range(c, subscription, stream, epoch, lo, hi))
+        .order_by(c.stream_seq)
+        .limit(limit)
     )
-    if hi is not None:
-        stmt = stmt.where(c.stream_seq <= hi)
-    return stmt.order_by(c.stream_seq).limit(limit)
 
 
 def audit_dead_letters(
@@ -476,13 +475,22 @@ def audit_dead_letters(
 ) -> sa.Select[Any]:
     """Dead letters of one epoch with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
     c = t.dead_letters.c
-    stmt = sa.select(c.stream_seq, c.fingerprint, c.id, c.reason).where(
-        *_in_epoch(c, subscription, stream, epoch),
-        c.stream_seq >= lo,
+    stmt = sa.select(c.stream_seq, c.fingerprint, c.id, c.reason)
+    return (
+        stmt.where(*_in_range(c, subscription, stream, epoch, lo, hi))
+        .order_by(c.stream_seq, c.id)
+        .limit(limit)
     )
+
+
+def _in_range(
+    c: Any, subscription: str, stream: str, epoch: str, lo: int, hi: int | None
+) -> list[sa.ColumnElement[bool]]:
+    """One epoch's rows with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
+    conditions = [*_in_epoch(c, subscription, stream, epoch), c.stream_seq >= lo]
     if hi is not None:
-        stmt = stmt.where(c.stream_seq <= hi)
-    return stmt.order_by(c.stream_seq, c.id).limit(limit)
+        conditions.append(c.stream_seq <= hi)
+    return conditions
 
 
 def audit_by_msg_ids(t: models.Tables, subscription: str, msg_ids: list[str]) -> sa.Select[Any]:
