@@ -160,7 +160,7 @@ class App:
                 connect_args=connect_args,
                 # Batches share connections: a few transactions at a time keep
                 # the database busy without exhausting max_connections.
-                pool_size=self.settings.db_pool_size or min(self.settings.concurrency, 16),
+                pool_size=self.settings.db_connections(),
                 max_overflow=4,
                 # Bound values are payload data: keep them out of SQLAlchemy's
                 # error texts and echo logs (log.describe_error drops them too,

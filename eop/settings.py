@@ -180,6 +180,14 @@ class Settings:
 
         transport.NatsAccess.from_settings(self).check()
 
+    def db_connections(self, processes: int = 1) -> int:
+        """The connections one worker process keeps: ``db_pool_size``, or when that is 0,
+        ``min(concurrency, 16)``, shared out among ``processes`` (at least 4 each)."""
+        if self.db_pool_size:
+            return self.db_pool_size
+        whole = min(self.concurrency, 16)
+        return whole if processes == 1 else max(4, whole // processes)
+
     def __repr__(self) -> str:
         # Settings get printed and logged: no passwords, tokens or URL credentials.
         from eop import log

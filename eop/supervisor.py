@@ -67,11 +67,6 @@ def process_count(setting: int) -> int:
     return setting if setting > 0 else min(available_cpus(), MAX_AUTO_PROCESSES)
 
 
-def pool_share(concurrency: int, count: int) -> int:
-    """Each of ``count`` processes' share of one worker's connections, at least 4."""
-    return max(4, min(concurrency, 16) // count)
-
-
 @dataclasses.dataclass(frozen=True)
 class Child:
     """What one child process runs."""

@@ -119,7 +119,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             count,
             [(s.name, s.order_by is not None) for s in specs],
             app.settings.metrics_port,
-            app.settings.db_pool_size or supervisor.pool_share(app.settings.concurrency, count),
+            app.settings.db_connections(count),
         )
         if len(children) > 1:
             return supervisor.supervise([supervisor.child_argv(args.argv, c) for c in children])

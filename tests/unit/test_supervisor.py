@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from eop import supervisor
+from eop.settings import Settings
 from eop.supervisor import Child
 
 
@@ -96,11 +97,14 @@ def test_a_child_gets_the_same_arguments_with_its_own_per_child_flags() -> None:
 
 
 def test_the_connections_are_shared_out_but_never_below_four() -> None:
-    """min(concurrency, 16) divided among the processes, at least 4 each."""
-    assert supervisor.pool_share(128, 2) == 8
-    assert supervisor.pool_share(128, 4) == 4
-    assert supervisor.pool_share(128, 8) == 4
-    assert supervisor.pool_share(8, 1) == 8
+    """min(concurrency, 16) divided among the processes, at least 4 each; a set
+    db_pool_size is taken as it is."""
+    assert Settings(concurrency=128).db_connections(2) == 8
+    assert Settings(concurrency=128).db_connections(4) == 4
+    assert Settings(concurrency=128).db_connections(8) == 4
+    assert Settings(concurrency=8).db_connections(1) == 8
+    assert Settings(concurrency=2).db_connections() == 2  # one process: as before
+    assert Settings(db_pool_size=3).db_connections(2) == 3
 
 
 def test_worker_flags_cannot_be_abbreviated() -> None:
