@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
@@ -231,12 +232,19 @@ async def term(delivery: Delivery, logger: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def heartbeat(delivery: Delivery, interval_s: float, logger: Any) -> AsyncIterator[None]:
-    """Send ``in_progress()`` every ``interval_s`` while the body runs, keeping the lease."""
+async def heartbeat(
+    delivery: Delivery, interval_s: float, logger: Any, *, at_once: bool = False
+) -> AsyncIterator[None]:
+    """Send ``in_progress()`` every ``interval_s`` while the body runs, keeping the lease.
+
+    ``at_once``: the first one right away (the lease may be nearly spent already).
+    """
 
     async def beat() -> None:
+        wait_s = 0.0 if at_once else interval_s
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(wait_s)
+            wait_s = interval_s
             try:
                 await delivery.in_progress()
             except (nats.errors.Error, asyncio.TimeoutError) as exc:
@@ -252,6 +260,16 @@ async def heartbeat(delivery: Delivery, interval_s: float, logger: Any) -> Async
 
 
 def backoff_s(num_delivered: int, base_s: float, max_s: float) -> float:
-    """The retry delay after ``num_delivered`` deliveries: exponential, capped."""
+    """The retry delay after ``num_delivered`` deliveries (or failures): exponential, capped."""
     exponent = min(max(num_delivered - 1, 0), 30)
     return float(min(base_s * (2**exponent), max_s))
+
+
+def jittered_s(attempt: int, base_s: float, max_s: float) -> float:
+    """:func:`backoff_s` with jitter: between half of it and all of it.
+
+    Transactions that deadlocked or timed out on the same hot rows retry at
+    different moments instead of colliding again in lockstep.
+    """
+    delay = backoff_s(attempt, base_s, max_s)
+    return delay / 2 + random.random() * delay / 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -149,6 +150,51 @@ class App:
         clone.settings = self.settings.replace(**changes)
         return clone
 
+    def connection_shares(self) -> tuple[int, int]:
+        """How the pools eop makes share ``settings.db_connections()``: (async, sync).
+
+        That number bounds the PostgreSQL connections of one worker process,
+        both pools included, and neither overflows it. Without sync handlers
+        the async pool has them all. With both kinds, half go to the sync pool
+        (the async pool gets the odd one); with sync handlers only, the async
+        pool keeps 1 or 2 for eop's bookkeeping (start-up check, compaction,
+        the check after an ambiguous COMMIT) and the sync pool the rest.
+        """
+        total = self.settings.db_connections()
+        kinds = {spec.is_async for spec in self._handlers.values()}
+        if False not in kinds:
+            return total, 0
+        if total < 2:
+            raise errors.ConfigurationError(
+                f"db_pool_size is {total}, but an app with sync handlers needs at least 2 "
+                "connections per worker process (one for each pool): raise db_pool_size"
+            )
+        async_share = total - total // 2 if True in kinds else max(1, min(2, total // 4))
+        return async_share, total - async_share
+
+    def sync_transactions(self) -> int:
+        """How many sync transactions eop keeps open at once (and threads it runs them in).
+
+        With eop's own sync pool: that pool's size, its share of
+        ``db_connections``. With a ``sync_sessionmaker`` given: what its pool
+        can hand out at once (``pool_size + max_overflow`` of a ``QueuePool``),
+        so that eop never waits for a connection of it while holding one; for
+        a pool without a limit (``NullPool``, an unlimited overflow), eop's
+        share again.
+        """
+        share = max(1, self.connection_shares()[1])
+        if self._sync_sessionmaker is None:
+            return share
+        bind = self._sync_sessionmaker.kw.get("bind")
+        pool = bind.pool if isinstance(bind, sa.Engine) else None
+        if isinstance(pool, sa.QueuePool):
+            # No public reader of max_overflow; -1 means no limit.
+            overflow: int = pool._max_overflow
+            return pool.size() + overflow if overflow >= 0 else share
+        if isinstance(pool, (sa.StaticPool, sa.SingletonThreadPool, sa.AssertionPool)):
+            return 1
+        return share
+
     @property
     def engine(self) -> AsyncEngine:
         """The async engine: the one given, or one made from ``database_url``."""
@@ -159,9 +205,10 @@ class App:
                 url,
                 connect_args=connect_args,
                 # Batches share connections: a few transactions at a time keep
-                # the database busy without exhausting max_connections.
-                pool_size=self.settings.db_connections(),
-                max_overflow=4,
+                # the database busy without exhausting max_connections. No
+                # overflow: db_pool_size is a bound, not a baseline.
+                pool_size=self.connection_shares()[0],
+                max_overflow=0,
                 # Bound values are payload data: keep them out of SQLAlchemy's
                 # error texts and echo logs (log.describe_error drops them too,
                 # for engines eop is given).
@@ -178,12 +225,18 @@ class App:
 
     @property
     def sync_sessionmaker(self) -> orm.sessionmaker[orm.Session]:
-        """The sync sessionmaker for sync handlers (made from the async URL if not given)."""
+        """The sync sessionmaker for sync handlers (made from the async URL if not given).
+
+        The one eop makes has its share of ``db_connections`` and no overflow:
+        exactly one connection per thread of :meth:`sync_transactions`.
+        """
         if self._sync_sessionmaker is None:
             self._sync_sessionmaker = orm.sessionmaker(
                 # From the settings' URL: the engine's lost the TLS parameters libpq reads.
                 sa.create_engine(
                     sync_url(sa.make_url(self.settings.database_url)),
+                    pool_size=self.sync_transactions(),
+                    max_overflow=0,
                     pool_pre_ping=True,
                     hide_parameters=True,  # as the async engine's
                 ),
@@ -198,7 +251,8 @@ class App:
         if self._sync_sessionmaker is not None:
             bind = self._sync_sessionmaker.kw.get("bind")
             if isinstance(bind, sa.Engine):
-                bind.dispose()
+                # Closing sync connections blocks: not on the event loop.
+                await asyncio.to_thread(bind.dispose)
 
 
 def sync_url(url: sa.URL) -> sa.URL:

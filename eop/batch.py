@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from eop import ack, errors, faults, inbox, log, message, models
-from eop.processor import Outcome, Processor, _transient
+from eop.processor import Outcome, Processor, _contention, _transient
 
 
 @dataclasses.dataclass
@@ -45,7 +45,12 @@ class BatchProcessor:
         outcomes: list[Outcome] = []
         leftovers: list[_Item] = []
         failures: list[tuple[_Item, Exception]] = []
-        if items:
+        if items and self.single.in_contention:
+            # Crossing transactions deadlocked lately: a batch would hold all its
+            # rows' locks at once and deadlock again. One message at a time.
+            for item in items:
+                outcomes.append(await self.single.handle(item.delivery, received_at))
+        elif items:
             try:
                 try:
                     outcomes, leftovers, failures = await self._run(items, isolate=False)
@@ -54,9 +59,16 @@ class BatchProcessor:
             except Exception as exc:
                 if not (_transient(exc) or isinstance(exc, _BatchRejected)):
                     raise
-                # The batch transaction cannot commit: let each message find its
-                # own way (the per-message protocol retries and settles it).
-                leftovers = items
+                if _contention(exc):
+                    # The batch deadlocked (or waited out its lock timeout): shrink it
+                    # to one transaction per message, run one at a time.
+                    self.single.note_contention()
+                    for item in items:
+                        outcomes.append(await self.single.handle(item.delivery, received_at))
+                else:
+                    # The batch transaction cannot commit: let each message find its
+                    # own way (the per-message protocol retries and settles it).
+                    leftovers = items
         singles = [self.single.handle(d, received_at) for d in others]
         singles += [self.single.handle(item.delivery, received_at) for item in leftovers]
         singles += [
@@ -80,7 +92,8 @@ class BatchProcessor:
             usual = (
                 epoch is not None
                 and lease_left >= self.settings.lease_margin_s
-                and meta.num_delivered <= self.single.max_attempts
+                and meta.num_delivered <= self.settings.max_deliveries
+                and message.undecodable(delivery) is None
             )
             if not usual or epoch is None:
                 others.append(delivery)
@@ -124,8 +137,10 @@ class BatchProcessor:
             try:
                 claimed = await tx.claim_many([i.msg for i in items], models.OUTCOME_PROCESSED)
             except Exception as exc:
-                if inbox.classify(exc) is inbox.DbFailure.LOCK_TIMEOUT:
-                    # A concurrent delivery holds one of the keys: go one by one.
+                if not _transient(exc):
+                    # A concurrent delivery holds one of the keys (a lock timeout), or
+                    # the database refuses one message's row: go one by one, so that
+                    # message settles on its own and the others are not held back.
                     raise _BatchRejected() from exc
                 raise
             await faults.point("after_claim")

@@ -88,6 +88,15 @@ class ClaimTimeout(EopError):
     """Another delivery of the same message holds its inbox key: not starting the handler."""
 
 
+class UnclaimableMessage(EopError):
+    """The database refuses this message's inbox row (a value it cannot store or index).
+
+    Retrying the same row cannot help: the message is dead-lettered on its own,
+    its row claimed without the msg-id (the likeliest culprit, and not needed
+    to key the row).
+    """
+
+
 class EmbeddedServerError(EopError):
     """An embedded server (nats-server or PostgreSQL) failed to start or stop."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import enum
@@ -23,6 +24,7 @@ import sqlalchemy.exc as sa_exc
 
 from eop import errors, log, models, sql, writes
 from eop import message as message_mod
+from eop.threads import SyncThreads
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -72,6 +74,28 @@ class Transaction(Protocol):
     async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
         """Record a dead letter for the message."""
 
+    async def count_failure(
+        self, message: Message, error: str, *, parked: bool, due_in_s: float
+    ) -> int:
+        """Add one handler failure to the message's count, keeping the message; the new count.
+
+        ``parked``: the retry is held in the database (run ``due_in_s`` from
+        now by a worker's retry loop) rather than by a nak'ed redelivery.
+        """
+
+    async def forget_failures(self, message: Message) -> None:
+        """Drop the message's failure count and parked copy (it has its outcome)."""
+
+    async def reschedule(self, message: Message, due_in_s: float) -> None:
+        """Run a parked message again ``due_in_s`` from now."""
+
+    async def lock_run(self, message: Message, runs: int) -> bool:
+        """Lock a parked message for the run that took it as run ``runs``; False if another
+        run took it since, or it settled."""
+
+    async def settle_retrying(self, message: Message, outcome: str) -> bool:
+        """Give a retrying message its outcome; False when it is not retrying (any more)."""
+
     async def run(self, message: Message) -> None:
         """Run the handler inside this transaction."""
 
@@ -105,10 +129,22 @@ class DbFailure(enum.Enum):
     """55P03: another delivery holds the key; nak with a delay."""
     CONNECTION = "connection"
     """The connection is gone: retry the transaction (or, during COMMIT, the outcome is unknown)."""
+    BUSY = "busy"
+    """The database cannot serve now (statement timeout, read-only, out of connections or
+    resources, a pool with no free connection): retry the transaction later."""
     OTHER = "other"
 
 
+#: Failures of the database, not of a handler: they never count as a message's attempt.
+INFRASTRUCTURE = frozenset(
+    {DbFailure.CONFLICT, DbFailure.LOCK_TIMEOUT, DbFailure.CONNECTION, DbFailure.BUSY}
+)
+
 _CONFLICT_STATES = {"40001", "40P01"}
+# 57014: statement timeout (or a cancel request); 25006: read-only transaction (a
+# standby, or default_transaction_read_only); class 53: insufficient resources
+# (too many connections, disk full, out of memory); 55006: object in use.
+_BUSY_STATES = {"57014", "25006", "55006"}
 # 57P01-57P03: the server is shutting down or terminated the backend;
 # class 08: connection exceptions.
 _CONNECTION_STATES = {"57P01", "57P02", "57P03"}
@@ -123,13 +159,17 @@ def classify(exc: BaseException) -> DbFailure:
     """
     seen: set[int] = set()
     from_database = False
+    any_state = False
+    operational = False
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        operational = operational or type(current).__name__ == "OperationalError"
         if isinstance(current, errors.DatabaseUnavailable):
             return DbFailure.CONNECTION
         # Anything carrying a SQLSTATE is a database error, whatever raised it.
         state = _sqlstate(current)
+        any_state = any_state or state is not None
         from_database = from_database or state is not None or _is_database_error(current)
         if isinstance(current, sa_exc.DBAPIError) and current.connection_invalidated:
             return DbFailure.CONNECTION
@@ -139,16 +179,50 @@ def classify(exc: BaseException) -> DbFailure:
             return DbFailure.LOCK_TIMEOUT
         if state is not None and (state in _CONNECTION_STATES or state.startswith("08")):
             return DbFailure.CONNECTION
+        if state is not None and (state in _BUSY_STATES or state.startswith("53")):
+            return DbFailure.BUSY
+        if isinstance(current, sa_exc.TimeoutError):
+            # QueuePool's "QueuePool limit ... reached, connection timed out".
+            return DbFailure.BUSY
         if from_database and isinstance(current, (OSError, sa_exc.DisconnectionError)):
             return DbFailure.CONNECTION
         if from_database and type(current).__name__ in _DRIVER_CONNECTION_ERRORS:
             return DbFailure.CONNECTION
         nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
         current = nxt or current.__cause__ or current.__context__
+    if from_database and operational and not any_state:
+        # psycopg's "connection failed: ... Connection refused" carries no SQLSTATE:
+        # an OperationalError without one is the connection's, not a statement's.
+        return DbFailure.CONNECTION
     return DbFailure.OTHER
 
 
 _DRIVER_CONNECTION_ERRORS = {"ConnectionDoesNotExistError", "InterfaceError"}
+
+# SQLSTATE classes of a statement whose values PostgreSQL refuses: data
+# exceptions (22: a value it cannot convert or accept), integrity constraints
+# (23), program limits (54: e.g. an index row too large).
+_REFUSED_CLASSES = ("22", "23", "54")
+
+
+def refuses_values(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database (or its driver) refuses the statement's values.
+
+    Unlike a conflict, a timeout or a lost connection, running the same
+    statement with the same values again cannot succeed.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        state = _sqlstate(current)
+        if (state is not None and state[:2] in _REFUSED_CLASSES) or isinstance(
+            current, UnicodeError
+        ):
+            return True
+        nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
+        current = nxt or current.__cause__ or current.__context__
+    return False
 
 
 def _is_database_error(exc: BaseException) -> bool:
@@ -178,6 +252,9 @@ class SqlTransaction(abc.ABC):
 
     @abc.abstractmethod
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]: ...
+
+    @abc.abstractmethod
+    async def _execute(self, stmt: sa.Executable) -> None: ...
 
     async def select(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
         """The rows of one of eop's own statements (:mod:`eop.sql`), run in this transaction."""
@@ -252,8 +329,9 @@ class SqlTransaction(abc.ABC):
     async def run_isolated(self, messages: list[Message]) -> Exception | None:
         """Run the handler on ``messages`` inside a savepoint; its error, rolled back, or None.
 
-        Errors that doom the whole transaction (conflicts, a lost connection)
-        are raised, not returned.
+        Failures of the database (:data:`INFRASTRUCTURE`: conflicts, lock and
+        statement timeouts, a lost connection) are raised, not returned: they
+        are no handler's failure, and the transaction is retried whole.
         """
 
     async def find(self, message: Message) -> Existing | None:
@@ -295,6 +373,44 @@ class SqlTransaction(abc.ABC):
         )
         return bool(await self._rows(stmt))
 
+    async def count_failure(
+        self, message: Message, error: str, *, parked: bool, due_in_s: float
+    ) -> int:
+        """Add one handler failure to the message's count, keeping the message; the new count."""
+        row = {
+            "subscription": message.subscription,
+            "stream": message.stream,
+            "stream_epoch": message.stream_epoch,
+            "stream_seq": message.seq,
+            "last_error": message_mod.pg_text(error),
+            "parked": parked,
+            "due_in_s": due_in_s,
+            "subject": message.subject,
+            # The handler needs the headers as they were (secrets included) on its
+            # retry; JSON in bytea keeps any character, NUL too.
+            "headers": json.dumps(dict(message.headers)).encode(),
+            "payload": message.data,
+            "stored_at": message.timestamp,
+        }
+        rows = await self._rows(sql.count_failure(self.tables, row))
+        return int(rows[0][0])
+
+    async def forget_failures(self, message: Message) -> None:
+        """Drop the message's failure count and parked copy (it has its outcome)."""
+        await self._execute(sql.forget_failures(self.tables, *_key(message)))
+
+    async def reschedule(self, message: Message, due_in_s: float) -> None:
+        """Run a parked message again ``due_in_s`` from now."""
+        await self._execute(sql.reschedule(self.tables, *_key(message), due_in_s))
+
+    async def lock_run(self, message: Message, runs: int) -> bool:
+        """Lock a parked message for its run number ``runs``; False if another run took it."""
+        return bool(await self._rows(sql.lock_run(self.tables, *_key(message), runs)))
+
+    async def settle_retrying(self, message: Message, outcome: str) -> bool:
+        """Give a retrying message its outcome; False when it is not retrying (any more)."""
+        return bool(await self._rows(sql.settle_retrying(self.tables, *_key(message), outcome)))
+
     async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
         """Record the dead letter: reason, error, headers without secrets, payload."""
         row = {
@@ -327,6 +443,9 @@ class AsyncTransaction(SqlTransaction):
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
         result = await self.session.execute(stmt)
         return [tuple(row) for row in result]
+
+    async def _execute(self, stmt: sa.Executable) -> None:
+        await self.session.execute(stmt)
 
     async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
         """Claim a batch in one statement, sent on asyncpg's own connection when it is one.
@@ -396,7 +515,7 @@ class AsyncTransaction(SqlTransaction):
         except Exception as exc:
             if self.writes is not None:
                 self.writes.discard()
-            if classify(exc) in (DbFailure.CONFLICT, DbFailure.CONNECTION):
+            if classify(exc) in INFRASTRUCTURE:
                 raise
             await savepoint.rollback()
             return exc
@@ -419,18 +538,64 @@ class SyncTransaction(SqlTransaction):
     """A transaction on a sync ``Session``; each step runs in a worker thread.
 
     Steps run one after another, never concurrently, so handing the session
-    from thread to thread is safe. Where each step runs is :meth:`_step`'s choice.
+    from thread to thread is safe. Where each step runs is :meth:`_step`'s
+    choice: with ``threads`` (what :class:`PostgresStore` gives), in those
+    threads under a permit held while the session holds a connection (see
+    :mod:`eop.threads`); without, in :func:`asyncio.to_thread`'s.
     """
 
-    def __init__(self, session: Session, tables: models.Tables, spec: HandlerSpec) -> None:
+    def __init__(
+        self,
+        session: Session,
+        tables: models.Tables,
+        spec: HandlerSpec,
+        threads: SyncThreads | None = None,
+    ) -> None:
         super().__init__(tables, spec)
         self.session = session
         if spec.takes_writes:
             self.writes = writes.Writes(session)
+        self._threads = threads
+        self._permit = False
+        self._abandoned = False
 
     async def _step(self, func: Callable[..., T], *args: Any) -> T:
         """Run one blocking step of the transaction: in a worker thread, off the event loop."""
-        return await asyncio.to_thread(func, *args)
+        threads = self._threads
+        if threads is None:
+            return await asyncio.to_thread(func, *args)
+        if self._abandoned:
+            raise RuntimeError("a cancelled step of this transaction still runs in its thread")
+        if not self._permit:
+            # Before the step checks a connection out of the pool, never after.
+            await threads.acquire()
+            self._permit = True
+        future = threads.submit(func, *args)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                self._abandon(threads, future)
+            raise
+
+    def _abandon(self, threads: SyncThreads, future: concurrent.futures.Future[Any]) -> None:
+        """The step was cancelled but its thread may still use the session: it is that
+        thread's until the step returns; then the session is closed (rolling back)
+        and the permit given back, there."""
+        self._abandoned = True
+
+        def close() -> None:
+            with contextlib.suppress(Exception):
+                self.session.close()
+            threads.release()
+
+        future.add_done_callback(lambda _: threads.later(close))
+
+    def _release(self) -> None:
+        """The session gave its connection back to the pool: give the permit back."""
+        if self._threads is not None and self._permit and not self._abandoned:
+            self._permit = False
+            self._threads.release()
 
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
         def execute() -> list[tuple[Any, ...]]:
@@ -438,6 +603,9 @@ class SyncTransaction(SqlTransaction):
             return [tuple(row) for row in result]
 
         return await self._step(execute)
+
+    async def _execute(self, stmt: sa.Executable) -> None:
+        await self._step(self.session.execute, stmt)
 
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call the handler in a worker thread, off the event loop, and flush its writes."""
@@ -475,7 +643,7 @@ class SyncTransaction(SqlTransaction):
         except Exception as exc:
             if self.writes is not None:
                 self.writes.discard()
-            if classify(exc) in (DbFailure.CONFLICT, DbFailure.CONNECTION):
+            if classify(exc) in INFRASTRUCTURE:
                 raise
             savepoint.rollback()
             return exc
@@ -487,11 +655,33 @@ class SyncTransaction(SqlTransaction):
             await self.flush()  # never left behind, whoever ran the handler
         await _commit(functools.partial(self._step, self.session.commit))
         self.committed = True
+        self._release()
 
     async def rollback(self) -> None:
         """ROLLBACK, ignoring a broken connection."""
-        with contextlib.suppress(Exception):
+        try:
             await self._step(self.session.rollback)
+        except Exception:
+            return  # the permit stays until close(), which also returns the connection
+        self._release()
+
+    async def close(self) -> None:
+        """Close the session (rolling back what is open) and give the permit back."""
+        if self._abandoned:
+            return
+        if self._threads is not None and not self._permit:
+            # No connection to give back: nothing to send, nothing to wait for.
+            self.session.close()
+            return
+        with contextlib.suppress(Exception):
+            await self._step(self.session.close)
+        if self._threads is not None and not self._abandoned:
+            self._permit = False
+            self._threads.release()
+
+
+def _key(message: Message) -> tuple[str, str, str, int]:
+    return (message.subscription, message.stream, message.stream_epoch, message.seq)
 
 
 async def _commit(commit: Any) -> None:
@@ -508,7 +698,12 @@ async def _commit(commit: Any) -> None:
 
 
 class PostgresStore:
-    """The real :class:`Store`: eop's tables in the app's database."""
+    """The real :class:`Store`: eop's tables in the app's database.
+
+    Sync transactions run in threads of the store's own (:mod:`eop.threads`),
+    as many as the app's sync pool hands out connections
+    (:meth:`eop.App.sync_transactions`); :meth:`close` lets them go.
+    """
 
     def __init__(self, app: App) -> None:
         self.app = app
@@ -517,40 +712,62 @@ class PostgresStore:
         self._timeouts = sql.set_local_timeouts(
             int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000)
         )
+        self._threads: SyncThreads | None = None
 
     def transaction(self, spec: HandlerSpec) -> contextlib.AbstractAsyncContextManager[Transaction]:
         """Open a session, begin, set the local timeouts; close (and so roll back) on exit."""
         return self._open(spec)
 
     @contextlib.asynccontextmanager
+    async def _open_async(self, spec: HandlerSpec) -> AsyncIterator[AsyncTransaction]:
+        async with self.app.sessionmaker() as session:
+            tx = AsyncTransaction(session, self.tables, spec)
+            await _connected(tx._rows(self._timeouts))
+            yield tx
+
+    @contextlib.asynccontextmanager
     async def _open(self, spec: HandlerSpec) -> AsyncIterator[SqlTransaction]:
-        tx: AsyncTransaction | SyncTransaction
         if spec.is_async:
-            async with self.app.sessionmaker() as session:
-                tx = AsyncTransaction(session, self.tables, spec)
-                await _connected(tx._rows(self._timeouts))
-                yield tx
-        else:
-            sync_session = await _connected(asyncio.to_thread(self.app.sync_sessionmaker))
-            try:
-                tx = SyncTransaction(sync_session, self.tables, spec)
-                await _connected(tx._rows(self._timeouts))
-                yield tx
-            finally:
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(sync_session.close)
+            async with self._open_async(spec) as atx:
+                yield atx
+            return
+        if self._threads is None:
+            self._threads = SyncThreads(self.app.sync_transactions())
+        # Making a session sends nothing: its first statement checks a
+        # connection out, in a thread, under the permit.
+        tx = SyncTransaction(self.app.sync_sessionmaker(), self.tables, spec, self._threads)
+        try:
+            await _connected(tx._rows(self._timeouts))
+            yield tx
+        finally:
+            await tx.close()
 
     def session(self) -> AsyncSession:
         """A plain async session for eop's own bookkeeping (compaction, status)."""
         return self.app.sessionmaker()
 
     async def has_outcome(self, spec: HandlerSpec, message: Message) -> bool:
-        """Whether this very message has a committed outcome, read in a fresh transaction."""
-        async with self._open(spec) as tx:
+        """Whether this very message has a committed outcome, read in a fresh transaction.
+
+        Read on the async engine, whatever the handler's kind: the caller still
+        holds its own transaction, and a sync one waiting here for a second sync
+        permit could wait for ever once every permit is held that way.
+        """
+        async with self._open_async(spec) as tx:
             found = await tx.find(message)
             if found is not None and found.by == "key" and found.fingerprint == message.fingerprint:
                 return True
             return await tx.has_dead_letter(message)
+
+    @property
+    def abandoned_threads(self) -> int:
+        """Threads still running a step after :meth:`close` (a handler that did not return)."""
+        return self._threads.busy if self._threads is not None else 0
+
+    def close(self) -> None:
+        """Take no more sync steps; threads stuck in a handler are left running."""
+        if self._threads is not None:
+            self._threads.close()
 
 
 async def _connected(awaitable: Any) -> Any:

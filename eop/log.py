@@ -42,6 +42,7 @@ class Event(str, enum.Enum):
     WORKER_STARTED = "worker.started"
     WORKER_STOPPING = "worker.stopping"
     WORKER_STOPPED = "worker.stopped"
+    WORKER_EXIT_FORCED = "worker.exit_forced"
     WORKER_STARTUP_RETRY = "worker.startup_retry"
     PROCESSES_STARTED = "processes.started"
     PROCESS_EXITED = "processes.exited"
@@ -59,6 +60,7 @@ class Event(str, enum.Enum):
     MESSAGE_FAILED = "message.failed"
     MESSAGE_STREAM_GONE = "message.stream_gone"
     TRANSACTION_RETRY = "transaction.retry"
+    RETRY_LOOP_FAILED = "retry_loop.failed"
     COMMIT_AMBIGUOUS = "commit.ambiguous"
     ACK_RETRY = "ack.retry"
     ACK_GAVE_UP = "ack.gave_up"
@@ -71,6 +73,7 @@ class Event(str, enum.Enum):
     NATS_ERROR = "nats.error"
     NATS_AUTH_REFUSED = "nats.auth_refused"
     NATS_CLOSED = "nats.closed"
+    NATS_READER_ENDED = "nats.reader_ended"
     FAULT_ARMED = "fault.armed"
     FAULT_HIT = "fault.hit"
 
@@ -85,6 +88,8 @@ class Action(str, enum.Enum):
     NAK = "nak"
     TERM = "term"
     LEFT = "left_for_redelivery"
+    PARK = "park"
+    """Acked, its retry held in the database (the retries table)."""
 
 
 def configure(

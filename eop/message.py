@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from eop import errors
+from eop import errors, wire
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 
@@ -93,11 +93,11 @@ def from_nats(msg: Any, *, subscription: str, stream_epoch: str) -> Message:
     except Exception as exc:  # nats-py raises a bare ValueError/IndexError here
         raise errors.UndecodableMessage(f"not a JetStream message: {exc}") from exc
     headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
-    if any("\x00" in k or "\x00" in v for k, v in headers.items()):
-        headers = {pg_text(k): pg_text(v) for k, v in headers.items()}
+    if any(_unstorable(k) or _unstorable(v) for k, v in headers.items()):
+        headers = {wire.storable(k): wire.storable(v) for k, v in headers.items()}
     return Message(
         subscription=subscription,
-        subject=pg_text(msg.subject),
+        subject=wire.storable(msg.subject),
         data=bytes(msg.data or b""),
         headers=headers,
         stream=meta.stream,
@@ -106,6 +106,21 @@ def from_nats(msg: Any, *, subscription: str, stream_epoch: str) -> Message:
         num_delivered=int(meta.num_delivered),
         timestamp=meta.timestamp,
     )
+
+
+def undecodable(msg: Any) -> str | None:
+    """Why the subject or a header of a nats-py message is not text, or None.
+
+    eop's connections deliver bytes that are not UTF-8 as surrogate escapes
+    (see :mod:`eop.wire`); :func:`from_nats` stores them as U+FFFD, so a
+    handler would get a subject or header that is not what was published:
+    such a message is dead-lettered as undecodable instead.
+    """
+    return wire.problem(str(msg.subject), msg.headers)
+
+
+def _unstorable(text: str) -> bool:
+    return "\x00" in text or wire.escaped(text)
 
 
 def fingerprint(subject: str, msg_id: str | None, data: bytes) -> bytes:
@@ -122,10 +137,10 @@ def fingerprint(subject: str, msg_id: str | None, data: bytes) -> bytes:
 
 
 def pg_text(text: str) -> str:
-    """``text`` as PostgreSQL can store it: text and jsonb refuse NUL characters.
+    """``text`` as PostgreSQL can store it: text and jsonb refuse NUL and bytes not UTF-8.
 
     A header, subject or error holding one would make every attempt to
-    record the message's outcome fail, so it could never be settled; NUL
-    becomes U+FFFD, as nats-py already does with bytes that are not UTF-8.
+    record the message's outcome fail, so it could never be settled; each
+    becomes U+FFFD (see :func:`eop.wire.storable`).
     """
-    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+    return wire.storable(text)

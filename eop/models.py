@@ -16,12 +16,21 @@ from sqlalchemy.dialects import postgresql
 #: Outcomes recorded in the inbox.
 OUTCOME_PROCESSED = "processed"
 OUTCOME_DEAD_LETTERED = "dead_lettered"
+#: Not an outcome yet: the handler failed and the retry is held in :attr:`Tables.retries`
+#: (the message was acked, so the row is the claim until the retry settles it).
+OUTCOME_RETRYING = "retrying"
 
 #: Reasons recorded with a dead letter.
 REASON_REJECTED = "rejected"
 REASON_UNDECODABLE = "undecodable"
 REASON_ATTEMPTS_EXHAUSTED = "attempts_exhausted"
 REASON_SEQUENCE_REUSED = "sequence_reused"
+REASON_CRASH_LOOP = "crash_loop"
+
+#: The reasons a message earns its dead letter by; any other reason is a bug to look at.
+RULE_REASONS = frozenset(
+    {REASON_REJECTED, REASON_UNDECODABLE, REASON_ATTEMPTS_EXHAUSTED, REASON_SEQUENCE_REUSED}
+)
 
 #: How a dead letter was replayed (``eop dlq replay``).
 REPLAY_PUBLISH = "publish"
@@ -40,6 +49,7 @@ class Tables:
     inbox: sa.Table
     dead_letters: sa.Table
     watermarks: sa.Table
+    retries: sa.Table
 
 
 @functools.cache
@@ -67,8 +77,11 @@ def tables(schema: str = "eop") -> Tables:
             nullable=False,
             server_default=sa.func.now(),
         ),
+        # SHA-256 of msg_id's UTF-8 bytes, set by the claim (eop.sql): a msg-id
+        # may be any length, but a btree index row may not exceed about 2.7 kB.
+        sa.Column("msg_id_digest", sa.LargeBinary, nullable=True),
         sa.CheckConstraint(
-            f"outcome IN ('{OUTCOME_PROCESSED}', '{OUTCOME_DEAD_LETTERED}')",
+            f"outcome IN ('{OUTCOME_PROCESSED}', '{OUTCOME_DEAD_LETTERED}', '{OUTCOME_RETRYING}')",
             name="inbox_outcome_check",
         ),
         # The second guard: a republish after the server's duplicate window
@@ -76,9 +89,9 @@ def tables(schema: str = "eop") -> Tables:
         sa.Index(
             "inbox_msg_id_key",
             "subscription",
-            "msg_id",
+            "msg_id_digest",
             unique=True,
-            postgresql_where=sa.text("msg_id IS NOT NULL"),
+            postgresql_where=sa.text("msg_id_digest IS NOT NULL"),
         ),
     )
     dead_letters = sa.Table(
@@ -145,10 +158,43 @@ def tables(schema: str = "eop") -> Tables:
             server_default=sa.func.now(),
         ),
     )
+    retries = sa.Table(
+        "retries",
+        metadata,
+        # A message whose handler failed: how often, and (parked) the message
+        # itself, so its retry waits here instead of in the consumer's
+        # ack-pending window, where failing messages would starve good ones.
+        sa.Column("subscription", sa.Text, primary_key=True),
+        sa.Column("stream", sa.Text, primary_key=True),
+        sa.Column("stream_epoch", sa.Text, primary_key=True),
+        sa.Column("stream_seq", sa.BigInteger, primary_key=True),
+        sa.Column("failures", sa.Integer, nullable=False),
+        sa.Column("runs", sa.Integer, nullable=False, server_default=sa.text("0")),
+        sa.Column("parked", sa.Boolean, nullable=False),
+        sa.Column("due_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("last_error", sa.Text, nullable=False),
+        sa.Column("subject", sa.Text, nullable=False),
+        sa.Column("headers", sa.LargeBinary, nullable=False),
+        sa.Column("payload", sa.LargeBinary, nullable=False),
+        sa.Column("stored_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column(
+            "updated_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+        sa.Index(
+            "retries_due_idx",
+            "subscription",
+            "due_at",
+            postgresql_where=sa.text("parked"),
+        ),
+    )
     return Tables(
         schema=schema,
         metadata=metadata,
         inbox=inbox,
         dead_letters=dead_letters,
         watermarks=watermarks,
+        retries=retries,
     )

@@ -1,14 +1,21 @@
-"""The per-message protocol of design.md section 2.
+"""The per-message protocol.
 
 Claim first, run the handler in the same transaction, COMMIT, then the
 confirmed ack; every failure lands in exactly one committed outcome (the
-handler's writes or a dead letter, each with its inbox row) or in a
-redelivery that will find one.
+handler's writes or a dead letter, each with its inbox row), in a parked
+retry (:mod:`eop.retries`), or in a redelivery that will find one.
+
+Attempts are the handler's failures, counted in the database. Failures of
+the database itself (:data:`eop.inbox.INFRASTRUCTURE`: an outage, read-only,
+lock and statement timeouts, deadlocks, an exhausted pool) are retried here,
+in the process, with jittered backoff, for as long as the worker runs: they
+never count, so no outage is long enough to dead-letter a good message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import enum
@@ -16,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from eop import ack, errors, faults, inbox, log, message, models, observe
+from eop import ack, errors, faults, inbox, log, message, models, observe, retries
 from eop.handler import HandlerSpec
 from eop.settings import Settings
 
@@ -102,11 +109,32 @@ class Processor:
     observer: observe.Observer = observe.NOOP
     acker: ack.Acker | None = None
     """Confirms a batch's acks together; None: one ``ack_sync`` per message."""
+    stopping: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    """Set when the worker stops: a message waiting to retry is handed back at once."""
+    contended: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    """Held by a transaction retried after a deadlock or lock timeout (see :meth:`_retrying`)."""
+    contention_until: float = 0.0
+    """Until then (on :attr:`clock`), every transaction runs under :attr:`contended`."""
+
+    @property
+    def in_contention(self) -> bool:
+        """Whether a deadlock or lock timeout happened within the last few seconds."""
+        return self.clock() < self.contention_until
+
+    def note_contention(self) -> None:
+        """A transaction deadlocked or timed out on a lock: run one at a time for a while."""
+        self.contention_until = self.clock() + _CONTENTION_WINDOW_S
 
     @property
     def max_attempts(self) -> int:
-        """Deliveries before a failing message is dead-lettered."""
+        """Handler failures before a failing message is dead-lettered."""
         return self.spec.max_attempts or self.settings.max_attempts
+
+    @property
+    def parks(self) -> bool:
+        """Whether failed messages wait for their retry in the database (not ordered ones:
+        a key's later messages must wait behind its retried one, see :mod:`eop.ordering`)."""
+        return self.spec.order_by is None
 
     @property
     def ack_wait_s(self) -> float:
@@ -137,19 +165,59 @@ class Processor:
             logger.info(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, lease_s=remaining)
             self.observer.outcome(self.spec, delivery, Outcome.LEFT)
             return Outcome.LEFT
-        if msg.num_delivered > self.max_attempts:
-            # Earlier deliveries ended without an outcome: the worker died in them.
-            dead = inbox.DeadLetter(
-                reason=models.REASON_ATTEMPTS_EXHAUSTED,
-                error=f"delivered {msg.num_delivered} times without an outcome "
-                f"(max_attempts={self.max_attempts}); earlier attempts crashed or timed out",
-            )
+        problem = message.undecodable(delivery)
+        if problem is not None:
+            # Bytes that are not UTF-8 in its subject or a header: no handler can
+            # be given the message as it was published, on this or any delivery.
+            dead = inbox.DeadLetter(reason=models.REASON_UNDECODABLE, error=problem)
             return await self._retrying(
                 delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
             )
-        return await self._retrying(
-            delivery, lambda m: self._attempt(delivery, m, logger), msg, logger
+        if msg.num_delivered > self.settings.max_deliveries:
+            dead = _crash_loop(msg.num_delivered, self.settings.max_deliveries)
+            return await self._claiming(
+                delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
+            )
+        return await self._claiming(
+            delivery,
+            lambda m: self._attempt(delivery, m, logger),
+            msg,
+            logger,
+            contended=self.in_contention,
         )
+
+    async def retry_parked(self, delivery: retries.ParkedDelivery) -> Outcome:
+        """Run a parked message again (taken from the retries table by the retry loop)."""
+        msg = delivery.message
+        logger = log.LazyLogger(
+            handler=self.spec.name, stream=msg.stream, seq=msg.seq, attempt=msg.num_delivered
+        )
+        return await self._retrying(
+            delivery, lambda m: self._rerun(delivery, m, logger), msg, logger
+        )
+
+    async def _claiming(
+        self,
+        delivery: ack.Delivery,
+        step: Callable[[message.Message], Awaitable[Outcome]],
+        msg: message.Message,
+        logger: Any,
+        *,
+        contended: bool = False,
+    ) -> Outcome:
+        """:meth:`_retrying`; a message whose inbox row is refused is dead-lettered on its own."""
+        try:
+            return await self._retrying(delivery, step, msg, logger, contended=contended)
+        except errors.UnclaimableMessage as exc:
+            dead = inbox.DeadLetter(reason=models.REASON_UNDECODABLE, error=str(exc))
+            # Not caught again: if even the row without the msg-id is refused, the
+            # message cannot have an outcome, and the worker naks it.
+            return await self._retrying(
+                delivery,
+                lambda m: self._dead_letter(delivery, m, dead, logger, msg_id_guard=False),
+                msg,
+                logger,
+            )
 
     async def _retrying(
         self,
@@ -157,33 +225,62 @@ class Processor:
         step: Callable[[message.Message], Awaitable[Outcome]],
         msg: message.Message,
         logger: Any,
+        *,
+        contended: bool = False,
     ) -> Outcome:
-        """Run a transactional step, retrying it whole on conflicts and lost connections.
+        """Run a transactional step, retrying it whole after a failure of the database.
 
-        When the retries run out, the message is nak'ed: its redelivery starts
-        the protocol again from the claim.
+        The retries go on, with jittered backoff, until the step succeeds or
+        the worker stops (then the message is handed back at once, for
+        another worker): none of them counts as an attempt of the message.
+
+        A step that deadlocked or timed out on a lock is retried under
+        :attr:`contended`, one at a time in this process: handlers that lock
+        the same rows in different orders would otherwise keep deadlocking
+        each other (PostgreSQL needs ``deadlock_timeout``, one second by
+        default, to break each cycle), and hot rows admit one writer anyway.
         """
         attempt = 0
         while True:
             try:
-                return await step(msg)
+                if not contended:
+                    return await step(msg)
+                async with self.contended:
+                    return await step(msg)
             except _EpochChanged as changed:
                 msg = dataclasses.replace(msg, stream_epoch=changed.epoch)
                 continue
             except errors.ClaimTimeout:
+                # Another delivery of this message holds its key: it settles it.
                 logger.info(log.Event.MESSAGE_CLAIM_TIMEOUT, action=log.Action.NAK)
                 return await self._nak(delivery, msg, None, logger)
             except Exception as exc:
                 if not _transient(exc):
                     raise
-                if attempt >= self.settings.tx_retries:
-                    logger.warning(
-                        log.Event.MESSAGE_RETRY, action=log.Action.NAK, error=_describe(exc)
-                    )
-                    return await self._nak(delivery, msg, None, logger)
+                if _contention(exc):
+                    contended = True
+                    self.note_contention()
                 attempt += 1
-                logger.info(log.Event.TRANSACTION_RETRY, attempt=attempt, error=_describe(exc))
-                await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
+                delay_s = ack.jittered_s(
+                    attempt, self.settings.backoff_base_s, self.settings.backoff_max_s
+                )
+                # Quiet while it is a blip, loud once it lasts.
+                level = logger.info if attempt < 5 else logger.warning
+                level(log.Event.TRANSACTION_RETRY, attempt=attempt, error=_describe(exc)[:500])
+                # The lease is renewed while the message waits: an outage of any
+                # length costs it no redelivery.
+                async with ack.heartbeat(delivery, self.ack_wait_s / 3, logger, at_once=True):
+                    stopped = await self._stopped_within(delay_s)
+                if stopped:
+                    return await self._nak(delivery, msg, 0.0, logger)
+
+    async def _stopped_within(self, delay_s: float) -> bool:
+        """Sleep ``delay_s``; True (at once) if the worker stops meanwhile."""
+        try:
+            await asyncio.wait_for(self.stopping.wait(), delay_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def _attempt(self, delivery: ack.Delivery, msg: message.Message, logger: Any) -> Outcome:
         failure: Exception | None = None
@@ -197,6 +294,9 @@ class Processor:
                 async with ack.heartbeat(delivery, self.ack_wait_s / 3, logger):
                     await tx.run(msg)
                     await faults.point("mid_handler")
+                if msg.num_delivered > 1 and not self.parks:
+                    # An ordered handler's failures were counted for its nak'ed retries.
+                    await tx.forget_failures(msg)
             except Exception as exc:
                 await tx.rollback()
                 if _transient(exc):
@@ -210,6 +310,43 @@ class Processor:
                 except _CommitRejected as rejected:
                     # A deferred constraint or the handler's last writes failed at
                     # COMMIT: the handler's failure, settled like any other.
+                    await tx.rollback()
+                    failure = rejected.error
+        return await self._handler_failed(delivery, msg, failure, logger)
+
+    async def _rerun(
+        self, delivery: retries.ParkedDelivery, msg: message.Message, logger: Any
+    ) -> Outcome:
+        """A parked message's run: the ``retrying`` row is its claim, locked for this run."""
+        failure: Exception | None = None
+        async with self.store.transaction(self.spec) as tx:
+            if not await tx.lock_run(msg, delivery.runs):
+                # A later run took it (this one outlived its lease), or it settled.
+                await tx.rollback()
+                self.observer.outcome(self.spec, delivery, Outcome.LEFT)
+                return Outcome.LEFT
+            if delivery.runs > delivery.failures + self.settings.max_deliveries:
+                await tx.rollback()
+                dead = _crash_loop(delivery.runs - delivery.failures, self.settings.max_deliveries)
+                return await self._dead_letter(delivery, msg, dead, logger)
+            if not await tx.settle_retrying(msg, models.OUTCOME_PROCESSED):
+                await tx.rollback()
+                self.observer.outcome(self.spec, delivery, Outcome.LEFT)
+                return Outcome.LEFT
+            try:
+                await tx.run(msg)
+                await tx.forget_failures(msg)
+            except Exception as exc:
+                await tx.rollback()
+                if _transient(exc):
+                    raise
+                failure = exc
+            else:
+                try:
+                    return await self.critical.run(
+                        self._commit_and_settle(tx, delivery, msg, Outcome.PROCESSED, logger)
+                    )
+                except _CommitRejected as rejected:
                     await tx.rollback()
                     failure = rejected.error
         return await self._handler_failed(delivery, msg, failure, logger)
@@ -330,6 +467,7 @@ class Processor:
     async def _handler_failed(
         self, delivery: ack.Delivery, msg: message.Message, exc: Exception | None, logger: Any
     ) -> Outcome:
+        """The handler raised (not a failure of the database): dead-letter or count and retry."""
         assert exc is not None
         self.observer.failed(self.spec, delivery, exc)
         tb = log.format_traceback(exc)
@@ -343,16 +481,76 @@ class Processor:
             return await self._retrying(
                 delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
             )
-        if msg.num_delivered >= self.max_attempts:
-            dead = inbox.DeadLetter(
-                reason=models.REASON_ATTEMPTS_EXHAUSTED, error=_describe(exc), traceback=tb
+        return await self._retrying(
+            delivery, lambda m: self._count_failure(delivery, m, exc, tb, logger), msg, logger
+        )
+
+    async def _count_failure(
+        self,
+        delivery: ack.Delivery,
+        msg: message.Message,
+        exc: Exception,
+        tb: str,
+        logger: Any,
+    ) -> Outcome:
+        """Count the failure in the database; dead-letter at ``max_attempts``, else retry.
+
+        The retry is parked (acked, held in the retries table) unless the
+        handler is ordered, whose retry is a nak'ed redelivery.
+        """
+        parked_run = isinstance(delivery, retries.ParkedDelivery)
+        expected = delivery.failures + 1 if isinstance(delivery, retries.ParkedDelivery) else 1
+        error = _describe(exc)
+        delay_s = self._retry_delay(exc, expected)
+        async with self.store.transaction(self.spec) as tx:
+            failures = await tx.count_failure(
+                msg, error, parked=self.parks, due_in_s=delay_s if self.parks else 0.0
             )
-            return await self._retrying(
-                delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
-            )
-        delay = exc.delay_s if isinstance(exc, errors.Retry) else None
-        logger.info(log.Event.MESSAGE_RETRY, action=log.Action.NAK, error=_describe(exc))
-        return await self._nak(delivery, msg, delay, logger)
+            if failures >= self.max_attempts:
+                dead = inbox.DeadLetter(
+                    reason=models.REASON_ATTEMPTS_EXHAUSTED, error=error, traceback=tb
+                )
+                return await self._dead_letter_in(tx, delivery, msg, dead, logger)
+            if failures != expected:
+                # Counted elsewhere too (an overlapping delivery): back off by the real count.
+                delay_s = self._retry_delay(exc, failures)
+                if self.parks:
+                    await tx.reschedule(msg, delay_s)
+            if not self.parks:
+                with contextlib.suppress(errors.AmbiguousCommit):
+                    # Counted or not, the nak below is right: at worst one failure
+                    # goes uncounted.
+                    await self.critical.run(tx.commit())
+                logger.info(
+                    log.Event.MESSAGE_RETRY, action=log.Action.NAK, failures=failures, error=error
+                )
+                return await self._nak(delivery, msg, delay_s, logger)
+            if not parked_run and not await _claim(tx, msg, models.OUTCOME_RETRYING):
+                existing = await tx.find(msg)
+                await tx.rollback()
+                return await self._not_claimed(delivery, msg, existing, logger)
+            return await self.critical.run(self._commit_and_park(tx, delivery, msg, logger))
+
+    def _retry_delay(self, exc: Exception, failures: int) -> float:
+        if isinstance(exc, errors.Retry) and exc.delay_s is not None:
+            return exc.delay_s
+        return ack.backoff_s(failures, self.settings.backoff_base_s, self.settings.backoff_max_s)
+
+    async def _commit_and_park(
+        self, tx: inbox.Transaction, delivery: ack.Delivery, msg: message.Message, logger: Any
+    ) -> Outcome:
+        """COMMIT the parked retry, then ack: the retries table holds the message now."""
+        try:
+            await tx.commit()
+        except errors.AmbiguousCommit:
+            # Parked or not: a redelivery finds the retrying row (and is acked), or
+            # finds nothing and runs the message again. Both settle it once.
+            return await self._nak(delivery, msg, None, logger)
+        if not isinstance(delivery, retries.ParkedDelivery):
+            await self._ack(delivery, logger)
+        logger.info(log.Event.MESSAGE_RETRY, action=log.Action.PARK)
+        self.observer.outcome(self.spec, delivery, Outcome.RETRY)
+        return Outcome.RETRY
 
     async def _dead_letter(
         self,
@@ -360,16 +558,38 @@ class Processor:
         msg: message.Message,
         dead: inbox.DeadLetter,
         logger: Any,
+        *,
+        msg_id_guard: bool = True,
     ) -> Outcome:
-        async with self.store.transaction(self.spec) as tx:
-            if not await _claim(tx, msg, models.OUTCOME_DEAD_LETTERED):
-                existing = await tx.find(msg)
+        spec = self.spec if msg_id_guard else dataclasses.replace(self.spec, msg_id_guard=False)
+        async with self.store.transaction(spec) as tx:
+            return await self._dead_letter_in(tx, delivery, msg, dead, logger)
+
+    async def _dead_letter_in(
+        self,
+        tx: inbox.Transaction,
+        delivery: ack.Delivery,
+        msg: message.Message,
+        dead: inbox.DeadLetter,
+        logger: Any,
+    ) -> Outcome:
+        """Dead-letter ``msg`` in ``tx``: its inbox row (a claim, or its retrying row), the
+        dead letter, no failure count left; COMMIT and term."""
+        if isinstance(delivery, retries.ParkedDelivery):
+            marked = await tx.settle_retrying(msg, models.OUTCOME_DEAD_LETTERED)
+            if not marked:
                 await tx.rollback()
-                return await self._not_claimed(delivery, msg, existing, logger)
-            await tx.add_dead_letter(msg, dead)
-            return await self.critical.run(
-                self._commit_and_settle(tx, delivery, msg, Outcome.DEAD_LETTERED, logger, dead)
-            )
+                self.observer.outcome(self.spec, delivery, Outcome.LEFT)
+                return Outcome.LEFT
+        elif not await _claim(tx, msg, models.OUTCOME_DEAD_LETTERED):
+            existing = await tx.find(msg)
+            await tx.rollback()
+            return await self._not_claimed(delivery, msg, existing, logger)
+        await tx.forget_failures(msg)
+        await tx.add_dead_letter(msg, dead)
+        return await self.critical.run(
+            self._commit_and_settle(tx, delivery, msg, Outcome.DEAD_LETTERED, logger, dead)
+        )
 
     async def _quarantine(
         self, delivery: ack.Delivery, msg: message.Message, logger: Any
@@ -439,16 +659,45 @@ async def _claim(tx: inbox.Transaction, msg: message.Message, outcome: str) -> b
     except Exception as exc:
         if inbox.classify(exc) is inbox.DbFailure.LOCK_TIMEOUT:
             raise errors.ClaimTimeout() from exc
+        if inbox.refuses_values(exc):
+            raise errors.UnclaimableMessage(
+                f"the inbox refuses this message's row: {_describe(exc)}"
+            ) from exc
         raise
 
 
 def _transient(exc: BaseException) -> bool:
-    """Errors after which the whole transaction is retried in this process."""
+    """Failures of the database, after which the whole transaction is retried in this process.
+
+    Wherever they are raised, in eop's statements or in the handler's, they
+    are no failure of the handler: they never count as an attempt.
+    """
     if isinstance(exc, (errors.TransactionConflict, errors.DatabaseUnavailable)):
         return True
     if isinstance(exc, errors.EopError):
         return False
-    return inbox.classify(exc) in (inbox.DbFailure.CONFLICT, inbox.DbFailure.CONNECTION)
+    return inbox.classify(exc) in inbox.INFRASTRUCTURE
+
+
+# How long after a deadlock or lock timeout a handler's transactions run one at a
+# time in a process. Long enough to drain a burst of crossing transactions,
+# short enough that a one-off deadlock costs little parallelism.
+_CONTENTION_WINDOW_S = 5.0
+
+
+def _contention(exc: BaseException) -> bool:
+    """A deadlock, a serialization failure or a lock timeout: transactions in each other's way."""
+    if isinstance(exc, errors.TransactionConflict):
+        return True
+    return inbox.classify(exc) in (inbox.DbFailure.CONFLICT, inbox.DbFailure.LOCK_TIMEOUT)
+
+
+def _crash_loop(runs: int, bound: int) -> inbox.DeadLetter:
+    return inbox.DeadLetter(
+        reason=models.REASON_CRASH_LOOP,
+        error=f"run {runs} times without an outcome (max_deliveries={bound}): its worker "
+        "died or lost its lease in every attempt",
+    )
 
 
 def _describe(exc: BaseException) -> str:

@@ -46,8 +46,10 @@ class Settings:
     concurrency: int = _field(128, "Messages in flight at the same time in one worker process.")
     db_pool_size: int = _field(
         0,
-        "Connections each worker process keeps open to PostgreSQL, plus up to 4 more at peaks "
-        "(0: min(concurrency, 16), shared out among the processes, at least 4 each).",
+        "The most connections one worker process opens to PostgreSQL, both of eop's pools "
+        "included, never more (0: min(concurrency, 16), shared out among the processes, at least "
+        "4 each). With sync handlers, the sync pool gets half (or all but 1-2 when every "
+        "handler is sync) and as many threads; pools passed to App are not counted.",
     )
     batch: int = _field(64, "Messages fetched per pull request (and per transaction).")
     batch_transactions: bool = _field(
@@ -58,9 +60,21 @@ class Settings:
     max_ack_pending: int = _field(
         1000, "The consumer's MaxAckPending (used when eop creates the consumer)."
     )
-    max_attempts: int = _field(5, "Deliveries of a message before it is dead-lettered.")
-    backoff_base_s: float = _field(0.5, "First retry delay; doubles with each delivery.")
+    max_attempts: int = _field(
+        5,
+        "Handler failures of a message before it is dead-lettered (failures of the database "
+        "or NATS never count).",
+    )
+    max_deliveries: int = _field(
+        100,
+        "Deliveries (or retry runs) of one message that end without any outcome, its worker "
+        "dying in each, before it is dead-lettered as a crash loop.",
+    )
+    backoff_base_s: float = _field(0.5, "First retry delay; doubles with each failure.")
     backoff_max_s: float = _field(60.0, "Upper bound of the retry delay.")
+    retry_poll_s: float = _field(
+        1.0, "How often a worker looks for failed messages whose retry is due."
+    )
     ack_timeout_s: float = _field(1.0, "How long one confirmed ack waits for the server's reply.")
     ack_give_up_s: float = _field(
         10.0, "How long a confirmed ack is retried before giving up (redelivery is then skipped)."
@@ -70,7 +84,9 @@ class Settings:
     )
     statement_timeout_s: float = _field(60.0, "``statement_timeout`` of the message's transaction.")
     tx_retries: int = _field(
-        5, "In-process retries of a transaction after 40001, 40P01 or a lost connection."
+        5,
+        "Spark only: in-process retries of a partition's transaction after 40001, 40P01 or a "
+        "lost connection (a worker retries those until they succeed or it stops).",
     )
     lease_margin_s: float = _field(
         2.0, "A delivery with less lease left than this is not started (it will be redelivered)."
@@ -89,7 +105,9 @@ class Settings:
         "republishes after the server's duplicate window).",
     )
     shutdown_grace_s: float = _field(
-        30.0, "How long a stopping worker waits for in-flight messages."
+        30.0,
+        "How long a stopping worker waits for in-flight messages before cancelling them; "
+        "the process ends at most ack_give_up_s + 5 s later, stuck handlers or not.",
     )
     create: bool = _field(
         True, "Create streams and consumers that do not exist (else bind to existing ones only)."
@@ -143,6 +161,7 @@ class Settings:
             "concurrency",
             "batch",
             "max_attempts",
+            "max_deliveries",
             "max_ack_pending",
             "startup_attempts",
             "nats_auth_refusals",
@@ -181,8 +200,9 @@ class Settings:
         transport.NatsAccess.from_settings(self).check()
 
     def db_connections(self, processes: int = 1) -> int:
-        """The connections one worker process keeps: ``db_pool_size``, or when that is 0,
-        ``min(concurrency, 16)``, shared out among ``processes`` (at least 4 each)."""
+        """The most connections one worker process opens, its pools together:
+        ``db_pool_size``, or when that is 0, ``min(concurrency, 16)``, shared out
+        among ``processes`` (at least 4 each). See :meth:`eop.App.connection_shares`."""
         if self.db_pool_size:
             return self.db_pool_size
         whole = min(self.concurrency, 16)

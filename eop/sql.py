@@ -37,6 +37,23 @@ def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.Te
     ).bindparams(lock=f"{lock_timeout_ms}ms", stmt=f"{statement_timeout_ms}ms")
 
 
+# The SHA-256 of a msg-id's UTF-8 bytes. convert_to is only STABLE, so this
+# cannot be an index expression: the claim stores it in inbox.msg_id_digest.
+_DIGEST_SQL = "sha256(convert_to({}, 'UTF8'))"
+
+
+def msg_id_digest(msg_id: Any) -> sa.ColumnElement[bytes]:
+    """The digest the inbox indexes for ``msg_id`` (a column or a value), as the claim computes it.
+
+    Look-ups by msg-id compare this with ``inbox.msg_id_digest``, so that they
+    use the guard's unique index, whatever the msg-id's length.
+    """
+    value = msg_id if isinstance(msg_id, sa.ColumnElement) else sa.literal(msg_id, sa.Text)
+    return sa.func.sha256(
+        sa.func.convert_to(value, sa.literal_column("'UTF8'")), type_=sa.LargeBinary
+    )
+
+
 _CLAIM_COLUMNS = (
     ("subscription", sa.Text, "text"),
     ("stream", sa.Text, "text"),
@@ -78,13 +95,18 @@ def _claim_text(schema: str) -> sa.TextClause:
 
 
 def _claim_sql(schema: str, arrays: str) -> str:
-    """The claim statement, its nine column arrays given as ``arrays`` (placeholders)."""
+    """The claim statement, its nine column arrays given as ``arrays`` (placeholders).
+
+    The msg-id guard's unique index holds the msg-id's digest (:func:`msg_id_digest`),
+    computed here so that every claim, whatever its caller, fills it in; a
+    taken digest is a conflict that ON CONFLICT DO NOTHING skips.
+    """
     names = ", ".join(name for name, _, _ in _CLAIM_COLUMNS)
     # The schema name is checked to be an identifier by Settings; quoting keeps
     # it literal.
     return (
-        f'INSERT INTO "{schema}".inbox ({names}) '
-        f"SELECT i.* FROM unnest({arrays}) AS i({names}) "
+        f'INSERT INTO "{schema}".inbox ({names}, msg_id_digest) '
+        f"SELECT i.*, {_DIGEST_SQL.format('i.msg_id')} FROM unnest({arrays}) AS i({names}) "
         "WHERE i.stream_seq > COALESCE(("
         f'SELECT w.watermark FROM "{schema}".watermarks AS w '
         "WHERE w.subscription = i.subscription AND w.stream = i.stream "
@@ -178,6 +200,9 @@ def delete_below_watermark(
             *_in_epoch(c, subscription, stream, epoch),
             c.stream_seq <= value,
             sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),
+            # A retrying row was acked (the ack floor passed it) but has no outcome:
+            # it is the claim of a retry held in the retries table.
+            c.outcome != models.OUTCOME_RETRYING,
         )
         .limit(limit)
     )
@@ -238,7 +263,7 @@ def find_by_msg_id(
     """The key and outcome of the message this subscription processed with ``msg_id``."""
     c = t.inbox.c
     return sa.select(c.stream, c.stream_epoch, c.stream_seq, c.outcome).where(
-        c.subscription == subscription, c.msg_id == msg_id
+        c.subscription == subscription, c.msg_id_digest == msg_id_digest(msg_id)
     )
 
 
@@ -464,6 +489,10 @@ def audit_inbox_rows(
     )
 
 
+#: How much of a dead letter's error the audit reads.
+AUDIT_ERROR_CHARS = 200
+
+
 def audit_dead_letters(
     t: models.Tables,
     subscription: str,
@@ -473,9 +502,14 @@ def audit_dead_letters(
     hi: int | None,
     limit: int | None = None,
 ) -> sa.Select[Any]:
-    """Dead letters of one epoch with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
+    """Dead letters of one epoch with ``lo <= stream_seq <= hi`` (no upper bound when None).
+
+    With the first characters of each one's error only: enough for the audit
+    to tell a dead letter that infrastructure caused, never a whole traceback.
+    """
     c = t.dead_letters.c
-    stmt = sa.select(c.stream_seq, c.fingerprint, c.id, c.reason)
+    error = sa.func.left(c.error, AUDIT_ERROR_CHARS)
+    stmt = sa.select(c.stream_seq, c.fingerprint, c.id, c.reason, error)
     return (
         stmt.where(*_in_range(c, subscription, stream, epoch, lo, hi))
         .order_by(c.stream_seq, c.id)
@@ -496,8 +530,11 @@ def _in_range(
 def audit_by_msg_ids(t: models.Tables, subscription: str, msg_ids: list[str]) -> sa.Select[Any]:
     """The inbox rows (any stream, any epoch) holding one of ``msg_ids`` for a subscription."""
     c = t.inbox.c
+    ids = sa.func.unnest(sa.literal(msg_ids, postgresql.ARRAY(sa.Text)))
+    wanted = ids.table_valued("id").render_derived(name="wanted")
     return sa.select(c.msg_id, c.stream, c.stream_epoch, c.stream_seq, c.outcome).where(
-        c.subscription == subscription, c.msg_id.is_not(None), c.msg_id.in_(msg_ids)
+        c.subscription == subscription,
+        c.msg_id_digest.in_(sa.select(msg_id_digest(wanted.c.id))),
     )
 
 
@@ -531,3 +568,121 @@ def audit_count_inbox(
 def ping() -> sa.Select[tuple[int]]:
     """``SELECT 1``: the database answers."""
     return sa.select(sa.literal(1))
+
+
+# --- Handler failures and retries held in the database ----------------------
+
+
+def _retry_key(t: models.Tables, subscription: str, stream: str, epoch: str, seq: int) -> Any:
+    c = t.retries.c
+    return sa.and_(*_in_epoch(c, subscription, stream, epoch), c.stream_seq == seq)
+
+
+def count_failure(t: models.Tables, row: dict[str, Any]) -> sa.Executable:
+    """Add one handler failure to a message's count (the row holds the message); RETURNING it.
+
+    ``row`` carries the key, ``last_error``, ``parked``, ``due_in_s`` and the
+    message (subject, headers, payload, stored_at); a first failure inserts it.
+    """
+    values = {k: v for k, v in row.items() if k != "due_in_s"}
+    due_at = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, row["due_in_s"])
+    insert = postgresql.insert(t.retries).values(**values, failures=1, due_at=due_at)
+    return insert.on_conflict_do_update(
+        index_elements=["subscription", "stream", "stream_epoch", "stream_seq"],
+        set_={
+            "failures": t.retries.c.failures + 1,
+            "last_error": insert.excluded.last_error,
+            "parked": insert.excluded.parked,
+            "due_at": insert.excluded.due_at,
+            "updated_at": sa.func.now(),
+        },
+    ).returning(t.retries.c.failures)
+
+
+def reschedule(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, due_in_s: float
+) -> sa.Executable:
+    """Set when a parked message is next run."""
+    due_at = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, due_in_s)
+    return (
+        sa.update(t.retries)
+        .where(_retry_key(t, subscription, stream, epoch, seq))
+        .values(due_at=due_at, updated_at=sa.func.now())
+    )
+
+
+def forget_failures(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int
+) -> sa.Executable:
+    """Delete a message's failure count (it has its outcome now)."""
+    return sa.delete(t.retries).where(_retry_key(t, subscription, stream, epoch, seq))
+
+
+def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) -> sa.Executable:
+    """Lease up to ``limit`` parked messages that are due; RETURNING them.
+
+    Each one's ``runs`` goes up and its ``due_at`` moves a lease ahead, so
+    another worker does not take it meanwhile, and a run that dies without an
+    outcome is still counted (the crash-loop bound). SKIP LOCKED: workers
+    taking at the same time never wait for each other.
+    """
+    c = t.retries.c
+    due = (
+        sa.select(c.subscription, c.stream, c.stream_epoch, c.stream_seq)
+        .where(c.subscription == subscription, c.parked, c.due_at <= sa.func.now())
+        .order_by(c.due_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    lease = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, lease_s)
+    return (
+        sa.update(t.retries)
+        .where(sa.tuple_(c.subscription, c.stream, c.stream_epoch, c.stream_seq).in_(due))
+        .values(runs=c.runs + 1, due_at=lease, updated_at=sa.func.now())
+        .returning(
+            c.stream,
+            c.stream_epoch,
+            c.stream_seq,
+            c.failures,
+            c.runs,
+            c.subject,
+            c.headers,
+            c.payload,
+            c.stored_at,
+        )
+    )
+
+
+def lock_run(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, runs: int
+) -> sa.Select[tuple[int]]:
+    """Lock a parked message for this run; no row when another run took it since."""
+    c = t.retries.c
+    return (
+        sa.select(c.failures)
+        .where(_retry_key(t, subscription, stream, epoch, seq), c.parked, c.runs == runs)
+        .with_for_update()
+    )
+
+
+def settle_retrying(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, outcome: str
+) -> sa.Executable:
+    """Turn a retrying inbox row into its outcome; RETURNING it only when it was retrying."""
+    c = t.inbox.c
+    return (
+        sa.update(t.inbox)
+        .where(
+            *_in_epoch(c, subscription, stream, epoch),
+            c.stream_seq == seq,
+            c.outcome == models.OUTCOME_RETRYING,
+        )
+        .values(outcome=outcome, processed_at=sa.func.now())
+        .returning(c.stream_seq)
+    )
+
+
+def count_parked(t: models.Tables, subscription: str) -> sa.Select[Any]:
+    """Messages of a subscription whose retry is held in the database."""
+    c = t.retries.c
+    return sa.select(sa.func.count()).where(c.subscription == subscription, c.parked)

@@ -43,6 +43,8 @@ class HandlerStatus:
     watermark: int | None = None
     last_processed_at: datetime.datetime | None = None
     """The newest outcome still in the inbox (compaction may have removed it)."""
+    retrying: int | None = None
+    """Failed messages whose retry waits in the database (acked in NATS)."""
     dead_letters: int | None = None
     dead_letters_unreplayed: int | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
@@ -139,6 +141,7 @@ async def _from_database(app: App, spec: HandlerSpec, status: HandlerStatus) -> 
         status.inbox_rows, status.last_processed_at = int(rows), last
         total, unreplayed = (await session.execute(sql.dead_letter_summary(t, spec.name))).one()
         status.dead_letters, status.dead_letters_unreplayed = int(total), int(unreplayed)
+        status.retrying = int((await session.execute(sql.count_parked(t, spec.name))).scalar_one())
         if status.epoch is not None:
             stmt = sql.watermark(t, spec.name, spec.stream, status.epoch)
             value: Any = (await session.execute(stmt)).scalar()
@@ -154,6 +157,7 @@ _COLUMNS = (
     ("REDELIVERED", "redelivered"),
     ("INBOX", "inbox_rows"),
     ("WATERMARK", "watermark"),
+    ("RETRYING", "retrying"),
     ("DEAD (UNREPLAYED)", "dead"),
     ("LAST OUTCOME (UTC)", "last_processed_at"),
 )

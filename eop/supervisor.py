@@ -18,6 +18,9 @@ The supervisor is deliberately small:
   own (a fatal error, or killed) stops the others with SIGTERM, and the
   supervisor exits with that first child's status: an orchestrator restarts
   the whole worker rather than running it short of a process.
+- A stop ends: children still running well after their own stop deadline
+  (:func:`eop.shutdown.deadline_s`, after which they end themselves) are
+  killed with SIGKILL.
 - The children die with the supervisor (Linux's parent-death signal, SIGTERM),
   so a supervisor killed with SIGKILL leaves no worker running behind it.
 """
@@ -32,6 +35,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,7 @@ MAX_AUTO_PROCESSES = 4
 """The most processes ``processes=0`` starts: each holds its own connections."""
 
 _PR_SET_PDEATHSIG = 1
+_POLL_S = 0.05
 # Flags whose value the supervisor sets per child; stripped from the arguments it passes on.
 _PER_CHILD_FLAGS = ("--processes", "--handler", "--metrics-port", "--db-pool-size")
 
@@ -118,12 +123,15 @@ def child_argv(argv: Sequence[str], child: Child) -> list[str]:
     return kept
 
 
-def supervise(argvs: Sequence[Sequence[str]]) -> int:
+def supervise(argvs: Sequence[Sequence[str]], stop_deadline_s: float | None = None) -> int:
     """Run one ``eop`` child per argument list until they have all exited; the exit status.
 
     0 when every child exited 0 (after a SIGTERM or SIGINT passed on to them);
-    otherwise the status of the first child that exited by itself (128 + the
-    signal number for a child killed by a signal).
+    otherwise the status of the first child that exited by itself, or else the
+    first non-zero status of a stopped child (128 + the signal number for a
+    child killed by a signal). Once stopping, children still running
+    ``stop_deadline_s`` later (their own deadline has passed: they should have
+    ended themselves) are killed with SIGKILL.
     """
     logger = log.get_logger()
     children = [
@@ -134,38 +142,78 @@ def supervise(argvs: Sequence[Sequence[str]]) -> int:
     ]
     logger.info(log.Event.PROCESSES_STARTED, pids=[c.pid for c in children])
     running = {c.pid: c for c in children}
-    stopping = False
-    first_failure: int | None = None
+    stop = _Stop()
 
     def pass_on(signum: int, _: Any) -> None:
-        nonlocal stopping
-        stopping = True
+        stop.begin()
         _signal_all(running.values(), signum)
 
     previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         while running:
-            try:
-                pid, status = os.waitpid(-1, 0)
-                returncode = os.waitstatus_to_exitcode(status)
-            except ChildProcessError:  # reaped elsewhere: ask each one
-                pid = next(iter(running))
-                returncode = running[pid].wait()
+            pid, returncode = _wait_any(running)
+            if pid is None:
+                if stop.overdue(stop_deadline_s):
+                    _signal_all(running.values(), signal.SIGKILL)
+                continue
             if running.pop(pid, None) is None:
                 continue
             code = _exit_code(returncode)
             logger.info(log.Event.PROCESS_EXITED, pid=pid, code=code)
-            if not stopping:
+            if not stop.started:
                 # A child ended by itself: the worker is not whole any more.
-                stopping = True
-                first_failure = code or 1
+                stop.begin()
+                stop.first_failure = code or 1
                 _signal_all(running.values(), signal.SIGTERM)
-            elif code != 0 and first_failure is None:
-                first_failure = code
+            elif code != 0 and stop.first_failure is None:
+                stop.first_failure = code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return first_failure or 0
+    return stop.first_failure or 0
+
+
+class _Stop:
+    """When the supervisor began stopping, and the status it will exit with."""
+
+    def __init__(self) -> None:
+        self.started_at: float | None = None
+        self.first_failure: int | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.started_at is not None
+
+    def begin(self) -> None:
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+
+    def overdue(self, deadline_s: float | None) -> bool:
+        return (
+            deadline_s is not None
+            and self.started_at is not None
+            and time.monotonic() - self.started_at > deadline_s
+        )
+
+
+def _wait_any(running: dict[int, subprocess.Popen[bytes]]) -> tuple[int | None, int]:
+    """The next child to exit and its return code, or (None, 0) after a short wait.
+
+    Polling rather than a blocking ``waitpid``: a stop must be able to give up
+    on a child that does not end.
+    """
+    try:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:  # reaped elsewhere: ask each one
+        for pid, child in running.items():
+            if child.poll() is not None:
+                return pid, child.returncode
+        time.sleep(_POLL_S)
+        return None, 0
+    if pid == 0:
+        time.sleep(_POLL_S)
+        return None, 0
+    return pid, os.waitstatus_to_exitcode(status)
 
 
 def _signal_all(children: Iterable[subprocess.Popen[bytes]], signum: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from eop import health, metrics, observe, sql, tracing
+from eop import health, metrics, observe, sql, tracing, wire
 
 if TYPE_CHECKING:
     from eop.worker import Worker
@@ -62,7 +62,8 @@ class Telemetry:
 
     def _nats_connected(self) -> bool:
         nc: Any = self._worker.nats
-        return bool(nc is not None and nc.is_connected)
+        # A connection whose read loop has ended says it is connected, and reads nothing.
+        return bool(nc is not None and nc.is_connected and wire.reading(nc))
 
     async def _ping(self) -> None:
         async with self._worker.app.engine.connect() as conn:

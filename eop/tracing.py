@@ -214,7 +214,8 @@ def _attributes(
         "messaging.system": "nats",
         "messaging.operation.name": "process",
         "messaging.operation.type": "process",
-        "messaging.destination.name": delivery.subject,
+        # Bytes that were not UTF-8 (escaped by eop.wire) would fail the exporter.
+        "messaging.destination.name": message.pg_text(delivery.subject),
         "messaging.destination.subscription.name": spec.durable,
         "messaging.consumer.group.name": spec.durable,
         "messaging.message.body.size": len(delivery.data or b""),
@@ -225,5 +226,5 @@ def _attributes(
     }
     msg_id = headers.get("Nats-Msg-Id")
     if msg_id:
-        attributes["messaging.message.id"] = str(msg_id)
+        attributes["messaging.message.id"] = message.pg_text(str(msg_id))
     return attributes

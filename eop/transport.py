@@ -25,11 +25,10 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import nats.aio.client
 import nats.errors
 import sqlalchemy as sa
 
-from eop import errors, log
+from eop import errors, log, wire
 
 if TYPE_CHECKING:
     from eop.settings import Settings
@@ -239,25 +238,16 @@ def _without_userinfo(url: str) -> str:
     return f"{scheme}://{host}"
 
 
-class _Client(nats.aio.client.Client):
+class _Client(wire.Client):
     """nats-py's client, refusing a server that skips TLS when TLS is required.
 
     nats-py upgrades to TLS only when the server's INFO asks for it, so a
     server (or a man in the middle) that does not ask would get the
-    credentials in the clear.
+    credentials in the clear. Protocol input that is not UTF-8 is survived
+    (see :class:`eop.wire.Client`).
     """
 
     eop_require_tls = False
-    eop_closing = False
-    """Set once the owner closes or drains the connection: nats-py did not give up on it."""
-
-    async def close(self) -> None:
-        self.eop_closing = True
-        await super().close()
-
-    async def drain(self) -> None:
-        self.eop_closing = True
-        await super().drain()
 
     async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
         if (

@@ -14,7 +14,7 @@ import functools
 import logging
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import nats.errors
@@ -33,6 +33,8 @@ from eop import (
     observe,
     ordering,
     processor,
+    retries,
+    shutdown,
     startup,
     telemetry,
     transport,
@@ -79,6 +81,12 @@ class Worker:
         self.telemetry = telemetry.Telemetry(self)
         """Metrics, health endpoints and tracing (see :mod:`eop.telemetry`)."""
         self._observer = self.telemetry.observer
+        self.on_stop: list[Callable[[], None]] = []
+        """Called once, when a stop is first asked for (``eop worker`` arms its watchdog)."""
+        self.cancelled = 0
+        """In-flight messages a stop cancelled after the grace period (left for redelivery)."""
+        self.abandoned_threads = 0
+        """Threads still running a sync handler once the worker stopped (:mod:`eop.shutdown`)."""
 
     def stop(self, *, force: bool = False) -> None:
         """Stop fetching and finish in-flight messages; ``force`` cancels their handlers.
@@ -88,7 +96,10 @@ class Worker:
         """
         if force:
             self._force.set()
-        self._stopping.set()
+        if not self._stopping.is_set():
+            self._stopping.set()
+            for callback in self.on_stop:
+                callback()
 
     def _nats_lost(self, error: errors.NatsUnavailable) -> None:
         """NATS will not take the worker back (credentials refused): stop, then raise ``error``.
@@ -157,9 +168,9 @@ class Worker:
             lambda: jetstream.connect(s, name=name, on_lost=self._nats_lost), s
         )
         self.nats = nc
+        store = inbox.PostgresStore(self.app)
         try:
             js = nc.jetstream()
-            store = inbox.PostgresStore(self.app)
             epochs = jetstream.StreamEpochs(nc)
             acker = ack.Acker(nc)
             loops = []
@@ -175,10 +186,13 @@ class Worker:
                 )
                 proc.spec = observe.instrument(spec, self._observer)
                 proc.observer = self._observer
+                proc.stopping = self._stopping
                 compactor = compaction.Compactor(js, store, spec, epochs)
                 # The watermark row before fetching; a failure only delays compaction.
                 await compactor.quietly(compactor.prepare)
                 loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
+                if proc.parks:
+                    loops.append(asyncio.create_task(self._retry_loop(store, proc)))
                 if s.compaction_interval_s > 0:
                     self._compactors[spec.name] = compactor
                     loops.append(
@@ -203,8 +217,21 @@ class Worker:
             # A connection that is down may fail to write what it still had pending
             # (naks): those messages come back after their AckWait anyway.
             await transport.close_quietly(nc)
-            await self.app.dispose()
-        self._logger.info(log.Event.WORKER_STOPPED, processed=self.processed)
+            store.close()
+            self.abandoned_threads = store.abandoned_threads
+            await self._dispose()
+        self._logger.info(
+            log.Event.WORKER_STOPPED,
+            processed=self.processed,
+            cancelled=self.cancelled,
+            abandoned_threads=self.abandoned_threads,
+        )
+
+    async def _dispose(self) -> None:
+        """Close the pools, without waiting on a connection that does not answer."""
+        # The process is stopping: a connection left open closes with it.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.app.dispose(), shutdown.STOP_MARGIN_S)
 
     def _count(self, spec: HandlerSpec, settled: int) -> None:
         self.processed += settled
@@ -258,6 +285,49 @@ class Worker:
             for group in groups:
                 if group:
                     self._spawn(self._process(proc, group, received_at))
+
+    async def _retry_loop(self, store: inbox.PostgresStore, proc: processor.Processor) -> None:
+        """Run the parked messages of ``proc``'s handler whose retry is due.
+
+        Retries share the worker's slots with fetched messages: it waits for
+        one (the fetch loop gives back what a pull did not fill), takes the
+        others that are free, and looks again at once while it finds as many
+        due messages as it could take.
+        """
+        wait_s = self.settings.retry_poll_s
+        failures = 0
+        while not await self._stopped_within(wait_s):
+            wait_s = self.settings.retry_poll_s
+            free = await self._take_slots()
+            parked: list[retries.ParkedDelivery] = []
+            try:
+                if free:
+                    parked = await retries.take_due(store, proc.spec, free, proc.ack_wait_s)
+                failures = 0
+            except Exception as exc:
+                # The database is away: the parked messages wait there; try later.
+                # One warning per outage, not one per poll.
+                failures += 1
+                (self._logger.warning if failures == 1 else self._logger.debug)(
+                    log.Event.RETRY_LOOP_FAILED,
+                    handler=proc.spec.name,
+                    failures=failures,
+                    error=log.describe_error(exc)[:500],
+                )
+            for _ in range(free - len(parked)):
+                self._slots.release()
+            for delivery in parked:
+                self._spawn(self._process(proc, [delivery], time.monotonic()))
+            if parked and len(parked) == free:
+                wait_s = 0.0
+
+    async def _stopped_within(self, delay_s: float) -> bool:
+        """Sleep ``delay_s``; True (at once) if the worker stops meanwhile."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), delay_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -367,7 +437,9 @@ class Worker:
         """Process one message, or a batch in one transaction; release their slots."""
         self._observer.received(proc.spec, msgs)
         try:
-            if len(msgs) == 1:
+            if isinstance(msgs[0], retries.ParkedDelivery):
+                outcomes = [await proc.retry_parked(msgs[0])]
+            elif len(msgs) == 1:
                 outcomes = [await proc.handle(msgs[0], received_at)]
             else:
                 outcomes = await batch.BatchProcessor(proc).handle_batch(msgs, received_at)
@@ -425,18 +497,51 @@ class Worker:
         finally:
             force.cancel()
         # Cancelling a handler rolls its transaction back and leaves the message
-        # for redelivery; a COMMIT already under way finishes in Critical.
+        # for redelivery; a COMMIT already under way finishes in Critical. A sync
+        # handler's thread cannot be cancelled: its task ends at once all the
+        # same, and the thread is left to inbox.SyncTransaction and eop.shutdown.
+        self.cancelled = len(pending)
         for task in pending:
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        if pending:
+            # Bounded: a handler that swallows its cancellation must not hold the stop.
+            await asyncio.wait(pending, timeout=shutdown.STOP_MARGIN_S)
 
 
 def _seq(msg: Any) -> int:
     return int(msg.metadata.sequence.stream)
 
 
-async def run_worker(app: App, *, handlers: Iterable[str] = ()) -> None:
-    """Run a worker with signal handlers installed (what ``eop worker`` does)."""
+async def run_worker(app: App, *, handlers: Iterable[str] = (), exit_hard: bool = False) -> int:
+    """Run a worker with signal handlers installed; the exit status (:mod:`eop.shutdown`).
+
+    With ``exit_hard`` (what ``eop worker`` does) a stop always ends the
+    process: by :func:`os._exit` when a handler's thread is still running once
+    the worker has stopped, or when the stop overruns its deadline.
+    """
     worker = Worker(app, handlers=handlers)
     worker.install_signal_handlers()
+    if exit_hard:
+        worker.on_stop.append(shutdown.Watchdog(shutdown.deadline_s(app.settings)).arm)
     await worker.run()
+    if exit_hard:
+        await _end_threads(worker)
+    return shutdown.EXIT_STOPPED
+
+
+async def _end_threads(worker: Worker) -> None:
+    """Exit at once when threads that cannot be stopped would keep the process alive.
+
+    The worker has stopped: every COMMIT under way has been acked, the
+    connections are closed. Python would now wait for every thread, and a
+    handler that never returns would keep the process alive for ever.
+    """
+    if worker.abandoned_threads:
+        shutdown.exit_now(shutdown.EXIT_FORCED, "handler_threads", threads=worker.abandoned_threads)
+    # asyncio.run waits for the default executor's threads (an async handler's
+    # asyncio.to_thread) without a bound before Python 3.12: wait here, bounded.
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.wait_for(loop.shutdown_default_executor(), shutdown.STOP_MARGIN_S)
+    except asyncio.TimeoutError:
+        shutdown.exit_now(shutdown.EXIT_FORCED, "executor_threads")

@@ -3,7 +3,21 @@
 The audit walks a handler consumer's range of the stream (the consumer's
 subject filters, skipping deleted messages) with a throwaway ordered
 consumer, headers only when few inbox rows need a fingerprint, and reads
-the inbox and the dead letters by sequence ranges beside it. Its findings:
+the inbox and the dead letters by sequence ranges beside it.
+
+Each message checked falls into one class, counted per handler with a few
+sample sequences: processed; dead-lettered by one of eop's rules
+(:data:`RULE_REASONS`); dead-lettered for another reason (an anomaly,
+``dead_letter_not_by_rule``); dead-lettered with its dead letter purged; a
+duplicate of an earlier msg-id; compacted below the watermark; in flight
+(delivered above the ack floor without an outcome yet, or an inbox outcome that
+is not final, by its value); never delivered (above the consumer's delivered
+sequence); or an anomaly. In flight and never delivered are not anomalies, but
+a report with any of them is not settled, and says so. The anomalies:
+
+- ``dead_letter_not_by_rule``: a dead letter whose reason is not one of eop's
+  rules, or whose error says its attempts were spent by deliveries that ended
+  without an outcome: a good message may have taken effect zero times.
 
 - ``acked_without_outcome``: the consumer's ack floor passed a message (or,
   above the floor, more messages lack an outcome than the consumer holds
@@ -43,12 +57,22 @@ from __future__ import annotations
 
 from eop.audit.auditor import Options, run
 from eop.audit.outcomes import Recorded
-from eop.audit.report import LISTED_PER_KIND, HandlerAudit, Report, render
+from eop.audit.report import (
+    LISTED_PER_KIND,
+    SAMPLED_PER_CLASS,
+    HandlerAudit,
+    Report,
+    Tally,
+    render,
+)
 from eop.audit.rules import (
     ACKED_WITHOUT_OUTCOME,
+    DEAD_LETTER_NOT_BY_RULE,
+    DELIVERED_NO_OUTCOME,
     KINDS,
     OUTCOME_MESSAGE_GONE,
     REUSED_SEQUENCE,
+    RULE_REASONS,
     STUCK_DELIVERY,
     Anomaly,
     Position,
@@ -56,6 +80,7 @@ from eop.audit.rules import (
     classify,
     classify_old_epoch,
     classify_unseen,
+    dead_letter_reason,
     stuck,
     unacked_without_outcome,
 )
@@ -69,12 +94,17 @@ __all__ = [
     "HandlerAudit",
     "LISTED_PER_KIND",
     "Report",
+    "SAMPLED_PER_CLASS",
+    "Tally",
     "render",
-    # the anomaly kinds
+    # the classes and the anomaly kinds
     "ACKED_WITHOUT_OUTCOME",
+    "DEAD_LETTER_NOT_BY_RULE",
+    "DELIVERED_NO_OUTCOME",
     "KINDS",
     "OUTCOME_MESSAGE_GONE",
     "REUSED_SEQUENCE",
+    "RULE_REASONS",
     "STUCK_DELIVERY",
     # the classification rules and what they read
     "Anomaly",
@@ -87,6 +117,7 @@ __all__ = [
     "classify",
     "classify_old_epoch",
     "classify_unseen",
+    "dead_letter_reason",
     "fingerprint",
     "stuck",
     "unacked_without_outcome",

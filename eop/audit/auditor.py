@@ -26,14 +26,8 @@ from eop.handler import HandlerSpec
 #: Walk with full payloads when at least this share of the range has inbox rows to verify.
 _DENSE_ROWS = 0.25
 
-#: The report's counter of each verdict that is not an anomaly.
-_COUNTERS = {
-    Verdict.OUTCOME: "outcomes",
-    Verdict.DEAD_LETTER: "dead_letters",
-    Verdict.DUPLICATE: "duplicates",
-    Verdict.COMPACTED: "compacted",
-    Verdict.UNSETTLED: "unsettled",
-}
+#: The verdicts that settle a message (neither in flight nor never delivered).
+_SETTLED = (Verdict.OUTCOME, Verdict.DEAD_LETTER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +83,7 @@ class _Auditor:
         r, s, c = self.report, self.stream, self.consumer
         r.epoch, r.filters = s.epoch, list(c.filters)
         r.stream_first_seq, r.stream_last_seq = s.first_seq, s.last_seq
-        r.ack_floor, r.delivered = c.ack_floor, c.delivered
+        r.ack_floor, r.delivered, r.consumer_pending = c.ack_floor, c.delivered, c.pending
         r.ack_pending, r.redelivered = c.ack_pending, c.redelivered
         lo = max(self.options.from_seq or 1, 1)
         self.audit_to = min(self.options.to_seq or s.last_seq, s.last_seq)
@@ -153,10 +147,12 @@ class _Auditor:
             watermark = await self.outcomes.watermark(session, epoch)
         self.report.watermark = max(self.report.watermark, watermark)
         batch = await self._with_fingerprints(batch, set(by_seq) | set(dead_by_seq))
-        pos = Position(watermark=watermark, ack_floor=self.consumer.ack_floor)
+        c = self.consumer
+        pos = Position(watermark=watermark, ack_floor=c.ack_floor, delivered=c.delivered)
         for m in batch:
             row, at = by_seq.get(m.seq), dead_by_seq.get(m.seq, [])
-            self._tally(m, *rules.classify(m, row, at, by_msg_id.get(m.msg_id or ""), pos), pos)
+            verdict, detail = rules.classify(m, row, at, by_msg_id.get(m.msg_id or ""), pos)
+            self._tally(m, verdict, detail, pos, at)
         walked = {m.seq for m in batch}
         await self._unseen([r for r in [*rows, *dead] if r.seq not in walked], self.stream)
 
@@ -192,22 +188,51 @@ class _Auditor:
             return {}
         return await self.outcomes.by_msg_id(session, ids)
 
-    def _tally(self, m: Walked, verdict: Verdict, detail: str, pos: Position) -> None:
+    def _tally(
+        self, m: Walked, verdict: Verdict, detail: str, pos: Position, dead: list[Recorded]
+    ) -> None:
+        """Count one walked message in its class (or as an anomaly)."""
         r = self.report
         r.checked += 1
         if m.seq > self.consumer.ack_floor and self._first_open is None:
             self._first_open = m
-        counter = _COUNTERS.get(verdict)
-        if counter is None:
-            r.add(Anomaly(verdict.value, m.seq, self.stream.epoch, detail))
-            return
-        setattr(r, counter, getattr(r, counter) + 1)
-        if verdict in (Verdict.OUTCOME, Verdict.DEAD_LETTER) and m.seq <= pos.watermark:
+        if verdict in _SETTLED and m.seq <= pos.watermark:
             r.verified_below_watermark += 1
-        if verdict is Verdict.UNSETTLED and m.seq <= self.consumer.delivered:
+        if verdict is Verdict.OUTCOME:
+            r.processed.add(m.seq)
+        elif verdict is Verdict.DEAD_LETTER:
+            self._dead_lettered(m, dead)
+        elif verdict is Verdict.DUPLICATE:
+            r.duplicates += 1
+        elif verdict is Verdict.COMPACTED:
+            r.compacted += 1
+        elif verdict is Verdict.HELD:
+            r.tally(r.in_flight, detail, m.seq)
+        elif verdict is Verdict.DELIVERED:
+            r.tally(r.in_flight, rules.DELIVERED_NO_OUTCOME, m.seq)
             self._open_count += 1
             if len(self._open_sample) < 20:
                 self._open_sample.append(m.seq)
+        elif verdict is Verdict.NEVER_DELIVERED:
+            r.never_delivered.add(m.seq)
+        else:
+            r.add(Anomaly(verdict.value, m.seq, self.stream.epoch, detail))
+
+    def _dead_lettered(self, m: Walked, own: list[Recorded]) -> None:
+        """A dead-lettered message: by rule, or an anomaly when no rule explains it.
+
+        ``own`` are its dead letters: :func:`rules.classify` calls a message
+        with another message's dead letter a reused sequence instead.
+        """
+        r = self.report
+        reason, not_a_rule = rules.dead_letter_reason(own)
+        if reason is None:
+            r.dead_lettered_purged.add(m.seq)
+        elif not_a_rule:
+            r.tally(r.dead_lettered_other, reason, m.seq)
+            r.add(Anomaly(rules.DEAD_LETTER_NOT_BY_RULE, m.seq, self.stream.epoch, not_a_rule))
+        else:
+            r.tally(r.dead_lettered_by_rule, reason, m.seq)
 
     async def _unseen(self, recorded: list[Recorded], stream: Stream) -> None:
         """Outcomes of the current epoch at sequences the walk did not deliver."""

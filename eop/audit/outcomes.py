@@ -27,6 +27,10 @@ class Recorded:
     """The inbox outcome, or ``dead_letter`` for a row of the dead letters."""
     ref: str = ""
     """For a dead letter: its id and reason."""
+    reason: str = ""
+    """For a dead letter: its reason (see ``eop.models.REASON_*``)."""
+    error: str = ""
+    """For a dead letter: the start of its error (``eop.sql.AUDIT_ERROR_CHARS``)."""
 
 
 class Outcomes:
@@ -63,7 +67,10 @@ class Outcomes:
         rows = await session.execute(sql.audit_inbox_rows(t, name, stream, epoch, lo, hi, limit))
         inbox_rows = [Recorded(int(r[0]), bytes(r[1]), str(r[3])) for r in rows]
         rows = await session.execute(sql.audit_dead_letters(t, name, stream, epoch, lo, hi, limit))
-        dead = [Recorded(int(r[0]), bytes(r[1]), "dead_letter", f"#{r[2]} ({r[3]})") for r in rows]
+        dead = [
+            Recorded(int(r[0]), bytes(r[1]), "dead_letter", f"#{r[2]} ({r[3]})", r[3], r[4] or "")
+            for r in rows
+        ]
         return inbox_rows, dead
 
     async def by_msg_id(self, session: Any, ids: list[str]) -> dict[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import re
 from collections.abc import Sequence
 
 from eop import models
@@ -20,7 +21,27 @@ ACKED_WITHOUT_OUTCOME = "acked_without_outcome"
 OUTCOME_MESSAGE_GONE = "outcome_message_gone"
 REUSED_SEQUENCE = "reused_sequence"
 STUCK_DELIVERY = "stuck_delivery"
-KINDS = (ACKED_WITHOUT_OUTCOME, OUTCOME_MESSAGE_GONE, REUSED_SEQUENCE, STUCK_DELIVERY)
+DEAD_LETTER_NOT_BY_RULE = "dead_letter_not_by_rule"
+KINDS = (
+    ACKED_WITHOUT_OUTCOME,
+    DEAD_LETTER_NOT_BY_RULE,
+    OUTCOME_MESSAGE_GONE,
+    REUSED_SEQUENCE,
+    STUCK_DELIVERY,
+)
+
+#: The dead-letter reasons that are eop's rules (see :data:`eop.models.RULE_REASONS`):
+#: any other reason means something else (infrastructure, a crash loop) took it out.
+RULE_REASONS = models.RULE_REASONS
+
+#: How a dead letter reads whose attempts were spent by deliveries that ended
+#: without any outcome (workers killed or timed out in them), not by its handler
+#: failing: its reason is ``attempts_exhausted`` but no rule earned it.
+_WITHOUT_AN_OUTCOME = re.compile(r"delivered \d+ times without an outcome")
+
+#: The in-flight class of a delivered message with no outcome yet (the others
+#: are named by their inbox outcome, e.g. ``retrying``).
+DELIVERED_NO_OUTCOME = "delivered_no_outcome"
 
 
 class Verdict(enum.Enum):
@@ -30,7 +51,11 @@ class Verdict(enum.Enum):
     DEAD_LETTER = "dead_letter"
     DUPLICATE = "duplicate_by_msg_id"
     COMPACTED = "compacted"
-    UNSETTLED = "unsettled"
+    DELIVERED = "delivered"
+    """Delivered above the ack floor without an outcome yet: in flight."""
+    HELD = "held"
+    """An inbox row whose outcome is not final (e.g. ``retrying``): in flight."""
+    NEVER_DELIVERED = "never_delivered"
     ACKED_WITHOUT_OUTCOME = ACKED_WITHOUT_OUTCOME
     REUSED_SEQUENCE = REUSED_SEQUENCE
 
@@ -41,6 +66,8 @@ class Position:
 
     watermark: int
     ack_floor: int
+    delivered: int
+    """The consumer's delivered stream sequence: above it nothing was delivered yet."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +98,11 @@ def classify(
     if (row is not None and row.fingerprint != fp) or foreign:
         return Verdict.REUSED_SEQUENCE, _reused_detail(msg, row, dead, pos)
     if row is not None:
+        if row.outcome == models.OUTCOME_PROCESSED:
+            return Verdict.OUTCOME, ""
         if row.outcome == models.OUTCOME_DEAD_LETTERED:
             return Verdict.DEAD_LETTER, ""
-        return Verdict.OUTCOME, ""
+        return Verdict.HELD, row.outcome
     if dead:
         return Verdict.DEAD_LETTER, ""
     if by_msg_id is not None:
@@ -85,7 +114,30 @@ def classify(
             f"at or below the ack floor {pos.ack_floor} and above the watermark "
             f"{pos.watermark}, but no inbox row, dead letter or msg-id row"
         )
-    return Verdict.UNSETTLED, ""
+    if msg.seq <= pos.delivered:
+        return Verdict.DELIVERED, ""
+    return Verdict.NEVER_DELIVERED, ""
+
+
+def dead_letter_reason(dead: Sequence[Recorded]) -> tuple[str | None, str]:
+    """Why a message was dead-lettered: its reason, and why that is no rule ("" when it is).
+
+    ``dead`` are the message's own dead letters (its fingerprint). None as the
+    reason when there is none: the inbox row says dead-lettered but the dead
+    letter was purged, so its reason is no longer known.
+    """
+    if not dead:
+        return None, ""
+    d = dead[0]
+    if d.reason not in RULE_REASONS:
+        return d.reason, f"dead letter {d.ref}: {d.reason!r} is not one of eop's rules"
+    spent = _WITHOUT_AN_OUTCOME.search(d.error)
+    if spent is not None:
+        return f"{d.reason} (delivered without an outcome)", (
+            f"dead letter {d.ref}: {spent.group(0)}, so its attempts were spent by "
+            "deliveries that ended without an outcome, not by its handler failing"
+        )
+    return d.reason, ""
 
 
 def _reused_detail(

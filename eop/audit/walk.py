@@ -46,6 +46,9 @@ class Consumer:
     ack_floor: int = 0
     ack_floor_at: datetime.datetime | None = None
     delivered: int = 0
+    """The highest stream sequence delivered: every message above it is undelivered."""
+    pending: int = 0
+    """Messages the consumer has yet to deliver (its ``num_pending``)."""
     ack_pending: int = 0
     redelivered: int = 0
     max_ack_pending: int = 0
@@ -69,9 +72,13 @@ class Stream:
 
 
 def fingerprint(subject: str, headers: Mapping[str, str] | None, data: bytes | None) -> bytes:
-    """The fingerprint eop stores for a message (see :attr:`eop.Message.fingerprint`)."""
+    """The fingerprint eop stores for a message (see :attr:`eop.Message.fingerprint`).
+
+    Of the subject and msg-id as the worker stored them (:func:`eop.message.pg_text`).
+    """
     msg_id = (headers or {}).get(message.MSG_ID_HEADER)
-    return message.fingerprint(subject, None if msg_id is None else str(msg_id), bytes(data or b""))
+    msg_id = None if msg_id is None else message.pg_text(str(msg_id))
+    return message.fingerprint(message.pg_text(subject), msg_id, bytes(data or b""))
 
 
 def stream_from_info(name: str, info: Mapping[str, Any]) -> Stream:
@@ -114,6 +121,7 @@ def consumer_from_info(info: Mapping[str, Any], notes: list[str]) -> Consumer:
         ack_floor=int(floor.get("stream_seq", 0)),
         ack_floor_at=_time(floor.get("last_active")),
         delivered=int(delivered.get("stream_seq", 0)),
+        pending=int(info.get("num_pending", 0)),
         ack_pending=int(info.get("num_ack_pending", 0)),
         redelivered=int(info.get("num_redelivered", 0)),
         max_ack_pending=int(config.get("max_ack_pending") or 0),
@@ -253,7 +261,7 @@ class Walker:
                         return seq, None
                     raise
             headers = raw.headers or {}
-            subject = str(raw.subject)
+            subject = message.pg_text(str(raw.subject))
             return seq, Walked(
                 seq=seq,
                 subject=subject,
@@ -276,7 +284,7 @@ def _batch(msgs: list[Any], end: int, headers_only: bool) -> tuple[list[Walked],
         batch.append(
             Walked(
                 seq=seq,
-                subject=m.subject,
+                subject=message.pg_text(m.subject),
                 msg_id=headers.get(message.MSG_ID_HEADER),
                 stored_at=meta.timestamp,
                 fingerprint=None if headers_only else fingerprint(m.subject, headers, m.data),

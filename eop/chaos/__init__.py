@@ -5,7 +5,9 @@ behind fault proxies, publishes logical messages while injecting seeded
 faults (crashes, stops, server restarts, lost replies, a recreated consumer),
 heals, drains, and checks that every message took effect exactly once. Run
 it as ``eop chaos`` or ``python -m eop.chaos``; point it at your own handler
-with a :class:`Target`.
+with a :class:`Target`. ``Config(scenario=...)`` (``--scenario``) picks one of
+:mod:`eop.chaos.scenarios`: besides the classic mix, hunts for good messages
+dead-lettered by infrastructure failures and for workers that stall.
 """
 
 from __future__ import annotations

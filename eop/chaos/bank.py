@@ -13,6 +13,7 @@ This module is also the app the worker processes run (``eop.chaos.bank:app``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -25,9 +26,14 @@ import eop
 from eop.chaos.target import Payload, Target
 
 STREAM = "CHAOS"
-SUBJECT = "chaos.transfers"
+SUBJECT = "chaos.transfers.new"
+"""Where the harness publishes; the handler takes ``chaos.transfers.>``, so that a
+raw publish to a subject that is not UTF-8 (``BAD_SUBJECT``) reaches it too."""
+BAD_SUBJECT = b"chaos.transfers.\xff\xfe"
 HANDLER = "chaos-bank"
 ACCOUNTS = tuple(f"acct{i:02d}" for i in range(64))
+FEW_ACCOUNTS = ACCOUNTS[:4]
+"""The ``transfers`` scenario's accounts: almost every pair of transfers conflicts."""
 DUPLICATE_WINDOW_S = 2.0
 """Short, so that republishes after the server's window happen within a run."""
 
@@ -35,7 +41,7 @@ CANARY_PAYLOAD = "eop-canary-payload-5d1e8a"
 """Planted in every payload: it must never appear in a log line."""
 
 app = eop.App()
-app.stream(STREAM, subjects=[SUBJECT], duplicate_window_s=DUPLICATE_WINDOW_S)
+app.stream(STREAM, subjects=["chaos.transfers.>"], duplicate_window_s=DUPLICATE_WINDOW_S)
 
 _ACCOUNTS_DDL = "CREATE TABLE chaos_accounts (name text PRIMARY KEY, balance bigint NOT NULL)"
 # Deliberately without a unique key: a second effect must show, not be refused.
@@ -49,9 +55,11 @@ _EFFECT = sa.text(
     "INSERT INTO chaos_effects (transfer_id, pid, delivered) VALUES (:id, :pid, :delivered)"
 )
 EFFECTS_SQL = "SELECT transfer_id, count(*) FROM chaos_effects GROUP BY transfer_id"
+# Every transfer updates two of these rows: holding them all stops every handler.
+LOCK_SQL = "SELECT name FROM chaos_accounts ORDER BY name FOR UPDATE"
 
 
-@app.handler(stream=STREAM, subject=SUBJECT, name=HANDLER)
+@app.handler(stream=STREAM, subject="chaos.transfers.>", name=HANDLER)
 async def book(msg: eop.Message, session: AsyncSession) -> None:
     """Book one transfer: debit, credit, one effect row."""
     transfer = msg.json()
@@ -80,8 +88,12 @@ def make_payload(index: int, rng: random.Random) -> Payload:
         else:
             data = json.dumps({"id": key, "kind": kind, "memo": CANARY_PAYLOAD}).encode()
         return Payload(key=key, data=data, poison=True)
-    key = f"t{index:06d}"
-    source, dest = rng.sample(ACCOUNTS, 2)
+    return make_transfer(f"t{index:06d}", rng)
+
+
+def make_transfer(key: str, rng: random.Random, accounts: Sequence[str] = ACCOUNTS) -> Payload:
+    """A good transfer with ``key``, between two of ``accounts``."""
+    source, dest = rng.sample(accounts, 2)
     body = {
         "id": key,
         "from": source,
@@ -90,6 +102,17 @@ def make_payload(index: int, rng: random.Random) -> Payload:
         "memo": CANARY_PAYLOAD,
     }
     return Payload(key=key, data=json.dumps(body).encode())
+
+
+def make_failing(key: str) -> Payload:
+    """A transfer that fails on every delivery: dead-lettered when its attempts run out."""
+    data = json.dumps({"id": key, "kind": "failing", "memo": CANARY_PAYLOAD}).encode()
+    return Payload(key=key, data=data, poison=True)
+
+
+def make_few_payload(index: int, rng: random.Random) -> Payload:
+    """The ``index``-th transfer between the 4 accounts of ``FEW_ACCOUNTS``; no poison."""
+    return make_transfer(f"t{index:06d}", rng, FEW_ACCOUNTS)
 
 
 def setup(sync_url: str) -> None:
@@ -118,7 +141,13 @@ def check_balances(conn: sa.Connection, payloads: Sequence[Payload]) -> list[str
         expected[transfer["to"]] += transfer["amount"]
     rows = conn.execute(sa.text("SELECT name, balance FROM chaos_accounts")).all()
     actual = {str(name): int(balance) for name, balance in rows}
-    return [
+    total = sum(actual.values())
+    if total != 0:
+        # Each transfer moves money: any half-applied one shows in the sum.
+        problems = [f"the sum of all balances is {total}, not 0 (money made or destroyed)"]
+    else:
+        problems = []
+    return problems + [
         f"account {name}: balance {actual.get(name)} != {want} (sum of distinct transfers)"
         for name, want in sorted(expected.items())
         if actual.get(name) != want
@@ -134,4 +163,14 @@ def target() -> Target:
         payloads=make_payload,
         setup=setup,
         invariant=check_balances,
+        subject=SUBJECT,
+        bad_subject=BAD_SUBJECT,
+        make_good=make_transfer,
+        make_failing=make_failing,
+        lock_sql=LOCK_SQL,
     )
+
+
+def few_accounts_target() -> Target:
+    """The bank on 4 accounts: transfers in random directions deadlock all the time."""
+    return dataclasses.replace(target(), payloads=make_few_payload)

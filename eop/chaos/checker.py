@@ -6,6 +6,11 @@ else is lost, duplicated, or dead-lettered by mistake; effects or dead letters
 of keys never published are unexpected. The logs must show that the hard
 races happened (kills at every fault point, ambiguous commits, lost ack
 replies, overlapping deliveries), and must not hold a single canary secret.
+
+Never zero times: a good message dead-lettered is a failure like a lost one
+(the infrastructure failed under it, not the message), and so is a worker that
+stalls: the run must drain, and every worker must exit within its
+``shutdown_grace_s`` + 5 s of a SIGTERM (:func:`check_stops`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,15 @@ class Outcomes:
     duplicated: list[str] = dataclasses.field(default_factory=list)
     unexpected: list[str] = dataclasses.field(default_factory=list)
     dead_lettered: list[str] = dataclasses.field(default_factory=list)
-    """Good messages that were dead-lettered."""
+    """Good messages that were dead-lettered: they took effect zero times."""
+    effects: int = 0
+    """Effects counted, of every key."""
+    good_dead_by_reason: collections.Counter[str] = dataclasses.field(
+        default_factory=collections.Counter
+    )
+    poison_dead_by_reason: collections.Counter[str] = dataclasses.field(
+        default_factory=collections.Counter
+    )
 
 
 def check_outcomes(
@@ -41,19 +54,63 @@ def check_outcomes(
     dead_letters: Mapping[str | None, Sequence[str]],
 ) -> Outcomes:
     """Compare effects and dead letters (reasons by msg-id) with what was published."""
-    out = Outcomes()
+    out = Outcomes(effects=sum(int(n) for n in effects.values()))
     planned = {p.key: p for p in payloads}
     for key, payload in planned.items():
-        _judge(out, key, payload.poison, int(effects.get(key, 0)), list(dead_letters.get(key, ())))
+        reasons = list(dead_letters.get(key, ()))
+        by_reason = out.poison_dead_by_reason if payload.poison else out.good_dead_by_reason
+        by_reason.update(reasons)
+        _judge(out, short(key), payload.poison, int(effects.get(key, 0)), reasons)
     for key, n in effects.items():
         if key not in planned:
-            out.unexpected.append(f"{n} effects of unknown key {key!r}")
+            out.unexpected.append(f"{n} effects of unknown key {short(key)!r}")
     for msg_id, dead in dead_letters.items():
         if msg_id is None or msg_id not in planned:
-            out.unexpected.append(f"dead letters {list(dead)} of unknown msg-id {msg_id!r}")
+            shown = None if msg_id is None else short(msg_id)
+            out.unexpected.append(f"dead letters {list(dead)} of unknown msg-id {shown!r}")
         elif models.REASON_SEQUENCE_REUSED in dead:
-            out.unexpected.append(f"{msg_id}: quarantined as a reused sequence")
+            out.unexpected.append(f"{short(msg_id)}: quarantined as a reused sequence")
     return out
+
+
+def short(key: str, limit: int = 48) -> str:
+    """``key`` for a report line: a 5,000-character msg-id is shown by its ends."""
+    if len(key) <= limit:
+        return key
+    return f"{key[:20]}...{key[-12:]} ({len(key)} chars)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """One SIGTERM of a worker and how long it took to exit."""
+
+    worker: int
+    """The incarnation number (its log is ``worker-NNNN.log``)."""
+    pid: int
+    when: str
+    """``mid-run`` (a scheduled SIGTERM), ``heal`` or ``final``."""
+    seconds: float
+    code: int | None
+    """Its exit status; None when it had not exited and was SIGKILLed."""
+    limit_s: float
+    """shutdown_grace_s + 5 s, plus the longest stall or freeze its fault plan may inject."""
+
+
+def check_stops(stops: Iterable[Stop]) -> list[str]:
+    """Every stop that took longer than its limit, or never ended."""
+    found = []
+    for stop in stops:
+        if stop.code is None:
+            found.append(
+                f"worker {stop.worker} (pid {stop.pid}) did not exit within {stop.seconds:.1f} s "
+                f"of SIGTERM ({stop.when}; limit {stop.limit_s:g} s); SIGKILLed"
+            )
+        elif stop.seconds > stop.limit_s:
+            found.append(
+                f"worker {stop.worker} (pid {stop.pid}) took {stop.seconds:.1f} s to exit after "
+                f"SIGTERM ({stop.when}; limit {stop.limit_s:g} s)"
+            )
+    return found
 
 
 def _judge(out: Outcomes, key: str, poison: bool, n_effects: int, reasons: list[str]) -> None:

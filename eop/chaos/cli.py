@@ -32,6 +32,14 @@ _OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
     ),
     ("concurrency", int, 4, "messages in flight per worker"),
     ("batch-mode", str, "mixed", "batch transactions: mixed (odd worker slots), on or off"),
+    (
+        "scenario",
+        str,
+        "classic",
+        "classic, mixed (classic plus the never-zero-times hunts) or one hunt: "
+        "sync-hot-rows, transfers, pg-outage, read-only, lock-timeouts, long-msg-id, "
+        "bad-subject, poison-flood (see RELIABILITY.md)",
+    ),
     ("log-dir", str, None, "keep the workers' logs here (default: a temp folder, kept on failure)"),
     ("json", str, None, "also write the report as JSON to this file"),
     ("app", str, None, "your app, MODULE:APP (default: the built-in bank, eop.chaos.bank:app)"),
@@ -85,7 +93,7 @@ def add_command(sub: Any) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``eop chaos``; 0 when exactly-once held."""
-    from eop.chaos import bank, harness, target
+    from eop.chaos import bank, harness, scenarios, target
 
     custom = (args.app, args.handler, args.effects_sql, args.payloads)
     if any(custom) and not all(custom):
@@ -104,6 +112,7 @@ def run_command(args: argparse.Namespace) -> int:
         if args.app
         else bank.target()
     )
+    scenarios.get(args.scenario)  # an unknown name is one sentence, before any server starts
     messages = args.messages
     if messages is None:
         messages = 3000 if args.duration_s <= 300 else int(args.duration_s * 10)
@@ -126,6 +135,7 @@ def run_command(args: argparse.Namespace) -> int:
         worker_args=tuple(args.worker_arg),
         log_dir=Path(args.log_dir) if args.log_dir else None,
         require_evidence=args.require_evidence,
+        scenario=args.scenario,
     )
     report = harness.run(config)
     print(report.render(), flush=True)

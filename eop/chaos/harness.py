@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,18 @@ import nats
 import nats.errors
 import sqlalchemy as sa
 
-from eop import embedded, errors, jetstream, migrate
-from eop.chaos import bank, checker, injector, proxy, publisher, schedule, workers
+from eop import embedded, errors, jetstream, migrate, models, sql
+from eop.chaos import (
+    bank,
+    checker,
+    hunts,
+    injector,
+    proxy,
+    publisher,
+    scenarios,
+    schedule,
+    workers,
+)
 from eop.chaos.report import Report
 from eop.chaos.target import Payload, Target
 from eop.chaos.workers import BatchMode
@@ -63,7 +74,13 @@ class Config:
     log_dir: Path | None = None
     """Where worker logs go (default: a temporary folder, kept only if the run fails)."""
     require_evidence: bool = True
-    """Fail unless the logs show every fault point killed and the hard races happened."""
+    """Fail unless the logs show every fault point killed and the hard races happened
+    (demanded by the ``classic`` scenario only)."""
+    scenario: str = "classic"
+    """Which :mod:`eop.chaos.scenarios` to run: its target (unless ``target`` is set to
+    another than the bank), worker settings and fault mix."""
+    flood: tuple[int, int] = (1200, 200)
+    """A poison flood: always-failing messages, then good ones."""
 
     def command(self, seed: int) -> str:
         """The ``eop chaos`` command line that replays this run's fault schedule."""
@@ -76,7 +93,9 @@ class Config:
             f"--fault-gap-s {self.mean_fault_gap_s:g}",
             f"--batch-mode {self.batch_mode}",
         ]
-        if self.target.app != bank.target().app:
+        if self.scenario != "classic":
+            parts.append(f"--scenario {self.scenario}")
+        if self.target.app not in (bank.target().app, "eop.chaos.hot:app"):
             parts.append(f"--app {self.target.app} --handler {self.target.handler} ...")
         return " ".join(parts)
 
@@ -119,6 +138,7 @@ def make_canaries(seed: int) -> dict[str, str]:
 
 def run(config: Config) -> Report:
     """Run a chaos test; the report says whether exactly-once held."""
+    config = with_scenario(config)
     seed = config.seed if config.seed is not None else random.randrange(1_000_000)
     canaries = make_canaries(seed)
     log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="eop-chaos-"))
@@ -146,6 +166,16 @@ def run(config: Config) -> Report:
     return report
 
 
+def with_scenario(config: Config) -> Config:
+    """``config`` with its scenario's target (unless a custom one was set) and overrides."""
+    scenario = scenarios.get(config.scenario)
+    changes: dict[str, Any] = dict(scenario.overrides)
+    if config.target == bank.target():
+        changes["target"] = scenario.target()
+    changes["require_evidence"] = config.require_evidence and scenario.require_evidence
+    return dataclasses.replace(config, **changes)
+
+
 class _Run:
     """One run's moving parts, inside the event loop."""
 
@@ -163,7 +193,13 @@ class _Run:
         self.settings = Settings(
             ack_wait_s=config.ack_wait_s, max_attempts=config.max_attempts, lease_margin_s=1.0
         )
-        self.report = Report(seed=seed, command=config.command(seed), messages=config.messages)
+        self.scenario = scenarios.get(config.scenario)
+        self.report = Report(
+            seed=seed,
+            command=config.command(seed),
+            messages=config.messages,
+            scenario=config.scenario,
+        )
         self.late_keys: set[str] = set()
 
     def worker_env(self, nats_port: int, pg_port: int) -> dict[str, str]:
@@ -188,6 +224,11 @@ class _Run:
             EOP_STATEMENT_TIMEOUT_S="10",
             EOP_SHUTDOWN_GRACE_S="8",
         )
+        for name, value in self.scenario.env.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         # The worker imports the app by name: make this interpreter's path its path.
         env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *sys.path[1:]])
         return env
@@ -225,11 +266,15 @@ class _Run:
             payloads = [
                 c.target.payloads(i, random.Random(f"{self.seed}:{i}")) for i in range(c.messages)
             ]
-            await self._chaos(js, pool, inj, payloads)
+            pub = self._publisher(js)
+            inj.hunts = self._hunts(pool, pub)
+            await self._chaos(pub, pool, inj, payloads)
             await self._heal_and_drain(js, pool, inj)
+            await inj.hunts.close()
+            r.figures = inj.hunts.figures
             r.final_exit_codes = list((await asyncio.to_thread(pool.stop_all)).values())
             r.stored = (await js.stream_info(self.spec.stream)).state.messages
-            self._check(pool, payloads)
+            self._check(pool, payloads + inj.hunts.extra)
         finally:
             if nc is not None:
                 with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
@@ -252,34 +297,57 @@ class _Run:
             ack_wait_s=c.ack_wait_s,
             args=c.worker_args,
             batch_mode=c.batch_mode,
+            slot_env=self.scenario.slot_env,
+            arm=self.scenario.arm_workers,
+        )
+
+    def _publisher(self, js: Any) -> publisher.Publisher:
+        headers = {
+            "Authorization": f"Bearer {self.servers.canaries['authorization header']}",
+            "X-Api-Key": self.servers.canaries["api key header"],
+        }
+        return publisher.Publisher(js, self.config.target.subject or self.spec.subject, headers)
+
+    def _hunts(self, pool: workers.WorkerPool, pub: publisher.Publisher) -> hunts.Hunts:
+        return hunts.Hunts(
+            pg=self.servers.pg,
+            database=DATABASE,
+            pool=pool,
+            target=self.config.target,
+            pub=pub,
+            nats_port=self.servers.nats.port,
+            nats_credentials=(self.servers.nats_user, self.servers.canaries["nats password"]),
+            flood=self.config.flood,
         )
 
     async def _chaos(
         self,
-        js: Any,
+        pub: publisher.Publisher,
         pool: workers.WorkerPool,
         inj: injector.Injector,
         payloads: list[Payload],
     ) -> None:
         c = self.config
+        budget = scenarios.attempts_budget_s(pool.env)
         faults = schedule.build(
             self.seed,
             c.duration_s,
             mean_gap_s=c.mean_fault_gap_s,
             workers=c.workers,
             ack_wait_s=c.ack_wait_s,
+            weights=self.scenario.weights,
+            required=self.scenario.required,
+            shape=schedule.Shape(attempts_budget_s=budget),
         )
         sends = publisher.plan(
             payloads, self.seed, c.duration_s * 0.85, self.stream_spec.duplicate_window_s
         )
-        headers = {
-            "Authorization": f"Bearer {self.servers.canaries['authorization header']}",
-            "X-Api-Key": self.servers.canaries["api key header"],
-        }
         self.late_keys = {send.payload.key for send in sends if send.late}
-        pub = publisher.Publisher(js, self.spec.subject, headers)
         pool.start()
         monitor = asyncio.create_task(_monitor(pool, self.report.timings_s))
+        # The clock starts once the workers run: the first faults and messages
+        # then meet workers at work, not workers still connecting.
+        await asyncio.to_thread(pool.wait_started, 30.0)
         started = time.monotonic()
         try:
             await asyncio.gather(pub.run(sends, started), inj.run(faults, started))
@@ -306,9 +374,20 @@ class _Run:
         overlaps = await asyncio.to_thread(_count_in_logs, pool, '"message.claim_timeout"')
         await asyncio.to_thread(functools.partial(pool.replace_all, stall=overlaps == 0))
         monitor = asyncio.create_task(_monitor(pool, self.report.timings_s))
+        engine = sa.create_engine(self.servers.pg.url_for(DATABASE, driver="psycopg"))
+
+        def parked() -> int:
+            # A failed message waits for its retry in the database, acked in NATS.
+            with engine.connect() as conn:
+                stmt = sql.count_parked(models.tables(), self.spec.name)
+                return int(conn.execute(stmt).scalar_one())
+
         try:
-            drained = await _wait_drained(js, self.spec, self.config.drain_deadline_s)
+            drained = await _wait_drained(
+                js, self.spec, self.config.drain_deadline_s, lambda: asyncio.to_thread(parked)
+            )
         finally:
+            engine.dispose()
             monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await monitor
@@ -354,6 +433,8 @@ class _Run:
             r.missing_evidence = checker.missing_evidence(r.evidence)
         r.worker_exits = pool.exits
         r.incarnations = len(pool.incarnations)
+        r.stops = list(pool.stops)
+        r.stop_limit_s = pool.stop_limit_s
 
 
 def _count_in_logs(pool: workers.WorkerPool, needle: str) -> int:
@@ -387,14 +468,17 @@ async def _pending(js: Any, spec: Any) -> str:
     return f"{info.num_pending} undelivered, {info.num_ack_pending} awaiting ack"
 
 
-async def _wait_drained(js: Any, spec: Any, deadline_s: float) -> bool:
-    """Wait until the consumer has nothing undelivered and nothing unacked, twice in a row."""
+async def _wait_drained(
+    js: Any, spec: Any, deadline_s: float, parked: Callable[[], Awaitable[int]]
+) -> bool:
+    """Wait until the consumer has nothing undelivered and nothing unacked, and no retry
+    waits in the database, twice in a row."""
     end = time.monotonic() + deadline_s
     streak = 0
     while time.monotonic() < end:
         try:
             info = await js.consumer_info(spec.stream, spec.durable)
-            quiet = info.num_pending == 0 and info.num_ack_pending == 0
+            quiet = info.num_pending == 0 and info.num_ack_pending == 0 and await parked() == 0
         except Exception:  # a liveness probe: anything but "drained" means "not yet"
             quiet = False
         streak = streak + 1 if quiet else 0

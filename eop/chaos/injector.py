@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
 from eop import embedded, jetstream
-from eop.chaos import proxy, schedule, workers
+from eop.chaos import hunts, proxy, schedule, workers
 from eop.handler import HandlerSpec
 from eop.settings import Settings
 
@@ -47,6 +47,8 @@ class Injector:
         self.pool, self.js, self.spec, self.settings = pool, js, spec, settings
         self.counts: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.hunts: hunts.Hunts | None = None
+        """Applies the hunts' fault kinds (:mod:`eop.chaos.hunts`)."""
 
     async def run(self, faults: Sequence[schedule.Fault], started: float) -> None:
         """Start each fault at its time; return once the last one has started."""
@@ -64,8 +66,12 @@ class Injector:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def _apply(self, fault: schedule.Fault) -> None:
+        apply = getattr(self, f"_{fault.kind}", None) or getattr(self.hunts, fault.kind, None)
+        if apply is None:
+            self.counts[f"{fault.kind} (skipped)"] += 1
+            return
         try:
-            done = await getattr(self, f"_{fault.kind}")(fault)
+            done = await apply(fault)
         except Exception as exc:  # the system is under fire: a fault may fail to apply
             done = False
             self.counts[f"{fault.kind} (failed: {type(exc).__name__})"] += 1
@@ -192,6 +198,8 @@ class Injector:
     async def heal(self) -> None:
         """End every fault: servers up, proxies clean, workers resumed, consumer present."""
         await self.finish()
+        if self.hunts is not None:
+            await self.hunts.heal()
         self.nats_proxy.heal()
         self.pg_proxy.heal()
         self.pool.resume_all()

@@ -71,9 +71,10 @@ class Publisher:
             delay = started + send.at_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await self._publish(send.payload)
+            await self.publish(send.payload)
 
-    async def _publish(self, payload: Payload) -> None:
+    async def publish(self, payload: Payload) -> None:
+        """Publish ``payload`` with its key as ``Nats-Msg-Id``, until the server has it."""
         headers = {**self.headers, **payload.headers, "Nats-Msg-Id": payload.key}
         wait = 0.05
         while True:

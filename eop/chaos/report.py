@@ -7,6 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
+from eop.chaos import checker
 from eop.chaos.checker import LogEvidence, Outcomes
 
 
@@ -17,6 +18,7 @@ class Report:
     seed: int
     command: str
     messages: int
+    scenario: str = "classic"
     publishes: int = 0
     stored: int = 0
     faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
@@ -34,6 +36,20 @@ class Report:
     proxy: dict[str, int] = dataclasses.field(default_factory=dict)
     timings_s: dict[str, float] = dataclasses.field(default_factory=dict)
     log_dir: str = ""
+    stops: list[checker.Stop] = dataclasses.field(default_factory=list)
+    """Every SIGTERM of a worker, timed."""
+    stop_limit_s: float = 35.0
+    """shutdown_grace_s + 5 s: a stop that takes longer is a stall."""
+    figures: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Measured, not asserted (e.g. the poison flood's time until its good messages are done)."""
+
+    @property
+    def stalls(self) -> list[str]:
+        """Workers that overran their stop, and a drain that did not finish."""
+        found = checker.check_stops(self.stops)
+        if self.liveness:
+            found.append(f"liveness: {self.liveness}")
+        return found
 
     @property
     def fault_count(self) -> int:
@@ -55,8 +71,7 @@ class Report:
         bad_exits = [code for code in self.final_exit_codes if code != 0]
         if bad_exits:
             found.append(f"workers did not stop cleanly at the end: exit codes {bad_exits}")
-        if self.liveness:
-            found.append(f"liveness: {self.liveness}")
+        found += [f"stall: {item}" for item in self.stalls]
         return found
 
     @property
@@ -78,6 +93,14 @@ class Report:
             "duplicated": len(o.duplicated),
             "unexpected": len(o.unexpected),
             "dead_lettered_good": len(o.dead_lettered),
+            "scenario": self.scenario,
+            "effects": o.effects,
+            "good_dead_letters_by_reason": dict(o.good_dead_by_reason),
+            "poison_dead_letters_by_reason": dict(o.poison_dead_by_reason),
+            "stalls": len(self.stalls),
+            "stops": [dataclasses.asdict(stop) for stop in self.stops],
+            "stop_limit_s": self.stop_limit_s,
+            "figures": self.figures,
             "poison_dead_lettered": o.poison_dead_lettered,
             "poison": o.poison,
             "faults_total": self.fault_count,
@@ -96,6 +119,29 @@ class Report:
         """:meth:`to_dict` as indented JSON."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
+    def _render_scenario(self) -> list[str]:
+        """The scenario's figures: effects, dead letters by reason, stalls, stops."""
+        o = self.outcomes
+        times = sorted(stop.seconds for stop in self.stops)
+        stops = (
+            f"{len(times)}, median {times[len(times) // 2]:.1f} s, max {times[-1]:.1f} s"
+            if times
+            else "none"
+        )
+        lines = [
+            f"  scenario {self.scenario}: {o.effects} effects; dead letters of good messages "
+            f"{_counts(o.good_dead_by_reason)}, of poison {_counts(o.poison_dead_by_reason)}",
+            f"  stalls: {len(self.stalls)}; stops after SIGTERM: {stops} "
+            f"(limit {self.stop_limit_s:g} s)",
+        ]
+        lines += [
+            f"    stop of worker {s.worker} (pid {s.pid}, {s.when}): {s.seconds:.1f} s"
+            for s in self.stops
+            if s.code is None or s.seconds > s.limit_s
+        ]
+        lines += [f"  {name}: {value}" for name, value in self.figures.items()]
+        return lines
+
     def render(self) -> str:
         """The report for people."""
         o = self.outcomes
@@ -107,6 +153,7 @@ class Report:
             f"{o.poison_dead_lettered}/{o.poison}",
             f"  lost {len(o.lost)}, duplicated {len(o.duplicated)}, unexpected "
             f"{len(o.unexpected)}, good dead-lettered {len(o.dead_lettered)}",
+            *self._render_scenario(),
             f"  faults: {self.fault_count} in all; injected by the harness:",
         ]
         lines += [f"    {kind:<28} {n:>6}" for kind, n in sorted(self.faults.items())]
@@ -134,3 +181,9 @@ class Report:
         else:
             lines.append("  OK: every message took effect exactly once")
         return "\n".join(lines)
+
+
+def _counts(counter: collections.Counter[str]) -> str:
+    if not counter:
+        return "none"
+    return ", ".join(f"{reason} {n}" for reason, n in counter.most_common())

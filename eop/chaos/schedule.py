@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Mapping
 from typing import Literal, get_args
 
 from eop import faults
@@ -31,6 +32,15 @@ Kind = Literal[
     "drop_ack_reply",
     "drop_commit_reply",
     "consumer_recreate",
+    # The "never zero times" hunts (eop.chaos.scenarios): faults after which a
+    # good message must still take effect, and a worker must still stop.
+    "pg_outage_long",
+    "pg_read_only",
+    "row_lock_hold",
+    "worker_term",
+    "long_msg_id",
+    "raw_bad_subject",
+    "poison_flood",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 
@@ -54,6 +64,18 @@ WEIGHTS: dict[Kind, float] = {
     "drop_commit_reply": 5,
     "consumer_recreate": 0.4,
 }
+"""The classic mix: the faults of every run of the ``classic`` scenario."""
+
+HUNT_WEIGHTS: dict[Kind, float] = {
+    "pg_outage_long": 0.1,
+    "pg_read_only": 0.1,
+    "row_lock_hold": 0.3,
+    "worker_term": 0.5,
+    "long_msg_id": 0.3,
+    "raw_bad_subject": 0.2,
+    "poison_flood": 0.1,
+}
+"""The faults a good message must survive, added to the classic mix by ``mixed``."""
 
 # Which resource an outage holds: two outages of one resource never overlap.
 _RESOURCE: dict[Kind, str] = {
@@ -64,6 +86,10 @@ _RESOURCE: dict[Kind, str] = {
     "pg_crash": "pg",
     "pg_blackhole": "pg",
     "consumer_recreate": "consumer",
+    "pg_outage_long": "pg",
+    "pg_read_only": "pg",
+    "row_lock_hold": "locks",
+    "poison_flood": "flood",
 }
 
 
@@ -82,11 +108,25 @@ _SERVER_WIDE = {
     "pg_blackhole",
     "pg_reset",
     "consumer_recreate",
+    "pg_outage_long",
+    "pg_read_only",
+    "row_lock_hold",
+    "poison_flood",
 }
 CALM_EVERY_S = 12.0
 # A recreated consumer redelivers the whole stream (DeliverPolicy all): in a long
 # run, recreating it every few seconds would leave nothing but replays.
-_SPACING_S: dict[Kind, float] = {"consumer_recreate": 60.0}
+_SPACING_S: dict[Kind, float] = {"consumer_recreate": 60.0, "poison_flood": 30.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Durations of the hunts, derived from the workers' settings."""
+
+    attempts_budget_s: float = 10.0
+    """Longer than a message's whole attempts budget (max_attempts x (backoff_max_s +
+    the in-process retries)): an outage, a read-only window or a held lock this long
+    outlasts every delivery of the messages in flight."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,19 +145,39 @@ class Fault:
 
 
 def build(
-    seed: int, duration_s: float, *, mean_gap_s: float, workers: int, ack_wait_s: float
+    seed: int,
+    duration_s: float,
+    *,
+    mean_gap_s: float,
+    workers: int,
+    ack_wait_s: float,
+    weights: Mapping[Kind, float] | None = None,
+    required: tuple[Kind, ...] = (),
+    shape: Shape | None = None,
 ) -> list[Fault]:
-    """The faults of a chaos phase of ``duration_s``, about every ``mean_gap_s``."""
+    """The faults of a chaos phase of ``duration_s``, about every ``mean_gap_s``.
+
+    ``weights`` picks the mix (default: the classic :data:`WEIGHTS`); each kind in
+    ``required`` happens once, between 30 and 50 % of the phase, whatever
+    the draw, so that a short run of a scenario always meets its fault.
+    """
     rng = random.Random(f"eop-chaos-schedule:{seed}")
-    storm = list(WEIGHTS)
-    calm = [k for k in storm if k not in _SERVER_WIDE]
+    weights = WEIGHTS if weights is None else weights
+    shape = shape or Shape()
+    storm = [k for k, w in weights.items() if w > 0]
+    calm = [k for k in storm if k not in _SERVER_WIDE] or storm
     busy_until: dict[str, float] = {}
     schedule: list[Fault] = []
+    for kind in required:
+        at = rng.uniform(0.3, 0.5) * duration_s
+        schedule.append(_make(rng, kind, at, workers, ack_wait_s, shape))
+        if kind in _RESOURCE:
+            busy_until[_RESOURCE[kind]] = at + schedule[-1].duration_s + 2.0
     now = rng.uniform(0.5, 1.5)
-    while now < duration_s:
+    while storm and now < duration_s:
         kinds = calm if int(now // CALM_EVERY_S) % 2 else storm
-        kind = rng.choices(kinds, [WEIGHTS[k] for k in kinds])[0]
-        fault = _make(rng, kind, now, workers, ack_wait_s)
+        kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
+        fault = _make(rng, kind, now, workers, ack_wait_s, shape)
         resource = _RESOURCE.get(kind)
         if resource is None or busy_until.get(resource, 0.0) <= now:
             if resource is not None:
@@ -125,11 +185,18 @@ def build(
                 busy_until[resource] = now + fault.duration_s + _SPACING_S.get(kind, 2.0)
             schedule.append(fault)
         now += rng.expovariate(1.0 / mean_gap_s)
+    schedule.sort(key=lambda f: f.at_s)
     return schedule
 
 
-def _make(rng: random.Random, kind: Kind, at_s: float, workers: int, ack_wait_s: float) -> Fault:
+def _make(
+    rng: random.Random, kind: Kind, at_s: float, workers: int, ack_wait_s: float, shape: Shape
+) -> Fault:
     slot = rng.randrange(workers)
+    if kind in ("pg_outage_long", "pg_read_only", "row_lock_hold"):
+        return Fault(at_s, kind, shape.attempts_budget_s * rng.uniform(1.0, 1.3))
+    if kind in ("long_msg_id", "raw_bad_subject", "poison_flood"):
+        return Fault(at_s, kind, target=rng.randrange(2**31))
     if kind == "worker_stop":
         # Half the stops outlast AckWait: the server redelivers to a live worker
         # while the stopped one still holds its claims.

@@ -57,6 +57,12 @@ Setup = Callable[[str], None]
 Invariant = Callable[["sa.Connection", Sequence[Payload]], list[str]]
 """Checks an aggregate after the run; returns the problems found (none: holds)."""
 
+GoodFactory = Callable[[str, random.Random], Payload]
+"""Makes a good message with the given key (the hunts choose the key)."""
+
+FailingFactory = Callable[[str], Payload]
+"""Makes a message with the given key that fails on every delivery (poison)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -73,6 +79,17 @@ class Target:
     invariant: Invariant | None = None
     invariant_sql: str | None = None
     """A query returning one row per violation of an aggregate invariant (none: holds)."""
+    subject: str | None = None
+    """The subject to publish to (default: the handler's, when it has no wildcard)."""
+    bad_subject: bytes | None = None
+    """A subject the handler's filter matches that is not UTF-8 (``bad-subject``)."""
+    make_good: GoodFactory | None = None
+    """Good messages with chosen keys (``long-msg-id``, ``poison-flood``)."""
+    make_failing: FailingFactory | None = None
+    """Always-failing messages (``poison-flood``)."""
+    lock_sql: str | None = None
+    """Locks rows every handler run updates, in the injector's transaction
+    (``lock-timeouts``)."""
 
 
 def load_callable(path: str) -> Callable[..., Any]:

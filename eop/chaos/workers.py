@@ -17,12 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
 from eop import faults
-from eop.chaos import schedule
+from eop.chaos import checker, schedule
 
 BatchMode = Literal["mixed", "on", "off"]
 """Which workers run one transaction per fetched batch (``--batch-transactions``)."""
@@ -39,6 +39,8 @@ class Incarnation:
     log: Path
     stopped: bool = False
     killed_by_harness: bool = False
+    terminated_at: float | None = None
+    """When the harness sent it SIGTERM (``time.monotonic()``), if it did."""
 
 
 class WorkerPool:
@@ -56,15 +58,22 @@ class WorkerPool:
         ack_wait_s: float,
         args: Sequence[str] = (),
         batch_mode: BatchMode = "mixed",
+        slot_env: Callable[[int], Mapping[str, str | None]] | None = None,
+        arm: bool = True,
     ) -> None:
         self.app, self.handler = app, handler
         self.env = dict(env)
+        self.slot_env = slot_env
+        """Per-slot environment changes (None values unset a variable)."""
+        self.grace_s = float(self.env.get("EOP_SHUTDOWN_GRACE_S") or 30.0)
+        """The workers' shutdown_grace_s: a stop may take this plus 5 s."""
+        self.stops: list[checker.Stop] = []
         self.log_dir = log_dir
         self.seed = seed
         self.ack_wait_s = ack_wait_s
         self.args = list(args)
         self.batch_mode = batch_mode
-        self.arming = True
+        self.arming = arm
         """Whether new incarnations get fault points (off once the run heals)."""
         self.top_up: list[faults.Point] = []
         self.stall_top_up = False
@@ -110,6 +119,11 @@ class WorkerPool:
         else:
             env["EOP_BATCH_TRANSACTIONS"] = "true" if self.batch_mode == "on" else "false"
         env.update(plan.env())
+        for name, value in (self.slot_env(slot) if self.slot_env else {}).items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         if plan.rules and plan.kill_point is None:
             # A staller holds twice the claims: more overlaps per calm spell.
             env["EOP_CONCURRENCY"] = str(2 * int(env.get("EOP_CONCURRENCY", "4")))
@@ -180,6 +194,20 @@ class WorkerPool:
         else:
             self.exits[f"exit_{code}"] += 1
 
+    def wait_started(self, timeout_s: float) -> bool:
+        """Wait until the worker of every slot has logged ``worker.started`` (or time out).
+
+        A fault aimed at running workers (a long outage, a held lock) tests
+        nothing if it lands while they are still connecting.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            current = list(self.slots)
+            if all(inc is not None and _logged(inc, b'"worker.started"') for inc in current):
+                return True
+            time.sleep(0.1)
+        return False
+
     def running(self) -> list[Incarnation]:
         """The incarnations alive now."""
         return [inc for inc in self.slots if inc is not None and inc.proc.poll() is None]
@@ -196,24 +224,30 @@ class WorkerPool:
         to die there early in the drain, where the backlog passes every point;
         with ``stall``, one more holds its first claims past AckWait.
         """
-        self.arming = False
-        self.top_up = [p for p in faults.POINTS if not self.kills_fired[p]]
-        self.stall_top_up = stall
+        armed, self.arming = self.arming, False
+        # Top-ups only complete an armed run's evidence; an unarmed run stays unarmed.
+        self.top_up = [p for p in faults.POINTS if not self.kills_fired[p]] if armed else []
+        self.stall_top_up = stall and armed
         self.resume_all()
-        old = self.running()
-        for inc in old:
-            inc.proc.send_signal(signal.SIGTERM)
-        for inc in old:
-            self._wait(inc, 30.0)
+        self._stop(self.running(), "heal", None)
         self.poll()
 
-    def stop_all(self, timeout_s: float = 30.0, start_wait_s: float = 20.0) -> dict[int, int]:
+    @property
+    def stop_limit_s(self) -> float:
+        """How long a worker may take to exit after SIGTERM: shutdown_grace_s + 5 s."""
+        return self.grace_s + 5.0
+
+    def stop_all(
+        self, timeout_s: float | None = None, start_wait_s: float = 20.0
+    ) -> dict[int, int]:
         """SIGTERM every worker and wait; returns exit codes by incarnation number.
 
         A worker started a moment ago may still be importing, before its
         SIGTERM handler exists, and would die of the signal: that proves
         nothing about a graceful stop, so each gets up to ``start_wait_s`` to
-        log ``worker.starting`` (handlers installed) first.
+        log ``worker.starting`` (handlers installed) first. Each stop is timed
+        (:attr:`stops`); one still running after ``timeout_s`` (default: the stop
+        limit plus 5 s) is SIGKILLed.
         """
         self.resume_all()
         alive = self.running()
@@ -221,16 +255,55 @@ class WorkerPool:
         for inc in alive:
             while inc.proc.poll() is None and time.monotonic() < deadline and not _starting(inc):
                 time.sleep(0.05)
-        for inc in alive:
-            inc.proc.send_signal(signal.SIGTERM)
-        codes = {inc.number: self._wait(inc, timeout_s) for inc in alive}
+        codes = self._stop(alive, "final", timeout_s)
         self.slots = [None] * len(self.slots)
         return codes
 
-    def _wait(self, inc: Incarnation, timeout_s: float) -> int:
+    def _stop(
+        self, incs: Sequence[Incarnation], when: str, timeout_s: float | None
+    ) -> dict[int, int]:
+        for inc in incs:
+            self.send_term(inc)
+        return {inc.number: self._wait(inc, when, timeout_s) for inc in incs}
+
+    def send_term(self, inc: Incarnation) -> None:
+        """SIGTERM ``inc`` and note when, to time its stop."""
+        inc.terminated_at = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            inc.proc.send_signal(signal.SIGTERM)
+
+    def started(self, slot: int) -> Incarnation | None:
+        """The worker in ``slot`` if it runs, is neither paused nor stopping, and has its
+        signal handlers installed."""
+        inc = self.slots[slot]
+        if inc is None or inc.stopped or inc.terminated_at is not None:
+            return None  # a stop already under way is timed once
+        if inc.proc.poll() is not None or not _starting(inc):
+            return None
+        return inc
+
+    def record_stop(self, inc: Incarnation, when: str, code: int | None) -> checker.Stop:
+        """Time the stop of ``inc`` since its SIGTERM (``code`` None: it did not exit)."""
+        sent = inc.terminated_at if inc.terminated_at is not None else time.monotonic()
+        stop = checker.Stop(
+            worker=inc.number,
+            pid=inc.proc.pid,
+            when=when,
+            seconds=time.monotonic() - sent,
+            code=code,
+            limit_s=self.stop_limit_s + _injected_delay_s(inc.plan),
+        )
+        self.stops.append(stop)
+        return stop
+
+    def _wait(self, inc: Incarnation, when: str, timeout_s: float | None) -> int:
+        limit = self.stop_limit_s + 5.0 if timeout_s is None else timeout_s
+        sent = inc.terminated_at or time.monotonic()
         try:
-            code = inc.proc.wait(timeout_s)
+            code = inc.proc.wait(max(0.0, sent + limit - time.monotonic()))
+            self.record_stop(inc, when, code)
         except subprocess.TimeoutExpired:
+            self.record_stop(inc, when, None)
             inc.proc.kill()
             code = inc.proc.wait()
             self.exits["hung_at_stop"] += 1
@@ -254,9 +327,18 @@ class WorkerPool:
                 inc.proc.wait()
 
 
+def _injected_delay_s(plan: schedule.WorkerPlan) -> float:
+    """The longest stall or freeze the plan may put in the way of a stop: the harness's own."""
+    return max((r.seconds for r in plan.rules if r.action in ("stall", "freeze")), default=0.0)
+
+
 def _starting(inc: Incarnation) -> bool:
     """Whether the worker logged ``worker.starting``: its signal handlers are installed."""
+    return _logged(inc, b'"worker.starting"')
+
+
+def _logged(inc: Incarnation, needle: bytes) -> bool:
     try:
-        return b'"worker.starting"' in inc.log.read_bytes()
+        return needle in inc.log.read_bytes()
     except OSError:
         return False

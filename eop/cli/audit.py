@@ -15,7 +15,8 @@ def add_audit(sub: Any) -> None:
     audit = sub.add_parser(
         "audit",
         help="prove exactly-once on your data: walk the stream against the inbox "
-        "(exit 0 clean, 1 anomalies, 2 errors)",
+        "(exit 0 no anomaly, even with messages still in flight or never delivered, "
+        "which the result names; 1 anomalies; 2 errors)",
     )
     options.add_app_arguments(
         audit,
@@ -72,4 +73,6 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         options.print_error(exc)
         return 2
     print(report.as_json() if args.json else audit.render(report))
+    # In flight and never delivered are not anomalies: 0, and the result says
+    # "clean so far" with their counts (and the JSON "settled": false).
     return 0 if report.clean else 1

@@ -21,8 +21,10 @@ WORKER_FIELDS = (
     "ack_wait_s",
     "max_ack_pending",
     "max_attempts",
+    "max_deliveries",
     "backoff_base_s",
     "backoff_max_s",
+    "retry_poll_s",
     "ack_timeout_s",
     "ack_give_up_s",
     "lock_timeout_s",
@@ -104,7 +106,7 @@ def add_demo(sub: Any) -> None:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from eop import eventloop, faults, supervisor, worker
+    from eop import eventloop, faults, shutdown, supervisor, worker
     from eop.app import select_handlers
 
     # Fault points stay disarmed unless a chaos run set EOP_FAULTS (eop.faults).
@@ -122,9 +124,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             app.settings.db_connections(count),
         )
         if len(children) > 1:
-            return supervisor.supervise([supervisor.child_argv(args.argv, c) for c in children])
-    eventloop.run(worker.run_worker(app, handlers=handlers), use_uvloop=app.settings.uvloop)
-    return 0
+            return supervisor.supervise(
+                [supervisor.child_argv(args.argv, c) for c in children],
+                # The children's own deadline, then a margin for them to be reaped.
+                stop_deadline_s=shutdown.deadline_s(app.settings) + shutdown.STOP_MARGIN_S,
+            )
+    # exit_hard: a stop always ends the process, even with a handler's thread stuck.
+    return eventloop.run(
+        worker.run_worker(app, handlers=handlers, exit_hard=True), use_uvloop=app.settings.uvloop
+    )
 
 
 def _cmd_db(args: argparse.Namespace) -> int:

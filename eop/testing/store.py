@@ -41,6 +41,10 @@ class MemoryStore:
         """Committed dead letters, in commit order."""
         self.effects: list[object] = []
         """What handlers ``add()``-ed to their session, for committed transactions only."""
+        self.attempts: dict[InboxKey, int] = {}
+        """Committed handler failures per message key (dropped once it has its outcome)."""
+        self.parked: set[InboxKey] = set()
+        """Keys of messages whose retry is held in the store (acked, inbox row ``retrying``)."""
         self.misuse: list[str] = []
         """Misuses a real database session would reject (e.g. closing it mid-COMMIT)."""
         self.transactions = 0

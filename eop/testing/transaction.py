@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 from collections.abc import Generator, Iterable
 from typing import TYPE_CHECKING, Any
 
-from eop import errors
+from eop import errors, models
 from eop.inbox import DeadLetter, Existing
 from eop.testing.failures import Ambiguous, instantiate
-from eop.testing.rows import DeadLetterRow, InboxRow, inbox_key
+from eop.testing.rows import DeadLetterRow, InboxKey, InboxRow, inbox_key
 
 if TYPE_CHECKING:
     from eop.handler import HandlerSpec
@@ -65,6 +66,9 @@ class MemoryTransaction:
         self._dead_letters: list[DeadLetterRow] = []
         self._ended = asyncio.Event()
         self._committing = False
+        self._counts: dict[InboxKey, tuple[int, bool]] = {}
+        self._forgotten: set[InboxKey] = set()
+        self._settled: dict[InboxKey, str] = {}
 
     @property
     def ended(self) -> bool:
@@ -119,6 +123,46 @@ class MemoryTransaction:
         self._check_open()
         self._dead_letters.append(DeadLetterRow.of(message, dead))
 
+    async def count_failure(
+        self, message: Message, error: str, *, parked: bool, due_in_s: float
+    ) -> int:
+        """Count one more handler failure of ``message`` (visible to others after COMMIT)."""
+        self._check_open()
+        key = inbox_key(message)
+        if key in self._counts:
+            before = self._counts[key][0]
+        else:
+            before = 0 if key in self._forgotten else self.store.attempts.get(key, 0)
+        self._counts[key] = (before + 1, parked)
+        self._forgotten.discard(key)
+        return before + 1
+
+    async def forget_failures(self, message: Message) -> None:
+        """Drop the failure count of ``message`` at COMMIT."""
+        self._check_open()
+        key = inbox_key(message)
+        self._counts.pop(key, None)
+        self._forgotten.add(key)
+
+    async def reschedule(self, message: Message, due_in_s: float) -> None:
+        """Nothing to keep: the fake store runs no retry loop of its own."""
+        self._check_open()
+
+    async def lock_run(self, message: Message, runs: int) -> bool:
+        """Whether ``message`` is still parked (the fake keeps no run leases)."""
+        self._check_open()
+        return inbox_key(message) in self.store.parked
+
+    async def settle_retrying(self, message: Message, outcome: str) -> bool:
+        """Give a retrying inbox row ``outcome`` at COMMIT; False when it is not retrying."""
+        self._check_open()
+        key = inbox_key(message)
+        row = self.store.inbox.get(key)
+        if row is None or self._settled.get(key, row.outcome) != models.OUTCOME_RETRYING:
+            return False
+        self._settled[key] = outcome
+        return True
+
     async def run(self, message: Message) -> None:
         """Call ``spec.func(message, session)``, awaiting it when it returns an awaitable.
 
@@ -171,6 +215,15 @@ class MemoryTransaction:
             if dead.unique_key not in known:
                 known.add(dead.unique_key)
                 store.dead_letters.append(dead)
+        for key, outcome in self._settled.items():
+            store.inbox[key] = dataclasses.replace(store.inbox[key], outcome=outcome)
+        for key in self._forgotten:
+            store.attempts.pop(key, None)
+            store.parked.discard(key)
+        for key, (count, parked) in self._counts.items():
+            store.attempts[key] = count
+            if parked:
+                store.parked.add(key)
         store.effects.extend(self.session.added)
         store.commits += 1
         self.committed = True
@@ -183,6 +236,10 @@ class MemoryTransaction:
             self.session.added.clear()
         self._rows.clear()
         self._dead_letters.clear()
+        if not self.committed:
+            self._counts.clear()
+            self._forgotten.clear()
+            self._settled.clear()
         self.store._release(self)
         self._ended.set()
 

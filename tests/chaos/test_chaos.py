@@ -61,3 +61,49 @@ def test_a_users_own_handler_is_checked_the_same_way() -> None:
     assert report.ok, report.render()
     assert report.outcomes.exactly_once == 294
     assert report.outcomes.poison_dead_lettered == 6
+
+
+# The hunt each scenario must have applied (the scenario's signature fault).
+_SIGNATURE = {
+    "sync-hot-rows": "worker_term",
+    "transfers": "worker_term",
+    "pg-outage": "pg_outage_long",
+    "read-only": "pg_read_only",
+    "lock-timeouts": "row_lock_hold",
+    "long-msg-id": "long_msg_id",
+    "bad-subject": "raw_bad_subject",
+    "poison-flood": "poison_flood",
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(_SIGNATURE))
+def test_a_good_message_is_never_dead_lettered_and_no_worker_stalls(name: str) -> None:
+    """Each "never zero times" scenario, briefly: after its fault (an outage or
+    read-only window or held lock longer than the attempts budget, hot rows at
+    default settings, deadlocking transfers, a 5,000-character msg-id, a subject
+    that is not UTF-8, a poison flood) and mid-run SIGTERMs, every good message
+    has exactly one effect (none dead-lettered), the run drains, and every worker
+    exits within shutdown_grace_s + 5 s of its SIGTERM.
+    """
+    from eop.chaos import scenarios
+
+    assert set(_SIGNATURE) == set(scenarios.HUNTS)
+    raw_seed = os.environ.get("EOP_CHAOS_SEED")
+    config = Config(
+        scenario=name,
+        seed=int(raw_seed) if raw_seed else None,
+        messages=150,
+        workers=2,
+        duration_s=6,
+        drain_deadline_s=20,
+        flood=(300, 50),
+    )
+    try:
+        report = run(config)
+    except errors.ServerBinaryNotFound as exc:
+        unavailable(str(exc))
+    print(report.render())
+    assert report.faults[_SIGNATURE[name]] >= 1, report.render()
+    assert report.ok, report.render()
+    assert any(stop.when == "mid-run" for stop in report.stops), report.render()

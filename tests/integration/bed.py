@@ -82,13 +82,23 @@ async def wait_for(
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def drained(js: Any, durable: str, stream: str = STREAM) -> bool:
-    """True when the consumer has nothing pending and nothing awaiting an ack."""
+async def drained(
+    js: Any, durable: str, stream: str = STREAM, *, engine: AsyncEngine | None = None
+) -> bool:
+    """True when the consumer has nothing pending and nothing awaiting an ack.
+
+    With ``engine``, also no retry waiting in the database: a failed message is
+    acked when its retry is parked there (see eop.retries).
+    """
     try:
         info = await js.consumer_info(stream, durable)
     except Exception:
         return False
-    return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+    if not (info.num_pending == 0 and info.num_ack_pending == 0):
+        return False
+    if engine is None:
+        return True
+    return int(await scalar(engine, "SELECT count(*) FROM eop.retries WHERE parked")) == 0
 
 
 @contextlib.asynccontextmanager

@@ -3,32 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import eop
 from eop import audit, jetstream
 
+from . import auditapp
 from .bed import STREAM, SUBJECT, bed_settings, drained, publish, running, wait_for
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_app(database_url: str, nats_url: str, **changes: Any) -> eop.App:
-    """An app with one handler, `billing`, on ORDERS.created (effects go to the inbox only)."""
+    """An app with one handler, `billing`, on ORDERS.created (effects go to the inbox only).
+
+    The same handler as ``auditapp.app``, which the `eop audit` subprocesses load.
+    """
     app = eop.App(settings=bed_settings(database_url, nats_url, **changes))
     app.stream(STREAM, subjects=["ORDERS.>"], storage="file")
-
-    @app.handler(stream=STREAM, subject=SUBJECT, name="billing")
-    async def bill(msg: eop.Message, session: AsyncSession) -> None:
-        if msg.data == b"poison":
-            raise eop.Reject("poison")
-
+    app.handler(stream=STREAM, subject=SUBJECT, name="billing")(auditapp.bill)
     return app
 
 
@@ -62,7 +66,9 @@ async def test_clean_run_checks_every_message_and_finds_nothing(
     await process(app, js, [f"m{i}" for i in range(30)] + ["poison"])
     h = await audit_of(app)
     assert h.clean, h.anomalies
-    assert (h.checked, h.outcomes, h.dead_letters, h.compacted) == (31, 30, 1, 0)
+    assert (h.checked, h.processed.count, h.compacted) == (31, 30, 0)
+    assert {r: t.count for r, t in h.dead_lettered_by_rule.items()} == {"rejected": 1}
+    assert h.settled
     assert (h.range_from, h.range_to) == (1, 31)
 
 
@@ -134,7 +140,7 @@ async def test_subject_filtered_consumer_gives_no_false_positives(
         await wait_for(lambda: drained(js, "eop-billing"))
     h = await audit_of(app)
     assert h.clean, h.anomalies
-    assert (h.checked, h.outcomes, h.filters) == (8, 8, [SUBJECT])
+    assert (h.checked, h.processed.count, h.filters) == (8, 8, [SUBJECT])
 
 
 async def test_changed_fingerprint_in_the_same_epoch_is_a_reused_sequence(
@@ -161,7 +167,7 @@ async def test_recreated_stream_reuses_sequences(
     await process(app, js, [f"new{i}" for i in range(3)])
     h = await audit_of(app)
     assert kinds(h) == {"reused_sequence": [1, 2, 3], "outcome_message_gone": [4, 5]}
-    assert h.outcomes == 3
+    assert h.processed.count == 3
     assert (await audit_of(app, current_epoch_only=True)).clean
 
 
@@ -184,7 +190,7 @@ async def test_message_left_pending_and_redelivered_is_stuck(
         deliveries = msg.metadata.num_delivered
     h = await audit_of(app, stuck_after_s=0.5)
     assert kinds(h) == {"stuck_delivery": [1]}
-    assert h.unsettled == 1
+    assert counted(h.in_flight) == {audit.DELIVERED_NO_OUTCOME: (1, [1])}
 
 
 async def test_limit_and_range_options(
@@ -200,10 +206,108 @@ async def test_limit_and_range_options(
     assert h.clean
 
 
+_NOT_BY_RULE = (
+    "INSERT INTO eop.dead_letters (subscription, stream, stream_epoch, stream_seq, fingerprint,"
+    " msg_id, subject, headers, payload, reason, error, delivery_count)"
+    " SELECT subscription, stream, stream_epoch, stream_seq, fingerprint, msg_id, subject,"
+    " '{}'::jsonb, ''::bytea, :reason, :error, 6 FROM eop.inbox WHERE stream_seq = :seq"
+)
+
+
+async def dead_letter_by_infrastructure(engine: AsyncEngine, seq: int, reason: str) -> None:
+    """Turn the processed message at ``seq`` into a dead letter no rule of eop explains.
+
+    This is what a dead letter caused by infrastructure looks like: the
+    message's own inbox row marked dead-lettered, beside a dead letter whose
+    reason is not one of eop's rules, or whose error says that the message
+    was delivered several times without an outcome.
+    """
+    error = "delivered 6 times without an outcome (max_attempts=5)"
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.text("UPDATE eop.inbox SET outcome = 'dead_lettered' WHERE stream_seq = :seq"),
+            {"seq": seq},
+        )
+        await conn.execute(sa.text(_NOT_BY_RULE), {"seq": seq, "reason": reason, "error": error})
+
+
+async def eop_audit(database_url: str, nats_url: str, *args: str) -> tuple[int, str]:
+    """Run `eop audit` on ``auditapp:app`` in a subprocess: its exit status and stdout."""
+    env = dict(os.environ, EOP_DATABASE_URL=database_url, EOP_NATS_URL=nats_url)
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "eop", "audit", "tests.integration.auditapp:app", *args),
+        env=env,
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode in (0, 1), err.decode()
+    return proc.returncode, out.decode()
+
+
+def counted(tallies: Mapping[str, audit.Tally]) -> dict[str, tuple[int, list[int]]]:
+    """A class's tallies, as key -> (count, sample sequences)."""
+    return {key: (t.count, t.sample) for key, t in tallies.items()}
+
+
+async def test_every_class_is_counted_and_only_anomalies_fail(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Processed, dead-lettered by rule or not, in flight and never delivered, each counted.
+
+    Messages 1-8 are processed, 9-10 rejected; 11-13 are fetched from the
+    durable consumer and left unacknowledged (a long AckWait keeps them
+    delivered); 14-17 are never delivered. In flight and never delivered are
+    not anomalies (exit 0, but the summary says "clean so far" and counts
+    them); a dead letter with a reason that is not one of eop's rules, or one
+    delivered without an outcome, is an anomaly (exit 1).
+    """
+    app = make_app(database_url, nats_url, compaction_interval_s=0, ack_wait_s=600.0)
+    await process(app, js, [f"m{i}" for i in range(8)] + ["poison", "poison"])
+    for i in range(3):
+        await publish(js, f"pending{i}")
+    sub = await js.pull_subscribe_bind(durable="eop-billing", stream=STREAM)
+    fetched = await sub.fetch(3, timeout=5)
+    assert [m.metadata.sequence.stream for m in fetched] == [11, 12, 13]
+    for i in range(4):
+        await publish(js, f"later{i}")
+
+    h = await audit_of(app)
+    assert h.clean, h.anomalies
+    assert (h.processed.count, h.processed.sample) == (8, list(range(1, 9)))
+    assert counted(h.dead_lettered_by_rule) == {"rejected": (2, [9, 10])}
+    assert counted(h.dead_lettered_other) == {}
+    assert counted(h.in_flight) == {audit.DELIVERED_NO_OUTCOME: (3, [11, 12, 13])}
+    assert (h.never_delivered.count, h.never_delivered.sample) == (4, [14, 15, 16, 17])
+    status, out = await eop_audit(database_url, nats_url)
+    assert status == 0
+    assert "result: clean so far: 3 in flight, 4 never delivered" in out
+
+    await dead_letter_by_infrastructure(engine, 2, "crash_loop")
+    await dead_letter_by_infrastructure(engine, 5, "attempts_exhausted")
+    h = await audit_of(app)
+    assert kinds(h) == {audit.DEAD_LETTER_NOT_BY_RULE: [2, 5]}
+    assert counted(h.dead_lettered_other) == {
+        "crash_loop": (1, [2]),
+        "attempts_exhausted (delivered without an outcome)": (1, [5]),
+    }
+    assert (h.processed.count, h.never_delivered.count) == (6, 4)
+    assert counted(h.dead_lettered_by_rule) == {"rejected": (2, [9, 10])}
+    status, out = await eop_audit(database_url, nats_url)
+    assert status == 1
+    assert "dead_letter_not_by_rule  seq 2" in out
+    assert "3 in flight, 4 never delivered" in out
+    status, out = await eop_audit(database_url, nats_url, "--json")
+    data = json.loads(out)["handlers"][0]
+    assert status == 1
+    assert data["counts"][audit.DEAD_LETTER_NOT_BY_RULE] == 2
+    assert data["never_delivered"] == {"count": 4, "sample": [14, 15, 16, 17]}
+    assert data["in_flight"][audit.DELIVERED_NO_OUTCOME]["count"] == 3
+
+
 def test_cli_exit_codes(database_url: str, nats_url: str) -> None:
     """`eop audit` exits 0 on a clean stream, 1 on an anomaly, 2 when it cannot connect."""
-    import os
-
     env = dict(os.environ, EOP_DATABASE_URL=database_url, EOP_NATS_URL=nats_url)
 
     def eop(*args: str) -> subprocess.CompletedProcess[str]:
@@ -238,7 +342,7 @@ def test_cli_exit_codes(database_url: str, nats_url: str) -> None:
     assert '"clean": true' in done.stdout
     text = eop()
     assert text.returncode == 0
-    assert "result: clean" in text.stdout
+    assert "result: clean so far: 1 never delivered" in text.stdout
 
     async def outcome_beyond_the_stream() -> None:
         engine = create_async_engine(database_url)

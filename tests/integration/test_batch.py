@@ -63,7 +63,9 @@ async def test_one_failing_handler_does_not_sink_its_batch(
     bodies = [f"m{i}" for i in range(10)] + ["bad"] + [f"n{i}" for i in range(10)]
     await prepublish(js, bodies)
     async with running(app):
-        await wait_for(lambda: drained(js, "eop-mixed"), what="the batch and the retry")
+        await wait_for(
+            lambda: drained(js, "eop-mixed", engine=engine), what="the batch and the retry"
+        )
     assert await effects_by_body(engine) == dict.fromkeys(bodies, 1)
     assert deliveries["bad"][-1] == 2
     assert set(deliveries["bad"]) == {1, 2}

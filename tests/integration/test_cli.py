@@ -55,15 +55,17 @@ def eop(*args: str, env: dict[str, str], timeout_s: float = 60) -> subprocess.Co
 class Workers:
     """`eop worker` subprocesses, stopped (SIGTERM) at the end."""
 
-    def __init__(self, env: dict[str, str], tmp_path: Path) -> None:
-        self.env, self.tmp_path = env, tmp_path
+    def __init__(self, env: dict[str, str], tmp_path: Path, app: str = APP) -> None:
+        self.env, self.tmp_path, self.app = env, tmp_path, app
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, *args: str) -> subprocess.Popen[bytes]:
+    def start(
+        self, *args: str, app: str | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = (self.tmp_path / f"worker-{len(self.procs)}.log").open("wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eop", "worker", APP, *args],
-            env=self.env,
+            [sys.executable, "-m", "eop", "worker", app or self.app, *args],
+            env={**self.env, **(env or {})},
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from eop import jetstream, log
+import eop
+from eop import errors, jetstream, log, wire
 from eop.settings import Settings
 
-from .bed import wait_for
+from .bed import (
+    STREAM,
+    SUBJECT,
+    bed_settings,
+    create_effects_table,
+    drained,
+    effects_by_body,
+    publish,
+    record_effect,
+    running,
+    wait_for,
+)
 
 if TYPE_CHECKING:
     from eop import embedded
@@ -41,3 +54,62 @@ async def test_a_lost_server_is_logged_as_a_disconnect_but_closing_ourselves_is_
             await wait_for(logged, what="the disconnect to be logged")
         finally:
             await nc.close()
+
+
+def _logged(logs: list[dict[str, object]], event: log.Event) -> int:
+    return sum(1 for e in logs if e["event"] == str(event))
+
+
+async def test_a_read_loop_ended_while_connected_is_logged_and_the_worker_reconnects(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """The reading task of a live connection cancelled: logged, reconnected, processing goes on.
+
+    The connection still says it is connected but reads nothing; the worker
+    must notice rather than wait for messages that never come.
+    """
+    await create_effects_table(engine)
+    app = eop.App(settings=bed_settings(database_url, nats_url))
+    app.stream(STREAM, subjects=["ORDERS.>"])
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="reader")
+    async def handle(msg: eop.Message, session: AsyncSession) -> None:
+        await record_effect(session, "reader", msg)
+
+    with structlog.testing.capture_logs() as logs:
+        async with running(app) as worker:
+            await publish(js, "before")
+            await wait_for(lambda: drained(js, "eop-reader"), what="the first message")
+            nc = worker.nats
+            nc._reading_task.cancel()
+
+            async def recovered() -> bool:
+                return _logged(logs, log.Event.NATS_RECONNECTED) == 1 and nc.is_connected
+
+            await wait_for(recovered, what="the reconnection")
+            assert _logged(logs, log.Event.NATS_READER_ENDED) == 1
+            assert wire.reading(nc)
+            await publish(js, "after")
+            await wait_for(lambda: drained(js, "eop-reader"), what="the message after")
+    assert await effects_by_body(engine) == {"before": 1, "after": 1}
+
+
+async def test_a_read_loop_ended_without_reconnects_allowed_closes_and_reports_it(
+    nats_server: embedded.NatsServer,
+) -> None:
+    """Reconnecting not allowed: the dead read loop closes the connection; on_lost is told."""
+    settings = Settings.from_env(environ={}, overrides={"nats_url": nats_server.url})
+    lost: list[errors.NatsUnavailable] = []
+    nc = await jetstream.connect(settings, on_lost=lost.append)
+    try:
+        nc.options["allow_reconnect"] = False
+        nc._reading_task.cancel()
+
+        async def reported() -> bool:
+            return bool(lost)
+
+        await wait_for(reported, what="the loss to be reported")
+        assert "stopped reading" in str(lost[0])
+        assert nc.is_closed
+    finally:
+        await nc.close()

@@ -61,7 +61,7 @@ async def dead_lettered(app: eop.App, js: Any, engine: AsyncEngine, *bodies: str
                 body.encode(),
                 headers={"Nats-Msg-Id": f"orig-{i}", "Authorization": "Bearer s3cr3t", "X": "1"},
             )
-        await wait_for(lambda: drained(js, "eop-billing"), what="the dead letters")
+        await wait_for(lambda: drained(js, "eop-billing", engine=engine), what="the dead letters")
     return await dlq.DeadLetters(app).ids(dlq.Filters())
 
 
@@ -90,11 +90,11 @@ async def test_published_replay_is_processed_once_and_a_second_replay_is_a_no_op
     assert msg.headers[dlq.REPLAY_OF_HEADER] == str(dl)
     assert "Authorization" not in msg.headers
     async with running(app):
-        await wait_for(lambda: drained(js, "eop-billing"), what="the replay")
+        await wait_for(lambda: drained(js, "eop-billing", engine=engine), what="the replay")
         second = await replayer.replay(dl)
         assert second.status == "skipped"
         assert "already replayed" in second.detail
-        await wait_for(lambda: drained(js, "eop-billing"), what="nothing more")
+        await wait_for(lambda: drained(js, "eop-billing", engine=engine), what="nothing more")
     assert await effects_by_body(engine) == {"ok": 1, "poison-1": 1}
     assert await stream_messages(js) == 3
     row = await dlq.DeadLetters(app).get(dl)
@@ -141,7 +141,7 @@ async def test_crash_between_publish_and_bookkeeping_is_resumed_without_a_second
     assert resumed.stream_seq == 2
     assert await stream_messages(js) == 2
     async with running(app):
-        await wait_for(lambda: drained(js, "eop-billing"), what="the replay")
+        await wait_for(lambda: drained(js, "eop-billing", engine=engine), what="the replay")
     assert await effects_by_body(engine) == {"poison-1": 1}
     assert (await dlq.Replayer(app, js).replay(dl)).status == "skipped"
 
@@ -189,12 +189,12 @@ async def test_republish_after_the_duplicate_window_is_skipped_by_the_inbox_msg_
     with pytest.raises(SystemExit):
         await CrashAfterPublish(app, js).replay(dl)
     async with running(app):
-        await wait_for(lambda: drained(js, "eop-billing"), what="the first replay")
+        await wait_for(lambda: drained(js, "eop-billing", engine=engine), what="the first replay")
         await asyncio.sleep(1.0)  # past the duplicate window: the server has forgotten the id
         resumed = await BlindScan(app, js).replay(dl)
         assert resumed.status == "published"
         assert resumed.stream_seq == 3
-        await wait_for(lambda: drained(js, "eop-billing"), what="the second copy")
+        await wait_for(lambda: drained(js, "eop-billing", engine=engine), what="the second copy")
     assert await effects_by_body(engine) == {"poison-1": 1}
     dup = await scalar(engine, "SELECT count(*) FROM eop.inbox WHERE stream_seq = 3")
     assert dup == 0  # skipped by msg-id, never claimed

@@ -86,7 +86,10 @@ async def test_a_failing_statement_is_described_without_its_parameters(
     try:
         with structlog.testing.capture_logs() as logs:
             async with running(app):
-                await wait_for(lambda: drained(js, "eop-checked"), what="the poison's dead letter")
+                await wait_for(
+                    lambda: drained(js, "eop-checked", engine=engine),
+                    what="the poison's dead letter",
+                )
     finally:
         sync_engine.dispose()
 

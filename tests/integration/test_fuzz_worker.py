@@ -79,7 +79,9 @@ async def scenario(database_url: str, nats_url: str, batch: list[Any]) -> None:
                     continue
                 if not ack.duplicate:
                     stored.add(ack.seq)
-            await wait_for(lambda: drained(js, "eop-fuzz"), timeout_s=30, what="the fuzz batch")
+            await wait_for(
+                lambda: drained(js, "eop-fuzz", engine=engine), timeout_s=30, what="the fuzz batch"
+            )
         async with engine.connect() as conn:
             effects = [r[0] for r in await conn.execute(sa.text("SELECT seq FROM fuzz_effects"))]
             dead = [

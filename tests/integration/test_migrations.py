@@ -52,6 +52,7 @@ def test_fresh_upgrade_matches_the_models(empty_database_url: str) -> None:
         "inbox",
         "dead_letters",
         "watermarks",
+        "retries",
         "eop_alembic_version",
     }
 
@@ -85,11 +86,12 @@ def test_downgrade_to_base_then_upgrade_round_trips(database_url: str) -> None:
     assert tables_in(database_url, "eop") == {"eop_alembic_version"}
     migrate.upgrade(database_url)
     migrate.check(database_url)
-    migrate.downgrade(database_url)  # one step down from head
-    assert migrate.current(database_url) == "eop_0002"
+    migrate.downgrade(database_url, revision="eop_0003")
+    assert "retries" not in tables_in(database_url, "eop")
+    assert "msg_id_digest" not in columns_of(database_url, "eop", "inbox")
+    migrate.downgrade(database_url, revision="eop_0002")
     assert "replayed_at" not in columns_of(database_url, "eop", "dead_letters")
-    migrate.downgrade(database_url)
-    assert migrate.current(database_url) == "eop_0001"
+    migrate.downgrade(database_url, revision="eop_0001")
     assert "watermarks" not in tables_in(database_url, "eop")
     migrate.upgrade(database_url)
     migrate.check(database_url)
@@ -124,6 +126,43 @@ def test_replay_columns_upgrade_over_existing_dead_letters(database_url: str) ->
     assert rows == [(0, None)]
 
 
+def test_msg_id_digest_upgrade_and_downgrade_over_existing_rows(database_url: str) -> None:
+    """eop_0004 fills the digest of kept msg-ids; its downgrade drops msg-ids too long to index."""
+    migrate.downgrade(database_url, revision="eop_0003")
+    insert = (
+        "INSERT INTO eop.inbox (subscription, stream, stream_epoch, stream_seq, fingerprint,"
+        " msg_id, subject, outcome, delivery_count) VALUES"
+        " ('h', 'S', 'e', 1, '\\x00', 'id-1', 'S.a', 'processed', 1),"
+        " ('h', 'S', 'e', 2, '\\x00', NULL, 'S.a', 'processed', 1)"
+    )
+    query_all(database_url, insert)
+    migrate.upgrade(database_url)
+    migrate.check(database_url)
+    rows = query(
+        database_url,
+        "SELECT stream_seq, msg_id_digest = sha256('id-1'::bytea), msg_id_digest IS NULL"
+        " FROM eop.inbox ORDER BY stream_seq",
+    )
+    assert rows == [(1, True, False), (2, None, True)]
+    long_id = "".join(f"{i:x}" for i in range(2000))  # hex counting: pglz cannot shrink it
+    query_all(
+        database_url,
+        "INSERT INTO eop.inbox (subscription, stream, stream_epoch, stream_seq, fingerprint,"
+        " msg_id, msg_id_digest, subject, outcome, delivery_count) VALUES"
+        f" ('h', 'S', 'e', 3, '\\x00', '{long_id}', '\\x01', 'S.a', 'processed', 1)",
+    )
+    migrate.downgrade(database_url, revision="eop_0003")
+    rows = query(database_url, "SELECT stream_seq, msg_id FROM eop.inbox ORDER BY stream_seq")
+    assert rows == [(1, "id-1"), (2, None), (3, None)]
+
+
+def query_all(url: str, sql: str) -> None:
+    engine = sa.create_engine(sync_url(url), poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(sa.text(sql))
+    engine.dispose()
+
+
 def test_version_table_is_eop_own_and_host_alembic_version_untouched(
     empty_database_url: str,
 ) -> None:
@@ -148,7 +187,7 @@ def test_a_non_default_schema_holds_everything(empty_database_url: str) -> None:
     """With schema='billing_eop', tables and version table live there, and `eop` stays absent."""
     migrate.upgrade(empty_database_url, schema="billing_eop")
     assert tables_in(empty_database_url, "billing_eop") == {
-        "inbox", "dead_letters", "watermarks", models.VERSION_TABLE,
+        "inbox", "dead_letters", "watermarks", "retries", models.VERSION_TABLE,
     }  # fmt: skip
     migrate.check(empty_database_url, schema="billing_eop")
     assert migrate.current(empty_database_url, schema="eop") is None
@@ -328,5 +367,7 @@ def test_host_environment_can_run_eop_revisions_as_a_branch(
     command.check(config)
     versions = query(empty_database_url, "SELECT version_num FROM public.alembic_version")
     assert sorted(versions) == [(migrate.head(),), ("host_0001",)]
-    assert tables_in(empty_database_url, "host_eop") == {"inbox", "dead_letters", "watermarks"}
+    assert tables_in(empty_database_url, "host_eop") == {
+        "inbox", "dead_letters", "watermarks", "retries",
+    }  # fmt: skip
     assert tables_in(empty_database_url, "public") == {"alembic_version", "accounts"}

@@ -79,7 +79,7 @@ async def test_dataclass_handler_processes_valid_and_dead_letters_invalid_at_fir
         await js.publish(SUBJECT, json.dumps(valid).encode())
         await js.publish(SUBJECT, json.dumps(invalid).encode())
         await js.publish(SUBJECT, b"not json")
-        await wait_for(lambda: drained(js, "eop-orders"), what="all three messages")
+        await wait_for(lambda: drained(js, "eop-orders", engine=engine), what="all three messages")
     # Only the valid order reaches the handler. It may reach it twice when the
     # invalid one shared its batch (the batch is rerun with a savepoint per
     # message, see eop.batch); its effect counts once either way.
@@ -116,7 +116,7 @@ async def test_batch_handler_with_pydantic_models_dead_letters_only_the_invalid_
         data = {"id": i, "amount": 1.5} if i != 3 else {"id": i, "amount": "lots"}
         await js.publish(SUBJECT, json.dumps(data).encode())
     async with running(app):
-        await wait_for(lambda: drained(js, "eop-payments"), what="the batch")
+        await wait_for(lambda: drained(js, "eop-payments", engine=engine), what="the batch")
     assert await effects_by_body(engine) == {f"pay-{i}": 1 for i in range(6) if i != 3}
     [dead] = await dead_letters(engine)
     assert dead.reason == "undecodable"
@@ -138,6 +138,6 @@ async def test_sync_typed_handler_gets_the_decoded_dataclass(
 
     async with running(app):
         await js.publish(SUBJECT, json.dumps({"id": 9, "items": []}).encode())
-        await wait_for(lambda: drained(js, "eop-sync-orders"), what="the message")
+        await wait_for(lambda: drained(js, "eop-sync-orders", engine=engine), what="the message")
     assert await effects_by_body(engine) == {"sync-9": 1}
     assert await dead_letters(engine) == []

@@ -124,12 +124,12 @@ async def test_metrics_count_processed_duplicate_retried_and_dead_lettered_per_h
         await publish(js, "not json")
         await publish(js, '"pay"', msg_id="pay-1")
         await publish(js, "a1", subject="ORDERS.audit")
-        await wait_for(lambda: drained(js, "eop-billing"), what="billing drained")
+        await wait_for(lambda: drained(js, "eop-billing", engine=engine), what="billing drained")
         await asyncio.sleep(1.0)  # past the server's duplicate window
         second = await publish(js, '"pay"', msg_id="pay-1")
         assert not second.duplicate
-        await wait_for(lambda: drained(js, "eop-billing"), what="the republish")
-        await wait_for(lambda: drained(js, "eop-audit"), what="audit drained")
+        await wait_for(lambda: drained(js, "eop-billing", engine=engine), what="the republish")
+        await wait_for(lambda: drained(js, "eop-audit", engine=engine), what="audit drained")
         samples = await scrape(port)
 
     billing = {"handler": "billing", "stream": STREAM}
@@ -271,7 +271,7 @@ async def test_published_traceparent_gives_a_child_consumer_span(
         with trace.get_tracer("publisher").start_as_current_span("publish order") as parent:
             headers = tracing.inject({"Nats-Msg-Id": "order-1"})
             ack = await js.publish(SUBJECT, b"o1", headers=dict(headers))
-        await wait_for(lambda: drained(js, "eop-traced"), what="the message")
+        await wait_for(lambda: drained(js, "eop-traced", engine=engine), what="the message")
 
     [span] = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.CONSUMER]
     assert span.parent is not None

@@ -92,7 +92,7 @@ async def test_sync_handler_runs_in_a_thread_with_a_sync_session(
 async def test_failing_handler_is_rolled_back_and_redelivered(
     database_url: str, nats_url: str, js: Any, bed_engine: AsyncEngine
 ) -> None:
-    """A handler error rolls back its writes, naks, and the redelivery succeeds once."""
+    """A handler error rolls back its writes, parks the retry, and the retry succeeds once."""
     app = make_app(database_url, nats_url)
     deliveries: list[int] = []
 
@@ -105,7 +105,7 @@ async def test_failing_handler_is_rolled_back_and_redelivered(
 
     async with running(app):
         await publish(js, "x")
-        await wait_for(lambda: drained(js, "eop-flaky"), what="the retries")
+        await wait_for(lambda: drained(js, "eop-flaky", engine=bed_engine), what="the retries")
     assert deliveries == [1, 2, 3]
     assert await effects_by_body(bed_engine) == {"x": 1}
 
@@ -160,7 +160,7 @@ async def test_exhausted_attempts_are_dead_lettered_and_others_not_blocked(
     async with running(app):
         for body in ("a", "bad", "b"):
             await publish(js, body)
-        await wait_for(lambda: drained(js, "eop-strict"), what="the dead letter")
+        await wait_for(lambda: drained(js, "eop-strict", engine=bed_engine), what="the dead letter")
     # A batch may run a failing handler twice per delivery (see eop.batch).
     assert sorted(set(attempts)) == [1, 2, 3]
     assert await effects_by_body(bed_engine) == {"a": 1, "b": 1}

@@ -58,7 +58,7 @@ async def test_queued_writes_of_a_batch_go_out_as_one_executemany_and_count_once
     bodies = [f"w{i}" for i in range(40)]
     await prepublish(js, bodies)
     async with running(app):
-        await wait_for(lambda: drained(js, "eop-queued"), what="the batches")
+        await wait_for(lambda: drained(js, "eop-queued", engine=engine), what="the batches")
     assert await effects_by_body(engine) == dict.fromkeys(bodies, 1)
     assert sum(sizes) == 40
     assert max(sizes) > 1  # the first fetch returns a full batch of pre-published messages
@@ -81,7 +81,9 @@ async def test_a_failing_write_fails_its_own_message_only(
     bodies = [f"a{i}" for i in range(5)] + ["poison"] + [f"b{i}" for i in range(5)]
     await prepublish(js, bodies)
     async with running(app):
-        await wait_for(lambda: drained(js, "eop-checked"), what="the batch and the poison")
+        await wait_for(
+            lambda: drained(js, "eop-checked", engine=engine), what="the batch and the poison"
+        )
     good = [b for b in bodies if b != "poison"]
     assert await effects_by_body(engine) == dict.fromkeys(good, 1)
     reason = await scalar(engine, "SELECT reason FROM eop.dead_letters")
@@ -108,7 +110,7 @@ async def test_reads_through_the_session_see_the_writes_queued_before_them(
     bodies = [f"r{i}" for i in range(20)]
     await prepublish(js, bodies)
     async with running(app):
-        await wait_for(lambda: drained(js, "eop-reader"), what="the batch")
+        await wait_for(lambda: drained(js, "eop-reader", engine=engine), what="the batch")
     assert seen == list(range(20))
     assert await effects_by_body(engine) == dict.fromkeys(bodies, 1)
 
@@ -135,8 +137,12 @@ async def test_sync_and_batch_handlers_take_writes_too(
     bodies = ["a", "b", "bad", "c"]
     await prepublish(js, bodies)
     async with running(app):
-        await wait_for(lambda: drained(js, "eop-sync-queued"), what="the sync handler")
-        await wait_for(lambda: drained(js, "eop-bulk-queued"), what="the batch handler")
+        await wait_for(
+            lambda: drained(js, "eop-sync-queued", engine=engine), what="the sync handler"
+        )
+        await wait_for(
+            lambda: drained(js, "eop-bulk-queued", engine=engine), what="the batch handler"
+        )
     async with engine.connect() as conn:
         rows = await conn.execute(
             sa.text("SELECT handler, body, count(*) FROM effects GROUP BY handler, body")

@@ -53,6 +53,11 @@ class Harness:
         now = self.processor.clock() if received_at is None else received_at
         return await self.processor.handle(delivery, now)
 
+    def failed_before(self, delivery: testing.FakeDelivery, failures: int) -> None:
+        """Record ``failures`` earlier handler failures of ``delivery``'s message."""
+        key = (self.spec.name, STREAM, "e1", delivery.metadata.sequence.stream)
+        self.store.attempts[key] = failures
+
     def then(self, *steps: Step) -> Harness:
         """Script the next handler calls."""
         self.script.extend(steps)

@@ -9,7 +9,7 @@ from eop import audit, models
 from eop.audit import Position, Recorded, Verdict, Walked
 
 FP, OTHER = b"fp-now", b"fp-before"
-POS = Position(watermark=10, ack_floor=20)
+POS = Position(watermark=10, ack_floor=20, delivered=30)
 NOW = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.timezone.utc)
 
 
@@ -23,9 +23,9 @@ def row(seq: int, fp: bytes = FP, outcome: str = models.OUTCOME_PROCESSED) -> Re
     return Recorded(seq, fp, outcome)
 
 
-def dead(seq: int, fp: bytes = FP) -> Recorded:
+def dead(seq: int, fp: bytes = FP, reason: str = "rejected", error: str = "Reject: x") -> Recorded:
     """A dead letter at ``seq``."""
-    return Recorded(seq, fp, "dead_letter", "#7 (rejected)")
+    return Recorded(seq, fp, "dead_letter", f"#7 ({reason})", reason, error)
 
 
 def test_matching_row_is_an_outcome_anywhere() -> None:
@@ -60,9 +60,31 @@ def test_msg_id_row_elsewhere_makes_a_duplicate_not_an_anomaly() -> None:
     assert "seq 3" in detail
 
 
-def test_no_row_above_the_ack_floor_is_unsettled() -> None:
-    """Above the ack floor a message may be in flight: not an anomaly by itself."""
-    assert audit.classify(msg(21, fp=None), None, [], None, POS)[0] is Verdict.UNSETTLED
+def test_no_row_above_the_ack_floor_is_delivered_or_never_delivered() -> None:
+    """Above the ack floor: in flight up to the delivered sequence, never delivered above it."""
+    assert audit.classify(msg(21, fp=None), None, [], None, POS)[0] is Verdict.DELIVERED
+    assert audit.classify(msg(30, fp=None), None, [], None, POS)[0] is Verdict.DELIVERED
+    assert audit.classify(msg(31, fp=None), None, [], None, POS)[0] is Verdict.NEVER_DELIVERED
+
+
+def test_row_with_an_outcome_that_is_not_final_is_held_by_its_value() -> None:
+    """An inbox outcome other than processed or dead_lettered (e.g. retrying) is in flight."""
+    held = row(5, outcome="retrying")
+    assert audit.classify(msg(5), held, [], None, POS) == (Verdict.HELD, "retrying")
+
+
+def test_dead_letter_reasons_that_are_rules_and_those_that_are_not() -> None:
+    """eop's four reasons are rules; any other reason, or spent deliveries, is not."""
+    for reason in sorted(audit.RULE_REASONS):
+        assert audit.dead_letter_reason([dead(5, reason=reason)]) == (reason, "")
+    reason, why = audit.dead_letter_reason([dead(5, reason="crash_loop")])
+    assert reason == "crash_loop"
+    assert "'crash_loop' is not one of eop's rules" in why
+    spent = dead(5, reason="attempts_exhausted", error="delivered 6 times without an outcome (…)")
+    reason, why = audit.dead_letter_reason([spent])
+    assert reason == "attempts_exhausted (delivered without an outcome)"
+    assert "delivered 6 times without an outcome" in why
+    assert audit.dead_letter_reason([]) == (None, "")
 
 
 def test_row_of_another_fingerprint_is_a_reused_sequence() -> None:
@@ -152,12 +174,46 @@ def test_fingerprint_matches_the_message_fingerprint() -> None:
     assert audit.fingerprint("ORDERS.created", {"Nats-Msg-Id": "1"}, b"x") == m.fingerprint
 
 
+def test_tally_counts_all_and_samples_a_few() -> None:
+    """A class counts every message and keeps the first SAMPLED_PER_CLASS sequences."""
+    t = audit.Tally()
+    for seq in range(1, audit.SAMPLED_PER_CLASS + 4):
+        t.add(seq)
+    assert t.count == audit.SAMPLED_PER_CLASS + 3
+    assert t.sample == list(range(1, audit.SAMPLED_PER_CLASS + 1))
+
+
+def test_summary_never_says_clean_while_messages_are_unsettled() -> None:
+    """In flight and never delivered are named in the summary; clean only once settled."""
+    h = audit.HandlerAudit(handler="billing", stream="ORDERS", durable="eop-billing")
+    report = audit.Report([h])
+    assert report.summary() == "clean: every message checked has exactly one outcome"
+    h.compacted = 4
+    assert "except 4 compacted below the watermark: acked" in report.summary()
+    for seq in (21, 22):
+        h.tally(h.in_flight, audit.DELIVERED_NO_OUTCOME, seq)
+    h.tally(h.in_flight, "retrying", 5)
+    h.never_delivered.add(40)
+    assert report.clean
+    assert not report.settled
+    assert report.summary().startswith("clean so far: 3 in flight, 1 never delivered")
+    text = audit.render(report)
+    assert "in flight         2 delivered_no_outcome (seq 21, 22); 1 retrying (seq 5)" in text
+    assert "never delivered   1 (seq 40)" in text
+    h.add(audit.Anomaly(audit.DEAD_LETTER_NOT_BY_RULE, 7, "e", "x"))
+    assert report.summary() == "1 anomaly; also 3 in flight, 1 never delivered"
+    data = json.loads(report.as_json())
+    assert (data["clean"], data["settled"]) == (False, False)
+    assert data["handlers"][0]["in_flight"]["retrying"] == {"count": 1, "sample": [5]}
+    assert data["handlers"][0]["never_delivered"] == {"count": 1, "sample": [40]}
+
+
 def test_report_counts_lists_and_renders() -> None:
     """Anomalies are counted by kind; the text and JSON say clean or not."""
     h = audit.HandlerAudit(handler="billing", stream="ORDERS", durable="eop-billing")
     report = audit.Report([h])
     assert report.clean
-    assert "result: clean" in audit.render(report)
+    assert "result: clean: every message checked has exactly one outcome" in audit.render(report)
     for seq in range(audit.LISTED_PER_KIND + 5):
         h.add(audit.Anomaly(audit.REUSED_SEQUENCE, seq, "e", "x"))
     assert not report.clean

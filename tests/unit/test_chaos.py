@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
@@ -199,3 +200,145 @@ def test_the_final_stop_waits_for_a_new_worker_to_install_its_handlers(tmp_path:
     pool.incarnations.append(inc)
     pool.slots[0] = inc
     assert pool.stop_all(timeout_s=10.0) == {0: 0}
+
+
+def test_a_good_message_dead_lettered_fails_the_verdict() -> None:
+    """Never zero times: a good message that ends as a dead letter (whatever the reason,
+    e.g. a lock timeout in its handler) fails the run, and is counted by reason."""
+    from eop.chaos.report import Report
+
+    payloads = [Payload("ok", b"{}"), Payload("locked", b"{}"), Payload("p", b"x", poison=True)]
+    report = Report(seed=1, command="eop chaos", messages=3)
+    report.outcomes = checker.check_outcomes(
+        payloads, {"ok": 1}, {"locked": ["attempts_exhausted"], "p": ["rejected"]}
+    )
+    assert not report.ok
+    assert report.problems == ["dead-lettered good message: locked: attempts_exhausted"]
+    assert report.outcomes.good_dead_by_reason == {"attempts_exhausted": 1}
+    assert report.outcomes.poison_dead_by_reason == {"rejected": 1}
+    assert "dead letters of good messages attempts_exhausted 1" in report.render()
+    report.outcomes = checker.check_outcomes(payloads, {"ok": 1, "locked": 1}, {"p": ["rejected"]})
+    assert report.ok, report.problems
+
+
+def test_a_worker_stop_over_grace_plus_5_s_fails_the_verdict() -> None:
+    """A worker that takes longer than shutdown_grace_s + 5 s to exit after SIGTERM, or
+    never exits, is a stall: named with its worker number and pid, and the run fails."""
+    from eop.chaos.report import Report
+
+    report = Report(seed=1, command="eop chaos", messages=0, stop_limit_s=13.0)
+    stop = functools.partial(checker.Stop, limit_s=13.0)
+    report.stops = [stop(worker=3, pid=4242, when="final", seconds=12.9, code=0)]
+    assert report.ok, report.problems
+    report.stops.append(stop(worker=4, pid=4343, when="mid-run", seconds=13.2, code=0))
+    report.stops.append(stop(worker=5, pid=4444, when="heal", seconds=18.0, code=None))
+    assert not report.ok
+    assert report.problems == [
+        "stall: worker 4 (pid 4343) took 13.2 s to exit after SIGTERM (mid-run; limit 13 s)",
+        "stall: worker 5 (pid 4444) did not exit within 18.0 s of SIGTERM (heal; limit 13 s); "
+        "SIGKILLed",
+    ]
+    assert "stop of worker 5 (pid 4444, heal): 18.0 s" in report.render()
+
+
+def test_a_drain_that_does_not_finish_is_a_stall() -> None:
+    """The liveness failure (no drain by the deadline) is counted among the stalls."""
+    from eop.chaos.report import Report
+
+    report = Report(seed=1, command="eop chaos", messages=0)
+    report.liveness = "the consumer did not drain within 25 s after healing"
+    assert report.stalls == [f"liveness: {report.liveness}"]
+    assert not report.ok
+
+
+_IGNORES_SIGTERM = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(sys.argv[1], "a") as log:
+    log.write('{"event": "worker.starting"}\\n')
+time.sleep(60)
+"""
+
+
+def test_a_worker_that_ignores_sigterm_is_timed_and_killed(tmp_path: Path) -> None:
+    """The final stop times each worker; one still running at the timeout is SIGKILLed
+    and its stop recorded without an exit status (a stall)."""
+    from eop.chaos import workers
+
+    pool = workers.WorkerPool(
+        app="x:app",
+        handler="h",
+        env={"EOP_SHUTDOWN_GRACE_S": "0"},
+        log_dir=tmp_path,
+        count=1,
+        seed=1,
+        ack_wait_s=4.0,
+    )
+    log = tmp_path / "worker-0000.log"
+    proc = subprocess.Popen([sys.executable, "-c", _IGNORES_SIGTERM, str(log)])
+    inc = workers.Incarnation(0, 0, proc, schedule.WorkerPlan((), 1), log)
+    pool.incarnations.append(inc)
+    pool.slots[0] = inc
+    assert pool.stop_limit_s == 5.0
+    assert pool.stop_all(timeout_s=1.0) == {0: -9}
+    [stop] = pool.stops
+    assert (stop.worker, stop.pid, stop.code, stop.when) == (0, proc.pid, None, "final")
+    assert checker.check_stops(pool.stops)
+
+
+def test_each_scenario_meets_its_fault_early_whatever_the_seed() -> None:
+    """A hunt's required fault is scheduled once in the first half of the phase; the classic mix
+    never schedules a hunt, the mixed one does."""
+    from eop.chaos import scenarios
+
+    for name in scenarios.HUNTS:
+        scenario = scenarios.get(name)
+        for seed in range(5):
+            faults_ = schedule.build(
+                seed,
+                8.0,
+                mean_gap_s=0.5,
+                workers=2,
+                ack_wait_s=4.0,
+                weights=dict(scenario.weights),
+                required=scenario.required,
+            )
+            for kind in scenario.required:
+                assert any(f.kind == kind and f.at_s <= 8.0 / 2 for f in faults_), (name, seed)
+            assert {f.kind for f in faults_} <= set(scenario.weights) | set(scenario.required)
+    hunt_kinds = set(schedule.HUNT_WEIGHTS)
+    classic = schedule.build(5, 600, mean_gap_s=0.3, workers=3, ack_wait_s=4.0)
+    assert not {f.kind for f in classic} & hunt_kinds
+    mixed = schedule.build(
+        5, 600, mean_gap_s=0.3, workers=3, ack_wait_s=4.0, weights=scenarios.get("mixed").weights
+    )
+    assert hunt_kinds <= {f.kind for f in mixed}
+
+
+def test_outages_outlast_the_attempts_budget_of_the_workers_settings() -> None:
+    """The long outage, the read-only window and the held locks last longer than
+    max_attempts x (backoff_max_s + lock timeout + in-process retries)."""
+    from eop.chaos import scenarios
+
+    env = {"EOP_MAX_ATTEMPTS": "5", "EOP_BACKOFF_MAX_S": "1", "EOP_TX_RETRIES": "2"}
+    env |= {"EOP_LOCK_TIMEOUT_S": "1", "EOP_STATEMENT_TIMEOUT_S": "10"}
+    budget = scenarios.attempts_budget_s(env)
+    assert budget > 5 * 1.0
+    shape = schedule.Shape(attempts_budget_s=budget)
+    for kind in ("pg_outage_long", "pg_read_only", "row_lock_hold"):
+        [fault] = schedule.build(
+            1, 10, mean_gap_s=1, workers=2, ack_wait_s=4, weights={}, required=(kind,), shape=shape
+        )
+        assert fault.duration_s >= budget
+
+
+def test_an_unknown_scenario_is_one_sentence() -> None:
+    """`eop chaos --scenario nope` names the scenarios instead of starting servers."""
+    assert cli.main(["chaos", "--scenario", "nope"]) == 1
+
+
+def test_a_long_msg_id_is_shortened_in_report_lines() -> None:
+    """A 5,000-character msg-id appears in a problem line by its ends and length."""
+    key = "L" + "x" * 4999
+    out = checker.check_outcomes([Payload(key, b"{}")], {}, {})
+    assert out.lost == [f"L{'x' * 19}...{'x' * 12} (5000 chars)"]

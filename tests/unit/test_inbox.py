@@ -52,11 +52,24 @@ def wrapped(orig: BaseException, *, invalidated: bool = False) -> sa_exc.DBAPIEr
         ("08006", DbFailure.CONNECTION),  # connection_failure
         ("08003", DbFailure.CONNECTION),  # connection_does_not_exist
         ("23505", DbFailure.OTHER),  # unique_violation
-        ("57014", DbFailure.OTHER),  # query_canceled (statement_timeout)
+        ("57014", DbFailure.BUSY),  # query_canceled (statement_timeout)
+        ("25006", DbFailure.BUSY),  # read_only_sql_transaction
+        ("53300", DbFailure.BUSY),  # too_many_connections
+        ("53100", DbFailure.BUSY),  # disk_full
     ],
 )
 def test_classify_reads_the_sqlstate(sqlstate: str, expected: DbFailure) -> None:
     assert inbox.classify(DriverError(sqlstate)) is expected
+
+
+class OperationalError(Exception):
+    """psycopg's error for a connection that could not be made: no SQLSTATE."""
+
+    __module__ = "psycopg"
+
+
+def test_classify_an_operational_error_without_sqlstate_as_connection() -> None:
+    assert inbox.classify(wrapped(OperationalError("connection refused"))) is (DbFailure.CONNECTION)
 
 
 def test_classify_reads_psycopg2_pgcode() -> None:

@@ -178,7 +178,9 @@ async def test_processor_reports_outcomes_and_handler_time_to_its_observer(
     harness.then(RuntimeError("flaky"))
     await harness.handle(delivery(seq=2))
     harness.then(RuntimeError("still"))
-    await harness.handle(delivery(seq=3, num_delivered=FAST.max_attempts))
+    last = delivery(seq=3, num_delivered=FAST.max_attempts)
+    harness.failed_before(last, FAST.max_attempts - 1)
+    await harness.handle(last)
     key = ("orders", STREAM)
     assert m.processed.labels(*key).value == 1
     assert m.duplicate.labels(*key).value == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import nats.errors
@@ -13,6 +14,7 @@ from structlog.testing import capture_logs
 import eop
 from eop import ack, log, models, testing
 from eop.processor import Critical, Outcome
+from eop.retries import ParkedDelivery
 
 from .support import FAST, STREAM, Harness, MakeHarness, delivery, effect_of, events
 
@@ -146,23 +148,63 @@ async def test_reused_sequence_after_stream_recreated_is_processed_under_new_epo
 # ------------------------------------------------------------ handler failures
 
 
-async def test_handler_error_rolls_back_and_naks_with_backoff(harness: Harness) -> None:
+async def test_handler_error_rolls_back_counts_the_failure_and_parks_the_message(
+    harness: Harness,
+) -> None:
+    """The retry waits in the database (acked, inbox row retrying), out of MaxAckPending."""
     harness.then(RuntimeError("boom"))
     d = delivery(num_delivered=2)
     assert await harness.handle(d) is Outcome.RETRY
     assert harness.store.effects == []
-    assert harness.store.inbox == {}
-    assert d.naked
-    assert d.nak_delay == backoff(2)
-    assert not d.acked
+    [row] = harness.store.inbox.values()
+    assert row.outcome == models.OUTCOME_RETRYING
+    assert list(harness.store.attempts.values()) == [1]
+    assert harness.store.parked == {row.key}
+    assert d.acked
+    assert not d.naked
 
 
-async def test_retry_naks_with_the_delay_the_handler_asked_for(harness: Harness) -> None:
-    harness.then(eop.Retry("later", delay_s=7.5))
+async def test_attempts_are_handler_failures_not_the_servers_delivery_count(
+    harness: Harness,
+) -> None:
+    """A message delivered many times (outages, lost leases) still gets its max_attempts."""
+    harness.then(RuntimeError("boom"))
+    d = delivery(num_delivered=FAST.max_attempts + 5)
+    assert await harness.handle(d) is Outcome.RETRY
+    assert harness.store.dead_letters == []
+    assert list(harness.store.attempts.values()) == [1]
+
+
+async def test_ordered_handler_retry_naks_with_the_delay_the_handler_asked_for(
+    make_harness: MakeHarness,
+) -> None:
+    """An ordered handler's retry stays a nak'ed redelivery (its key's followers wait)."""
+    harness = make_harness(order_by="subject:1").then(eop.Retry("later", delay_s=7.5))
     d = delivery()
     assert await harness.handle(d) is Outcome.RETRY
     assert d.nak_delay == 7.5
     assert harness.store.effects == []
+    assert harness.store.inbox == {}
+    assert list(harness.store.attempts.values()) == [1]
+    assert harness.store.parked == set()
+
+
+async def test_ordered_handler_backs_off_by_its_failures(make_harness: MakeHarness) -> None:
+    harness = make_harness(order_by="subject:1").then(RuntimeError("boom"))
+    d = delivery(num_delivered=9)
+    harness.failed_before(d, 1)
+    assert await harness.handle(d) is Outcome.RETRY
+    assert d.nak_delay == backoff(2)
+
+
+async def test_ordered_handler_success_forgets_its_counted_failures(
+    make_harness: MakeHarness,
+) -> None:
+    harness = make_harness(order_by="subject:1")
+    d = delivery(num_delivered=2)
+    harness.failed_before(d, 1)
+    assert await harness.handle(d) is Outcome.PROCESSED
+    assert harness.store.attempts == {}
 
 
 async def test_reject_dead_letters_at_once_and_terms(harness: Harness) -> None:
@@ -199,17 +241,20 @@ async def test_undecodable_json_dead_letters_as_undecodable(harness: Harness) ->
 
 async def test_failure_on_last_attempt_dead_letters_attempts_exhausted(harness: Harness) -> None:
     harness.then(RuntimeError("still broken"))
-    d = delivery(num_delivered=FAST.max_attempts)
+    d = delivery(num_delivered=2)
+    harness.failed_before(d, FAST.max_attempts - 1)
     assert await harness.handle(d) is Outcome.DEAD_LETTERED
     [dead] = harness.store.dead_letters
     assert dead.reason == models.REASON_ATTEMPTS_EXHAUSTED
     assert "RuntimeError: still broken" in dead.error
     assert d.termed
+    assert harness.store.attempts == {}
 
 
 async def test_retry_request_on_last_attempt_dead_letters(harness: Harness) -> None:
     harness.then(eop.Retry(delay_s=1))
     d = delivery(num_delivered=FAST.max_attempts)
+    harness.failed_before(d, FAST.max_attempts - 1)
     assert await harness.handle(d) is Outcome.DEAD_LETTERED
     assert harness.store.dead_letters[0].reason == models.REASON_ATTEMPTS_EXHAUSTED
 
@@ -222,12 +267,12 @@ async def test_handler_max_attempts_overrides_settings(make_harness: MakeHarness
 async def test_crash_looping_message_is_dead_lettered_without_running_handler(
     harness: Harness,
 ) -> None:
-    """Delivered more than max_attempts times: earlier attempts died without an outcome."""
-    d = delivery(num_delivered=FAST.max_attempts + 1)
+    """Delivered more than max_deliveries times: its worker died in every attempt."""
+    d = delivery(num_delivered=FAST.max_deliveries + 1)
     assert await harness.handle(d) is Outcome.DEAD_LETTERED
     assert harness.calls == []
     [dead] = harness.store.dead_letters
-    assert dead.reason == models.REASON_ATTEMPTS_EXHAUSTED
+    assert dead.reason == models.REASON_CRASH_LOOP
     assert dead.traceback is None
     assert d.termed
 
@@ -286,6 +331,7 @@ async def test_a_failed_statements_bound_values_stay_out_of_dead_letter_and_logs
     harness.then(failure)
     with capture_logs() as logs:
         d = delivery(num_delivered=FAST.max_attempts)
+        harness.failed_before(d, FAST.max_attempts - 1)
         assert await harness.handle(d) is Outcome.DEAD_LETTERED
     [dead] = harness.store.dead_letters
     assert dead.traceback is not None
@@ -310,15 +356,52 @@ async def test_conflict_on_commit_retries_whole_transaction_and_applies_effect_o
     assert d.acked
 
 
-async def test_conflicts_beyond_tx_retries_nak(harness: Harness, fast_sleep: None) -> None:
-    harness.store.conflict_commits(FAST.tx_retries + 1)
+async def test_conflicts_are_retried_until_the_transaction_commits(harness: Harness) -> None:
+    """Deadlocks and serialization failures never count as attempts, however many."""
+    harness.store.conflict_commits(FAST.max_attempts + 4)
+    d = delivery()
+    assert await harness.handle(d) is Outcome.PROCESSED
+    assert len(harness.calls) == FAST.max_attempts + 5
+    assert harness.store.effects == [effect_of(harness.calls[0])]
+    assert harness.store.attempts == {}
+    assert d.acked
+
+
+async def test_a_stop_hands_a_message_waiting_to_retry_back_at_once(harness: Harness) -> None:
+    """While the database fails, a stopping worker naks (no delay) instead of waiting."""
+    harness.store.conflict_commits(1000)
+    harness.processor.stopping.set()
     d = delivery()
     assert await harness.handle(d) is Outcome.RETRY
-    assert len(harness.calls) == FAST.tx_retries + 1
-    assert harness.store.effects == []
-    assert harness.store.inbox == {}
     assert d.naked
-    assert d.nak_delay == backoff(1)
+    assert d.nak_delay == 0.0
+    assert harness.store.attempts == {}
+    assert harness.store.dead_letters == []
+
+
+class DatabaseBusy(Exception):
+    """A driver error carrying one of the SQLSTATEs of a busy or unwilling database."""
+
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(f"sqlstate {sqlstate}")
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize(
+    "sqlstate",
+    ["55P03", "57014", "25006", "53300", "40P01", "40001", "57P01", "08006"],
+)
+async def test_database_failure_raised_in_handler_is_retried_and_never_counted(
+    harness: Harness, sqlstate: str
+) -> None:
+    """Lock and statement timeouts, read-only, too many connections, deadlocks, outages."""
+    harness.then(*[DatabaseBusy(sqlstate)] * (FAST.max_attempts + 2))
+    d = delivery()
+    assert await harness.handle(d) is Outcome.PROCESSED
+    assert len(harness.calls) == FAST.max_attempts + 3
+    assert harness.store.dead_letters == []
+    assert harness.store.attempts == {}
+    assert harness.store.effects == [effect_of(harness.calls[-1])]
 
 
 async def test_serialization_failure_raised_in_handler_retries_the_transaction(
@@ -669,14 +752,98 @@ async def test_dead_letter_log_line_never_carries_the_payload(harness: Harness) 
         assert "SECRET" not in repr(entry)
 
 
+# ------------------------------------------------------------ parked retries
+
+
+async def park(harness: Harness, d: testing.FakeDelivery) -> ParkedDelivery:
+    """Fail ``d`` once (parking it) and take it back as the retry loop would."""
+    harness.then(RuntimeError("first"))
+    assert await harness.handle(d) is Outcome.RETRY
+    msg = harness.calls[-1]
+    again = dataclasses.replace(msg, num_delivered=2)
+    return ParkedDelivery(again, failures=1, runs=1)
+
+
+async def test_parked_run_that_succeeds_commits_the_effect_and_forgets_the_failures(
+    harness: Harness,
+) -> None:
+    parked = await park(harness, delivery())
+    assert await harness.processor.retry_parked(parked) is Outcome.PROCESSED
+    [row] = harness.store.inbox.values()
+    assert row.outcome == models.OUTCOME_PROCESSED
+    assert harness.store.attempts == {}
+    assert harness.store.parked == set()
+    assert harness.store.effects == [effect_of(harness.calls[-1])]
+
+
+async def test_parked_run_that_fails_again_counts_and_stays_parked(harness: Harness) -> None:
+    parked = await park(harness, delivery())
+    harness.then(RuntimeError("second"))
+    assert await harness.processor.retry_parked(parked) is Outcome.RETRY
+    assert list(harness.store.attempts.values()) == [2]
+    [row] = harness.store.inbox.values()
+    assert row.outcome == models.OUTCOME_RETRYING
+    assert harness.store.effects == []
+
+
+async def test_parked_run_of_the_last_attempt_dead_letters_it(harness: Harness) -> None:
+    parked = await park(harness, delivery())
+    harness.failed_before(delivery(), FAST.max_attempts - 1)
+    harness.then(RuntimeError("last"))
+    assert await harness.processor.retry_parked(parked) is Outcome.DEAD_LETTERED
+    [row] = harness.store.inbox.values()
+    assert row.outcome == models.OUTCOME_DEAD_LETTERED
+    [dead] = harness.store.dead_letters
+    assert dead.reason == models.REASON_ATTEMPTS_EXHAUSTED
+    assert harness.store.attempts == {}
+
+
+async def test_parked_run_rejected_by_its_handler_is_dead_lettered(harness: Harness) -> None:
+    parked = await park(harness, delivery())
+    harness.then(eop.Reject("never"))
+    assert await harness.processor.retry_parked(parked) is Outcome.DEAD_LETTERED
+    [dead] = harness.store.dead_letters
+    assert dead.reason == models.REASON_REJECTED
+    assert harness.store.attempts == {}
+
+
+async def test_parked_run_over_the_crash_loop_bound_is_dead_lettered_without_running(
+    harness: Harness,
+) -> None:
+    parked = await park(harness, delivery())
+    looping = ParkedDelivery(parked.message, failures=1, runs=1 + FAST.max_deliveries + 1)
+    calls = len(harness.calls)
+    assert await harness.processor.retry_parked(looping) is Outcome.DEAD_LETTERED
+    assert len(harness.calls) == calls
+    assert harness.store.dead_letters[0].reason == models.REASON_CRASH_LOOP
+
+
+async def test_redelivery_of_a_parked_message_is_acked_without_running(harness: Harness) -> None:
+    """Its ack was lost after the parking committed: the retrying row is its claim."""
+    d = delivery()
+    await park(harness, d)
+    again = d.redeliver()
+    assert await harness.handle(again) is Outcome.DUPLICATE
+    assert len(harness.calls) == 1
+    assert again.acked
+
+
+async def test_parked_run_of_a_settled_message_leaves_it(harness: Harness) -> None:
+    parked = await park(harness, delivery())
+    assert await harness.processor.retry_parked(parked) is Outcome.PROCESSED
+    assert await harness.processor.retry_parked(parked) is Outcome.LEFT
+    assert len(harness.store.effects) == 1
+
+
 # ------------------------------------------------------------ reported bugs
 
 
 async def test_handler_os_error_on_last_attempt_is_dead_lettered_with_its_traceback(
     harness: Harness, fast_sleep: None
 ) -> None:
-    harness.then(*[FileNotFoundError("/data/rates.csv")] * (FAST.tx_retries + 1))
+    harness.then(FileNotFoundError("/data/rates.csv"))
     d = delivery(num_delivered=FAST.max_attempts)
+    harness.failed_before(d, FAST.max_attempts - 1)
     assert await harness.handle(d) is Outcome.DEAD_LETTERED
     assert len(harness.calls) == 1
     assert "FileNotFoundError" in harness.store.dead_letters[0].error
@@ -687,6 +854,7 @@ async def test_permanent_error_at_commit_on_last_attempt_is_dead_lettered(
 ) -> None:
     harness.store.fail_commits(1, UniqueViolation("duplicate key value violates orders_pkey"))
     d = delivery(num_delivered=FAST.max_attempts)
+    harness.failed_before(d, FAST.max_attempts - 1)
     assert await harness.handle(d) is Outcome.DEAD_LETTERED
     assert "orders_pkey" in harness.store.dead_letters[0].error
 

@@ -13,7 +13,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
 import eop
-from eop import observe, tracing
+from eop import observe, tracing, wire
 from eop.processor import Outcome
 
 from ..otel import memory_exporter
@@ -155,6 +155,20 @@ async def test_dead_letter_marks_the_span_as_error_with_its_reason(harness: Harn
         "dead_lettered",
         "undecodable",
     )
+
+
+async def test_a_subject_and_msg_id_not_utf8_become_valid_text_attributes(
+    harness: Harness,
+) -> None:
+    """Escaped bad bytes (see eop.wire) would fail the exporter: U+FFFD in their place."""
+    exporter = memory_exporter()
+    tracer = traced(harness)
+    d = delivery(subject=wire.decode(b"orders.\xff"), headers={"Nats-Msg-Id": wire.decode(b"\xfe")})
+    assert await handle(harness, tracer, d) is Outcome.DEAD_LETTERED
+    [span] = exporter.get_finished_spans()
+    attrs = dict(span.attributes or {})
+    assert attrs["messaging.destination.name"] == "orders.\ufffd"
+    assert attrs["messaging.message.id"] == "\ufffd"
 
 
 async def test_a_delivery_without_outcome_ends_its_span_when_done(harness: Harness) -> None:

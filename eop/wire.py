@@ -1,0 +1,196 @@
+"""What comes off the NATS wire: bytes that are not UTF-8, and a read loop that must not end.
+
+NATS subjects and header lines are bytes. The server stores and delivers
+them as they were published, UTF-8 or not: a raw protocol frame
+(``PUB orders.<0xff> 5``) is enough to put such a message in a stream.
+nats-py decodes subjects as strict UTF-8 inside its read loop, so one such
+delivery raised there and ended the loop; the connection still said it was
+connected, nothing more was read, and every worker the message was
+redelivered to stalled the same way.
+
+:class:`Client` (the base of every connection eop opens) decodes what is not
+UTF-8 losslessly instead: each byte that is not part of a UTF-8 character
+becomes a surrogate escape (U+DC80 to U+DCFF, as :func:`os.fsdecode` does),
+so the message reaches eop's protocol, which dead-letters it with the
+:func:`problem` found in it. Should the read loop end for another reason
+while the connection says it is connected, :class:`Client` logs it and
+reconnects, as for a lost connection.
+
+:func:`storable` turns such text into text PostgreSQL can store and JSON can
+carry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import nats.aio.client
+import nats.errors
+from nats.js import api
+
+from eop import log
+
+_HEADER_LINE = b"NATS/1.0"
+# Surrogate escapes are what `decode` makes of bytes that are not UTF-8; other
+# surrogates cannot come out of a UTF-8 decoder, but are no more storable.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def decode(raw: bytes) -> str:
+    """``raw`` as UTF-8, each byte that is not part of a character as a surrogate escape.
+
+    Lossless: ``text.encode("utf-8", "surrogateescape")`` gives ``raw`` back.
+    """
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def escaped(text: str) -> bool:
+    """Whether ``text`` carries bytes that were not UTF-8 (as surrogate escapes)."""
+    return not text.isascii() and _SURROGATE.search(text) is not None
+
+
+def storable(text: str) -> str:
+    """``text`` as PostgreSQL can store it: text refuses NUL and anything that is not UTF-8.
+
+    Each escaped byte becomes U+FFFD, as the JetStream API's JSON shows it
+    (so the fingerprint ``eop audit`` recomputes from it is the same), and
+    so does NUL; valid text is returned as it is.
+    """
+    if escaped(text):
+        text = _SURROGATE.sub("\ufffd", text)
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
+
+
+def problem(subject: str, headers: Mapping[str, str] | None) -> str | None:
+    """What keeps a delivered message from being text, or None.
+
+    Names the part (the subject, a header and which), the first bad byte
+    and its offset, never the content.
+    """
+    if escaped(subject):
+        return f"subject is not valid UTF-8 ({_first_bad_byte(subject)})"
+    for name, value in (headers or {}).items():
+        if escaped(name):
+            return f"a header name is not valid UTF-8 ({_first_bad_byte(name)})"
+        if escaped(value):
+            return f"header {name} is not valid UTF-8 ({_first_bad_byte(value)})"
+    return None
+
+
+def _first_bad_byte(text: str) -> str:
+    found = _SURROGATE.search(text)
+    assert found is not None
+    offset = len(text[: found.start()].encode("utf-8", "surrogateescape"))
+    byte = found.group().encode("utf-8", "surrogateescape")
+    return f"byte 0x{byte.hex()} at offset {offset}"
+
+
+def parse_headers(block: bytes) -> dict[str, str] | None:
+    """A header block that is not UTF-8, every byte kept (see :func:`decode`).
+
+    The same shape as nats-py's parse: an inline status (``NATS/1.0 503
+    description``) under ``Status`` and ``Description``, then one entry per
+    ``Name: value`` line; names holding whitespace are skipped, as nats-py
+    skips them.
+    """
+    first, *lines = block.split(b"\r\n")
+    parsed: dict[str, str] = {}
+    status = first[len(_HEADER_LINE) :].strip() if first.startswith(_HEADER_LINE) else b""
+    if status:
+        code, _, description = status.partition(b" ")
+        if code.isdigit():
+            parsed[api.Header.STATUS.value] = code.decode()
+        if description.strip():
+            parsed[api.Header.DESCRIPTION.value] = decode(description.strip())
+    for line in lines:
+        name, sep, value = line.partition(b":")
+        key = decode(name.strip())
+        if sep and key and not any(c.isspace() for c in key):
+            parsed[key] = decode(value.strip())
+    return parsed or None
+
+
+def _is_utf8(raw: bytes) -> bool:
+    if raw.isascii():
+        return True
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+class ReadLoopEnded(nats.errors.Error):
+    """nats-py's read loop ended while the connection was up: nothing more would be read."""
+
+    def __str__(self) -> str:
+        return "nats: the client stopped reading from a connection it still held"
+
+
+class Client(nats.aio.client.Client):
+    """nats-py's client, surviving protocol input that is not UTF-8; see :mod:`eop.wire`.
+
+    Three hooks into nats-py's internals, each pinned by the tests (a
+    nats-py upgrade that moves them fails there, not in production):
+    ``_build_message`` and ``_process_headers`` decode what nats-py cannot,
+    ``_read_loop`` is watched for ending while connected.
+    """
+
+    eop_closing = False
+    """Set once the owner closes or drains the connection: nats-py did not give up on it."""
+
+    _eop_recovery: asyncio.Task[None] | None = None
+
+    async def close(self) -> None:
+        self.eop_closing = True
+        await super().close()
+
+    async def drain(self) -> None:
+        self.eop_closing = True
+        await super().drain()
+
+    def _build_message(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: Any
+    ) -> Any:
+        try:
+            return super()._build_message(sid, subject, reply, data, headers)
+        except UnicodeDecodeError:
+            # Rare: the cost of the fallback is paid by bad messages only.
+            msg = super()._build_message(sid, b"", b"", data, headers)
+            msg.subject, msg.reply = decode(subject), decode(reply)
+            return msg
+
+    async def _process_headers(self, headers: bytes | None) -> dict[str, str] | None:
+        if headers and not _is_utf8(headers):
+            # nats-py would put U+FFFD in place of bad bytes in a value (not
+            # telling it from a real one), drop a bad name, and raise in an
+            # inline status line.
+            return parse_headers(bytes(headers))
+        result: dict[str, str] | None = await super()._process_headers(headers)
+        return result
+
+    async def _read_loop(self) -> None:
+        try:
+            await super()._read_loop()
+        finally:
+            # nats-py ends the loop itself when it reconnects or closes (the
+            # status says so by then); any other end leaves a connection that
+            # looks up and reads nothing.
+            if self.is_connected and not self.eop_closing:
+                self._reader_ended()
+
+    def _reader_ended(self) -> None:
+        log.get_logger().error(log.Event.NATS_READER_ENDED)
+        # From a task of its own: reconnecting cancels the reading task, this one.
+        self._eop_recovery = asyncio.get_running_loop().create_task(
+            self._process_op_err(ReadLoopEnded())
+        )
+
+
+def reading(nc: Any) -> bool:
+    """False when the connection says it is connected but its read loop has ended."""
+    task = getattr(nc, "_reading_task", None)
+    return not (nc.is_connected and task is not None and task.done())

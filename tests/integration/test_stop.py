@@ -1,0 +1,77 @@
+"""A stop always ends: `eop worker` exits on SIGTERM whatever its handlers are doing."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from eop import shutdown
+
+from .bed import create_effects_table, drained, effects_by_body, publish, wait_for
+from .test_cli import Workers, consumer_exists
+
+STUCK_APP = "tests.integration.stuckapp:app"
+DURABLE = "eop-stuck"
+# A liveness bound, far above the stop deadline of these settings (2 + 10 + 5 s).
+EXIT_WITHIN_S = 60.0
+
+
+async def _in_flight(js: Any) -> bool:
+    info = await js.consumer_info("ORDERS", DURABLE)
+    return bool(info.num_ack_pending)
+
+
+async def _hang_then_stop(js: Any, workers: Workers, kind: str, *args: str) -> tuple[int, Any]:
+    """Start a worker whose handler hangs on ``stuck``, SIGTERM it mid-handler; its status."""
+    workers.env.update(EOP_SHUTDOWN_GRACE_S="2", STUCKAPP_KIND=kind)
+    proc = workers.start(*args, app=STUCK_APP)
+    await wait_for(lambda: consumer_exists(js, DURABLE), what="the consumer")
+    await publish(js, "stuck")
+    await wait_for(lambda: _in_flight(js), what="the message in flight")
+    await asyncio.sleep(0.5)  # into the handler (not a timing assertion)
+    proc.send_signal(signal.SIGTERM)
+    return await asyncio.to_thread(proc.wait, EXIT_WITHIN_S), proc
+
+
+async def _processed_once_by_another_worker(js: Any, workers: Workers, engine: AsyncEngine) -> None:
+    """A worker whose handler does not hang gets the message back and applies it once."""
+    workers.start(app=STUCK_APP, env={"STUCKAPP_HANG": "0"})
+    await wait_for(lambda: drained(js, DURABLE), timeout_s=60, what="the message redelivered")
+    assert await effects_by_body(engine) == {"stuck": 1}
+    workers.stop_all()
+
+
+@pytest.mark.parametrize(
+    ("kind", "status"),
+    [("sync", shutdown.EXIT_FORCED), ("async", shutdown.EXIT_STOPPED)],
+)
+async def test_sigterm_ends_a_worker_whose_handler_hangs_and_the_message_comes_back_once(
+    kind: str, status: int, engine: AsyncEngine, js: Any, workers: Workers
+) -> None:
+    """SIGTERM with a handler stuck for good (a sync one in time.sleep, an async one
+    awaiting for ever): the process exits after the grace period, with 3 when a
+    thread had to be abandoned (os._exit) and 0 when the handler could be cancelled;
+    another worker then processes the message exactly once."""
+    await create_effects_table(engine)
+    code, _ = await _hang_then_stop(js, workers, kind)
+    assert code == status
+    if kind == "sync":
+        assert '"worker.exit_forced"' in workers.logs()
+    await _processed_once_by_another_worker(js, workers, engine)
+
+
+async def test_sigterm_ends_a_supervisor_whose_child_has_a_stuck_sync_handler(
+    engine: AsyncEngine, js: Any, workers: Workers, tmp_path: Path
+) -> None:
+    """`eop worker --processes 2`: the child with the stuck thread exits by itself
+    (status 3), the supervisor exits with that status, and the message is
+    processed once afterwards."""
+    await create_effects_table(engine)
+    code, _ = await _hang_then_stop(js, workers, "sync", "--processes", "2")
+    assert code == shutdown.EXIT_FORCED
+    await _processed_once_by_another_worker(js, workers, engine)

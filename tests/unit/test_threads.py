@@ -1,0 +1,146 @@
+"""Sync transactions' threads and permits, and how the App shares its connections."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import orm
+
+import eop
+from eop import errors, inbox, models
+from eop import settings as settings_mod
+from eop.handler import HandlerSpec
+from eop.threads import SyncThreads
+
+
+class FakeSession:
+    """A sync Session stand-in: records its calls; ``rollback`` may block until released."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.closed = threading.Event()
+
+    def rollback(self) -> None:
+        self.gate.wait()
+        self.calls.append("rollback")
+
+    def commit(self) -> None:
+        self.calls.append("commit")
+
+    def close(self) -> None:
+        self.calls.append("close")
+        self.closed.set()
+
+
+def sync_spec() -> HandlerSpec:
+    def handler(msg: Any, session: Any) -> None: ...
+
+    return HandlerSpec(func=handler, name="h", stream="S", subject="s", durable="eop-h")
+
+
+def transaction(threads: SyncThreads, session: FakeSession) -> inbox.SyncTransaction:
+    return inbox.SyncTransaction(session, models.tables(), sync_spec(), threads)  # type: ignore[arg-type]
+
+
+async def test_a_permit_is_held_from_the_first_step_until_the_connection_is_given_back() -> None:
+    """A step takes the permit; COMMIT gives it back; a close without a connection sends nothing."""
+    threads = SyncThreads(1)
+    session = FakeSession()
+    tx = transaction(threads, session)
+    await tx._step(lambda: None)
+    other = asyncio.ensure_future(transaction(threads, FakeSession())._step(lambda: None))
+    await asyncio.sleep(0.05)
+    assert not other.done()  # the only permit is taken
+    await tx.commit()
+    await asyncio.wait_for(other, 5)
+    await tx.close()
+    assert session.calls == ["commit", "close"]
+    threads.close()
+
+
+async def test_a_cancelled_step_keeps_its_permit_until_its_thread_has_closed_the_session() -> None:
+    """Cancelling a step does not free the session under its thread: the thread closes it
+    when the step returns, and only then is the permit given back."""
+    threads = SyncThreads(1)
+    session = FakeSession()
+    session.gate.clear()
+    tx = transaction(threads, session)
+    step = asyncio.ensure_future(tx._step(session.rollback))
+    await asyncio.sleep(0.05)
+    step.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    await tx.close()  # returns at once; the session is the thread's
+    assert session.calls == []
+    waiting = asyncio.ensure_future(transaction(threads, FakeSession())._step(lambda: None))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    session.gate.set()
+    await asyncio.wait_for(waiting, 5)
+    assert session.calls == ["rollback", "close"]
+    threads.close()
+
+
+def app_with(*kinds: str, **settings: Any) -> eop.App:
+    app = eop.App(settings=settings_mod.Settings(**settings))
+    for i, kind in enumerate(kinds):
+        if kind == "sync":
+
+            def handler(msg: Any, session: Any) -> None: ...
+
+        else:
+
+            async def handler(msg: Any, session: Any) -> None: ...  # type: ignore[misc]
+
+        app.handler(stream="S", subject=f"s.{i}", name=f"h{i}")(handler)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("kinds", "pool", "shares"),
+    [
+        (("async",), 16, (16, 0)),
+        (("async", "sync"), 16, (8, 8)),
+        (("async", "sync"), 5, (3, 2)),
+        (("sync",), 16, (2, 14)),
+        (("sync",), 4, (1, 3)),
+        (("sync",), 2, (1, 1)),
+    ],
+)
+def test_the_pools_share_one_bound(
+    kinds: tuple[str, ...], pool: int, shares: tuple[int, int]
+) -> None:
+    """db_pool_size bounds both pools together; the sync pool has as many connections as
+    sync transactions may be open, and neither pool overflows."""
+    app = app_with(*kinds, db_pool_size=pool)
+    assert app.connection_shares() == shares
+    assert sum(shares) == pool
+    if shares[1]:
+        engine = app.sync_sessionmaker.kw["bind"]
+        assert engine.pool.size() == app.sync_transactions() == shares[1]
+        assert engine.pool._max_overflow == 0
+    assert app.engine.pool.size() == shares[0]  # type: ignore[attr-defined]
+    assert app.engine.pool._max_overflow == 0  # type: ignore[attr-defined]
+
+
+def test_sync_handlers_need_two_connections() -> None:
+    """One connection cannot serve two pools: a clear error, naming the setting."""
+    with pytest.raises(errors.ConfigurationError, match="db_pool_size"):
+        app_with("sync", db_pool_size=1).connection_shares()
+
+
+def test_a_given_sync_pool_bounds_the_sync_transactions() -> None:
+    """With the user's sync_sessionmaker, eop opens at most pool_size + max_overflow."""
+    engine = sa.create_engine("postgresql+psycopg://x@127.0.0.1/x", pool_size=3, max_overflow=2)
+    app = eop.App(
+        settings=settings_mod.Settings(db_pool_size=16),
+        sync_sessionmaker=orm.sessionmaker(engine),
+    )
+    app.handler(stream="S", subject="s", name="h")(lambda msg, session: None)
+    assert app.sync_transactions() == 5
