@@ -29,7 +29,8 @@ import sqlalchemy as sa
 import worker_throughput  # type: ignore[import-not-found]  # beside this script, on sys.path
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from eop import embedded, migrate
+from eop import embedded
+from eop.pg import migrate
 
 APP = worker_throughput.APP
 RESET = (

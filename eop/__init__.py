@@ -8,6 +8,7 @@ the stream ends in exactly one committed outcome in PostgreSQL.
 from __future__ import annotations
 
 from eop.app import App
+from eop.broker.publish import publish
 from eop.errors import (
     AmbiguousCommit,
     ConfigurationError,
@@ -23,7 +24,6 @@ from eop.errors import (
     UndecodableMessage,
 )
 from eop.message import Message
-from eop.publish import publish
 from eop.settings import Settings
 from eop.writes import Writes
 

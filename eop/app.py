@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
+import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -10,9 +13,10 @@ import sqlalchemy as sa
 from sqlalchemy import orm
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-from eop import errors, transport
+from eop import errors
 from eop import handler as handler_mod
 from eop import settings as settings_mod
+from eop.pg import engines
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -86,7 +90,7 @@ class App:
         same transaction); if it raises, eop retries the messages one by one to
         find the failing one. ``order_by="subject:N"`` or ``"header:NAME"``
         handles messages with the same key in stream order (see
-        :mod:`eop.ordering`).
+        :mod:`eop.protocol.ordering`).
         """
 
         def register(func: F) -> F:
@@ -195,12 +199,25 @@ class App:
             return 1
         return share
 
+    @classmethod
+    def from_path(cls, path: str) -> App:
+        """Import ``module:attribute`` (``myapp:app``) and return the app it names.
+
+        The current directory is importable, as for ``eop worker myapp:app``.
+        """
+        app = import_attribute(path, "MODULE:APP, e.g. myapp:app")
+        if not isinstance(app, App):
+            raise errors.ConfigurationError(
+                f"{path!r} is not an eop.App (got {type(app).__name__})"
+            )
+        return app
+
     @property
     def engine(self) -> AsyncEngine:
         """The async engine: the one given, or one made from ``database_url``."""
         if self._engine is None:
             # libpq's TLS parameters (sslrootcert...) become asyncpg's ssl context.
-            url, connect_args = transport.asyncpg_url(self.settings.database_url)
+            url, connect_args = engines.asyncpg_url(self.settings.database_url)
             self._engine = create_async_engine(
                 url,
                 connect_args=connect_args,
@@ -279,3 +296,21 @@ def select_handlers(app: App, names: Iterable[str]) -> list[handler_mod.HandlerS
         known = ", ".join(sorted(app.handlers)) or "none"
         raise errors.ConfigurationError(f"unknown handler(s) {unknown}; registered: {known}")
     return [app.handlers[n] for n in wanted]
+
+
+def import_attribute(path: str, form: str) -> object:
+    """Import ``module:attribute`` and return the attribute (``None`` when it is missing).
+
+    ``form`` names what the user should have written, for the error message.
+    """
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise errors.ConfigurationError(f"expected {form}, not {path!r}")
+    # Like uvicorn: the current directory is importable, as users expect.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise errors.ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+    return getattr(module, attr, None)

@@ -29,7 +29,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 import eop
-from eop import errors, migrate
+from eop import errors
+from eop.pg import migrate
 
 STREAM = "DEMO"
 SUBJECT = "demo.transfers"

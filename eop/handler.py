@@ -45,7 +45,7 @@ class StreamSpec:
     """A stream that eop may create when it does not exist.
 
     Streams eop creates carry an epoch id in their metadata; see
-    :func:`eop.jetstream.stream_epoch`.
+    :func:`eop.broker.jetstream.stream_epoch`.
     """
 
     name: str
@@ -124,7 +124,7 @@ class HandlerSpec:
             parse_order_by(self.order_by)
         if self.max_attempts is not None and self.max_attempts < 1:
             raise errors.ConfigurationError("max_attempts must be at least 1")
-        # Through wrappers (eop.observe.instrument) to the user's function and its hints.
+        # Through wrappers (eop.observe.observer.instrument) to the user's function and its hints.
         func = inspect.unwrap(self.func)
         binding = payload.bind(func, batch=self.batch, handler=self.name)
         object.__setattr__(self, "payload", binding)  # a frozen dataclass's derived fields

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_type_hints
 
-from eop import errors
+from eop import access, errors, redaction
 
 LogFormat = Literal["console", "json"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -138,7 +138,7 @@ class Settings:
     log_format: LogFormat = _field("console", "``console`` for people, ``json`` for machines.")
     log_level: LogLevel = _field("info", "Lowest level logged.")
 
-    # -- NATS authentication and TLS (see eop.transport; PostgreSQL's TLS is in database_url).
+    # -- NATS authentication and TLS (eop.access; PostgreSQL's TLS is in database_url).
     nats_user: str = _field("", "NATS user name (with nats_password); or nats://USER:PASS@host.")
     nats_password: str = _field("", "NATS password (a secret: set it in the environment).")
     nats_token: str = _field("", "NATS authentication token (a secret); or nats://TOKEN@host.")
@@ -195,9 +195,13 @@ class Settings:
             )
         if not self.schema.isidentifier():
             raise errors.ConfigurationError(f"schema must be an identifier, not {self.schema!r}")
-        from eop import transport  # here: transport needs this module's Settings
+        self.nats_access.check()
 
-        transport.NatsAccess.from_settings(self).check()
+    @property
+    def nats_access(self) -> access.NatsAccess:
+        """The NATS access the ``nats_*`` fields describe."""
+        fields = dataclasses.fields(access.NatsAccess)
+        return access.NatsAccess(**{f.name: getattr(self, f"nats_{f.name}") for f in fields})
 
     def db_connections(self, processes: int = 1) -> int:
         """The most connections one worker process opens, its pools together:
@@ -210,17 +214,16 @@ class Settings:
 
     def __repr__(self) -> str:
         # Settings get printed and logged: no passwords, tokens or URL credentials.
-        from eop import log
 
         shown = []
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if field.name in SECRET_FIELDS and value:
-                value = log.REDACTED
+                value = redaction.REDACTED
             elif field.name == "database_url":
-                value = log.redact_url(value)
+                value = redaction.redact_url(value)
             elif field.name == "nats_url":
-                value = log.redact_urls(value)
+                value = redaction.redact_urls(value)
             shown.append(f"{field.name}={value!r}")
         return f"Settings({', '.join(shown)})"
 

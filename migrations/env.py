@@ -1,6 +1,6 @@
 """Alembic environment of eop's own migrations.
 
-Run through :mod:`eop.migrate` (``eop db upgrade``), which sets the database
+Run through :mod:`eop.pg.migrate` (``eop db upgrade``), which sets the database
 URL and schema in ``config.attributes``; the ``alembic`` command works too,
 given an ini file with ``script_location``, ``sqlalchemy.url`` and optionally
 ``eop_schema`` (or ``-x eop_schema=NAME``). Online only: an asyncpg URL runs on
@@ -19,7 +19,9 @@ from alembic import context
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from eop import errors, migrate, models, transport
+from eop import errors
+from eop.pg import migrate, models
+from eop.broker import connection as transport
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine

@@ -21,7 +21,8 @@ import nats
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from eop import embedded, errors, migrate
+from eop import embedded, errors
+from eop.pg import migrate
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator

@@ -27,12 +27,11 @@ the options), :mod:`~eop.bench.loops` (the raw and naive loops of (a) and (b)),
 :mod:`~eop.bench.harness` (the servers' clients, the child processes, the
 progress line), :mod:`~eop.bench.measurement` (one run measured, and the
 arithmetic), :mod:`~eop.bench.runner` (every run on fresh servers),
-:mod:`~eop.bench.report` (the table) and :mod:`~eop.bench.command` (``eop bench``).
+:mod:`~eop.bench.report` (the table); ``eop bench`` itself is :mod:`eop.cli.bench`.
 """
 
 from __future__ import annotations
 
-from eop.bench.command import add_command, run_command
 from eop.bench.harness import Bench, Child, Progress
 from eop.bench.measurement import BigResult, Result, measure, measure_big, percentile, throughput
 from eop.bench.report import format_report
@@ -40,9 +39,7 @@ from eop.bench.runner import run
 from eop.bench.runs import BIG, RUNS, Options, Run, app, record, record_batch, record_direct
 
 __all__ = [
-    # the command
-    "add_command",
-    "run_command",
+    # running it
     "run",
     "format_report",
     # what is measured

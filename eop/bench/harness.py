@@ -131,7 +131,7 @@ class Bench:
         """Create the bench's tables, its streams, and the consumers of (a) and (b)."""
         from nats.js import api
 
-        from eop import jetstream
+        from eop.broker import jetstream
 
         self.js = nc.jetstream()
         async with self.engine.begin() as conn:

@@ -16,7 +16,8 @@ from eop.bench import harness, measurement, report, runs
 
 def run(options: runs.Options) -> dict[str, Any]:
     """Start the servers, run every measurement, return the report."""
-    from eop import embedded, migrate
+    from eop import embedded
+    from eop.pg import migrate
 
     started, machine = time.monotonic(), report.machine()
     with (

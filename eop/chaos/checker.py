@@ -21,8 +21,9 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from eop import faults, models
+from eop import faults
 from eop.chaos.target import Payload
+from eop.pg import models
 
 
 @dataclasses.dataclass

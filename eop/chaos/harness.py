@@ -32,7 +32,9 @@ import nats
 import nats.errors
 import sqlalchemy as sa
 
-from eop import embedded, errors, jetstream, migrate, models, sql
+from eop import embedded, errors
+from eop.app import App
+from eop.broker import jetstream
 from eop.chaos import (
     bank,
     checker,
@@ -47,6 +49,7 @@ from eop.chaos import (
 from eop.chaos.report import Report
 from eop.chaos.target import Payload, Target
 from eop.chaos.workers import BatchMode
+from eop.pg import migrate, models, sql
 from eop.settings import Settings
 
 DATABASE = "chaos"
@@ -180,10 +183,9 @@ class _Run:
     """One run's moving parts, inside the event loop."""
 
     def __init__(self, config: Config, seed: int, servers: _Servers, log_dir: Path) -> None:
-        from eop.cli import load_app
 
         self.config, self.seed, self.servers, self.log_dir = config, seed, servers, log_dir
-        app = load_app(config.target.app)
+        app = App.from_path(config.target.app)
         if config.target.handler not in app.handlers:
             raise errors.ConfigurationError(
                 f"{config.target.app} has no handler {config.target.handler!r}"

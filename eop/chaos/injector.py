@@ -20,7 +20,8 @@ import nats.js.errors
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from eop import embedded, jetstream
+from eop import embedded
+from eop.broker import jetstream
 from eop.chaos import hunts, proxy, schedule, workers
 from eop.handler import HandlerSpec
 from eop.settings import Settings

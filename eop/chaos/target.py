@@ -28,7 +28,8 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from eop import cli, errors
+from eop import app as app_mod
+from eop import errors
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -94,7 +95,7 @@ class Target:
 
 def load_callable(path: str) -> Callable[..., Any]:
     """Import ``module:function`` and return it."""
-    func = cli.import_attribute(path, "MODULE:FUNCTION")
+    func = app_mod.import_attribute(path, "MODULE:FUNCTION")
     if not callable(func):
         raise errors.ConfigurationError(f"{path!r} is not callable")
     return func

@@ -19,7 +19,6 @@ from eop import settings as settings_mod
 from eop.cli import audit, operations, options, worker
 from eop.cli.options import (
     NATS_AUTH_FIELDS,
-    import_attribute,
     load_app,
     overrides,
 )
@@ -29,7 +28,6 @@ __all__ = [
     "main",
     "build_parser",
     "load_app",
-    "import_attribute",
     "overrides",
     "NATS_AUTH_FIELDS",
     "WORKER_FIELDS",
@@ -74,15 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Imported here, not at the top: these modules import eop.cli themselves,
     # and `import eop.cli` stays light for those that only need load_app.
-    from eop.spark import cli as spark_cli
+    from eop.cli import spark as spark_cli
 
     spark_cli.add_commands(sub)
 
-    from eop.chaos import cli as chaos_cli
+    from eop.cli import chaos as chaos_cli
 
     chaos_cli.add_command(sub)
 
-    from eop import bench
+    from eop.cli import bench as bench_cli
 
-    bench.add_command(sub)
+    bench_cli.add_command(sub)
     return parser

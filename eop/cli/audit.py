@@ -1,4 +1,4 @@
-"""``eop audit``: prove exactly-once on the user's data (:mod:`eop.audit`)."""
+"""``eop audit``: prove exactly-once on the user's data (:mod:`eop.ops.audit`)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def add_audit(sub: Any) -> None:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from eop import audit
+    from eop.ops import audit
 
     # Exit status 1 means anomalies found, so errors take 2 here, not main()'s 1.
     try:

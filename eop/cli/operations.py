@@ -1,4 +1,4 @@
-"""``eop dlq ...`` (:mod:`eop.dlq`) and ``eop status`` (:mod:`eop.status`): operating eop."""
+"""``eop dlq ...`` and ``eop status`` (:mod:`eop.ops.dlq`, :mod:`eop.ops.status`)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def _add_dlq_filters(parser: argparse.ArgumentParser, *, before: bool) -> None:
 
 
 def _dlq_filters(args: argparse.Namespace, ids: Sequence[int] = ()) -> Any:
-    from eop import dlq
+    from eop.ops import dlq
 
     limit = getattr(args, "limit", None)
     return dlq.Filters(
@@ -114,7 +114,7 @@ def _dlq_filters(args: argparse.Namespace, ids: Sequence[int] = ()) -> Any:
 def _cmd_dlq_list(args: argparse.Namespace) -> int:
     import json
 
-    from eop import dlq
+    from eop.ops import dlq
 
     app = options.db_app(args, options.DB_FIELDS)
     filters = _dlq_filters(args)
@@ -136,7 +136,7 @@ def _cmd_dlq_list(args: argparse.Namespace) -> int:
 def _cmd_dlq_show(args: argparse.Namespace) -> int:
     import json
 
-    from eop import dlq
+    from eop.ops import dlq
 
     app = options.db_app(args, options.DB_FIELDS)
     store = dlq.DeadLetters(app)
@@ -153,7 +153,8 @@ def _cmd_dlq_show(args: argparse.Namespace) -> int:
 def _cmd_dlq_replay(args: argparse.Namespace) -> int:
     import json
 
-    from eop import dlq, jetstream
+    from eop.broker import jetstream
+    from eop.ops import dlq
 
     if bool(args.ids) == bool(args.all):
         raise errors.ConfigurationError("name the dead letters to replay (IDs) or pass --all")
@@ -187,7 +188,7 @@ def _cmd_dlq_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_dlq_purge(args: argparse.Namespace) -> int:
-    from eop import dlq
+    from eop.ops import dlq
 
     filters = _dlq_filters(args)
     if filters.empty and not args.all:
@@ -218,7 +219,7 @@ def _cmd_dlq_purge(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from eop import status
+    from eop.ops import status
 
     app = options.configured_app(args, options.SERVER_FIELDS)
     handlers = args.handler or options.env_list("EOP_HANDLERS")

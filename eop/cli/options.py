@@ -1,6 +1,6 @@
 """What the commands of ``eop`` share: flags for settings, app loading, running, errors.
 
-Also used by the commands that live beside their features (:mod:`eop.spark.cli`).
+Also used by the commands that live beside their features (:mod:`eop.cli.spark`).
 """
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import importlib
 import os
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar, get_type_hints
 
-from eop import errors, migrate
+from eop import errors
 from eop import settings as settings_mod
 from eop.app import App
+from eop.pg import migrate
 
 T = TypeVar("T")
 
@@ -142,28 +142,7 @@ def overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, objec
 
 def load_app(path: str) -> App:
     """Import ``module:attribute`` and return the :class:`eop.App` it names."""
-    app = import_attribute(path, "MODULE:APP, e.g. myapp:app")
-    if not isinstance(app, App):
-        raise errors.ConfigurationError(f"{path!r} is not an eop.App (got {type(app).__name__})")
-    return app
-
-
-def import_attribute(path: str, form: str) -> object:
-    """Import ``module:attribute`` and return the attribute (``None`` when it is missing).
-
-    ``form`` names what the user should have written, for the error message.
-    """
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise errors.ConfigurationError(f"expected {form}, not {path!r}")
-    # Like uvicorn: the current directory is importable, as users expect.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise errors.ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
-    return getattr(module, attr, None)
+    return App.from_path(path)
 
 
 def configured_app(args: argparse.Namespace, names: Sequence[str]) -> App:

@@ -106,8 +106,9 @@ def add_demo(sub: Any) -> None:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from eop import eventloop, faults, shutdown, supervisor, worker
+    from eop import faults
     from eop.app import select_handlers
+    from eop.runtime import eventloop, shutdown, supervisor, worker
 
     # Fault points stay disarmed unless a chaos run set EOP_FAULTS (eop.faults).
     faults.arm_from_env()
@@ -136,7 +137,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_db(args: argparse.Namespace) -> int:
-    from eop import migrate
+    from eop.pg import migrate
 
     settings = options.db_app(args, options.DB_FIELDS).settings
     url, schema = settings.database_url, settings.schema

@@ -1,6 +1,6 @@
 """Running an eop handler over the messages of one Spark partition, exactly once.
 
-The workers' batch protocol (:mod:`eop.batch`) with a partition in place of a
+The workers' batch protocol (:mod:`eop.protocol.batch`) with a partition in place of a
 fetched batch, and no acks:
 
 - one transaction per partition, with eop's ``SET LOCAL`` timeouts, and one
@@ -35,10 +35,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-from eop import ack, errors, inbox, jetstream, log, models, sql
+from eop import errors, log
 from eop.app import App
+from eop.broker import ack, jetstream
 from eop.handler import HandlerSpec
 from eop.message import Message
+from eop.pg import inbox, models, sql
 from eop.spark.transaction import (
     AsyncPartitionTx,
     PartitionTx,
@@ -105,7 +107,7 @@ class Counts:
         return text + (f", {self.skipped} not for this handler" if self.skipped else "")
 
 
-#: Kept here for callers of ``apply.subject_matches``; NATS's rules live in :mod:`eop.jetstream`.
+#: Kept for callers of ``apply.subject_matches``; the rules are :mod:`eop.broker.jetstream`'s.
 subject_matches = jetstream.subject_matches
 
 

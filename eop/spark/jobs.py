@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
+from eop import access
 from eop import errors as eop_errors
-from eop import transport
 from eop.handler import HandlerSpec, parse_order_by
 from eop.spark import errors, sink
 from eop.spark.apply import Counts
@@ -39,7 +39,7 @@ class ReadOptions:
     per_partition: int | None = None
     max_per_batch: int | None = None
     """Streaming only."""
-    nats: transport.NatsAccess | None = None
+    nats: access.NatsAccess | None = None
     """Authentication and TLS (``nats_url`` wins over its ``url``)."""
 
     def options(self, spec: HandlerSpec) -> dict[str, str]:

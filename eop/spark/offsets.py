@@ -14,7 +14,7 @@ from typing import Any
 
 from eop import errors as eop_errors
 from eop import settings as settings_mod
-from eop import transport
+from eop.access import NatsAccess
 from eop.spark import errors
 
 DEFAULT_MESSAGES_PER_PARTITION = 1000
@@ -41,16 +41,16 @@ class SourceOptions:
     """``maxMessagesPerBatch``: sequences per micro-batch (streaming only); unbounded by default."""
     per_partition: int = DEFAULT_MESSAGES_PER_PARTITION
     """``messagesPerPartition``: sequences per partition, so per task and per sink transaction."""
-    nats_auth: transport.NatsAccess | None = None
+    nats_auth: NatsAccess | None = None
     """``natsUser``, ``natsPassword``, ``natsToken``, ``natsNkeySeedFile``, ``natsCredsFile``,
     ``natsTlsCaFile``, ``natsTlsCertFile``, ``natsTlsKeyFile``, ``natsTlsHostname``,
     ``natsTlsHandshakeFirst``: default the ``EOP_NATS_*`` settings."""
 
     @property
-    def nats(self) -> transport.NatsAccess:
+    def nats(self) -> NatsAccess:
         """How to reach NATS: ``nats_url`` with the authentication and TLS options."""
         return dataclasses.replace(
-            self.nats_auth or transport.NatsAccess(url=self.nats_url), url=self.nats_url
+            self.nats_auth or NatsAccess(url=self.nats_url), url=self.nats_url
         )
 
     @classmethod
@@ -62,8 +62,8 @@ class SourceOptions:
             raise eop_errors.ConfigurationError(
                 'the jetstream source needs .option("stream", NAME)'
             )
-        base = transport.NatsAccess.from_settings(settings_mod.Settings.from_env())
-        access = transport.NatsAccess.from_spark_options(opts, base)
+        base = settings_mod.Settings.from_env().nats_access
+        access = NatsAccess.from_spark_options(opts, base)
         access.check()
         return cls(
             stream=stream,

@@ -27,8 +27,9 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
+from eop import access, message
 from eop import errors as eop_errors
-from eop import jetstream, message, transport
+from eop.broker import connection, jetstream
 from eop.spark import errors
 from eop.spark.offsets import SeqRange, StreamState, check_available, check_epoch
 
@@ -49,13 +50,13 @@ CONSUMER_INACTIVE_S = 120.0
 """How long the server keeps a reading consumer whose reader vanished (died mid-read)."""
 
 
-async def connect(access: transport.NatsAccess) -> Any:
+async def connect(access: access.NatsAccess) -> Any:
     """A NATS connection for reading; :class:`eop.NatsUnavailable` when there is none.
 
-    Quiet, unlike the workers' (:func:`eop.jetstream.connect`): readers open
+    Quiet, unlike the workers' (:func:`eop.broker.jetstream.connect`): readers open
     and close connections all the time, and a lost one fails the read.
     """
-    return await transport.connect_nats(
+    return await connection.connect_nats(
         access, name="eop-spark-jetstream", max_reconnect_attempts=2
     )
 
@@ -211,7 +212,7 @@ async def _cleanup(js: Any, sub: Any, stream: str, consumer: str) -> None:
             await sub.unsubscribe()
 
 
-def iterate(access: transport.NatsAccess, seqs: SeqRange) -> Iterator[list[Row]]:
+def iterate(access: access.NatsAccess, seqs: SeqRange) -> Iterator[list[Row]]:
     """:func:`read_range` for synchronous callers (a Spark task), on a private event loop."""
     loop = asyncio.new_event_loop()
     try:
@@ -233,7 +234,7 @@ def iterate(access: transport.NatsAccess, seqs: SeqRange) -> Iterator[list[Row]]
         loop.close()
 
 
-def state_once(access: transport.NatsAccess, stream: str) -> StreamState:
+def state_once(access: access.NatsAccess, stream: str) -> StreamState:
     """:func:`stream_state` over a connection of its own, for one-off planning."""
 
     async def probe() -> StreamState:
@@ -254,7 +255,7 @@ class StateProbe:
     pings between those calls.
     """
 
-    def __init__(self, access: transport.NatsAccess) -> None:
+    def __init__(self, access: access.NatsAccess) -> None:
         self._access = access
         self._loop: asyncio.AbstractEventLoop | None = None
         self._nc: Any = None

@@ -139,10 +139,9 @@ def partition_for(target: Target) -> Partition:
     found = _PARTITIONS.get(target)
     if found is not None:
         return found
-    from eop.app import select_handlers
-    from eop.cli import load_app
+    from eop.app import App, select_handlers
 
-    app = load_app(target.app).with_settings(**target.settings)
+    app = App.from_path(target.app).with_settings(**target.settings)
     (spec,) = select_handlers(app, [target.handler])
     for old in _PARTITIONS.values():
         old.close()

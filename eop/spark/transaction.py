@@ -1,6 +1,6 @@
 """A partition's transaction: eop's inbox statements, run inline for sync handlers.
 
-:class:`eop.inbox.SqlTransaction` subclasses for Spark tasks: the sync one
+:class:`eop.pg.inbox.SqlTransaction` subclasses for Spark tasks: the sync one
 never hops to a thread (a task has no event loop to keep free), so its
 coroutines never suspend and :func:`drive` runs them without a loop.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from eop import errors, inbox
+from eop import errors
+from eop.pg import inbox
 
 T = TypeVar("T")
 
@@ -18,7 +19,7 @@ T = TypeVar("T")
 class SyncPartitionTx(inbox.SyncTransaction):
     """A partition's transaction on a sync ``Session``, every step inline.
 
-    Unlike :class:`eop.inbox.SyncTransaction` no step hops to a thread: its
+    Unlike :class:`eop.pg.inbox.SyncTransaction` no step hops to a thread: its
     coroutines never suspend, so :func:`drive` runs them without an event
     loop, and the handler runs as plain code in the Spark task's thread.
     """

@@ -1,11 +1,12 @@
 """Fakes for testing handlers, and eop itself, without NATS or PostgreSQL.
 
 Like procrastinate's ``testing`` module or dramatiq's stub broker, these run
-the real protocol (:class:`eop.processor.Processor`) against in-memory stand-ins
+the real protocol (:class:`eop.protocol.processor.Processor`) against in-memory stand-ins
 that keep the semantics that matter and can be told to fail::
 
     from eop import Settings, testing
-    from eop.processor import Outcome, Processor
+    from eop.protocol.processor import Processor
+    from eop.types import Outcome
 
     store = testing.MemoryStore()
     processor = Processor(spec=app.handlers["orders"], settings=Settings(),
@@ -23,7 +24,7 @@ that keep the semantics that matter and can be told to fail::
 - :class:`FakeEpochs`: stream epochs from a dict.
 
 Its modules: :mod:`~eop.testing.deliveries`, :mod:`~eop.testing.epochs`,
-:mod:`~eop.testing.store` (with :mod:`~eop.testing.transaction` and the rows
+:mod:`~eop.testing.store` (the store and its transactions, with the rows
 of :mod:`~eop.testing.rows`) and :mod:`~eop.testing.failures` (the errors the
 fakes can be told to raise).
 """
@@ -32,9 +33,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-# `X as X`: names importable since eop.testing was one module, outside `__all__`.
-from eop.inbox import DeadLetter as DeadLetter
-from eop.inbox import Existing as Existing
+from eop.pg.inbox import DeadLetter as DeadLetter
+from eop.pg.inbox import Existing as Existing
 from eop.testing.deliveries import DEFAULT_TIMESTAMP as DEFAULT_TIMESTAMP
 from eop.testing.deliveries import FakeDelivery, FakeMetadata, SequencePair
 from eop.testing.deliveries import Operation as Operation
@@ -43,11 +43,14 @@ from eop.testing.failures import ErrorSpec as ErrorSpec
 from eop.testing.failures import LockNotAvailable
 from eop.testing.rows import DeadLetterRow, InboxKey, InboxRow
 from eop.testing.rows import inbox_key as inbox_key
-from eop.testing.store import MemoryStore
-from eop.testing.transaction import FakeSession, MemoryTransaction
+from eop.testing.store import FakeSession, MemoryStore, MemoryTransaction
+
+# `X as X`: names importable since eop.testing was one module, outside `__all__`.
+from eop.types import Delivery
 
 if TYPE_CHECKING:
-    from eop import ack, inbox, processor
+    from eop.pg import inbox
+    from eop.protocol import processor
 
 __all__ = [
     "DeadLetterRow",
@@ -67,6 +70,6 @@ if TYPE_CHECKING:
 
     def _conforms(
         store: MemoryStore, delivery: FakeDelivery, epochs: FakeEpochs
-    ) -> tuple[inbox.Store, ack.Delivery, processor.Epochs]:
+    ) -> tuple[inbox.Store, Delivery, processor.Epochs]:
         """Let mypy check that the fakes implement eop's protocols."""
         return store, delivery, epochs

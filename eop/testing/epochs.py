@@ -7,10 +7,10 @@ from collections.abc import Mapping
 
 
 class FakeEpochs:
-    """Stream epochs from a dict, implementing :class:`eop.processor.Epochs`.
+    """Stream epochs from a dict, implementing :class:`eop.protocol.processor.Epochs`.
 
     :attr:`current` is what the server says; :meth:`get` answers from a cache
-    filled on first use, like the real :class:`eop.jetstream.StreamEpochs`, so
+    filled on first use, like the real :class:`eop.broker.jetstream.StreamEpochs`, so
     changing :attr:`current` (:meth:`set`, a recreated stream) is only seen
     after :meth:`refresh`. Streams missing from :attr:`current` have
     :attr:`default`.

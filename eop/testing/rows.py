@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from eop import log
+from eop import redaction
 
 if TYPE_CHECKING:
-    from eop.inbox import DeadLetter
     from eop.message import Message
+    from eop.pg.inbox import DeadLetter
 
 InboxKey = tuple[str, str, str, int]
 """``(subscription, stream, stream_epoch, stream_seq)``."""
@@ -83,7 +83,7 @@ class DeadLetterRow(_MessageRow):
         """The dead letter recorded for ``message``."""
         return cls(
             **_message_columns(message, message.msg_id),
-            headers=log.redact_headers(message.headers),
+            headers=redaction.redact_headers(message.headers),
             payload=message.data,
             reason=dead.reason,
             error=dead.error,

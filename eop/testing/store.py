@@ -1,16 +1,23 @@
-"""An in-memory inbox with PostgreSQL's semantics, and knobs that make it fail."""
+"""An in-memory inbox with PostgreSQL's semantics, its transactions, and knobs that make it fail.
+
+:class:`MemoryStore` and :class:`MemoryTransaction` are one module: a
+transaction waits on, reads and commits into its store's state.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+import dataclasses
+import inspect
+from collections.abc import AsyncIterator, Generator, Iterable
+from typing import TYPE_CHECKING, Any
 
-from eop import errors, models
-from eop.testing.failures import Ambiguous, ErrorSpec, Failures, LockNotAvailable
+from eop import errors
+from eop.pg import models
+from eop.pg.inbox import DeadLetter, Existing
+from eop.testing.failures import Ambiguous, ErrorSpec, Failures, LockNotAvailable, instantiate
 from eop.testing.rows import DeadLetterRow, InboxKey, InboxRow, inbox_key
-from eop.testing.transaction import MemoryTransaction
 
 if TYPE_CHECKING:
     from eop.handler import HandlerSpec
@@ -18,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class MemoryStore:
-    """An in-memory inbox implementing :class:`eop.inbox.Store` with PostgreSQL's semantics.
+    """An in-memory inbox implementing :class:`eop.pg.inbox.Store` with PostgreSQL's semantics.
 
     - a claim inserts the inbox row unless its key, or (with the handler's
       ``msg_id_guard``) its ``Nats-Msg-Id``, is taken; a claim held by another
@@ -195,3 +202,239 @@ class MemoryStore:
         self._msg_id_claims = {
             k: holder for k, holder in self._msg_id_claims.items() if holder is not tx
         }
+
+
+class FakeSession:
+    """The session a handler gets from :class:`MemoryStore`: it records ``add()`` calls.
+
+    What is added becomes :attr:`MemoryStore.effects` when the transaction
+    commits, and is discarded when it rolls back.
+    """
+
+    def __init__(self) -> None:
+        self.added: list[object] = []
+        """Objects added in this transaction, in order."""
+        self.flushes = 0
+        """``flush()`` calls."""
+
+    def add(self, instance: object) -> None:
+        """Record ``instance`` as a write of this transaction."""
+        self.added.append(instance)
+
+    def add_all(self, instances: Iterable[object]) -> None:
+        """Record each of ``instances``."""
+        self.added.extend(instances)
+
+    def flush(self) -> _Done:
+        """Do nothing, as ``session.flush()`` or ``await session.flush()``."""
+        self.flushes += 1
+        return _Done()
+
+
+class _Done:
+    """An awaitable that is already done."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield from ()
+
+
+class MemoryTransaction:
+    """One transaction of a :class:`MemoryStore` (implements :class:`eop.pg.inbox.Transaction`)."""
+
+    def __init__(self, store: MemoryStore, spec: HandlerSpec) -> None:
+        self.store = store
+        self.spec = spec
+        self.session = FakeSession()
+        """The session handed to the handler."""
+        self.committed = False
+        self._rows: list[InboxRow] = []
+        self._dead_letters: list[DeadLetterRow] = []
+        self._ended = asyncio.Event()
+        self._committing = False
+        self._counts: dict[InboxKey, tuple[int, bool]] = {}
+        self._forgotten: set[InboxKey] = set()
+        self._settled: dict[InboxKey, str] = {}
+
+    @property
+    def ended(self) -> bool:
+        """Committed or rolled back."""
+        return self._ended.is_set()
+
+    async def claim(self, message: Message, outcome: str) -> bool:
+        """Insert the inbox row unless its key (or, with the msg-id guard, msg-id) is taken.
+
+        Like ``INSERT ... ON CONFLICT DO NOTHING`` under READ COMMITTED, a key
+        held by another open transaction makes this wait for it to end; the
+        store's ``lock_timeout_s`` bounds that wait (:class:`LockNotAvailable`).
+        """
+        self._check_open()
+        self.store._failures.raise_next("claim")
+        key = inbox_key(message)
+        msg_id = message.msg_id if self.spec.msg_id_guard else None
+        id_key = None if msg_id is None else (message.subscription, msg_id)
+        holder = await self.store._wait_for_holders(self, key, id_key)
+        if holder is self:
+            return False
+        if key in self.store.inbox or (id_key is not None and id_key in self.store._by_msg_id):
+            return False
+        row = InboxRow.of(message, outcome, msg_id)
+        self._rows.append(row)
+        self.store._claims[key] = self
+        if id_key is not None:
+            self.store._msg_id_claims[id_key] = self
+        return True
+
+    async def find(self, message: Message) -> Existing | None:
+        """What the inbox holds (committed, or claimed by this transaction) for the message."""
+        self._check_open()
+        key = inbox_key(message)
+        visible = {row.key: row for row in self._rows}
+        visible.update(self.store.inbox)
+        row = visible.get(key)
+        if row is not None:
+            return Existing(by="key", fingerprint=row.fingerprint, outcome=row.outcome)
+        if message.msg_id is not None and self.spec.msg_id_guard:
+            id_key = (message.subscription, message.msg_id)
+            by_id = {(r.subscription, r.msg_id): r for r in self._rows if r.msg_id is not None}
+            found = by_id.get(id_key)
+            if found is None and id_key in self.store._by_msg_id:
+                found = self.store.inbox[self.store._by_msg_id[id_key]]
+            if found is not None:
+                return Existing(by="msg_id", fingerprint=None, outcome=found.outcome)
+        return None
+
+    async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
+        """Record a dead letter; one for the same key and fingerprint is dropped."""
+        self._check_open()
+        self._dead_letters.append(DeadLetterRow.of(message, dead))
+
+    async def count_failure(
+        self, message: Message, error: str, *, parked: bool, due_in_s: float
+    ) -> int:
+        """Count one more handler failure of ``message`` (visible to others after COMMIT)."""
+        self._check_open()
+        key = inbox_key(message)
+        if key in self._counts:
+            before = self._counts[key][0]
+        else:
+            before = 0 if key in self._forgotten else self.store.attempts.get(key, 0)
+        self._counts[key] = (before + 1, parked)
+        self._forgotten.discard(key)
+        return before + 1
+
+    async def forget_failures(self, message: Message) -> None:
+        """Drop the failure count of ``message`` at COMMIT."""
+        self._check_open()
+        key = inbox_key(message)
+        self._counts.pop(key, None)
+        self._forgotten.add(key)
+
+    async def reschedule(self, message: Message, due_in_s: float) -> None:
+        """Nothing to keep: the fake store runs no retry loop of its own."""
+        self._check_open()
+
+    async def lock_run(self, message: Message, runs: int) -> bool:
+        """Whether ``message`` is still parked (the fake keeps no run leases)."""
+        self._check_open()
+        return inbox_key(message) in self.store.parked
+
+    async def settle_retrying(self, message: Message, outcome: str) -> bool:
+        """Give a retrying inbox row ``outcome`` at COMMIT; False when it is not retrying."""
+        self._check_open()
+        key = inbox_key(message)
+        row = self.store.inbox.get(key)
+        if row is None or self._settled.get(key, row.outcome) != models.OUTCOME_RETRYING:
+            return False
+        self._settled[key] = outcome
+        return True
+
+    async def run(self, message: Message) -> None:
+        """Call ``spec.func(message, session)``, awaiting it when it returns an awaitable.
+
+        A plain ``def`` handler runs on the event loop here (the real store
+        runs it in a worker thread).
+        """
+        self._check_open()
+        arg, extra = self.spec.arguments([message])
+        func: Any = self.spec.func  # given a fake session
+        result = func(arg, self.session, **extra)
+        if inspect.isawaitable(result):
+            await result
+
+    async def commit(self) -> None:
+        """COMMIT, unless the store was told to fail it (see :class:`MemoryStore`)."""
+        self._check_open()
+        self._committing = True
+        try:
+            await self.store._before_commit()
+            failure = self.store._next_commit_failure()
+            if isinstance(failure, Ambiguous):
+                if failure.committed:
+                    self._apply()
+                else:
+                    self._end()
+                raise errors.AmbiguousCommit()
+            if failure is not None:
+                self._end()
+                raise instantiate(failure)
+            self._apply()
+        finally:
+            self._committing = False
+
+    async def rollback(self) -> None:
+        """ROLLBACK: discard the claim, the dead letters and the handler's writes."""
+        self._end()
+
+    def _check_open(self) -> None:
+        if self.ended:
+            raise RuntimeError("this MemoryTransaction has already committed or rolled back")
+
+    def _apply(self) -> None:
+        store = self.store
+        for row in self._rows:
+            store.inbox[row.key] = row
+            if row.msg_id is not None:
+                store._by_msg_id[(row.subscription, row.msg_id)] = row.key
+        known = {dead.unique_key for dead in store.dead_letters}
+        for dead in self._dead_letters:
+            if dead.unique_key not in known:
+                known.add(dead.unique_key)
+                store.dead_letters.append(dead)
+        for key, outcome in self._settled.items():
+            store.inbox[key] = dataclasses.replace(store.inbox[key], outcome=outcome)
+        for key in self._forgotten:
+            store.attempts.pop(key, None)
+            store.parked.discard(key)
+        for key, (count, parked) in self._counts.items():
+            store.attempts[key] = count
+            if parked:
+                store.parked.add(key)
+        store.effects.extend(self.session.added)
+        store.commits += 1
+        self.committed = True
+        self._end()
+
+    def _end(self) -> None:
+        if self.ended:
+            return
+        if not self.committed:
+            self.session.added.clear()
+        self._rows.clear()
+        self._dead_letters.clear()
+        if not self.committed:
+            self._counts.clear()
+            self._forgotten.clear()
+            self._settled.clear()
+        self.store._release(self)
+        self._ended.set()
+
+    def _close(self) -> None:
+        """The transaction's scope is left: roll back what is not committed."""
+        if self._committing:
+            # A real session would refuse (SQLAlchemy raises IllegalStateChangeError)
+            # or break the connection under the running COMMIT.
+            self.store.misuse.append(
+                f"transaction of {self.spec.name!r} closed while its COMMIT was in progress"
+            )
+            return
+        self._end()

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import context, op
 from sqlalchemy.dialects import postgresql
 
-from eop import migrate
+from eop.pg import migrate
 
 revision = "eop_0001"
 down_revision = None

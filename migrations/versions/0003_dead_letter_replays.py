@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context, op
 
-from eop import migrate
+from eop.pg import migrate
 
 revision = "eop_0003"
 down_revision = "eop_0002"

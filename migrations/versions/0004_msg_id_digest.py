@@ -16,7 +16,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context, op
 
-from eop import migrate
+from eop.pg import migrate
 
 revision = "eop_0004"
 down_revision = "eop_0003"

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import eop
 from eop import settings as settings_mod
-from eop.worker import Worker
+from eop.runtime.worker import Worker
 
 STREAM = "ORDERS"
 SUBJECT = "ORDERS.created"
@@ -88,7 +88,7 @@ async def drained(
     """True when the consumer has nothing pending and nothing awaiting an ack.
 
     With ``engine``, also no retry waiting in the database: a failed message is
-    acked when its retry is parked there (see eop.retries).
+    acked when its retry is parked there (see eop.pg.retries).
     """
     try:
         info = await js.consumer_info(stream, durable)

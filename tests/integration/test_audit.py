@@ -14,7 +14,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import eop
-from eop import audit, jetstream
+from eop.broker import jetstream
+from eop.ops import audit
 
 from . import auditapp
 from .bed import STREAM, SUBJECT, bed_settings, drained, publish, running, wait_for

@@ -25,9 +25,10 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
-from eop import embedded, errors, transport
+from eop import access, embedded, errors
+from eop.broker import connection
+from eop.runtime.worker import Worker
 from eop.spark import offsets, reader
-from eop.worker import Worker
 
 from .authbed import CertificateAuthority, new_nkey, new_operator
 from .bed import (
@@ -176,11 +177,9 @@ def secured(request: pytest.FixtureRequest, server: embedded.NatsServer) -> tupl
     return mode, f"nats://{mode.url_credentials}{embedded.HOST}:{server.port}"
 
 
-def access_of(url: str, settings: dict[str, Any]) -> transport.NatsAccess:
+def access_of(url: str, settings: dict[str, Any]) -> access.NatsAccess:
     """The access the ``nats_*`` settings describe."""
-    return transport.NatsAccess(
-        url=url, **{k.removeprefix("nats_"): v for k, v in settings.items()}
-    )
+    return access.NatsAccess(url=url, **{k.removeprefix("nats_"): v for k, v in settings.items()})
 
 
 def make_app(database_url: str, url: str, auth: dict[str, Any]) -> eop.App:
@@ -203,7 +202,7 @@ async def test_worker_processes_each_message_once_through_the_secured_server(
     mode, url = secured
     await create_effects_table(engine)
     app = make_app(database_url, url, mode.good)
-    nc = await transport.connect_nats(access_of(url, mode.good), name="eop-test-publisher")
+    nc = await connection.connect_nats(access_of(url, mode.good), name="eop-test-publisher")
     try:
         js = nc.jetstream()
         async with running(app):
@@ -244,7 +243,7 @@ async def test_tls_settings_refuse_a_server_without_tls(
     mode, _ = secured
     access = access_of(nats_server.url, {**mode.good, "nats_user": "u", "nats_password": "p"})
     with pytest.raises(errors.NatsTlsError, match="does not offer TLS"):
-        await transport.connect_nats(access, name="eop-test")
+        await connection.connect_nats(access, name="eop-test")
 
 
 @pytest.mark.parametrize("server", ["user_password"], indirect=True)
@@ -254,7 +253,7 @@ async def test_auth_failure_is_a_single_attempt(
     """A refused authentication is not retried: the server sees exactly one attempt."""
     mode, url = secured
     with pytest.raises(errors.NatsAuthenticationFailed):
-        await transport.connect_nats(access_of(url, mode.bad), name="eop-test")
+        await connection.connect_nats(access_of(url, mode.bad), name="eop-test")
     violations = [line for line in server.log().splitlines() if "authentication error" in line]
     assert len(violations) == 1, server.log()
 
@@ -264,7 +263,7 @@ async def test_spark_reader_reads_through_the_secured_server(secured: tuple[Mode
     """The Spark source's reader connects with the same settings, from Spark's options."""
     mode, url = secured
     access = access_of(url, mode.good)
-    nc = await transport.connect_nats(access, name="eop-test-publisher")
+    nc = await connection.connect_nats(access, name="eop-test-publisher")
     try:
         js = nc.jetstream()
         await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
@@ -370,7 +369,7 @@ async def test_cli_worker_whose_password_is_changed_stops_and_exits_with_the_rea
         )
         first = _worker(env, tmp_path / "first.log")
         try:
-            nc = await transport.connect_nats(
+            nc = await connection.connect_nats(
                 access_of(server.url, {"nats_user": "alice", "nats_password": PASSWORD}),
                 name="eop-test-publisher",
             )
@@ -422,7 +421,9 @@ async def test_cli_worker_whose_password_is_changed_stops_and_exits_with_the_rea
         env["EOP_NATS_PASSWORD"] = NEW_PASSWORD
         second = _worker(env, tmp_path / "second.log")
         try:
-            nc = await transport.connect_nats(access_of(server.url, new), name="eop-test-publisher")
+            nc = await connection.connect_nats(
+                access_of(server.url, new), name="eop-test-publisher"
+            )
             try:
                 js = nc.jetstream()
                 for i in range(40, 50):
@@ -460,7 +461,7 @@ async def test_worker_whose_credentials_expire_stops_with_the_reason(
         pytest.skip(str(exc))
     with server:
         await create_effects_table(engine)
-        nc = await transport.connect_nats(access_of(server.url, lasting), name="eop-test")
+        nc = await connection.connect_nats(access_of(server.url, lasting), name="eop-test")
         # Long enough for the worker to start and process, short for the test.
         jwt = operator.user_jwt_expiring(int(time.time()) + 6)
         expiring = operator.creds(tmp_path / "expiring.creds", user_jwt=jwt)

@@ -13,8 +13,9 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from eop import embedded, inbox
+from eop import embedded
 from eop.chaos.proxy import FaultProxy
+from eop.pg import inbox
 
 
 @pytest.fixture

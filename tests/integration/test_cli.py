@@ -12,7 +12,8 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from eop import embedded, migrate
+from eop import embedded
+from eop.pg import migrate
 
 from .bed import create_effects_table, drained, effects_by_body, publish, wait_for
 

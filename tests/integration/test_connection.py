@@ -9,7 +9,8 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
-from eop import errors, jetstream, log, wire
+from eop import errors, log, wire
+from eop.broker import jetstream
 from eop.settings import Settings
 
 from .bed import (

@@ -11,7 +11,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
-from eop import dlq, errors
+from eop import errors
+from eop.ops import dlq
 
 from .bed import (
     STREAM,

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from eop import models
+from eop.pg import models
 
 if TYPE_CHECKING:
     from collections.abc import Callable

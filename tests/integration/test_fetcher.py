@@ -1,4 +1,4 @@
-"""eop.fetcher.Fetcher against a real JetStream pull consumer."""
+"""eop.broker.fetcher.Fetcher against a real JetStream pull consumer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import nats.js.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from eop import fetcher
+from eop.broker import fetcher
 
 STREAM, DURABLE = "FETCHED", "fetcher"
 

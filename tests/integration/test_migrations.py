@@ -16,7 +16,8 @@ from alembic.config import Config
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from eop import embedded, errors, migrate, models
+from eop import embedded, errors
+from eop.pg import migrate, models
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -304,12 +305,12 @@ def test_a_blocking_call_inside_a_running_loop_still_works(empty_database_url: s
 HOST_ENV = """\
 from alembic import context
 import sqlalchemy as sa
-import eop.models
+import eop.pg.models
 
 host_metadata = sa.MetaData()
 sa.Table("accounts", host_metadata, sa.Column("id", sa.Integer, primary_key=True))
 schema = context.config.get_main_option("eop_schema")
-target_metadata = [host_metadata, eop.models.tables(schema).metadata]
+target_metadata = [host_metadata, eop.pg.models.tables(schema).metadata]
 
 def include_name(name, type_, parent_names):
     return type_ != "schema" or name in (None, schema)

@@ -14,7 +14,7 @@ from nats.js import api
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import eop
-from eop import status
+from eop.ops import status
 
 from .bed import (
     STREAM,

@@ -82,7 +82,7 @@ async def test_dataclass_handler_processes_valid_and_dead_letters_invalid_at_fir
         await wait_for(lambda: drained(js, "eop-orders", engine=engine), what="all three messages")
     # Only the valid order reaches the handler. It may reach it twice when the
     # invalid one shared its batch (the batch is rerun with a savepoint per
-    # message, see eop.batch); its effect counts once either way.
+    # message, see eop.protocol.batch); its effect counts once either way.
     expected = Order(id=1, items=[Item("a", 2), Item("b", 3)])
     assert seen
     assert all(order == expected for order in seen)

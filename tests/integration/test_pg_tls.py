@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from eop import embedded, migrate
+from eop import embedded
 from eop.app import App
+from eop.pg import migrate
 from eop.settings import Settings
 
 from .authbed import CertificateAuthority, Pair

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import shutdown
+from eop.runtime import shutdown
 
 from .bed import create_effects_table, drained, effects_by_body, publish, wait_for
 from .test_cli import Workers, consumer_exists

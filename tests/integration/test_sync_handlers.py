@@ -11,8 +11,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from sqlalchemy.orm import Session
 
 import eop
-from eop import jetstream
 from eop import settings as settings_mod
+from eop.broker import jetstream
 
 from .bed import STREAM, SUBJECT, create_effects_table, drained, publish, running, scalar, wait_for
 

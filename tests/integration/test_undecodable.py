@@ -21,8 +21,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import embedded, jetstream, transport, wire
-from eop.audit.walk import Walker
+from eop import access, embedded, wire
+from eop.broker import connection, jetstream
+from eop.ops.audit.walk import Walker
 
 from . import wildapp
 from .bed import STREAM, create_effects_table, drained, effects_by_body, publish, wait_for
@@ -174,7 +175,7 @@ async def test_eops_connection_reads_on_after_subjects_and_headers_that_are_not_
     A nats-py upgrade that renames or bypasses ``_build_message`` or
     ``_process_headers`` makes this fail (the read loop would end again).
     """
-    nc = await transport.connect_nats(transport.NatsAccess(url=nats_url), name="t")
+    nc = await connection.connect_nats(access.NatsAccess(url=nats_url), name="t")
     try:
         sub = await nc.subscribe("ORDERS.>")
         await nc.flush()

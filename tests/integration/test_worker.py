@@ -161,7 +161,7 @@ async def test_exhausted_attempts_are_dead_lettered_and_others_not_blocked(
         for body in ("a", "bad", "b"):
             await publish(js, body)
         await wait_for(lambda: drained(js, "eop-strict", engine=bed_engine), what="the dead letter")
-    # A batch may run a failing handler twice per delivery (see eop.batch).
+    # A batch may run a failing handler twice per delivery (see eop.protocol.batch).
     assert sorted(set(attempts)) == [1, 2, 3]
     assert await effects_by_body(bed_engine) == {"a": 1, "b": 1}
     reason = await scalar(bed_engine, "SELECT reason FROM eop.dead_letters")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eop import cli, errors
-from eop.spark import cli as spark_cli
+from eop.cli import spark as spark_cli
 
 
 @pytest.mark.parametrize("action", ["backfill", "stream"])

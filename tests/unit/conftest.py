@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import structlog
 
-from eop import processor as processor_mod
 from eop import testing
 from eop.handler import HandlerSpec
 from eop.message import Message
+from eop.protocol import processor as processor_mod
 from eop.settings import Settings
 
 from .support import FAST, STREAM, Harness, MakeHarness, Step, effect_of

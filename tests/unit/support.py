@@ -6,10 +6,10 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from eop import processor as processor_mod
 from eop import testing
 from eop.handler import HandlerSpec
 from eop.message import Message
+from eop.protocol import processor as processor_mod
 from eop.settings import Settings
 
 # Small enough that the unit suite runs in seconds; never asserted on.

@@ -11,7 +11,8 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from eop import ack, log, testing
+from eop import log, testing
+from eop.broker import ack
 
 from .support import events
 

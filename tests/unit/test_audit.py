@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime
 import json
 
-from eop import audit, models
-from eop.audit import Position, Recorded, Verdict, Walked
+from eop.ops import audit
+from eop.ops.audit import Position, Recorded, Verdict, Walked
+from eop.pg import models
 
 FP, OTHER = b"fp-now", b"fp-before"
 POS = Position(watermark=10, ack_floor=20, delivered=30)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from eop import batch, processor, testing
+from eop import testing
 from eop.handler import HandlerSpec
+from eop.protocol import batch, processor
 
 from .support import FAST
 

@@ -6,8 +6,8 @@ import asyncio
 import types
 from typing import Any
 
-from eop import compaction
 from eop.handler import HandlerSpec
+from eop.protocol import compaction
 from eop.settings import Settings
 
 

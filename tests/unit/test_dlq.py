@@ -7,7 +7,9 @@ import datetime
 import pytest
 from sqlalchemy.dialects import postgresql
 
-from eop import cli, dlq, errors, models, sql, status
+from eop import cli, errors
+from eop.ops import dlq, status
+from eop.pg import models, sql
 
 UTC = datetime.timezone.utc
 NOW = datetime.datetime(2026, 1, 31, 12, 0, tzinfo=UTC)

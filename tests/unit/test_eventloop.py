@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from eop import eventloop
+from eop.runtime import eventloop
 from eop.settings import Settings
 
 

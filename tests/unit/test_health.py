@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from eop import errors, health, metrics
-from eop.processor import Outcome
+from eop import errors
+from eop.observe import health, metrics
+from eop.types import Outcome
 
 from .support import delivery
 

@@ -10,9 +10,10 @@ import pytest
 import sqlalchemy.exc as sa_exc
 from sqlalchemy.dialects import postgresql
 
-from eop import errors, inbox, models, sql
+from eop import errors
 from eop.handler import HandlerSpec
 from eop.message import Message
+from eop.pg import inbox, models, sql
 
 DbFailure = inbox.DbFailure
 

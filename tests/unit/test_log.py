@@ -12,7 +12,7 @@ import structlog
 from sqlalchemy import exc as sa_exc
 
 import eop
-from eop import log
+from eop import log, redaction
 
 # ------------------------------------------------------------------ redact_url
 
@@ -31,7 +31,7 @@ from eop import log
     ids=["postgres", "nats-user-password", "at-sign-in-password", "empty-password"],
 )
 def test_redact_url_hides_the_password(url: str, expected: str) -> None:
-    assert log.redact_url(url) == expected
+    assert redaction.redact_url(url) == expected
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_redact_url_hides_the_password(url: str, expected: str) -> None:
 )
 def test_redact_url_hides_a_token_in_the_user_part_whole(url: str) -> None:
     """nats://TOKEN@host: a user part without a password may be a token."""
-    redacted = log.redact_url(url)
+    redacted = redaction.redact_url(url)
     assert "s3cr3t" not in redacted
     assert redacted.startswith("nats://***@nats.example")
 
@@ -59,7 +59,7 @@ def test_redact_url_hides_a_token_in_the_user_part_whole(url: str) -> None:
     ],
 )
 def test_redact_url_hides_secrets_in_the_query(url: str, expected: str) -> None:
-    assert log.redact_url(url) == expected
+    assert redaction.redact_url(url) == expected
 
 
 @pytest.mark.parametrize(
@@ -71,26 +71,26 @@ def test_redact_url_hides_secrets_in_the_query(url: str, expected: str) -> None:
     ],
 )
 def test_redact_url_leaves_urls_without_secrets_alone(url: str) -> None:
-    assert log.redact_url(url) == url
+    assert redaction.redact_url(url) == url
 
 
 def test_redact_url_of_an_unparsable_url_hides_its_user_part() -> None:
     """A URL urlsplit would reject still loses everything before its last '@'."""
-    assert "s3cr3t" not in log.redact_url("http://[::1:s3cr3t@host")
+    assert "s3cr3t" not in redaction.redact_url("http://[::1:s3cr3t@host")
 
 
 def test_redact_url_of_a_libpq_keyword_string_hides_the_password() -> None:
-    assert "s3cr3t" not in log.redact_url("host=db password=s3cr3t dbname=app")
+    assert "s3cr3t" not in redaction.redact_url("host=db password=s3cr3t dbname=app")
 
 
 @pytest.mark.parametrize("password", ["pa/ss", "pa#ss", "pa?ss"])
 def test_redact_url_hides_a_password_with_url_delimiters(password: str) -> None:
-    assert password not in log.redact_url(f"postgresql+asyncpg://app:{password}@db/app")
+    assert password not in redaction.redact_url(f"postgresql+asyncpg://app:{password}@db/app")
 
 
 def test_redact_urls_redacts_each_of_a_comma_separated_list() -> None:
     urls = "nats://a:s3cr3t@n1:4222, nats://tok3n@n2:4222,nats://n3:4222"
-    assert log.redact_urls(urls) == "nats://a:***@n1:4222,nats://***@n2:4222,nats://n3:4222"
+    assert redaction.redact_urls(urls) == "nats://a:***@n1:4222,nats://***@n2:4222,nats://n3:4222"
 
 
 # -------------------------------------------------------------- redact_headers
@@ -117,17 +117,17 @@ def test_redact_urls_redacts_each_of_a_comma_separated_list() -> None:
     ],
 )
 def test_redact_headers_hides_credential_headers(name: str) -> None:
-    assert log.redact_headers({name: "s3cr3t"}) == {name: log.REDACTED}
+    assert redaction.redact_headers({name: "s3cr3t"}) == {name: redaction.REDACTED}
 
 
 def test_redact_headers_keeps_ordinary_headers() -> None:
     headers = {"Nats-Msg-Id": "m-1", "Content-Type": "application/json", "X-Trace": "t"}
-    assert log.redact_headers(headers) == headers
+    assert redaction.redact_headers(headers) == headers
 
 
 def test_redact_headers_returns_a_copy() -> None:
     headers = {"Authorization": "Bearer s3cr3t"}
-    log.redact_headers(headers)
+    redaction.redact_headers(headers)
     assert headers == {"Authorization": "Bearer s3cr3t"}
 
 

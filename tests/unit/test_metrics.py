@@ -7,9 +7,11 @@ import threading
 
 import pytest
 
-from eop import metrics, models, observe
 from eop.handler import HandlerSpec
-from eop.processor import Outcome
+from eop.observe import metrics
+from eop.observe import observer as observe
+from eop.pg import models
+from eop.types import Outcome
 
 from .support import FAST, STREAM, MakeHarness, delivery
 

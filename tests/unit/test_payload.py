@@ -14,8 +14,11 @@ import pydantic
 import pytest
 
 import eop
-from eop import errors, models, payload, processor, testing
+from eop import errors, payload, testing
 from eop.handler import HandlerSpec
+from eop.pg import models
+from eop.protocol import processor
+from eop.types import Outcome
 
 from .support import FAST, STREAM, delivery
 
@@ -326,8 +329,8 @@ async def test_invalid_typed_payload_is_dead_lettered_at_the_first_delivery() ->
         spec=spec, settings=FAST, store=store, epochs=testing.FakeEpochs({STREAM: "e1"})
     )
     good, bad = delivery(b'{"id": 1, "lines": []}', seq=1), delivery(b'{"id": "x"}', seq=2)
-    assert await proc.handle(good, proc.clock()) is processor.Outcome.PROCESSED
-    assert await proc.handle(bad, proc.clock()) is processor.Outcome.DEAD_LETTERED
+    assert await proc.handle(good, proc.clock()) is Outcome.PROCESSED
+    assert await proc.handle(bad, proc.clock()) is Outcome.DEAD_LETTERED
     assert calls == [Order(id=1, lines=[])]
     [dead] = store.dead_letters
     assert dead.reason == models.REASON_UNDECODABLE
@@ -346,7 +349,7 @@ async def observed_handler(order: Order, session: Any, msg: eop.Message) -> None
 
 async def test_an_observed_typed_handler_keeps_its_binding_and_gets_its_raw_message() -> None:
     """Metrics or tracing wrap the handler; it still gets the decoded payload and the message."""
-    from eop import observe
+    from eop.observe import observer as observe
 
     OBSERVED_CALLS.clear()
     spec = HandlerSpec(
@@ -369,7 +372,7 @@ async def test_an_observed_typed_handler_keeps_its_binding_and_gets_its_raw_mess
         epochs=testing.FakeEpochs({STREAM: "e1"}),
     )
     good = delivery(b'{"id": 1, "lines": []}', seq=1)
-    assert await proc.handle(good, proc.clock()) is processor.Outcome.PROCESSED
+    assert await proc.handle(good, proc.clock()) is Outcome.PROCESSED
     [(order, msg)] = OBSERVED_CALLS
     assert order == Order(id=1, lines=[])
     assert msg.seq == 1

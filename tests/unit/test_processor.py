@@ -12,9 +12,12 @@ from sqlalchemy import exc as sa_exc
 from structlog.testing import capture_logs
 
 import eop
-from eop import ack, log, models, testing
-from eop.processor import Critical, Outcome
-from eop.retries import ParkedDelivery
+from eop import log, testing
+from eop.broker import ack
+from eop.pg import models
+from eop.pg.retries import ParkedDelivery
+from eop.protocol.processor import Critical
+from eop.types import Outcome
 
 from .support import FAST, STREAM, Harness, MakeHarness, delivery, effect_of, events
 

@@ -6,7 +6,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from eop import errors, startup
+from eop import errors
+from eop.runtime import startup
 from eop.settings import Settings
 
 

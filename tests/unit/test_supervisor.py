@@ -1,4 +1,4 @@
-"""eop.supervisor: how many processes, what each runs, with which arguments."""
+"""eop.runtime.supervisor: how many processes, what each runs, with which arguments."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from eop import supervisor
+from eop.runtime import supervisor
+from eop.runtime.supervisor import Child
 from eop.settings import Settings
-from eop.supervisor import Child
 
 
 def _affinity() -> int:

@@ -9,9 +9,10 @@ from typing import Any
 import nats.errors
 import pytest
 
-from eop import errors, inbox, models, testing
+from eop import errors, testing
 from eop.handler import HandlerSpec
 from eop.message import Message
+from eop.pg import inbox, models
 
 
 async def handler(message: Message, session: Any) -> None:

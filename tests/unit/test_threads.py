@@ -11,10 +11,11 @@ import sqlalchemy as sa
 from sqlalchemy import orm
 
 import eop
-from eop import errors, inbox, models
+from eop import errors
 from eop import settings as settings_mod
 from eop.handler import HandlerSpec
-from eop.threads import SyncThreads
+from eop.pg import inbox, models
+from eop.pg.threads import SyncThreads
 
 
 class FakeSession:

@@ -13,8 +13,10 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
 import eop
-from eop import observe, tracing, wire
-from eop.processor import Outcome
+from eop import wire
+from eop.observe import observer as observe
+from eop.observe import tracing
+from eop.types import Outcome
 
 from ..otel import memory_exporter
 from .support import STREAM, SUBJECT, Harness, MakeHarness, delivery
@@ -191,7 +193,9 @@ def test_without_opentelemetry_nothing_is_traced_and_inject_is_a_no_op() -> None
         import sys
         sys.modules["opentelemetry"] = None  # as if the package were not installed
         import eop
-        from eop import observe, settings, telemetry, tracing
+        from eop import settings
+        from eop.observe import observer as observe, tracing
+        from eop.runtime import telemetry
 
         class W:
             settings = settings.Settings(tracing=True)

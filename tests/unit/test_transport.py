@@ -13,11 +13,14 @@ import sqlalchemy as sa
 from structlog.testing import capture_logs
 
 import eop
-from eop import cli, errors, transport
+from eop import cli, errors
+from eop.access import NatsAccess
 from eop.app import App, sync_url
+from eop.broker import connection
+from eop.pg import engines
+from eop.runtime.worker import Worker
 from eop.settings import Settings
 from eop.spark import offsets
-from eop.worker import Worker
 from tests.integration.authbed import CertificateAuthority
 
 
@@ -41,9 +44,9 @@ def test_settings_repr_hides_passwords_tokens_and_url_credentials() -> None:
 
 def test_nats_access_repr_hides_secrets() -> None:
     """NatsAccess (shipped to Spark tasks, printed in plans) never shows a secret."""
-    access = transport.NatsAccess(url="nats://tok@h:4222", user="", token="")
+    access = NatsAccess(url="nats://tok@h:4222", user="", token="")
     assert "tok" not in repr(access)
-    access = transport.NatsAccess(url="nats://h:4222", user="u", password="hunter2")
+    access = NatsAccess(url="nats://h:4222", user="u", password="hunter2")
     assert "hunter2" not in repr(access)
     assert "user='u'" in repr(access)
 
@@ -89,19 +92,19 @@ def test_missing_files_name_the_setting(field: str, tmp_path: Path) -> None:
         other = "tls_key_file" if field == "tls_cert_file" else "tls_cert_file"
         (tmp_path / "other").write_text("")
         changes[other] = str(tmp_path / "other")
-    access = transport.NatsAccess(url="nats://h:4222", **changes)  # type: ignore[arg-type]
+    access = NatsAccess(url="nats://h:4222", **changes)  # type: ignore[arg-type]
     with pytest.raises(errors.ConfigurationError, match=f"nats_{field}.*EOP_NATS_{field.upper()}"):
         access.connect_options()
 
 
 def test_url_credentials_become_options_and_leave_the_urls() -> None:
     """user:password (quoted) or a token in a URL: unquoted into options, gone from servers."""
-    options = transport.NatsAccess(url="nats://alice:p%40ss%2Fw@h1:4222, tls://alice:p%40ss%2Fw@h2")
+    options = NatsAccess(url="nats://alice:p%40ss%2Fw@h1:4222, tls://alice:p%40ss%2Fw@h2")
     opts = options.connect_options()
     assert opts["servers"] == ["nats://h1:4222", "tls://h2"]
     assert (opts["user"], opts["password"]) == ("alice", "p@ss/w")
     assert "tls" in opts  # a tls:// URL requires TLS
-    opts = transport.NatsAccess(url="nats://s3cret@h1:4222").connect_options()
+    opts = NatsAccess(url="nats://s3cret@h1:4222").connect_options()
     assert opts["token"] == "s3cret"
     assert "user" not in opts
     assert opts["servers"] == ["nats://h1:4222"]
@@ -111,7 +114,7 @@ def test_tls_files_give_a_verifying_context_with_the_client_certificate(tmp_path
     """CA and client certificate: a context that verifies the server and presents the cert."""
     ca = CertificateAuthority(tmp_path)
     client = ca.issue("client", client=True)
-    access = transport.NatsAccess(
+    access = NatsAccess(
         url="nats://h:4222",
         tls_ca_file=str(ca.path),
         tls_cert_file=str(client.cert),
@@ -124,12 +127,12 @@ def test_tls_files_give_a_verifying_context_with_the_client_certificate(tmp_path
     assert context.verify_mode == ssl.CERT_REQUIRED
     assert context.check_hostname
     assert opts["tls_hostname"] == "nats.internal"
-    assert transport.NatsAccess(url="nats://h:4222").connect_options().get("tls") is None
+    assert NatsAccess(url="nats://h:4222").connect_options().get("tls") is None
 
 
 def test_settings_turn_into_spark_options_and_back() -> None:
     """The Spark source rebuilds the same access from its (lower-cased) options."""
-    access = transport.NatsAccess(
+    access = NatsAccess(
         url="nats://h:4222", user="u", password="p", tls_hostname="x", tls_handshake_first=True
     )
     spark = {k.lower(): v for k, v in {**access.spark_options(), "stream": "S"}.items()}
@@ -168,7 +171,7 @@ def test_libpq_tls_parameters_reach_both_drivers(tmp_path: Path) -> None:
         f"&sslrootcert={ca.path}&sslcert={client.cert}&sslkey={client.key}"
         "&application_name=eop"
     )
-    async_url, connect_args = transport.asyncpg_url(url)
+    async_url, connect_args = engines.asyncpg_url(url)
     assert dict(async_url.query) == {"application_name": "eop"}
     context = connect_args["ssl"]
     assert isinstance(context, ssl.SSLContext)
@@ -187,9 +190,9 @@ def test_libpq_tls_parameters_reach_both_drivers(tmp_path: Path) -> None:
 def test_asyncpg_ssl_mode_maps_to_sslmode_for_psycopg() -> None:
     """?ssl=require (asyncpg's spelling) stays for asyncpg and becomes sslmode for psycopg."""
     url = sa.make_url("postgresql+asyncpg://app@db/app?ssl=require")
-    assert transport.asyncpg_url(url) == (url, {})
+    assert engines.asyncpg_url(url) == (url, {})
     assert sync_url(url).query == {"sslmode": "require"}
-    plain, args = transport.asyncpg_url("postgresql+asyncpg://app@db/app?sslmode=require")
+    plain, args = engines.asyncpg_url("postgresql+asyncpg://app@db/app?sslmode=require")
     assert (dict(plain.query), args) == ({}, {"ssl": "require"})
 
 
@@ -204,7 +207,7 @@ def test_asyncpg_ssl_mode_maps_to_sslmode_for_psycopg() -> None:
 def test_bad_database_tls_parameters_are_named(query: str, named: str) -> None:
     """Missing files, a mode that would ignore them, a cert without key: ConfigurationError."""
     with pytest.raises(errors.ConfigurationError, match=named):
-        transport.asyncpg_url(f"postgresql+asyncpg://app@db/app?{query}")
+        engines.asyncpg_url(f"postgresql+asyncpg://app@db/app?{query}")
 
 
 def test_refusals_are_configuration_errors_and_nats_unavailable() -> None:
@@ -218,12 +221,12 @@ def test_refusals_are_configuration_errors_and_nats_unavailable() -> None:
 
 # What nats-py hands error_cb when a reconnect's CONNECT is refused.
 _REFUSED = nats.errors.Error("nats: 'Authorization Violation'")
-_ACCESS = transport.NatsAccess(url="nats://n1:4222", user="alice", password="hunter2")
+_ACCESS = NatsAccess(url="nats://n1:4222", user="alice", password="hunter2")
 
 
 def test_refused_reconnects_give_up_at_the_limit_once_and_name_the_cause() -> None:
     """The limit-th refusal in a row gives the error (count, cause, no secret); later ones none."""
-    refusals = transport.Refusals(_ACCESS, limit=3)
+    refusals = connection.Refusals(_ACCESS, limit=3)
     assert refusals.error(_REFUSED) is None
     assert refusals.error(nats.errors.AuthorizationError()) is None
     error = refusals.error(_REFUSED)
@@ -238,7 +241,7 @@ def test_refused_reconnects_give_up_at_the_limit_once_and_name_the_cause() -> No
 
 def test_a_successful_reconnect_resets_the_refusal_count() -> None:
     """A server that refused for a moment, then let the worker in, is forgiven."""
-    refusals = transport.Refusals(_ACCESS, limit=2)
+    refusals = connection.Refusals(_ACCESS, limit=2)
     assert refusals.error(_REFUSED) is None
     refusals.connected()
     assert refusals.count == 0
@@ -258,7 +261,7 @@ def test_a_successful_reconnect_resets_the_refusal_count() -> None:
 )
 def test_errors_that_are_not_refusals_neither_count_nor_reset(exc: Exception) -> None:
     """An unreachable server or a slow CONNECT is not a refused credential; the count holds."""
-    refusals = transport.Refusals(_ACCESS, limit=2)
+    refusals = connection.Refusals(_ACCESS, limit=2)
     assert refusals.error(_REFUSED) is None
     assert refusals.error(exc) is None
     assert refusals.count == 1
@@ -267,7 +270,7 @@ def test_errors_that_are_not_refusals_neither_count_nor_reset(exc: Exception) ->
 
 def test_a_connection_the_server_closed_names_why() -> None:
     """nats-py gave up on the connection: an authorization error is a refusal, else unavailable."""
-    refusals = transport.Refusals(_ACCESS, limit=3)
+    refusals = connection.Refusals(_ACCESS, limit=3)
     revoked = refusals.closed(nats.errors.AuthorizationError())
     assert isinstance(revoked, errors.NatsReauthenticationFailed)
     assert "closed the connection" in str(revoked)
@@ -291,7 +294,7 @@ async def test_a_worker_nats_gave_up_on_logs_once_and_stops() -> None:
     async def handle(msg: eop.Message, session: object) -> None:
         """Never called: the worker is not run."""
 
-    error = transport.Refusals(_ACCESS, limit=1).error(_REFUSED)
+    error = connection.Refusals(_ACCESS, limit=1).error(_REFUSED)
     assert error is not None
     with capture_logs() as logs:
         worker = Worker(app)

@@ -6,8 +6,9 @@ import contextlib
 
 import pytest
 
-from eop import errors, inbox, models
-from eop.processor import Outcome
+from eop import errors
+from eop.pg import inbox, models
+from eop.types import Outcome
 
 from .support import Harness, delivery
 

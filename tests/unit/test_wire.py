@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eop import message, models, wire
-from eop.processor import Outcome
+from eop import message, wire
+from eop.pg import models
+from eop.types import Outcome
 
 from . import support
 

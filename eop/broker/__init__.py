@@ -1,0 +1,1 @@
+"""NATS JetStream at the edge: connections, provisioning, fetching, acks, publishing."""

@@ -1,0 +1,251 @@
+"""Settling a delivery with the server: the confirmed ack, nak, term, heartbeats.
+
+The confirmed ack only cuts redeliveries; the inbox row committed before it is
+the guarantee. So an ack that keeps failing is given up after a bound, with a
+warning: the redelivery it causes will find the inbox row and be skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import nats.errors
+import tenacity
+from nats.js import api
+
+from eop import faults, log
+from eop.types import Delivery
+
+_ACK = b"+ACK"
+_STATUS_HEADER = api.Header.STATUS.value
+_NO_RESPONDERS = api.StatusCode.SERVICE_UNAVAILABLE.value
+
+# Errors after which the same ack may be sent again: the reply was lost, or the
+# client is reconnecting and will resend from its pending buffer.
+_RETRYABLE_ACK_ERRORS: tuple[type[BaseException], ...] = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.FlushTimeoutError,
+)
+
+
+# Sending a batch of acks stops at any client error: those not confirmed then
+# take the per-message path, which knows which errors are worth a retry.
+_BATCH_SEND_ERRORS: tuple[type[BaseException], ...] = (*_RETRYABLE_ACK_ERRORS, nats.errors.Error)
+
+
+async def confirm(delivery: Delivery, *, timeout_s: float, give_up_s: float, logger: Any) -> bool:
+    """Send a confirmed ack, retried on timeouts and reconnects; True once the server has it.
+
+    ``MsgAlreadyAckdError`` means an earlier attempt got through: done. After
+    ``give_up_s`` the ack is abandoned with a warning and False is returned.
+    """
+
+    # The first try outside tenacity: almost every ack succeeds at once, and a
+    # retrying loop costs more CPU than the ack itself.
+    try:
+        await delivery.ack_sync(timeout=timeout_s)
+        return True
+    except nats.errors.MsgAlreadyAckdError:
+        return True
+    except _RETRYABLE_ACK_ERRORS as exc:
+        logger.debug(log.Event.ACK_RETRY, attempt=1, error=type(exc).__name__)
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        logger.debug(log.Event.ACK_RETRY, attempt=state.attempt_number, error=type(exc).__name__)
+
+    retrying = tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_delay(give_up_s),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
+        retry=tenacity.retry_if_exception_type(_RETRYABLE_ACK_ERRORS),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    try:
+        async for attempt in retrying:
+            with attempt:
+                await delivery.ack_sync(timeout=timeout_s)
+    except nats.errors.MsgAlreadyAckdError:
+        return True
+    except _RETRYABLE_ACK_ERRORS as exc:
+        logger.warning(
+            log.Event.ACK_GAVE_UP,
+            error=type(exc).__name__,
+            note="the outcome is committed; a redelivery will be skipped by the inbox",
+        )
+        return False
+    return True
+
+
+class _Waiting:
+    """The replies a batch of acks still waits for."""
+
+    __slots__ = ("confirmed", "done", "left")
+
+    def __init__(self, count: int, done: asyncio.Future[None]) -> None:
+        self.confirmed = [False] * count
+        self.left = count
+        self.done = done
+
+    def reply(self, index: int, confirmed: bool) -> None:
+        if self.confirmed[index] or self.done.done():
+            return
+        self.confirmed[index] = confirmed
+        if confirmed:
+            self.left -= 1
+            if self.left == 0:
+                self.done.set_result(None)
+
+
+class Acker:
+    """Confirmed acks for a batch: sent together, their replies awaited together.
+
+    ``ack_sync`` per message costs a request each (a reply token, a future, a
+    ``wait_for`` timer, a task to gather). Here the acks of a batch go out
+    back to back with reply subjects under one wildcard subscription of this
+    connection, and one timer waits for all the replies. An ack whose reply
+    does not come in time (or says no responders) goes the per-message way of
+    :func:`confirm`: retried with tenacity, then given up with a warning.
+    """
+
+    def __init__(self, nc: Any) -> None:
+        self._nc = nc
+        self._prefix: str | None = None
+        self._lock = asyncio.Lock()
+        self._waiting: dict[str, tuple[_Waiting, int]] = {}
+        self._next = 0
+
+    async def _reply_prefix(self) -> str:
+        if self._prefix is None:
+            async with self._lock:
+                if self._prefix is None:
+                    inbox = self._nc.new_inbox()
+                    await self._nc.subscribe(f"{inbox}.*", cb=self._on_reply)
+                    self._prefix = f"{inbox}."
+        return self._prefix
+
+    async def _on_reply(self, msg: Any) -> None:
+        assert self._prefix is not None
+        entry = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+        if entry is not None:
+            # As in nats-py's request(): any reply confirms, except "no responders".
+            status = msg.headers.get(_STATUS_HEADER) if msg.headers else None
+            entry[0].reply(entry[1], status != _NO_RESPONDERS)
+
+    async def confirm_many(
+        self,
+        deliveries: Sequence[Delivery],
+        loggers: Sequence[Any],
+        *,
+        timeout_s: float,
+        give_up_s: float,
+    ) -> list[bool]:
+        """Ack every delivery and wait for the server's confirmations.
+
+        Returns, per delivery, whether the server has the ack (False: given up
+        after ``give_up_s``, with a warning, as :func:`confirm` does).
+        """
+        if not deliveries:
+            return []
+        waiting = _Waiting(len(deliveries), asyncio.get_running_loop().create_future())
+        tokens: list[str] = []
+        try:
+            prefix = await self._reply_prefix()
+            for index, delivery in enumerate(deliveries):
+                await faults.point("during_ack")
+                self._next += 1
+                token = str(self._next)
+                self._waiting[token] = (waiting, index)
+                tokens.append(token)
+                await self._nc.publish(delivery.reply, _ACK, reply=prefix + token)
+            await asyncio.wait({waiting.done}, timeout=timeout_s)
+        except _BATCH_SEND_ERRORS:
+            pass  # the ones not confirmed are retried one by one below
+        finally:
+            for token in tokens:
+                self._waiting.pop(token, None)
+            waiting.done.cancel()
+        confirmed = waiting.confirmed
+        retries = [i for i, ok in enumerate(confirmed) if not ok]
+        if retries:
+            again = await asyncio.gather(
+                *(
+                    confirm(
+                        deliveries[i], timeout_s=timeout_s, give_up_s=give_up_s, logger=loggers[i]
+                    )
+                    for i in retries
+                )
+            )
+            for i, ok in zip(retries, again, strict=True):
+                confirmed[i] = ok
+        return confirmed
+
+
+async def nak(delivery: Delivery, delay_s: float, logger: Any) -> None:
+    """Nak with a delay; a failure only means the redelivery comes after AckWait instead."""
+    try:
+        await delivery.nak(delay=delay_s)
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        logger.debug(log.Event.ACK_GAVE_UP, action=log.Action.NAK, error=type(exc).__name__)
+
+
+async def term(delivery: Delivery, logger: Any) -> None:
+    """Term the delivery; if that is lost, the redelivery finds the inbox row and is acked."""
+    try:
+        await delivery.term()
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        logger.debug(log.Event.ACK_GAVE_UP, action=log.Action.TERM, error=type(exc).__name__)
+
+
+@contextlib.asynccontextmanager
+async def heartbeat(
+    delivery: Delivery, interval_s: float, logger: Any, *, at_once: bool = False
+) -> AsyncIterator[None]:
+    """Send ``in_progress()`` every ``interval_s`` while the body runs, keeping the lease.
+
+    ``at_once``: the first one right away (the lease may be nearly spent already).
+    """
+
+    async def beat() -> None:
+        wait_s = 0.0 if at_once else interval_s
+        while True:
+            await asyncio.sleep(wait_s)
+            wait_s = interval_s
+            try:
+                await delivery.in_progress()
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                logger.warning(log.Event.HEARTBEAT_FAILED, error=type(exc).__name__)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def backoff_s(num_delivered: int, base_s: float, max_s: float) -> float:
+    """The retry delay after ``num_delivered`` deliveries (or failures): exponential, capped."""
+    exponent = min(max(num_delivered - 1, 0), 30)
+    return float(min(base_s * (2**exponent), max_s))
+
+
+def jittered_s(attempt: int, base_s: float, max_s: float) -> float:
+    """:func:`backoff_s` with jitter: between half of it and all of it.
+
+    Transactions that deadlocked or timed out on the same hot rows retry at
+    different moments instead of colliding again in lockstep.
+    """
+    delay = backoff_s(attempt, base_s, max_s)
+    return delay / 2 + random.random() * delay / 2

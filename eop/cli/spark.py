@@ -1,0 +1,248 @@
+"""``eop spark backfill`` and ``eop spark stream``: a registered handler run on Spark.
+
+Importing this module does not import PySpark (``eop --help`` stays fast and
+works without the ``spark`` extra); the commands do when they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from eop import errors as eop_errors
+from eop.app import App, select_handlers
+from eop.cli import options
+from eop.spark.apply import Counts
+from eop.spark.offsets import DEFAULT_MESSAGES_PER_PARTITION
+from eop.spark.session import DEFAULT_MASTER
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from eop.handler import HandlerSpec
+    from eop.spark import jobs, sink
+
+#: App settings the sink uses in Spark's tasks; the driver's values travel with them.
+SINK_FIELDS = (
+    "database_url",
+    "schema",
+    "batch",
+    "max_attempts",
+    "backoff_base_s",
+    "backoff_max_s",
+    "lock_timeout_s",
+    "statement_timeout_s",
+    "tx_retries",
+    "log_format",
+    "log_level",
+)
+_FLAG_FIELDS = (
+    "database_url",
+    "nats_url",
+    "schema",
+    "batch",
+    "max_attempts",
+    "lock_timeout_s",
+    "statement_timeout_s",
+    "tx_retries",
+    *options.NATS_AUTH_FIELDS,
+)
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``spark`` and its actions to the subparsers of ``eop``."""
+    spark = sub.add_parser("spark", help="run a handler on Apache Spark: backfills and streams")
+    actions = spark.add_subparsers(title="actions", required=True, metavar="ACTION")
+    backfill = actions.add_parser(
+        "backfill", help="run a handler over a range of the stream (a batch job), exactly once"
+    )
+    _common(backfill)
+    _env_flag(backfill, "--from-seq", int, "first stream sequence (default: the stream's first)")
+    _env_flag(backfill, "--to-seq", int, "last stream sequence (default: the stream's last)")
+    backfill.set_defaults(command=_cmd_backfill)
+
+    stream = actions.add_parser(
+        "stream", help="run a handler on the stream with Structured Streaming, exactly once"
+    )
+    _common(stream)
+    _env_flag(stream, "--checkpoint", str, "checkpoint directory (any Hadoop path)", required=True)
+    _env_flag(stream, "--from-seq", int, "where a new query starts (default: the stream's first)")
+    _env_flag(stream, "--max-per-batch", int, "stream sequences per micro-batch (default: all)")
+    _env_flag(
+        stream,
+        "--trigger-s",
+        float,
+        "seconds between micro-batch starts; 0: back to back, polling the stream all the time",
+        default=1.0,
+    )
+    var = "EOP_SPARK_AVAILABLE_NOW"
+    stream.add_argument(
+        "--available-now",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get(var, "").lower() in ("1", "true", "yes", "on"),
+        help=f"process what the stream holds now, then stop [env: {var}; default: False]",
+    )
+    stream.set_defaults(command=_cmd_stream)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    options.add_log_options(parser, suppress=True)
+    parser.add_argument("app", metavar="MODULE:APP", help="the eop.App, e.g. myapp:app")
+    _env_flag(parser, "--handler", str, "the handler to run", metavar="NAME", required=True)
+    _env_flag(
+        parser,
+        "--master",
+        str,
+        f"Spark master URL (default: spark-submit's, else {DEFAULT_MASTER})",
+    )
+    _env_flag(
+        parser,
+        "--messages-per-partition",
+        int,
+        "stream sequences per Spark task (and per transaction)",
+        default=DEFAULT_MESSAGES_PER_PARTITION,
+    )
+    var = "EOP_SPARK_CONF"
+    parser.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a Spark setting (repeatable) [env: {var}, comma separated]",
+    )
+    options.add_settings(parser, _FLAG_FIELDS)
+
+
+def _env_flag(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    kind: type,
+    help_text: str,
+    *,
+    default: object = None,
+    required: bool = False,
+    metavar: str | None = None,
+) -> None:
+    """A flag whose default comes from ``EOP_SPARK_<FLAG>``, named in ``--help``."""
+    var = "EOP_SPARK_" + flag.lstrip("-").replace("-", "_").upper()
+    raw = os.environ.get(var)
+    if raw is not None:
+        try:
+            default = kind(raw)
+        except ValueError:
+            raise SystemExit(f"eop: error: {var}={raw!r} is not a valid {kind.__name__}") from None
+    shown = "" if required or default is None else f"; default: {default}"
+    parser.add_argument(
+        flag,
+        type=kind,
+        default=default,
+        required=required and default is None,
+        metavar=metavar or flag.lstrip("-").upper().replace("-", "_"),
+        help=f"{help_text} [env: {var}{shown}]",
+    )
+
+
+def _conf(args: argparse.Namespace) -> dict[str, str]:
+    items = args.conf or options.env_list("EOP_SPARK_CONF")
+    conf = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise eop_errors.ConfigurationError(f"--conf takes KEY=VALUE, not {item!r}")
+        conf[key.strip()] = value.strip()
+    # The commands print their own progress lines; Spark's bar would garble them.
+    conf.setdefault("spark.ui.showConsoleProgress", "false")
+    return conf
+
+
+def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, jobs.ReadOptions]:
+    from eop.spark import jobs, sink
+
+    app = options.configured_app(args, _FLAG_FIELDS)
+    (spec,) = select_handlers(app, [args.handler])
+    s = app.settings
+    options.run_with(app, _check_schema(app))
+    target = sink.Target.create(args.app, spec.name, **{f: getattr(s, f) for f in SINK_FIELDS})
+    read = jobs.ReadOptions(
+        nats_url=s.nats_url,
+        nats=s.nats_access,
+        from_seq=args.from_seq,
+        to_seq=getattr(args, "to_seq", None),
+        per_partition=args.messages_per_partition,
+        max_per_batch=getattr(args, "max_per_batch", None),
+    )
+    return app, spec, target, read
+
+
+@contextlib.contextmanager
+def _session(args: argparse.Namespace, name: str) -> Iterator[SparkSession]:
+    """The command's SparkSession, stopped after it unless it was running before."""
+    from pyspark import SparkContext
+
+    from eop.spark import session
+
+    # Not getActiveSession(): that one is per thread, and a caller's session is not.
+    running = SparkContext._active_spark_context
+    spark = session.build(args.master, app_name=name, conf=_conf(args))
+    if running is None:
+        # Spark's warnings (AQE off in streaming, native Hadoop missing) are not the user's.
+        spark.sparkContext.setLogLevel("ERROR")
+    try:
+        yield spark
+    finally:
+        if running is None:
+            spark.stop()
+
+
+async def _check_schema(app: App) -> None:
+    """Fail before Spark starts, not in every task, when eop's tables are not there."""
+    from eop.pg import migrate
+
+    await migrate.ensure_ready(app.engine, app.settings.schema)
+
+
+def _cmd_backfill(args: argparse.Namespace) -> int:
+    from eop.spark import jobs
+
+    _, spec, target, read = _prepare(args)
+    with _session(args, f"eop-backfill-{spec.name}") as spark:
+        counts = jobs.backfill(spark, target, spec, read, progress=sys.stderr)
+    print(f"backfill of {spec.stream} for handler {spec.name}: {counts}")
+    return 0
+
+
+def _cmd_stream(args: argparse.Namespace) -> int:
+    from eop.spark import jobs
+
+    _, spec, target, read = _prepare(args)
+    total = Counts()
+
+    def on_batch(batch_id: int, counts: Counts) -> None:
+        nonlocal total
+        total = total + counts
+        print(f"  batch {batch_id}: {counts}", file=sys.stderr, flush=True)
+
+    with _session(args, f"eop-stream-{spec.name}") as spark:
+        query = jobs.stream(
+            spark,
+            target,
+            spec,
+            read,
+            checkpoint=args.checkpoint,
+            trigger_s=args.trigger_s,
+            available_now=args.available_now,
+            on_batch=on_batch,
+        )
+        stop = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
+        jobs.wait(query, report=sys.stderr, stop=stop)
+    print(f"stream of {spec.stream} for handler {spec.name} stopped: {total}")
+    return 0

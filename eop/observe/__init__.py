@@ -1,0 +1,1 @@
+"""What a worker tells about itself: the observer events, metrics, health, tracing."""

@@ -1,0 +1,211 @@
+"""The worker's HTTP endpoint: ``/metrics``, ``/healthz`` and ``/readyz``.
+
+A minimal HTTP/1.1 server on asyncio (one request per connection, GET and
+HEAD only), so that it needs no dependency and costs nothing when it is off.
+
+- ``/healthz`` (liveness): answers 200 whenever the event loop runs.
+- ``/readyz`` (readiness): 200 when every subscription is bound, the worker
+  is not draining, NATS is connected and PostgreSQL answered recently; else
+  503. The body lists each check.
+- ``/metrics``: :mod:`eop.observe.metrics` in the Prometheus text format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from eop import errors
+from eop.handler import HandlerSpec
+from eop.observe import metrics
+from eop.observe import observer as observe
+
+if TYPE_CHECKING:
+    from eop.types import Delivery, Outcome
+
+DB_FRESH_S = 10.0
+"""A committed outcome or a ping younger than this shows PostgreSQL is reachable."""
+DB_PING_TIMEOUT_S = 2.0
+REQUEST_TIMEOUT_S = 5.0
+_MAX_REQUEST = 8192
+_TEXT = "text/plain; charset=utf-8"
+
+# Outcomes whose settling went through a committed (or read) transaction.
+_DB_OUTCOMES = frozenset({"processed", "duplicate", "dead_lettered", "quarantined"})
+
+
+class Readiness(observe.Observer):
+    """Whether the worker should receive traffic; notes every committed outcome.
+
+    PostgreSQL counts as reachable when a transaction of the protocol ended
+    within :data:`DB_FRESH_S`; an idle worker pings it instead (one ping at a
+    time, however many probes ask).
+    """
+
+    def __init__(
+        self,
+        *,
+        bound: Callable[[], bool],
+        draining: Callable[[], bool],
+        nats_connected: Callable[[], bool],
+        ping: Callable[[], Awaitable[object]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._bound = bound
+        self._draining = draining
+        self._nats_connected = nats_connected
+        self._ping = ping
+        self._clock = clock
+        self._db_ok_at = -float("inf")
+        self._pinging: asyncio.Task[bool] | None = None
+
+    def outcome(
+        self,
+        spec: HandlerSpec,
+        delivery: Delivery,
+        outcome: Outcome,
+        *,
+        reason: str | None = None,
+        ack_s: float | None = None,
+        acked: bool = True,
+    ) -> None:
+        """A settled outcome that touched the database proves it reachable."""
+        if outcome.value in _DB_OUTCOMES:
+            self._db_ok_at = self._clock()
+
+    async def check(self) -> dict[str, bool]:
+        """Each readiness condition and whether it holds."""
+        return {
+            "subscriptions_bound": self._bound(),
+            "not_draining": not self._draining(),
+            "nats_connected": self._nats_connected(),
+            "database_reachable": await self._database(),
+        }
+
+    async def _database(self) -> bool:
+        if self._clock() - self._db_ok_at <= DB_FRESH_S:
+            return True
+        if self._pinging is None or self._pinging.done():
+            self._pinging = asyncio.create_task(self._ping_once())
+        return await asyncio.shield(self._pinging)
+
+    async def _ping_once(self) -> bool:
+        try:
+            await asyncio.wait_for(self._ping(), DB_PING_TIMEOUT_S)
+        except Exception:
+            # Any failure to answer means "not reachable"; the reason is the
+            # database's to log, not the probe's.
+            return False
+        self._db_ok_at = self._clock()
+        return True
+
+
+class Endpoints:
+    """The HTTP server of ``/metrics``, ``/healthz`` and ``/readyz``."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        registry: metrics.Registry | None,
+        readiness: Readiness,
+    ) -> None:
+        self.host = host
+        self.port = port
+        """The port asked for; the bound one once :meth:`start` returned."""
+        self.registry = registry
+        self.readiness = readiness
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Listen; :class:`eop.ConfigurationError` if the address cannot be bound."""
+        if not 0 <= self.port <= 65535:
+            raise errors.ConfigurationError(f"metrics_port must be 0..65535, not {self.port}")
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
+        except OSError as exc:
+            raise errors.ConfigurationError(
+                f"cannot serve metrics on {self.host}:{self.port}: {exc.strerror or exc}"
+            ) from exc
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop listening and end open requests."""
+        if self._server is None:
+            return
+        self._server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            status, content_type, body = await self._respond(head)
+            method = head.split(b" ", 1)[0]
+            writer.write(_response(status, content_type, body, send_body=method != b"HEAD"))
+            await writer.drain()
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            asyncio.TimeoutError,
+            ConnectionError,
+        ):
+            pass
+        finally:
+            if task is not None:
+                self._handlers.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _respond(self, head: bytes) -> tuple[int, str, bytes]:
+        if len(head) > _MAX_REQUEST:
+            return 431, _TEXT, b"request header too large\n"
+        parts = head.split(b"\r\n", 1)[0].split(b" ")
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            return 400, _TEXT, b"bad request\n"
+        method, target = parts[0], parts[1].split(b"?", 1)[0]
+        if method not in (b"GET", b"HEAD"):
+            return 405, _TEXT, b"only GET and HEAD\n"
+        if target == b"/healthz":
+            return 200, _TEXT, b"ok\n"
+        if target == b"/readyz":
+            checks = await self.readiness.check()
+            text = "".join(f"{name} {'ok' if ok else 'fail'}\n" for name, ok in checks.items())
+            return (200 if all(checks.values()) else 503), _TEXT, text.encode()
+        if target == b"/metrics" and self.registry is not None:
+            return 200, metrics.CONTENT_TYPE, self.registry.render().encode()
+        return 404, _TEXT, b"not found: try /metrics, /healthz, /readyz\n"
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
+
+
+def _response(status: int, content_type: str, body: bytes, *, send_body: bool = True) -> bytes:
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
+        f"Content-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Cache-Control: no-store\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + (body if send_body else b"")

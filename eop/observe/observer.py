@@ -1,0 +1,171 @@
+"""Instrumentation hooks: what the worker and the protocol tell metrics, health and tracing.
+
+The processor, the batches and the worker call an :class:`Observer` at a few
+points of a message's life. The base class does nothing, and the worker uses
+its shared :data:`NOOP` instance when metrics and tracing are off, so those
+calls cost one method call each. Implementations live in :mod:`eop.observe.metrics`,
+:mod:`eop.observe.health` and :mod:`eop.observe.tracing`; :class:`Fanout` combines them.
+
+Hooks must never raise into the protocol and must not block: they run on the
+event loop, between a COMMIT and its ack among other places.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from eop.handler import HandlerSpec
+
+if TYPE_CHECKING:
+    from eop.types import Delivery, Outcome
+
+
+class Observer:
+    """Receives the events of message processing; this base class ignores them all."""
+
+    def received(self, spec: HandlerSpec, deliveries: Sequence[Delivery]) -> None:
+        """Deliveries of ``spec`` start being processed (one message, or a batch)."""
+
+    def outcome(
+        self,
+        spec: HandlerSpec,
+        delivery: Delivery,
+        outcome: Outcome,
+        *,
+        reason: str | None = None,
+        ack_s: float | None = None,
+        acked: bool = True,
+    ) -> None:
+        """A delivery was settled.
+
+        ``reason`` is the dead letter's reason; for a processed message
+        ``ack_s`` is the time from COMMIT to the confirmed ack and ``acked``
+        is False when the ack was given up after the COMMIT.
+        """
+
+    def failed(self, spec: HandlerSpec, delivery: Delivery, error: BaseException) -> None:
+        """The handler raised on this delivery (its outcome follows: retry or dead letter)."""
+
+    def errored(
+        self, spec: HandlerSpec, deliveries: Sequence[Delivery], error: BaseException
+    ) -> None:
+        """eop's own I/O failed beyond its retries while processing these deliveries."""
+
+    def done(self, spec: HandlerSpec, deliveries: Sequence[Delivery]) -> None:
+        """The deliveries passed to :meth:`received` are no longer in flight."""
+
+    def handler_started(self, spec: HandlerSpec, arg: Any) -> Any:
+        """The handler function is called with ``arg``; returns a token.
+
+        ``arg`` is a Message (a list for batch handlers), or the decoded payload
+        of a typed handler.
+        """
+        return None
+
+    def handler_finished(self, spec: HandlerSpec, token: Any, seconds: float) -> None:
+        """The handler call that returned ``token`` ended (returned or raised)."""
+
+
+NOOP = Observer()
+"""The observer of a worker without metrics and tracing."""
+
+
+class Fanout(Observer):
+    """Passes every event to several observers, in order."""
+
+    def __init__(self, observers: Sequence[Observer]) -> None:
+        self.observers = tuple(observers)
+
+    def received(self, spec: HandlerSpec, deliveries: Sequence[Delivery]) -> None:
+        """Pass :meth:`Observer.received` on."""
+        for o in self.observers:
+            o.received(spec, deliveries)
+
+    def outcome(
+        self,
+        spec: HandlerSpec,
+        delivery: Delivery,
+        outcome: Outcome,
+        *,
+        reason: str | None = None,
+        ack_s: float | None = None,
+        acked: bool = True,
+    ) -> None:
+        """Pass :meth:`Observer.outcome` on."""
+        for o in self.observers:
+            o.outcome(spec, delivery, outcome, reason=reason, ack_s=ack_s, acked=acked)
+
+    def failed(self, spec: HandlerSpec, delivery: Delivery, error: BaseException) -> None:
+        """Pass :meth:`Observer.failed` on."""
+        for o in self.observers:
+            o.failed(spec, delivery, error)
+
+    def errored(
+        self, spec: HandlerSpec, deliveries: Sequence[Delivery], error: BaseException
+    ) -> None:
+        """Pass :meth:`Observer.errored` on."""
+        for o in self.observers:
+            o.errored(spec, deliveries, error)
+
+    def done(self, spec: HandlerSpec, deliveries: Sequence[Delivery]) -> None:
+        """Pass :meth:`Observer.done` on."""
+        for o in self.observers:
+            o.done(spec, deliveries)
+
+    def handler_started(self, spec: HandlerSpec, arg: Any) -> Any:
+        """Pass :meth:`Observer.handler_started` on; the token holds each observer's."""
+        return [o.handler_started(spec, arg) for o in self.observers]
+
+    def handler_finished(self, spec: HandlerSpec, token: Any, seconds: float) -> None:
+        """Pass :meth:`Observer.handler_finished` on, in reverse order (tokens nest)."""
+        for o, t in reversed(list(zip(self.observers, token, strict=True))):
+            o.handler_finished(spec, t, seconds)
+
+
+def combine(observers: Sequence[Observer]) -> Observer:
+    """One observer for ``observers``: :data:`NOOP` for none, itself for one."""
+    if not observers:
+        return NOOP
+    if len(observers) == 1:
+        return observers[0]
+    return Fanout(observers)
+
+
+def instrument(spec: HandlerSpec, observer: Observer) -> HandlerSpec:
+    """``spec`` with its handler function wrapped to report its calls to ``observer``.
+
+    The wrapper keeps the function's kind (``async def`` or plain ``def``), so
+    eop still runs a sync handler in a worker thread; it is not applied at all
+    when ``observer`` is :data:`NOOP`. Keyword arguments (a typed handler's raw
+    message) pass through; the payload binding stays the original function's.
+    """
+    if observer is NOOP:
+        return spec
+    func: Any = spec.func
+    if spec.is_async:
+
+        async def observed_async(arg: Any, session: Any, **extra: Any) -> None:
+            token = observer.handler_started(spec, arg)
+            started = time.perf_counter()
+            try:
+                await func(arg, session, **extra)
+            finally:
+                observer.handler_finished(spec, token, time.perf_counter() - started)
+
+        wrapped: Any = observed_async
+    else:
+
+        def observed_sync(arg: Any, session: Any, **extra: Any) -> None:
+            token = observer.handler_started(spec, arg)
+            started = time.perf_counter()
+            try:
+                func(arg, session, **extra)
+            finally:
+                observer.handler_finished(spec, token, time.perf_counter() - started)
+
+        wrapped = observed_sync
+    wrapped.__wrapped__ = func
+    return dataclasses.replace(spec, func=wrapped)

@@ -1,0 +1,1 @@
+"""Operating eop: dead letters, the audit, status."""

@@ -1,0 +1,1 @@
+"""PostgreSQL at the edge: eop's tables, all of its SQL, the inbox, migrations."""

@@ -1,0 +1,200 @@
+"""eop's tables, as SQLAlchemy Core metadata.
+
+The schema is configurable, so the tables are built per schema name
+(:func:`tables`). Alembic migrations create them; ``alembic check`` against
+this metadata proves the two never drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+#: Outcomes recorded in the inbox.
+OUTCOME_PROCESSED = "processed"
+OUTCOME_DEAD_LETTERED = "dead_lettered"
+#: Not an outcome yet: the handler failed and the retry is held in :attr:`Tables.retries`
+#: (the message was acked, so the row is the claim until the retry settles it).
+OUTCOME_RETRYING = "retrying"
+
+#: Reasons recorded with a dead letter.
+REASON_REJECTED = "rejected"
+REASON_UNDECODABLE = "undecodable"
+REASON_ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+REASON_SEQUENCE_REUSED = "sequence_reused"
+REASON_CRASH_LOOP = "crash_loop"
+
+#: The reasons a message earns its dead letter by; any other reason is a bug to look at.
+RULE_REASONS = frozenset(
+    {REASON_REJECTED, REASON_UNDECODABLE, REASON_ATTEMPTS_EXHAUSTED, REASON_SEQUENCE_REUSED}
+)
+
+#: How a dead letter was replayed (``eop dlq replay``).
+REPLAY_PUBLISH = "publish"
+REPLAY_RERUN = "rerun"
+
+#: Name of eop's own Alembic version table, kept apart from the host app's.
+VERSION_TABLE = "eop_alembic_version"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The metadata and tables of one eop schema."""
+
+    schema: str
+    metadata: sa.MetaData
+    inbox: sa.Table
+    dead_letters: sa.Table
+    watermarks: sa.Table
+    retries: sa.Table
+
+
+@functools.cache
+def tables(schema: str = "eop") -> Tables:
+    """Build (once per schema name) the metadata of eop's tables."""
+    metadata = sa.MetaData(schema=schema)
+    inbox = sa.Table(
+        "inbox",
+        metadata,
+        # The inbox key (design.md section 3): the handler's logical name, not
+        # the consumer's, and the stream's epoch so a recreated stream whose
+        # sequences restart at 1 is not mistaken for the old one.
+        sa.Column("subscription", sa.Text, primary_key=True),
+        sa.Column("stream", sa.Text, primary_key=True),
+        sa.Column("stream_epoch", sa.Text, primary_key=True),
+        sa.Column("stream_seq", sa.BigInteger, primary_key=True),
+        sa.Column("fingerprint", sa.LargeBinary, nullable=False),
+        sa.Column("msg_id", sa.Text, nullable=True),
+        sa.Column("subject", sa.Text, nullable=False),
+        sa.Column("outcome", sa.Text, nullable=False),
+        sa.Column("delivery_count", sa.Integer, nullable=False),
+        sa.Column(
+            "processed_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+        # SHA-256 of msg_id's UTF-8 bytes, set by the claim (eop.pg.sql): a msg-id
+        # may be any length, but a btree index row may not exceed about 2.7 kB.
+        sa.Column("msg_id_digest", sa.LargeBinary, nullable=True),
+        sa.CheckConstraint(
+            f"outcome IN ('{OUTCOME_PROCESSED}', '{OUTCOME_DEAD_LETTERED}', '{OUTCOME_RETRYING}')",
+            name="inbox_outcome_check",
+        ),
+        # The second guard: a republish after the server's duplicate window
+        # carries the same Nats-Msg-Id under a new sequence.
+        sa.Index(
+            "inbox_msg_id_key",
+            "subscription",
+            "msg_id_digest",
+            unique=True,
+            postgresql_where=sa.text("msg_id_digest IS NOT NULL"),
+        ),
+    )
+    dead_letters = sa.Table(
+        "dead_letters",
+        metadata,
+        sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+        sa.Column("subscription", sa.Text, nullable=False),
+        sa.Column("stream", sa.Text, nullable=False),
+        sa.Column("stream_epoch", sa.Text, nullable=False),
+        sa.Column("stream_seq", sa.BigInteger, nullable=False),
+        sa.Column("fingerprint", sa.LargeBinary, nullable=False),
+        sa.Column("msg_id", sa.Text, nullable=True),
+        sa.Column("subject", sa.Text, nullable=False),
+        sa.Column("headers", postgresql.JSONB, nullable=False),
+        sa.Column("payload", sa.LargeBinary, nullable=False),
+        sa.Column("reason", sa.Text, nullable=False),
+        sa.Column("error", sa.Text, nullable=False),
+        sa.Column("traceback", sa.Text, nullable=True),
+        sa.Column("delivery_count", sa.Integer, nullable=False),
+        sa.Column(
+            "created_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+        # Replay bookkeeping (eop.ops.dlq): the generation counts replays the user
+        # asked for; the msg-id of a publish is derived from it and recorded
+        # (with replay_requested_at) *before* the publish, so a crash between
+        # the publish and replayed_at is resumed, never replayed anew.
+        sa.Column("replay_generation", sa.Integer, nullable=False, server_default=sa.text("0")),
+        sa.Column("replay_mode", sa.Text, nullable=True),
+        sa.Column("replay_msg_id", sa.Text, nullable=True),
+        sa.Column("replay_requested_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("replayed_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("replay_stream_seq", sa.BigInteger, nullable=True),
+        sa.CheckConstraint(
+            f"replay_mode IN ('{REPLAY_PUBLISH}', '{REPLAY_RERUN}')",
+            name="dead_letters_replay_mode_check",
+        ),
+        # A redelivered poison message must not produce a second dead letter.
+        sa.UniqueConstraint(
+            "subscription",
+            "stream",
+            "stream_epoch",
+            "stream_seq",
+            "fingerprint",
+            name="dead_letters_message_key",
+        ),
+        sa.Index("dead_letters_subscription_created_idx", "subscription", "created_at"),
+    )
+    watermarks = sa.Table(
+        "watermarks",
+        metadata,
+        # Every stream sequence at or below the watermark has a committed
+        # outcome (design.md section 4): its inbox rows may go.
+        sa.Column("subscription", sa.Text, primary_key=True),
+        sa.Column("stream", sa.Text, primary_key=True),
+        sa.Column("stream_epoch", sa.Text, primary_key=True),
+        sa.Column("watermark", sa.BigInteger, nullable=False),
+        sa.Column(
+            "updated_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+    )
+    retries = sa.Table(
+        "retries",
+        metadata,
+        # A message whose handler failed: how often, and (parked) the message
+        # itself, so its retry waits here instead of in the consumer's
+        # ack-pending window, where failing messages would starve good ones.
+        sa.Column("subscription", sa.Text, primary_key=True),
+        sa.Column("stream", sa.Text, primary_key=True),
+        sa.Column("stream_epoch", sa.Text, primary_key=True),
+        sa.Column("stream_seq", sa.BigInteger, primary_key=True),
+        sa.Column("failures", sa.Integer, nullable=False),
+        sa.Column("runs", sa.Integer, nullable=False, server_default=sa.text("0")),
+        sa.Column("parked", sa.Boolean, nullable=False),
+        sa.Column("due_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("last_error", sa.Text, nullable=False),
+        sa.Column("subject", sa.Text, nullable=False),
+        sa.Column("headers", sa.LargeBinary, nullable=False),
+        sa.Column("payload", sa.LargeBinary, nullable=False),
+        sa.Column("stored_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column(
+            "updated_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+        sa.Index(
+            "retries_due_idx",
+            "subscription",
+            "due_at",
+            postgresql_where=sa.text("parked"),
+        ),
+    )
+    return Tables(
+        schema=schema,
+        metadata=metadata,
+        inbox=inbox,
+        dead_letters=dead_letters,
+        watermarks=watermarks,
+        retries=retries,
+    )

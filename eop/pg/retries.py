@@ -1,0 +1,105 @@
+"""Retries held in the database: a failed message waits in the retries table, not in NATS.
+
+A message whose handler failed (and may be retried) is *parked*: in one
+transaction its failure is counted, its copy kept in the retries table and
+its inbox row written as ``retrying``; after COMMIT it is acked. It then no
+longer occupies the consumer's ack-pending window (MaxAckPending), where
+backing-off failures would keep good messages from being delivered at all.
+A worker's retry loop takes the parked messages that are due and runs them as
+:class:`ParkedDelivery` deliveries through the same protocol; their claim is
+the ``retrying`` row, turned into the outcome in the transaction of the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from typing import Any
+
+from eop import message
+from eop.handler import HandlerSpec
+from eop.pg import inbox, sql
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sequence:
+    stream: int
+    consumer: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Metadata:
+    """The part of nats-py's ``Msg.Metadata`` the protocol reads."""
+
+    stream: str
+    sequence: _Sequence
+    num_delivered: int
+    timestamp: datetime.datetime | None
+
+
+class ParkedDelivery:
+    """One run of a parked message, taken from the retries table.
+
+    It quacks like a JetStream delivery for the protocol (:class:`eop.broker.Delivery`),
+    but there is nothing to tell NATS: the message was acked when it was
+    parked, and its outcome lives in the database alone.
+    """
+
+    reply = ""
+    """No reply subject: nothing is sent to NATS for a parked message."""
+
+    def __init__(self, msg: message.Message, *, failures: int, runs: int) -> None:
+        self.message = msg
+        """The message as it was stored, ``num_delivered`` being this run's attempt."""
+        self.failures = failures
+        """The handler failures counted before this run."""
+        self.runs = runs
+        """Runs taken so far, this one included (the lease: a later run changes it)."""
+        self.subject = msg.subject
+        self.data = msg.data
+        self.headers: dict[str, str] | None = dict(msg.headers)
+
+    @property
+    def metadata(self) -> _Metadata:
+        """Stream and sequence of the parked message, as a delivery's metadata."""
+        m = self.message
+        return _Metadata(m.stream, _Sequence(m.seq), m.num_delivered, m.timestamp)
+
+    async def ack_sync(self, timeout: float = 1.0) -> None:
+        """Nothing to confirm: the outcome committed is the whole settlement."""
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Nothing to do: an unsettled parked message is run again when its lease ends."""
+
+    async def term(self) -> None:
+        """Nothing to do: the dead letter committed is the whole settlement."""
+
+    async def in_progress(self) -> None:
+        """Nothing to do: the run holds the row's lock while its transaction is open."""
+
+
+async def take_due(
+    store: inbox.PostgresStore, spec: HandlerSpec, limit: int, lease_s: float
+) -> list[ParkedDelivery]:
+    """Lease up to ``limit`` parked messages of ``spec`` whose retry is due."""
+    stmt = sql.take_due(store.tables, spec.name, limit, lease_s)
+    async with store.session() as session, session.begin():
+        rows = (await session.execute(stmt)).all()
+    return [_delivery(spec, tuple(row)) for row in rows]
+
+
+def _delivery(spec: HandlerSpec, row: tuple[Any, ...]) -> ParkedDelivery:
+    stream, epoch, seq, failures, runs, subject, headers, payload, stored_at = row
+    msg = message.Message(
+        subscription=spec.name,
+        subject=subject,
+        data=bytes(payload),
+        headers=json.loads(bytes(headers)),
+        stream=stream,
+        stream_epoch=epoch,
+        seq=int(seq),
+        num_delivered=int(failures) + 1,
+        timestamp=stored_at,
+    )
+    return ParkedDelivery(msg, failures=int(failures), runs=int(runs))

@@ -1,0 +1,688 @@
+"""All of eop's SQL, in one place.
+
+Statements are built with SQLAlchemy Core from :mod:`eop.pg.models`, so they
+follow the configured schema and run unchanged on async and sync sessions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+from eop.pg import models
+
+
+def _in_epoch(c: Any, subscription: str, stream: str, epoch: str) -> tuple[Any, ...]:
+    """The conditions selecting one subscription's rows of one stream incarnation.
+
+    ``c`` is the columns of the inbox, the dead letters or the watermarks:
+    all carry (subscription, stream, stream_epoch).
+    """
+    return (c.subscription == subscription, c.stream == stream, c.stream_epoch == epoch)
+
+
+def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.TextClause:
+    """``SET LOCAL lock_timeout`` and ``statement_timeout`` for this transaction only.
+
+    ``set_config(..., true)`` is the parameterisable form of ``SET LOCAL``.
+    """
+    return sa.text(
+        "SELECT set_config('lock_timeout', :lock, true), "
+        "set_config('statement_timeout', :stmt, true)"
+    ).bindparams(lock=f"{lock_timeout_ms}ms", stmt=f"{statement_timeout_ms}ms")
+
+
+# The SHA-256 of a msg-id's UTF-8 bytes. convert_to is only STABLE, so this
+# cannot be an index expression: the claim stores it in inbox.msg_id_digest.
+_DIGEST_SQL = "sha256(convert_to({}, 'UTF8'))"
+
+
+def msg_id_digest(msg_id: Any) -> sa.ColumnElement[bytes]:
+    """The digest the inbox indexes for ``msg_id`` (a column or a value), as the claim computes it.
+
+    Look-ups by msg-id compare this with ``inbox.msg_id_digest``, so that they
+    use the guard's unique index, whatever the msg-id's length.
+    """
+    value = msg_id if isinstance(msg_id, sa.ColumnElement) else sa.literal(msg_id, sa.Text)
+    return sa.func.sha256(
+        sa.func.convert_to(value, sa.literal_column("'UTF8'")), type_=sa.LargeBinary
+    )
+
+
+_CLAIM_COLUMNS = (
+    ("subscription", sa.Text, "text"),
+    ("stream", sa.Text, "text"),
+    ("stream_epoch", sa.Text, "text"),
+    ("stream_seq", sa.BigInteger, "bigint"),
+    ("fingerprint", sa.LargeBinary, "bytea"),
+    ("msg_id", sa.Text, "text"),
+    ("subject", sa.Text, "text"),
+    ("outcome", sa.Text, "text"),
+    ("delivery_count", sa.Integer, "integer"),
+)
+
+
+def claim(t: models.Tables, rows: list[dict[str, Any]]) -> sa.TextClause:
+    """Insert the inbox rows whose key (or msg-id) is free and which lie above the watermark.
+
+    One statement for a whole batch, its rows passed as one array per column
+    (``unnest``): the SQL text never changes with the batch, so it is compiled
+    and prepared once. RETURNING names the claimed sequences. A concurrent
+    transaction holding one of the keys makes this wait on the unique index
+    until that one ends: then that row is not inserted.
+
+    The watermark is read FOR SHARE: compaction raises it (an UPDATE of that
+    row) only once no claim that read the old value is still open, and deletes
+    rows only after that, so no claim can slip between the raise and the delete.
+    """
+    return _claim_text(t.schema).bindparams(
+        *(
+            sa.bindparam(name, [row[name] for row in rows], type_=postgresql.ARRAY(kind))
+            for name, kind, _ in _CLAIM_COLUMNS
+        )
+    )
+
+
+@functools.cache
+def _claim_text(schema: str) -> sa.TextClause:
+    arrays = ", ".join(f"CAST(:{name} AS {pg}[])" for name, _, pg in _CLAIM_COLUMNS)
+    return sa.text(_claim_sql(schema, arrays))
+
+
+def _claim_sql(schema: str, arrays: str) -> str:
+    """The claim statement, its nine column arrays given as ``arrays`` (placeholders).
+
+    The msg-id guard's unique index holds the msg-id's digest (:func:`msg_id_digest`),
+    computed here so that every claim, whatever its caller, fills it in; a
+    taken digest is a conflict that ON CONFLICT DO NOTHING skips.
+    """
+    names = ", ".join(name for name, _, _ in _CLAIM_COLUMNS)
+    # The schema name is checked to be an identifier by Settings; quoting keeps
+    # it literal.
+    return (
+        f'INSERT INTO "{schema}".inbox ({names}, msg_id_digest) '
+        f"SELECT i.*, {_DIGEST_SQL.format('i.msg_id')} FROM unnest({arrays}) AS i({names}) "
+        "WHERE i.stream_seq > COALESCE(("
+        f'SELECT w.watermark FROM "{schema}".watermarks AS w '
+        "WHERE w.subscription = i.subscription AND w.stream = i.stream "
+        "AND w.stream_epoch = i.stream_epoch FOR SHARE), 0) "
+        "ON CONFLICT DO NOTHING RETURNING stream_seq"
+    )
+
+
+# Throughput (issue 4): the batch claim on the driver's own connection.
+
+
+@functools.cache
+def claim_driver_text(schema: str) -> str:
+    """:func:`claim` as plain SQL for the asyncpg connection under the session.
+
+    The same statement, with positional array parameters in the order of
+    :data:`CLAIM_COLUMNS`: passing the arrays straight to the driver skips
+    SQLAlchemy's per-element bind processing of nine arrays per batch.
+    """
+    arrays = ", ".join(f"${i}::{pg}[]" for i, (_, _, pg) in enumerate(_CLAIM_COLUMNS, 1))
+    return _claim_sql(schema, arrays)
+
+
+CLAIM_COLUMNS: tuple[str, ...] = tuple(name for name, _, _ in _CLAIM_COLUMNS)
+"""The columns of a claimed inbox row, in the order of the claim's parameters."""
+
+
+def watermark(
+    t: models.Tables, subscription: str, stream: str, epoch: str
+) -> sa.Select[tuple[int]]:
+    """The watermark of a subscription on one stream epoch."""
+    w = t.watermarks.c
+    return sa.select(w.watermark).where(*_in_epoch(w, subscription, stream, epoch))
+
+
+def create_watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> sa.Insert:
+    """Make sure the watermark row exists (at 0), so raising it is always an UPDATE.
+
+    RETURNING yields a row only when this call created it.
+    """
+    return (
+        postgresql.insert(t.watermarks)
+        .values(subscription=subscription, stream=stream, stream_epoch=epoch, watermark=0)
+        .on_conflict_do_nothing()
+        .returning(t.watermarks.c.watermark)
+    )
+
+
+def lock_inbox_shared(t: models.Tables) -> sa.TextClause:
+    """A SHARE lock on the inbox table: granted once every transaction writing to it ended.
+
+    New claims wait behind it, so it is taken only with a short lock timeout
+    and released at once (see :meth:`eop.protocol.compaction.Compactor.prepare`).
+    """
+    return sa.text(f'LOCK TABLE "{t.schema}".inbox IN SHARE MODE')
+
+
+def advance_watermark(
+    t: models.Tables, subscription: str, stream: str, epoch: str, value: int
+) -> sa.Executable:
+    """Raise the watermark to ``value``; it never goes backwards. RETURNING the new value."""
+    w = t.watermarks.c
+    return (
+        sa.update(t.watermarks)
+        .where(*_in_epoch(w, subscription, stream, epoch))
+        .values(watermark=sa.func.greatest(w.watermark, value), updated_at=sa.func.now())
+        .returning(w.watermark)
+    )
+
+
+def delete_below_watermark(
+    t: models.Tables,
+    subscription: str,
+    stream: str,
+    epoch: str,
+    value: int,
+    limit: int,
+    msg_id_retention_s: float,
+) -> sa.Executable:
+    """Delete up to ``limit`` inbox rows at or below ``value`` (one bounded chunk).
+
+    Rows carrying a msg-id stay for ``msg_id_retention_s``: they are the guard
+    against a republish after the server's duplicate window.
+    """
+    c = t.inbox.c
+    cutoff = sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, msg_id_retention_s)
+    chunk: sa.Select[Any] = (
+        sa.select(sa.literal_column("ctid"))
+        .select_from(t.inbox)
+        .where(
+            *_in_epoch(c, subscription, stream, epoch),
+            c.stream_seq <= value,
+            sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),
+            # A retrying row was acked (the ack floor passed it) but has no outcome:
+            # it is the claim of a retry held in the retries table.
+            c.outcome != models.OUTCOME_RETRYING,
+        )
+        .limit(limit)
+    )
+    # No RETURNING: the worker needs the count only (rowcount), not a row per deleted row.
+    return sa.delete(t.inbox).where(
+        sa.literal_column("ctid") == sa.any_(sa.func.array(chunk.scalar_subquery()))
+    )
+
+
+def count_inbox(t: models.Tables, subscription: str | None = None) -> sa.Select[Any]:
+    """Inbox rows, of one subscription or all."""
+    stmt = sa.select(sa.func.count()).select_from(t.inbox)
+    if subscription is not None:
+        stmt = stmt.where(t.inbox.c.subscription == subscription)
+    return stmt
+
+
+def unclaim(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int
+) -> sa.Executable:
+    """Drop a claim made earlier in this transaction (its handler failed in a batch)."""
+    c = t.inbox.c
+    return (
+        sa.delete(t.inbox)
+        .where(
+            *_in_epoch(c, subscription, stream, epoch),
+            c.stream_seq == seq,
+        )
+        .returning(c.stream_seq)
+    )
+
+
+def find_by_key(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int
+) -> sa.Select[tuple[bytes, str]]:
+    """The fingerprint and outcome stored under an inbox key."""
+    c = t.inbox.c
+    return sa.select(c.fingerprint, c.outcome).where(
+        *_in_epoch(c, subscription, stream, epoch),
+        c.stream_seq == seq,
+    )
+
+
+def find_by_keys(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seqs: list[int]
+) -> sa.Select[tuple[int, bytes, str]]:
+    """The sequence, fingerprint and outcome of each of ``seqs`` the inbox holds (one query)."""
+    c = t.inbox.c
+    return sa.select(c.stream_seq, c.fingerprint, c.outcome).where(
+        *_in_epoch(c, subscription, stream, epoch),
+        c.stream_seq == sa.any_(sa.literal(seqs, postgresql.ARRAY(sa.BigInteger))),
+    )
+
+
+def find_by_msg_id(
+    t: models.Tables, subscription: str, msg_id: str
+) -> sa.Select[tuple[str, str, int, str]]:
+    """The key and outcome of the message this subscription processed with ``msg_id``."""
+    c = t.inbox.c
+    return sa.select(c.stream, c.stream_epoch, c.stream_seq, c.outcome).where(
+        c.subscription == subscription, c.msg_id_digest == msg_id_digest(msg_id)
+    )
+
+
+def find_dead_letter(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, fingerprint: bytes
+) -> sa.Select[tuple[int]]:
+    """The id of the dead letter recorded for one message (key and fingerprint)."""
+    c = t.dead_letters.c
+    return sa.select(c.id).where(
+        *_in_epoch(c, subscription, stream, epoch),
+        c.stream_seq == seq,
+        c.fingerprint == fingerprint,
+    )
+
+
+def insert_dead_letter(t: models.Tables, row: dict[str, Any]) -> sa.Insert:
+    """Record a dead letter; a second one for the same message is dropped."""
+    return (
+        postgresql.insert(t.dead_letters)
+        .values(**row)
+        .on_conflict_do_nothing()
+        .returning(t.dead_letters.c.id)
+    )
+
+
+def count_effects(t: models.Tables, subscription: str) -> sa.Select[tuple[str, int]]:
+    """Inbox rows of a subscription by outcome."""
+    c = t.inbox.c
+    return (
+        sa.select(c.outcome, sa.func.count())
+        .where(c.subscription == subscription)
+        .group_by(c.outcome)
+    )
+
+
+def list_dead_letters(t: models.Tables, subscription: str | None = None) -> sa.Select[Any]:
+    """Dead letters, newest first, optionally of one subscription."""
+    c = t.dead_letters.c
+    stmt = sa.select(
+        c.id, c.subscription, c.stream, c.stream_seq, c.subject, c.reason, c.error, c.created_at
+    ).order_by(c.id.desc())
+    if subscription is not None:
+        stmt = stmt.where(c.subscription == subscription)
+    return stmt
+
+
+# --- Dead letters (`eop dlq`) and handler status (`eop status`) -------------
+
+
+def dead_letter_where(
+    t: models.Tables,
+    *,
+    ids: Sequence[int] = (),
+    handler: str | None = None,
+    reason: str | None = None,
+    since: datetime.datetime | None = None,
+    until: datetime.datetime | None = None,
+) -> list[sa.ColumnElement[bool]]:
+    """The conditions selecting dead letters: by id, handler, reason or error text, time.
+
+    ``reason`` matches as a case-insensitive substring of the reason or the
+    error, its ``%`` and ``_`` taken literally.
+    """
+    c = t.dead_letters.c
+    where: list[sa.ColumnElement[bool]] = []
+    if ids:
+        where.append(c.id.in_(list(ids)))
+    if handler is not None:
+        where.append(c.subscription == handler)
+    if reason:
+        pattern = "%" + reason.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        where.append(
+            sa.or_(c.reason.ilike(pattern, escape="\\"), c.error.ilike(pattern, escape="\\"))
+        )
+    if since is not None:
+        where.append(c.created_at >= since)
+    if until is not None:
+        where.append(c.created_at < until)
+    return where
+
+
+def select_dead_letters(
+    t: models.Tables, where: Sequence[sa.ColumnElement[bool]], limit: int | None = None
+) -> sa.Select[Any]:
+    """Dead letters matching ``where``, newest first: every column but the payload, its size."""
+    c = t.dead_letters.c
+    columns = [col for col in t.dead_letters.columns if col.name != "payload"]
+    stmt = (
+        sa.select(*columns, sa.func.octet_length(c.payload).label("payload_size"))
+        .where(*where)
+        .order_by(c.id.desc())
+    )
+    return stmt.limit(limit) if limit is not None else stmt
+
+
+def dead_letter_ids(t: models.Tables, where: Sequence[sa.ColumnElement[bool]]) -> sa.Select[Any]:
+    """The ids of the dead letters matching ``where``, oldest first (replay order)."""
+    c = t.dead_letters.c
+    return sa.select(c.id).where(*where).order_by(c.id)
+
+
+def lock_dead_letter(t: models.Tables, dead_letter_id: int) -> sa.Select[Any]:
+    """One whole dead letter, payload included, locked until the transaction ends.
+
+    Concurrent replays of one dead letter queue here, so each sees the
+    bookkeeping the one before it committed.
+    """
+    return sa.select(t.dead_letters).where(t.dead_letters.c.id == dead_letter_id).with_for_update()
+
+
+def dead_letter_payload(t: models.Tables, dead_letter_id: int) -> sa.Select[Any]:
+    """The payload of one dead letter."""
+    c = t.dead_letters.c
+    return sa.select(c.payload).where(c.id == dead_letter_id)
+
+
+def start_replay(
+    t: models.Tables,
+    dead_letter_id: int,
+    *,
+    generation: int,
+    mode: str,
+    msg_id: str | None,
+    done: bool,
+) -> sa.Executable:
+    """Record a new replay generation: its intent (and, when ``done``, its completion)."""
+    values: dict[str, Any] = {
+        "replay_generation": generation,
+        "replay_mode": mode,
+        "replay_msg_id": msg_id,
+        "replay_requested_at": sa.func.now(),
+        "replayed_at": sa.func.now() if done else None,
+        "replay_stream_seq": None,
+    }
+    c = t.dead_letters.c
+    return sa.update(t.dead_letters).where(c.id == dead_letter_id).values(values).returning(c.id)
+
+
+def finish_replay(t: models.Tables, dead_letter_id: int, msg_id: str, stream_seq: int) -> sa.Update:
+    """Mark a published replay done; matches nothing if another run finished it first."""
+    c = t.dead_letters.c
+    return (
+        sa.update(t.dead_letters)
+        .where(c.id == dead_letter_id, c.replay_msg_id == msg_id, c.replayed_at.is_(None))
+        .values(replayed_at=sa.func.now(), replay_stream_seq=stream_seq)
+        .returning(c.id)
+    )
+
+
+def settle_rerun_inbox(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, fingerprint: bytes
+) -> sa.Executable:
+    """A dead-lettered inbox row becomes processed once a rerun of its handler commits.
+
+    Matching the fingerprint leaves alone the row of another message that
+    reused the sequence (a quarantined dead letter); a compacted row is simply
+    not there.
+    """
+    c = t.inbox.c
+    return (
+        sa.update(t.inbox)
+        .where(
+            *_in_epoch(c, subscription, stream, epoch),
+            c.stream_seq == seq,
+            c.fingerprint == fingerprint,
+            c.outcome == models.OUTCOME_DEAD_LETTERED,
+        )
+        .values(outcome=models.OUTCOME_PROCESSED, processed_at=sa.func.now())
+        .returning(c.stream_seq)
+    )
+
+
+def purge_dead_letters(t: models.Tables, where: Sequence[sa.ColumnElement[bool]]) -> sa.Executable:
+    """Delete the dead letters matching ``where``; RETURNING their ids."""
+    return sa.delete(t.dead_letters).where(*where).returning(t.dead_letters.c.id)
+
+
+def count_dead_letters(t: models.Tables, where: Sequence[sa.ColumnElement[bool]]) -> sa.Select[Any]:
+    """How many dead letters match ``where``."""
+    return sa.select(sa.func.count()).select_from(t.dead_letters).where(*where)
+
+
+def inbox_summary(t: models.Tables, subscription: str) -> sa.Executable:
+    """Inbox rows of a subscription and its latest outcome time.
+
+    Cheap: compaction keeps the inbox down to the rows above the watermark.
+    """
+    c = t.inbox.c
+    return sa.select(sa.func.count(), sa.func.max(c.processed_at)).where(
+        c.subscription == subscription
+    )
+
+
+def dead_letter_summary(t: models.Tables, subscription: str) -> sa.Executable:
+    """Dead letters of a subscription: all of them, and those never replayed."""
+    c = t.dead_letters.c
+    return sa.select(sa.func.count(), sa.func.count().filter(c.replayed_at.is_(None))).where(
+        c.subscription == subscription
+    )
+
+
+# --- audit (eop audit): range reads of one subscription's inbox and dead letters ---
+# Each read is bounded to one (subscription, stream, epoch) so it walks the
+# primary key (inbox) or dead_letters_message_key in sequence order.
+
+
+def audit_inbox_rows(
+    t: models.Tables,
+    subscription: str,
+    stream: str,
+    epoch: str,
+    lo: int,
+    hi: int | None,
+    limit: int | None = None,
+) -> sa.Select[Any]:
+    """Inbox rows of one epoch with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
+    c = t.inbox.c
+    stmt = sa.select(c.stream_seq, c.fingerprint, c.msg_id, c.outcome, c.delivery_count)
+    return (
+        stmt.where(*_in_range(c, subscription, stream, epoch, lo, hi))
+        .order_by(c.stream_seq)
+        .limit(limit)
+    )
+
+
+#: How much of a dead letter's error the audit reads.
+AUDIT_ERROR_CHARS = 200
+
+
+def audit_dead_letters(
+    t: models.Tables,
+    subscription: str,
+    stream: str,
+    epoch: str,
+    lo: int,
+    hi: int | None,
+    limit: int | None = None,
+) -> sa.Select[Any]:
+    """Dead letters of one epoch with ``lo <= stream_seq <= hi`` (no upper bound when None).
+
+    With the first characters of each one's error only: enough for the audit
+    to tell a dead letter that infrastructure caused, never a whole traceback.
+    """
+    c = t.dead_letters.c
+    error = sa.func.left(c.error, AUDIT_ERROR_CHARS)
+    stmt = sa.select(c.stream_seq, c.fingerprint, c.id, c.reason, error)
+    return (
+        stmt.where(*_in_range(c, subscription, stream, epoch, lo, hi))
+        .order_by(c.stream_seq, c.id)
+        .limit(limit)
+    )
+
+
+def _in_range(
+    c: Any, subscription: str, stream: str, epoch: str, lo: int, hi: int | None
+) -> list[sa.ColumnElement[bool]]:
+    """One epoch's rows with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
+    conditions = [*_in_epoch(c, subscription, stream, epoch), c.stream_seq >= lo]
+    if hi is not None:
+        conditions.append(c.stream_seq <= hi)
+    return conditions
+
+
+def audit_by_msg_ids(t: models.Tables, subscription: str, msg_ids: list[str]) -> sa.Select[Any]:
+    """The inbox rows (any stream, any epoch) holding one of ``msg_ids`` for a subscription."""
+    c = t.inbox.c
+    ids = sa.func.unnest(sa.literal(msg_ids, postgresql.ARRAY(sa.Text)))
+    wanted = ids.table_valued("id").render_derived(name="wanted")
+    return sa.select(c.msg_id, c.stream, c.stream_epoch, c.stream_seq, c.outcome).where(
+        c.subscription == subscription,
+        c.msg_id_digest.in_(sa.select(msg_id_digest(wanted.c.id))),
+    )
+
+
+def audit_epochs(t: models.Tables, subscription: str, stream: str) -> sa.CompoundSelect[Any]:
+    """Every epoch of a stream that the subscription's inbox, dead letters or watermarks name."""
+    parts = [
+        sa.select(table.c.stream_epoch).where(
+            table.c.subscription == subscription, table.c.stream == stream
+        )
+        for table in (t.inbox, t.dead_letters, t.watermarks)
+    ]
+    return sa.union(*parts)
+
+
+def audit_count_inbox(
+    t: models.Tables, subscription: str, stream: str, epoch: str, lo: int, hi: int
+) -> sa.Select[Any]:
+    """How many inbox rows one epoch holds between ``lo`` and ``hi``."""
+    c = t.inbox.c
+    return (
+        sa.select(sa.func.count())
+        .select_from(t.inbox)
+        .where(
+            *_in_epoch(c, subscription, stream, epoch),
+            c.stream_seq.between(lo, hi),
+        )
+    )
+
+
+# health (obs): the readiness probe's ping of an idle worker
+def ping() -> sa.Select[tuple[int]]:
+    """``SELECT 1``: the database answers."""
+    return sa.select(sa.literal(1))
+
+
+# --- Handler failures and retries held in the database ----------------------
+
+
+def _retry_key(t: models.Tables, subscription: str, stream: str, epoch: str, seq: int) -> Any:
+    c = t.retries.c
+    return sa.and_(*_in_epoch(c, subscription, stream, epoch), c.stream_seq == seq)
+
+
+def count_failure(t: models.Tables, row: dict[str, Any]) -> sa.Executable:
+    """Add one handler failure to a message's count (the row holds the message); RETURNING it.
+
+    ``row`` carries the key, ``last_error``, ``parked``, ``due_in_s`` and the
+    message (subject, headers, payload, stored_at); a first failure inserts it.
+    """
+    values = {k: v for k, v in row.items() if k != "due_in_s"}
+    due_at = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, row["due_in_s"])
+    insert = postgresql.insert(t.retries).values(**values, failures=1, due_at=due_at)
+    return insert.on_conflict_do_update(
+        index_elements=["subscription", "stream", "stream_epoch", "stream_seq"],
+        set_={
+            "failures": t.retries.c.failures + 1,
+            "last_error": insert.excluded.last_error,
+            "parked": insert.excluded.parked,
+            "due_at": insert.excluded.due_at,
+            "updated_at": sa.func.now(),
+        },
+    ).returning(t.retries.c.failures)
+
+
+def reschedule(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, due_in_s: float
+) -> sa.Executable:
+    """Set when a parked message is next run."""
+    due_at = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, due_in_s)
+    return (
+        sa.update(t.retries)
+        .where(_retry_key(t, subscription, stream, epoch, seq))
+        .values(due_at=due_at, updated_at=sa.func.now())
+    )
+
+
+def forget_failures(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int
+) -> sa.Executable:
+    """Delete a message's failure count (it has its outcome now)."""
+    return sa.delete(t.retries).where(_retry_key(t, subscription, stream, epoch, seq))
+
+
+def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) -> sa.Executable:
+    """Lease up to ``limit`` parked messages that are due; RETURNING them.
+
+    Each one's ``runs`` goes up and its ``due_at`` moves a lease ahead, so
+    another worker does not take it meanwhile, and a run that dies without an
+    outcome is still counted (the crash-loop bound). SKIP LOCKED: workers
+    taking at the same time never wait for each other.
+    """
+    c = t.retries.c
+    due = (
+        sa.select(c.subscription, c.stream, c.stream_epoch, c.stream_seq)
+        .where(c.subscription == subscription, c.parked, c.due_at <= sa.func.now())
+        .order_by(c.due_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    lease = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, lease_s)
+    return (
+        sa.update(t.retries)
+        .where(sa.tuple_(c.subscription, c.stream, c.stream_epoch, c.stream_seq).in_(due))
+        .values(runs=c.runs + 1, due_at=lease, updated_at=sa.func.now())
+        .returning(
+            c.stream,
+            c.stream_epoch,
+            c.stream_seq,
+            c.failures,
+            c.runs,
+            c.subject,
+            c.headers,
+            c.payload,
+            c.stored_at,
+        )
+    )
+
+
+def lock_run(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, runs: int
+) -> sa.Select[tuple[int]]:
+    """Lock a parked message for this run; no row when another run took it since."""
+    c = t.retries.c
+    return (
+        sa.select(c.failures)
+        .where(_retry_key(t, subscription, stream, epoch, seq), c.parked, c.runs == runs)
+        .with_for_update()
+    )
+
+
+def settle_retrying(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, outcome: str
+) -> sa.Executable:
+    """Turn a retrying inbox row into its outcome; RETURNING it only when it was retrying."""
+    c = t.inbox.c
+    return (
+        sa.update(t.inbox)
+        .where(
+            *_in_epoch(c, subscription, stream, epoch),
+            c.stream_seq == seq,
+            c.outcome == models.OUTCOME_RETRYING,
+        )
+        .values(outcome=outcome, processed_at=sa.func.now())
+        .returning(c.stream_seq)
+    )
+
+
+def count_parked(t: models.Tables, subscription: str) -> sa.Select[Any]:
+    """Messages of a subscription whose retry is held in the database."""
+    c = t.retries.c
+    return sa.select(sa.func.count()).where(c.subscription == subscription, c.parked)

@@ -1,0 +1,1 @@
+"""The exactly-once protocol: one message, a batch, ordering, compaction."""

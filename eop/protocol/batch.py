@@ -1,0 +1,248 @@
+"""Batches: one transaction per fetched batch, confirmed acks pipelined after COMMIT.
+
+The protocol is the one of :mod:`eop.protocol.processor`, amortised: one multi-row
+claim for the batch, the handler of each claimed message inside its own
+savepoint (so one failing handler does not sink the others), one COMMIT, then
+every confirmed ack at once. Anything off the common path (a message not
+claimed, a failed handler, a spent lease, an exhausted message, a COMMIT that
+fails for the handlers' writes) goes to the per-message protocol, which
+settles it exactly as a lone message would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from eop import errors, faults, log, message
+from eop.pg import inbox, models
+from eop.protocol.processor import Processor, _contention, _transient
+from eop.types import Delivery, Outcome
+
+
+@dataclasses.dataclass
+class _Item:
+    delivery: Delivery
+    msg: message.Message
+    logger: Any
+
+
+class BatchProcessor:
+    """Runs batches of one handler subscription; ``single`` handles the exceptions."""
+
+    def __init__(self, single: Processor) -> None:
+        self.single = single
+        self.spec = single.spec
+        self.settings = single.settings
+
+    async def handle_batch(
+        self, deliveries: Sequence[Delivery], received_at: float
+    ) -> list[Outcome]:
+        """Process a fetched batch; returns one outcome per message settled here."""
+        await faults.point("after_fetch")
+        items, others = await self._prepare(deliveries, received_at)
+        outcomes: list[Outcome] = []
+        leftovers: list[_Item] = []
+        failures: list[tuple[_Item, Exception]] = []
+        if items and self.single.in_contention:
+            # Crossing transactions deadlocked lately: a batch would hold all its
+            # rows' locks at once and deadlock again. One message at a time.
+            for item in items:
+                outcomes.append(await self.single.handle(item.delivery, received_at))
+        elif items:
+            try:
+                try:
+                    outcomes, leftovers, failures = await self._run(items, isolate=False)
+                except _NeedsIsolation:
+                    outcomes, leftovers, failures = await self._run(items, isolate=True)
+            except Exception as exc:
+                if not (_transient(exc) or isinstance(exc, _BatchRejected)):
+                    raise
+                if _contention(exc):
+                    # The batch deadlocked (or waited out its lock timeout): shrink it
+                    # to one transaction per message, run one at a time.
+                    self.single.note_contention()
+                    for item in items:
+                        outcomes.append(await self.single.handle(item.delivery, received_at))
+                else:
+                    # The batch transaction cannot commit: let each message find its
+                    # own way (the per-message protocol retries and settles it).
+                    leftovers = items
+        singles = [self.single.handle(d, received_at) for d in others]
+        singles += [self.single.handle(item.delivery, received_at) for item in leftovers]
+        singles += [
+            self.single._handler_failed(item.delivery, item.msg, exc, item.logger)
+            for item, exc in failures
+        ]
+        outcomes += await asyncio.gather(*singles)
+        return outcomes
+
+    async def _prepare(
+        self, deliveries: Sequence[Delivery], received_at: float
+    ) -> tuple[list[_Item], list[Delivery]]:
+        """Split the batch: messages for the batch transaction, and the unusual ones."""
+        items: list[_Item] = []
+        others: list[Delivery] = []
+        lease_left = self.single.ack_wait_s - (self.single.clock() - received_at)
+        shared = await self._shared_epoch(deliveries)
+        for delivery in deliveries:
+            meta = delivery.metadata
+            epoch = shared or await self.single.epochs.epoch_of(meta.stream, meta.timestamp)
+            usual = (
+                epoch is not None
+                and lease_left >= self.settings.lease_margin_s
+                and meta.num_delivered <= self.settings.max_deliveries
+                and message.undecodable(delivery) is None
+            )
+            if not usual or epoch is None:
+                others.append(delivery)
+                continue
+            msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
+            logger = log.LazyLogger(
+                handler=self.spec.name, stream=msg.stream, seq=msg.seq, delivered=msg.num_delivered
+            )
+            items.append(_Item(delivery, msg, logger))
+        return items, others
+
+    async def _shared_epoch(self, deliveries: Sequence[Delivery]) -> str | None:
+        """The epoch of every message of the batch, when one epoch holds them all.
+
+        An epoch covers the messages stored from its creation until the next
+        one's, so if the oldest and the newest message share an epoch, every
+        message between them has it too. The newest is asked first: if it is
+        newer than the last reading, that reading is refreshed before the
+        oldest is looked up.
+        """
+        metas = [d.metadata for d in deliveries]
+        stamps = [m.timestamp for m in metas]
+        if not metas or None in stamps or len({m.stream for m in metas}) != 1:
+            return None
+        stream, epochs = metas[0].stream, self.single.epochs
+        newest = await epochs.epoch_of(stream, max(stamps))
+        oldest = await epochs.epoch_of(stream, min(stamps))
+        return newest if newest is not None and newest == oldest else None
+
+    async def _run(
+        self, items: list[_Item], *, isolate: bool
+    ) -> tuple[list[Outcome], list[_Item], list[tuple[_Item, Exception]]]:
+        """The batch transaction: claim all, run each, COMMIT, ack all.
+
+        Handlers fail rarely, so the first pass runs them without savepoints
+        (two statements fewer per message); if one fails, the transaction is
+        rolled back whole and run again with a savepoint per message.
+        """
+        async with self.single.store.transaction(self.spec) as tx:
+            assert isinstance(tx, inbox.SqlTransaction)
+            try:
+                claimed = await tx.claim_many([i.msg for i in items], models.OUTCOME_PROCESSED)
+            except Exception as exc:
+                if not _transient(exc):
+                    # A concurrent delivery holds one of the keys (a lock timeout), or
+                    # the database refuses one message's row: go one by one, so that
+                    # message settles on its own and the others are not held back.
+                    raise _BatchRejected() from exc
+                raise
+            await faults.point("after_claim")
+            mine = [i for i in items if i.msg.seq in claimed]
+            leftovers = [i for i in items if i.msg.seq not in claimed]
+            async with self._heartbeat(mine):
+                if isolate:
+                    failures = await self._run_handlers(tx, mine)
+                else:
+                    await self._run_optimistically(tx, mine)
+                    failures = []
+            for item, _ in failures:
+                await tx.unclaim(item.msg)
+            done = [i for i in mine if all(i is not f for f, _ in failures)]
+            outcomes = await self.single.critical.run(self._commit_and_ack(tx, done))
+        return outcomes, leftovers, failures
+
+    async def _run_optimistically(self, tx: inbox.SqlTransaction, mine: list[_Item]) -> None:
+        # The handlers' writes and ORM objects go out together at the end: one
+        # executemany per statement instead of a round trip per message. A
+        # failure among them is one of the handlers', as any other here.
+        try:
+            if self.spec.batch:
+                if mine:
+                    await tx.run_many([i.msg for i in mine], flush=False)
+            else:
+                for item in mine:
+                    await tx.run(item.msg, flush=False)
+                    await faults.point("mid_handler")
+            await tx.flush()
+        except Exception as exc:
+            if _transient(exc):
+                raise
+            raise _NeedsIsolation() from exc
+
+    async def _run_handlers(
+        self, tx: inbox.SqlTransaction, mine: list[_Item]
+    ) -> list[tuple[_Item, Exception]]:
+        if self.spec.batch and mine:
+            error = await tx.run_isolated([i.msg for i in mine])
+            if error is None:
+                return []
+            # Which message the batch handler choked on is unknown: retry them
+            # one by one, each in its own savepoint.
+        failures = []
+        for item in mine:
+            error = await tx.run_isolated([item.msg])
+            if error is not None:
+                failures.append((item, error))
+        return failures
+
+    async def _commit_and_ack(self, tx: inbox.SqlTransaction, done: list[_Item]) -> list[Outcome]:
+        """COMMIT, then every confirmed ack concurrently; the section a stop must not cut."""
+        await faults.point("before_commit")
+        try:
+            await tx.commit()
+        except errors.AmbiguousCommit:
+            return list(
+                await asyncio.gather(
+                    *(
+                        self.single._resolve_ambiguous(
+                            i.delivery, i.msg, Outcome.PROCESSED, i.logger, None
+                        )
+                        for i in done
+                    )
+                )
+            )
+        except Exception as exc:
+            if _transient(exc):
+                raise
+            # A deferred constraint failed at COMMIT: one of the handlers' writes.
+            raise _BatchRejected() from exc
+        await faults.point("after_commit")
+        await self.single.ack_processed([i.delivery for i in done], [i.logger for i in done])
+        return [Outcome.PROCESSED] * len(done)
+
+    @contextlib.asynccontextmanager
+    async def _heartbeat(self, items: list[_Item]) -> AsyncIterator[None]:
+        """One heartbeat task for the whole batch: ``in_progress()`` for each message."""
+        interval_s = self.single.ack_wait_s / 3
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                await asyncio.gather(
+                    *(i.delivery.in_progress() for i in items), return_exceptions=True
+                )
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class _NeedsIsolation(Exception):
+    """A handler failed in the savepoint-less pass: run the batch again with savepoints."""
+
+
+class _BatchRejected(Exception):
+    """The batch transaction cannot be committed as a batch: process one by one."""

@@ -1,0 +1,214 @@
+"""Keeping the inbox bounded: the watermark of design.md section 4.
+
+Every stream sequence at or below the consumer's ack floor was acked (or
+termed), and eop acks only after the message's outcome committed; sequences
+below the stream's first sequence are gone from the stream. So the watermark
+of a (subscription, stream, epoch) may rise to the larger of the two, never
+fall, and inbox rows at or below it can be deleted: the claim treats any
+sequence at or below the watermark as processed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats.errors
+
+from eop import errors, log
+from eop.broker.jetstream import StreamEpochs
+from eop.handler import HandlerSpec
+from eop.pg import inbox, sql
+
+
+@dataclasses.dataclass(frozen=True)
+class Compacted:
+    """What one compaction round did."""
+
+    epoch: str
+    watermark: int
+    deleted: int
+
+
+class Compactor:
+    """Advances one subscription's watermark and deletes the inbox rows below it."""
+
+    def __init__(
+        self,
+        js: Any,
+        store: inbox.PostgresStore,
+        spec: HandlerSpec,
+        epochs: StreamEpochs,
+        *,
+        chunk_rows: int = 5000,
+        settle_lock_ms: int = 250,
+    ) -> None:
+        self.settle_lock_ms = settle_lock_ms
+        self.msg_id_retention_s = store.app.settings.msg_id_retention_s
+        self.js = js
+        self.store = store
+        self.spec = spec
+        self.epochs = epochs
+        self.chunk_rows = chunk_rows
+        self.after_messages = store.app.settings.compaction_after_messages
+        self._logger = log.get_logger(handler=spec.name, stream=spec.stream)
+        self._since_round = 0
+        self._wake = asyncio.Event()
+        self._created: dict[str, float] = {}
+        """Epochs whose watermark row this compactor created, and when (monotonic)."""
+        self._known: set[str] = set()
+        """Epochs whose watermark row is known to exist."""
+        self._interval_s = store.app.settings.compaction_interval_s
+
+    def processed(self, count: int) -> None:
+        """Count messages processed; enough of them since the last round start one now."""
+        self._since_round += count
+        if self.after_messages and self._since_round >= self.after_messages:
+            self._wake.set()
+
+    async def prepare(self) -> None:
+        """Create the watermark row of the stream's current epoch (when a subscription binds).
+
+        Claims lock the row FOR SHARE only once it exists; creating it before
+        this worker fetches anything means the first raise need not wait for
+        this worker's claims, only (for one interval) for those of workers
+        that started earlier.
+        """
+        epoch = await self.epochs.refresh(self.spec.stream)
+        await self._ensure_row(epoch)
+
+    async def run_forever(self, interval_s: float, stopping: asyncio.Event) -> None:
+        """Compact every ``interval_s``, or after :attr:`after_messages` processed messages,
+        until ``stopping`` is set; failures only log."""
+        self._interval_s = interval_s
+        stop = asyncio.ensure_future(stopping.wait())
+        try:
+            while not stopping.is_set():
+                wake = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait(
+                    {stop, wake}, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED
+                )
+                wake.cancel()
+                if stopping.is_set():
+                    return
+                self._wake.clear()
+                self._since_round = 0
+                await self._round()
+        finally:
+            stop.cancel()
+
+    async def _round(self) -> None:
+        await self.quietly(self.compact_once)
+
+    async def quietly(self, step: Callable[[], Awaitable[object]]) -> None:
+        """Run ``step``, logging (not raising) the I/O failures a later round recovers from."""
+        try:
+            await step()
+        except (errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+            self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
+        except Exception as exc:
+            if inbox.classify(exc) is inbox.DbFailure.OTHER:
+                raise
+            self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
+
+    async def compact_once(self) -> Compacted | None:
+        """One round: read the floor, raise the watermark, delete below it in chunks."""
+        stream = self.spec.stream
+        epoch = await self.epochs.refresh(stream)
+        info = await self.js.consumer_info(stream, self.spec.durable)
+        # The floor must belong to the epoch we name: if the stream was recreated
+        # between the two readings, skip this round.
+        if await self.epochs.refresh(stream) != epoch:
+            return None
+        floor = int(info.ack_floor.stream_seq if info.ack_floor else 0)
+        candidate = max(floor, self.epochs.first_seq(stream) - 1)
+        if candidate <= 0:
+            return None
+        watermark = await self._advance(epoch, candidate)
+        deleted = await self._delete_below(epoch, watermark)
+        self._logger.debug(
+            log.Event.INBOX_COMPACTED, epoch=epoch, watermark=watermark, deleted=deleted
+        )
+        return Compacted(epoch=epoch, watermark=watermark, deleted=deleted)
+
+    async def _ensure_row(self, epoch: str) -> None:
+        if epoch in self._known:
+            return
+        t, name, stream = self.store.tables, self.spec.name, self.spec.stream
+        async with self.store.session() as session:
+            created = (await session.execute(sql.create_watermark(t, name, stream, epoch))).all()
+            await session.commit()
+        if created:
+            self._created[epoch] = time.monotonic()
+            await self._settle_creation(epoch)
+        self._known.add(epoch)
+
+    async def _settle_creation(self, epoch: str) -> None:
+        """Wait (briefly) until no claim that could have missed the new row is still open.
+
+        A claim statement locks the inbox table before it takes its snapshot,
+        so once a SHARE lock on the table is granted after the row's COMMIT,
+        every transaction whose claim may have read "no watermark row" has
+        ended. At a subscription's bind that is at once (this worker claims
+        nothing yet); if other workers keep it busy past the lock timeout, the
+        first raise waits one compaction interval instead.
+        """
+        async with self.store.session() as session:
+            try:
+                await session.execute(sql.set_local_timeouts(self.settle_lock_ms, 10_000))
+                await session.execute(sql.lock_inbox_shared(self.store.tables))
+                await session.rollback()
+            except Exception as exc:
+                if inbox.classify(exc) is not inbox.DbFailure.LOCK_TIMEOUT:
+                    raise
+                return
+        self._created.pop(epoch, None)
+
+    async def _advance(self, epoch: str, candidate: int) -> int:
+        """Raise the watermark in its own transaction, committed before any delete.
+
+        A claim that started before the row existed locked nothing: when this
+        compactor created the row, the first raise waits one compaction
+        interval after the creation, for such claims to be long finished
+        (rounds started by the message count come sooner than that).
+        """
+        await self._ensure_row(epoch)
+        created = self._created.get(epoch)
+        if created is not None:
+            if time.monotonic() - created < self._interval_s:
+                return 0
+            del self._created[epoch]
+        t, name, stream = self.store.tables, self.spec.name, self.spec.stream
+        async with self.store.session() as session:
+            stmt = sql.advance_watermark(t, name, stream, epoch, candidate)
+            value = (await session.execute(stmt)).scalar_one_or_none()
+            await session.commit()
+        if value is None:
+            # The row is gone (deleted by hand): create it again next round.
+            self._known.discard(epoch)
+            return 0
+        return int(value)
+
+    async def _delete_below(self, epoch: str, watermark: int) -> int:
+        """Delete in bounded chunks, each its own short transaction (no long locks)."""
+        total = 0
+        while True:
+            stmt = sql.delete_below_watermark(
+                self.store.tables,
+                self.spec.name,
+                self.spec.stream,
+                epoch,
+                watermark,
+                self.chunk_rows,
+                self.msg_id_retention_s,
+            )
+            async with self.store.session() as session:
+                result: Any = await session.execute(stmt)  # a CursorResult: DML has a rowcount
+                deleted = int(result.rowcount)
+                await session.commit()
+            total += deleted
+            if deleted < self.chunk_rows:
+                return total

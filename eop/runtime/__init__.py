@@ -1,0 +1,1 @@
+"""Running workers: the worker loop, processes, start-up, stopping, telemetry."""

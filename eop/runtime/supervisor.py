@@ -1,0 +1,244 @@
+"""Several worker processes under one ``eop worker``: started together, stopped together.
+
+One Python process runs one core at most, and eop's per-message work (the
+claim, the confirmed ack, the handler) is CPU work. ``eop worker`` therefore
+starts ``processes`` ordinary worker processes on the same durable consumers,
+as an operator starting that many ``eop worker`` commands would: every
+guarantee of a worker holds for each, and JetStream spreads the messages.
+
+The supervisor is deliberately small:
+
+- Each child is ``eop worker`` again, with the same arguments plus
+  ``--processes 1``, its share of the worker's database connections
+  (``--db-pool-size``, unless set) and, with ``--metrics-port P``, port
+  ``P + i`` for child ``i``.
+- Handlers with ``order_by`` run in the first child only: per-key order holds
+  within one process.
+- SIGTERM and SIGINT are passed on to every child. A child that exits on its
+  own (a fatal error, or killed) stops the others with SIGTERM, and the
+  supervisor exits with that first child's status: an orchestrator restarts
+  the whole worker rather than running it short of a process.
+- A stop ends: children still running well after their own stop deadline
+  (:func:`eop.runtime.shutdown.deadline_s`, after which they end themselves) are
+  killed with SIGKILL.
+- The children die with the supervisor (Linux's parent-death signal, SIGTERM),
+  so a supervisor killed with SIGKILL leaves no worker running behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from eop import log
+
+MAX_AUTO_PROCESSES = 4
+"""The most processes ``processes=0`` starts: each holds its own connections."""
+
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.05
+# Flags whose value the supervisor sets per child; stripped from the arguments it passes on.
+_PER_CHILD_FLAGS = ("--processes", "--handler", "--metrics-port", "--db-pool-size")
+
+
+def available_cpus(cgroup_cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota.
+
+    A container limited to 1.5 CPUs on a 32-core node sees 32 cores but gets
+    1.5 of them; ``cpu.max`` says so (``150000 100000``).
+    """
+    # No affinity on macOS and Windows: every core then.
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        quota, period = cgroup_cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    return max(1, cpus)
+
+
+def process_count(setting: int) -> int:
+    """``processes`` resolved: the setting, or for 0, :func:`available_cpus` up to the cap."""
+    return setting if setting > 0 else min(available_cpus(), MAX_AUTO_PROCESSES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Child:
+    """What one child process runs."""
+
+    handlers: tuple[str, ...]
+    metrics_port: int
+    db_pool_size: int
+
+
+def plan(
+    count: int, handlers: Sequence[tuple[str, bool]], metrics_port: int, db_pool_size: int
+) -> list[Child]:
+    """The children for ``count`` processes and ``(name, ordered)`` handlers.
+
+    The first child runs every handler; the others only the unordered ones
+    (none at all: then there is one child). With a metrics port, child ``i``
+    serves on ``metrics_port + i``. Each keeps ``db_pool_size`` connections.
+    """
+    everything = tuple(name for name, _ in handlers)
+    unordered = tuple(name for name, ordered in handlers if not ordered)
+    if not unordered:
+        count = 1
+    ports = [metrics_port + i if metrics_port else 0 for i in range(count)]
+    return [
+        Child(everything if i == 0 else unordered, ports[i], db_pool_size) for i in range(count)
+    ]
+
+
+def child_argv(argv: Sequence[str], child: Child) -> list[str]:
+    """The ``eop`` arguments of a child: ``argv`` without its per-child flags, then the child's."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in _PER_CHILD_FLAGS:
+            skip = True
+            continue
+        if arg.startswith(tuple(f"{flag}=" for flag in _PER_CHILD_FLAGS)):
+            continue
+        kept.append(arg)
+    kept += ["--processes", "1"]
+    for name in child.handlers:
+        kept += ["--handler", name]
+    if child.metrics_port:
+        kept += ["--metrics-port", str(child.metrics_port)]
+    kept += ["--db-pool-size", str(child.db_pool_size)]
+    return kept
+
+
+def supervise(argvs: Sequence[Sequence[str]], stop_deadline_s: float | None = None) -> int:
+    """Run one ``eop`` child per argument list until they have all exited; the exit status.
+
+    0 when every child exited 0 (after a SIGTERM or SIGINT passed on to them);
+    otherwise the status of the first child that exited by itself, or else the
+    first non-zero status of a stopped child (128 + the signal number for a
+    child killed by a signal). Once stopping, children still running
+    ``stop_deadline_s`` later (their own deadline has passed: they should have
+    ended themselves) are killed with SIGKILL.
+    """
+    logger = log.get_logger()
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "eop", *argv], preexec_fn=_die_with_parent(os.getpid())
+        )
+        for argv in argvs
+    ]
+    logger.info(log.Event.PROCESSES_STARTED, pids=[c.pid for c in children])
+    running = {c.pid: c for c in children}
+    stop = _Stop()
+
+    def pass_on(signum: int, _: Any) -> None:
+        stop.begin()
+        _signal_all(running.values(), signum)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while running:
+            pid, returncode = _wait_any(running)
+            if pid is None:
+                if stop.overdue(stop_deadline_s):
+                    _signal_all(running.values(), signal.SIGKILL)
+                continue
+            if running.pop(pid, None) is None:
+                continue
+            code = _exit_code(returncode)
+            logger.info(log.Event.PROCESS_EXITED, pid=pid, code=code)
+            if not stop.started:
+                # A child ended by itself: the worker is not whole any more.
+                stop.begin()
+                stop.first_failure = code or 1
+                _signal_all(running.values(), signal.SIGTERM)
+            elif code != 0 and stop.first_failure is None:
+                stop.first_failure = code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return stop.first_failure or 0
+
+
+class _Stop:
+    """When the supervisor began stopping, and the status it will exit with."""
+
+    def __init__(self) -> None:
+        self.started_at: float | None = None
+        self.first_failure: int | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.started_at is not None
+
+    def begin(self) -> None:
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+
+    def overdue(self, deadline_s: float | None) -> bool:
+        return (
+            deadline_s is not None
+            and self.started_at is not None
+            and time.monotonic() - self.started_at > deadline_s
+        )
+
+
+def _wait_any(running: dict[int, subprocess.Popen[bytes]]) -> tuple[int | None, int]:
+    """The next child to exit and its return code, or (None, 0) after a short wait.
+
+    Polling rather than a blocking ``waitpid``: a stop must be able to give up
+    on a child that does not end.
+    """
+    try:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:  # reaped elsewhere: ask each one
+        for pid, child in running.items():
+            if child.poll() is not None:
+                return pid, child.returncode
+        time.sleep(_POLL_S)
+        return None, 0
+    if pid == 0:
+        time.sleep(_POLL_S)
+        return None, 0
+    return pid, os.waitstatus_to_exitcode(status)
+
+
+def _signal_all(children: Iterable[subprocess.Popen[bytes]], signum: int) -> None:
+    for child in list(children):
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+
+def _exit_code(returncode: int) -> int:
+    """A shell's exit status for Popen's ``returncode``: 128 + N for a child killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _die_with_parent(parent: int) -> Any:
+    """A ``preexec_fn``: the child's own process group; SIGTERM when the supervisor dies."""
+    if not sys.platform.startswith("linux"):  # pragma: no cover
+        return None
+
+    def arm() -> None:
+        # A process group of its own: a terminal's Ctrl-C reaches the supervisor
+        # alone, which passes it on once (a second SIGINT would mean "stop now").
+        os.setpgid(0, 0)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the supervisor died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm

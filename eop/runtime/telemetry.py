@@ -1,0 +1,103 @@
+"""What a worker reports about itself: metrics, health endpoints and traces, per settings.
+
+:class:`Telemetry` builds the worker's :class:`eop.observe.observer.Observer` from its
+settings (``metrics_port``, ``tracing``) and runs the HTTP endpoint of
+:mod:`eop.observe.health` while the worker runs. With the port at 0 and tracing off
+or OpenTelemetry absent, the observer is :data:`eop.observe.observer.NOOP` and no
+server is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from eop import wire
+from eop.app import App
+from eop.handler import HandlerSpec
+from eop.observe import health, metrics, tracing
+from eop.observe import observer as observe
+from eop.pg import sql
+from eop.settings import Settings
+
+
+class Observed(Protocol):
+    """What telemetry reads of the worker it reports on (:class:`eop.runtime.worker.Worker`)."""
+
+    @property
+    def app(self) -> App:
+        """The app whose engine the readiness check pings."""
+
+    @property
+    def settings(self) -> Settings:
+        """The worker's settings (``metrics_port``, ``tracing``)."""
+
+    @property
+    def specs(self) -> Sequence[HandlerSpec]:
+        """The handlers the worker runs."""
+
+    @property
+    def ready(self) -> asyncio.Event:
+        """Set once the worker is bound to its consumers."""
+
+    @property
+    def nats(self) -> Any:
+        """The worker's NATS connection, None before it connects."""
+
+    @property
+    def draining(self) -> bool:
+        """Whether the worker is stopping."""
+
+
+class Telemetry:
+    """The observers and the HTTP endpoint of one worker."""
+
+    def __init__(self, worker: Observed) -> None:
+        self._worker = worker
+        s = worker.settings
+        observers: list[observe.Observer] = []
+        self.metrics: metrics.WorkerMetrics | None = None
+        self.endpoints: health.Endpoints | None = None
+        if s.metrics_port:
+            self.metrics = metrics.WorkerMetrics(worker.specs)
+            readiness = health.Readiness(
+                bound=lambda: worker.ready.is_set(),
+                draining=lambda: worker.draining,
+                nats_connected=self._nats_connected,
+                ping=self._ping,
+            )
+            self.endpoints = health.Endpoints(
+                host=s.metrics_host,
+                port=s.metrics_port,
+                registry=self.metrics.registry,
+                readiness=readiness,
+            )
+            observers += [self.metrics, readiness]
+        if s.tracing and tracing.AVAILABLE:
+            observers.append(tracing.Tracing())
+        self.observer = observe.combine(observers)
+
+    async def start(self) -> None:
+        """Start serving ``/metrics``, ``/healthz`` and ``/readyz`` (when a port is set)."""
+        if self.endpoints is not None:
+            await self.endpoints.start()
+
+    async def close(self) -> None:
+        """Stop serving."""
+        if self.endpoints is not None:
+            await self.endpoints.close()
+
+    @property
+    def port(self) -> int | None:
+        """The port the endpoint listens on, once started."""
+        return self.endpoints.port if self.endpoints is not None else None
+
+    def _nats_connected(self) -> bool:
+        nc: Any = self._worker.nats
+        # A connection whose read loop has ended says it is connected, and reads nothing.
+        return bool(nc is not None and nc.is_connected and wire.reading(nc))
+
+    async def _ping(self) -> None:
+        async with self._worker.app.engine.connect() as conn:
+            await conn.execute(sql.ping())

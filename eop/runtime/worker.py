@@ -1,0 +1,535 @@
+"""The worker: pulls each handler's durable consumer and runs the protocol.
+
+Several worker processes may share one durable consumer. A stop (SIGTERM,
+SIGINT) stops fetching, lets in-flight messages finish within the grace
+period, and never cuts between a COMMIT and its ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+
+from eop import errors, log, redaction
+from eop.app import App, select_handlers
+from eop.broker import ack, connection, fetcher, jetstream
+from eop.handler import HandlerSpec
+from eop.observe import observer as observe
+from eop.pg import inbox, migrate, retries
+from eop.protocol import batch, compaction, ordering, processor
+from eop.runtime import shutdown, startup, telemetry
+from eop.types import Outcome
+
+
+class Worker:
+    """Runs the handlers of an :class:`eop.App` until stopped.
+
+    ``handlers`` restricts the worker to some handler names (default: all).
+    """
+
+    def __init__(self, app: App, *, handlers: Iterable[str] = ()) -> None:
+        self.app = app
+        self.settings = app.settings
+        self.specs = select_handlers(app, handlers)
+        if not self.specs:
+            raise errors.ConfigurationError(
+                "the app has no handlers: register one with @app.handler"
+            )
+        for spec in self.specs:
+            if spec.ack_wait_s is not None and spec.ack_wait_s <= self.settings.lease_margin_s:
+                raise errors.ConfigurationError(
+                    f"handler {spec.name!r}: ack_wait_s ({spec.ack_wait_s}) must exceed "
+                    f"lease_margin_s ({self.settings.lease_margin_s})"
+                )
+        self.ready = asyncio.Event()
+        """Set once every subscription is bound and fetching has started."""
+        self._stopping = asyncio.Event()
+        self._force = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.settings.concurrency)
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._critical = processor.Critical()
+        self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
+        self._blocked = ordering.BlockedKeys()
+        self._compactors: dict[str, compaction.Compactor] = {}
+        self._logger = log.get_logger()
+        self.processed = 0
+        self.nats: Any = None
+        """The NATS connection while the worker runs."""
+        self._lost: errors.NatsUnavailable | None = None
+        self.telemetry = telemetry.Telemetry(self)
+        """Metrics, health endpoints and tracing (see :mod:`eop.runtime.telemetry`)."""
+        self._observer = self.telemetry.observer
+        self.on_stop: list[Callable[[], None]] = []
+        """Called once, when a stop is first asked for (``eop worker`` arms its watchdog)."""
+        self.cancelled = 0
+        """In-flight messages a stop cancelled after the grace period (left for redelivery)."""
+        self.abandoned_threads = 0
+        """Threads still running a sync handler after the stop (:mod:`eop.runtime.shutdown`)."""
+
+    def stop(self, *, force: bool = False) -> None:
+        """Stop fetching and finish in-flight messages; ``force`` cancels their handlers.
+
+        Even forced, a COMMIT under way is followed by its ack before the
+        worker exits.
+        """
+        if force:
+            self._force.set()
+        if not self._stopping.is_set():
+            self._stopping.set()
+            for callback in self.on_stop:
+                callback()
+
+    def _nats_lost(self, error: errors.NatsUnavailable) -> None:
+        """NATS will not take the worker back (credentials refused): stop, then raise ``error``.
+
+        The stop is a SIGTERM's: in-flight messages finish or are left for
+        redelivery, and none is acked without its COMMIT.
+        """
+        if self._lost is not None:
+            return
+        self._lost = error
+        if isinstance(error, errors.NatsReauthenticationFailed):
+            self._logger.error(
+                log.Event.NATS_AUTH_REFUSED, refusals=error.refusals, error=str(error)
+            )
+        else:
+            self._logger.error(log.Event.NATS_CLOSED, error=str(error))
+        self.stop()
+
+    def _on_signal(self, signum: int) -> None:
+        # A second Ctrl-C means "now": do not wait for slow handlers. A second
+        # SIGTERM does not: systemd, for one, sends it to every process of a
+        # supervised worker, and the supervisor passes its own on as well.
+        self.stop(force=self._stopping.is_set() and signum == signal.SIGINT)
+
+    @property
+    def draining(self) -> bool:
+        """True once a stop was asked for."""
+        return self._stopping.is_set()
+
+    async def run(self) -> None:
+        """Connect, bind the subscriptions, process until stopped, then drain.
+
+        With ``metrics_port`` set, ``/metrics``, ``/healthz`` and ``/readyz``
+        are served from before connecting until the worker has stopped.
+        When NATS refuses the worker's credentials on ``nats_auth_refusals``
+        reconnects in a row, or closes its connection for good, the worker
+        stops as on SIGTERM and raises :class:`~eop.errors.NatsReauthenticationFailed`
+        (or :class:`~eop.errors.NatsUnavailable`).
+        """
+        await self.telemetry.start()
+        try:
+            await self._run()
+        except Exception as exc:
+            if self._lost is None:
+                raise
+            # Whatever failed after NATS gave up on the worker follows from it.
+            raise self._lost from exc
+        finally:
+            await self.telemetry.close()
+        if self._lost is not None:
+            raise self._lost
+
+    async def _run(self) -> None:
+        s = self.settings
+        self._logger.info(
+            log.Event.WORKER_STARTING,
+            nats=redaction.redact_urls(s.nats_url),
+            database=redaction.redact_url(s.database_url),
+            handlers=[spec.name for spec in self.specs],
+            concurrency=s.concurrency,
+            batch=s.batch,
+        )
+        name = f"eop-worker-{'-'.join(sp.name for sp in self.specs)}"
+        await startup.retrying(lambda: migrate.ensure_ready(self.app.engine, s.schema), s)
+        nc = await startup.retrying(
+            lambda: jetstream.connect(s, name=name, on_lost=self._nats_lost), s
+        )
+        self.nats = nc
+        store = inbox.PostgresStore(self.app)
+        try:
+            js = nc.jetstream()
+            epochs = jetstream.StreamEpochs(nc)
+            acker = ack.Acker(nc)
+            loops = []
+            for spec in self.specs:
+                sub = await self._bind(nc, js, spec)
+                proc = processor.Processor(
+                    spec=spec,
+                    settings=s,
+                    store=store,
+                    epochs=epochs,
+                    critical=self._critical,
+                    acker=acker,
+                )
+                proc.spec = observe.instrument(spec, self._observer)
+                proc.observer = self._observer
+                proc.stopping = self._stopping
+                compactor = compaction.Compactor(js, store, spec, epochs)
+                # The watermark row before fetching; a failure only delays compaction.
+                await compactor.quietly(compactor.prepare)
+                loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
+                if proc.parks:
+                    loops.append(asyncio.create_task(self._retry_loop(store, proc)))
+                if s.compaction_interval_s > 0:
+                    self._compactors[spec.name] = compactor
+                    loops.append(
+                        asyncio.create_task(
+                            compactor.run_forever(s.compaction_interval_s, self._stopping)
+                        )
+                    )
+            self._logger.info(log.Event.WORKER_STARTED)
+            self.ready.set()
+            await self._stopping.wait()
+            self._logger.info(log.Event.WORKER_STOPPING, inflight=len(self._inflight))
+            await asyncio.gather(*loops, return_exceptions=True)
+            await self._finish_inflight()
+        finally:
+            await self._critical.drain()
+            # Not nc.drain(): it waits on the pull subscriptions' inboxes until its
+            # own timeout. Every ack was confirmed already; flush sends the naks
+            # (unless NATS gave up on the worker: they could never be sent).
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
+                if self._lost is None:
+                    await nc.flush(timeout=2)
+            # A connection that is down may fail to write what it still had pending
+            # (naks): those messages come back after their AckWait anyway.
+            await connection.close_quietly(nc)
+            store.close()
+            self.abandoned_threads = store.abandoned_threads
+            await self._dispose()
+        self._logger.info(
+            log.Event.WORKER_STOPPED,
+            processed=self.processed,
+            cancelled=self.cancelled,
+            abandoned_threads=self.abandoned_threads,
+        )
+
+    async def _dispose(self) -> None:
+        """Close the pools, without waiting on a connection that does not answer."""
+        # The process is stopping: a connection left open closes with it.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.app.dispose(), shutdown.STOP_MARGIN_S)
+
+    def _count(self, spec: HandlerSpec, settled: int) -> None:
+        self.processed += settled
+        compactor = self._compactors.get(spec.name)
+        if compactor is not None:
+            compactor.processed(settled)
+
+    def install_signal_handlers(self) -> None:
+        """Stop on SIGTERM and SIGINT (a second SIGINT stops at once)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    async def _bind(self, nc: Any, js: Any, spec: HandlerSpec) -> fetcher.Fetcher:
+        create = self.settings.create
+        await jetstream.ensure_stream(js, self.app.stream_spec(spec.stream), create=create)
+        await jetstream.ensure_consumer(js, spec, self.settings, create=create)
+        sub = await jetstream.subscribe(nc, spec)
+        self._logger.info(
+            log.Event.SUBSCRIPTION_BOUND,
+            handler=spec.name,
+            stream=spec.stream,
+            durable=spec.durable,
+        )
+        return sub
+
+    async def _fetch_loop(
+        self, js: Any, spec: HandlerSpec, sub: fetcher.Fetcher, proc: processor.Processor
+    ) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            wanted = await self._take_slots()
+            if wanted == 0:
+                break
+            try:
+                msgs = await sub.fetch(wanted, self.settings.fetch_timeout_s)
+                failures = 0
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                msgs = []
+            except (nats.errors.Error, OSError) as exc:
+                msgs = []
+                failures += 1
+                await self._recover(js, spec, exc, failures, proc)
+            received_at = time.monotonic()
+            for _ in range(wanted - len(msgs)):
+                self._slots.release()
+            if spec.order_by is not None:
+                self._dispatch_ordered(proc, msgs, received_at)
+                continue
+            groups = [msgs] if self.settings.batch_transactions else [[m] for m in msgs]
+            for group in groups:
+                if group:
+                    self._spawn(self._process(proc, group, received_at))
+
+    async def _retry_loop(self, store: inbox.PostgresStore, proc: processor.Processor) -> None:
+        """Run the parked messages of ``proc``'s handler whose retry is due.
+
+        Retries share the worker's slots with fetched messages: it waits for
+        one (the fetch loop gives back what a pull did not fill), takes the
+        others that are free, and looks again at once while it finds as many
+        due messages as it could take.
+        """
+        wait_s = self.settings.retry_poll_s
+        failures = 0
+        while not await self._stopped_within(wait_s):
+            wait_s = self.settings.retry_poll_s
+            free = await self._take_slots()
+            parked: list[retries.ParkedDelivery] = []
+            try:
+                if free:
+                    parked = await retries.take_due(store, proc.spec, free, proc.ack_wait_s)
+                failures = 0
+            except Exception as exc:
+                # The database is away: the parked messages wait there; try later.
+                # One warning per outage, not one per poll.
+                failures += 1
+                (self._logger.warning if failures == 1 else self._logger.debug)(
+                    log.Event.RETRY_LOOP_FAILED,
+                    handler=proc.spec.name,
+                    failures=failures,
+                    error=log.describe_error(exc)[:500],
+                )
+            for _ in range(free - len(parked)):
+                self._slots.release()
+            for delivery in parked:
+                self._spawn(self._process(proc, [delivery], time.monotonic()))
+            if parked and len(parked) == free:
+                wait_s = 0.0
+
+    async def _stopped_within(self, delay_s: float) -> bool:
+        """Sleep ``delay_s``; True (at once) if the worker stops meanwhile."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), delay_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return task
+
+    def _dispatch_ordered(self, proc: processor.Processor, msgs: list[Any], at: float) -> None:
+        """One lane per key: a key's messages run one after another, in stream order."""
+        by_key: dict[str, list[Any]] = {}
+        for msg in msgs:
+            by_key.setdefault(ordering.key_of(proc.spec, msg), []).append(msg)
+        for key, group in by_key.items():
+            lane = self._lanes.get((proc.spec.name, key))
+            task = self._spawn(self._process_lane(proc, key, group, at, lane))
+            self._lanes[(proc.spec.name, key)] = task
+            task.add_done_callback(functools.partial(self._end_lane, (proc.spec.name, key)))
+
+    def _end_lane(self, key: tuple[str, str], task: asyncio.Task[Any]) -> None:
+        if self._lanes.get(key) is task:
+            del self._lanes[key]
+
+    async def _process_lane(
+        self,
+        proc: processor.Processor,
+        key: str,
+        msgs: list[Any],
+        received_at: float,
+        previous: asyncio.Task[Any] | None,
+    ) -> None:
+        """Process a key's messages in order; when one is retried, its followers wait."""
+        name = proc.spec.name
+        self._observer.received(proc.spec, msgs)
+        try:
+            # The retried message the previous lane waits for must not wait for it.
+            awaited = self._blocked.blocked_seq(name, key)
+            first = [m for m in msgs if awaited is not None and _seq(m) <= awaited]
+            rest = [m for m in msgs if m not in first]
+            await self._run_lane(proc, key, first, received_at)
+            if previous is not None:
+                await asyncio.wait({previous})
+            await self._run_lane(proc, key, rest, received_at)
+        finally:
+            self._observer.done(proc.spec, msgs)
+            for _ in msgs:
+                self._slots.release()
+
+    async def _run_lane(
+        self, proc: processor.Processor, key: str, msgs: list[Any], received_at: float
+    ) -> None:
+        name = proc.spec.name
+        for index, msg in enumerate(msgs):
+            awaited = self._blocked.blocked_seq(name, key)
+            if awaited is not None and _seq(msg) > awaited:
+                await self._blocked.wait(name, key, msgs[index:], proc.ack_wait_s / 3)
+            outcome = await proc.handle(msg, received_at)
+            self._blocked.update(name, key, msg, outcome, self.settings)
+            if outcome in (Outcome.PROCESSED, Outcome.DEAD_LETTERED):
+                self._count(proc.spec, 1)
+
+    async def _take_slots(self) -> int:
+        """Wait for a free slot, then take as many as are free, up to the batch size."""
+        acquire = asyncio.ensure_future(self._slots.acquire())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({acquire, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not acquire.done():
+            acquire.cancel()
+            return 0
+        taken = 1
+        while taken < self.settings.batch and not self._slots.locked():
+            await self._slots.acquire()
+            taken += 1
+        if self._stopping.is_set():
+            for _ in range(taken):
+                self._slots.release()
+            return 0
+        return taken
+
+    async def _recover(
+        self, js: Any, spec: HandlerSpec, exc: BaseException, failures: int, proc: Any
+    ) -> None:
+        """A fetch failed: wait, and when the consumer or stream is gone, provision again."""
+        self._logger.warning(
+            log.Event.FETCH_FAILED, handler=spec.name, error=type(exc).__name__, failures=failures
+        )
+        await asyncio.sleep(min(0.1 * 2**failures, 5.0))
+        if (
+            isinstance(exc, (nats.js.errors.APIError, nats.errors.NoRespondersError))
+            or failures > 3
+        ):
+            with contextlib.suppress(
+                errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError
+            ):
+                await jetstream.ensure_stream(
+                    js, self.app.stream_spec(spec.stream), create=self.settings.create
+                )
+                await jetstream.ensure_consumer(
+                    js, spec, self.settings, create=self.settings.create
+                )
+                await proc.epochs.refresh(spec.stream)
+                self._logger.info(log.Event.SUBSCRIPTION_BOUND, handler=spec.name, rebound=True)
+
+    async def _process(
+        self, proc: processor.Processor, msgs: list[Any], received_at: float
+    ) -> None:
+        """Process one message, or a batch in one transaction; release their slots."""
+        self._observer.received(proc.spec, msgs)
+        try:
+            if isinstance(msgs[0], retries.ParkedDelivery):
+                outcomes = [await proc.retry_parked(msgs[0])]
+            elif len(msgs) == 1:
+                outcomes = [await proc.handle(msgs[0], received_at)]
+            else:
+                outcomes = await batch.BatchProcessor(proc).handle_batch(msgs, received_at)
+            settled = (Outcome.PROCESSED, Outcome.DEAD_LETTERED)
+            self._count(proc.spec, sum(1 for o in outcomes if o in settled))
+            self._log_batch(proc, msgs, outcomes)
+        except Exception as exc:
+            # Not a handler failure (those are settled in the protocol) but eop's
+            # own I/O failing beyond its retries: let the messages come back later.
+            self._logger.error(
+                log.Event.MESSAGE_FAILED,
+                handler=proc.spec.name,
+                error=log.describe_error(exc)[:2000],
+            )
+            self._observer.errored(proc.spec, msgs, exc)
+            for msg in msgs:
+                await ack.nak(msg, self.settings.backoff_max_s, self._logger)
+        finally:
+            self._observer.done(proc.spec, msgs)
+            for _ in msgs:
+                self._slots.release()
+
+    def _log_batch(
+        self, proc: processor.Processor, msgs: list[Any], outcomes: list[Outcome]
+    ) -> None:
+        """One info line per batch (the per-message lines are debug lines)."""
+        if not log.enabled(logging.INFO):
+            return
+        counts = collections.Counter(o.value for o in outcomes)
+        first, last = msgs[0].metadata, msgs[-1].metadata
+        self._logger.info(
+            log.Event.BATCH_PROCESSED,
+            handler=proc.spec.name,
+            stream=first.stream,
+            first_seq=first.sequence.stream,
+            last_seq=last.sequence.stream,
+            messages=len(msgs),
+            **counts,
+        )
+
+    async def _finish_inflight(self) -> None:
+        """Wait for in-flight messages, up to the grace period or a second stop."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.shutdown_grace_s
+        pending: set[asyncio.Future[Any]] = set(self._inflight)
+        force = asyncio.ensure_future(self._force.wait())
+        try:
+            while pending and not force.done() and loop.time() < deadline:
+                _, pending = await asyncio.wait(
+                    pending | {force},
+                    timeout=deadline - loop.time(),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                pending.discard(force)
+        finally:
+            force.cancel()
+        # Cancelling a handler rolls its transaction back and leaves the message
+        # for redelivery; a COMMIT already under way finishes in Critical. A sync
+        # handler's thread cannot be cancelled: its task ends at once all the
+        # same, and the thread is left to inbox.SyncTransaction and eop.runtime.shutdown.
+        self.cancelled = len(pending)
+        for task in pending:
+            task.cancel()
+        if pending:
+            # Bounded: a handler that swallows its cancellation must not hold the stop.
+            await asyncio.wait(pending, timeout=shutdown.STOP_MARGIN_S)
+
+
+def _seq(msg: Any) -> int:
+    return int(msg.metadata.sequence.stream)
+
+
+async def run_worker(app: App, *, handlers: Iterable[str] = (), exit_hard: bool = False) -> int:
+    """Run a worker with signal handlers installed; the exit status (:mod:`eop.runtime.shutdown`).
+
+    With ``exit_hard`` (what ``eop worker`` does) a stop always ends the
+    process: by :func:`os._exit` when a handler's thread is still running once
+    the worker has stopped, or when the stop overruns its deadline.
+    """
+    worker = Worker(app, handlers=handlers)
+    worker.install_signal_handlers()
+    if exit_hard:
+        worker.on_stop.append(shutdown.Watchdog(shutdown.deadline_s(app.settings)).arm)
+    await worker.run()
+    if exit_hard:
+        await _end_threads(worker)
+    return shutdown.EXIT_STOPPED
+
+
+async def _end_threads(worker: Worker) -> None:
+    """Exit at once when threads that cannot be stopped would keep the process alive.
+
+    The worker has stopped: every COMMIT under way has been acked, the
+    connections are closed. Python would now wait for every thread, and a
+    handler that never returns would keep the process alive for ever.
+    """
+    if worker.abandoned_threads:
+        shutdown.exit_now(shutdown.EXIT_FORCED, "handler_threads", threads=worker.abandoned_threads)
+    # asyncio.run waits for the default executor's threads (an async handler's
+    # asyncio.to_thread) without a bound before Python 3.12: wait here, bounded.
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.wait_for(loop.shutdown_default_executor(), shutdown.STOP_MARGIN_S)
+    except asyncio.TimeoutError:
+        shutdown.exit_now(shutdown.EXIT_FORCED, "executor_threads")

@@ -1,0 +1,175 @@
+"""eop's import graph: no circle, and imports flow down the layers CONTRIBUTING.md maps.
+
+The graph counts every import of an eop module: at the top of a module,
+inside functions, and under ``TYPE_CHECKING``, since each of them ties the
+two modules together for a reader as much as for the interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: The layers, lowest first: a module may import its own layer and those below.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core", ("eop.errors", "eop.redaction", "eop.access", "eop.settings", "eop.log")),
+    ("faults", ("eop.faults",)),
+    ("domain", ("eop.wire", "eop.message", "eop.payload", "eop.writes", "eop.handler")),
+    ("types", ("eop.types",)),
+    ("edges", ("eop.broker", "eop.pg")),
+    ("app", ("eop.app",)),
+    ("observe", ("eop.observe",)),
+    ("protocol", ("eop.protocol",)),
+    ("runtime", ("eop.runtime",)),
+    ("api", ("eop",)),
+    ("tools", ("eop.embedded", "eop._child", "eop.demo", "eop.testing", "eop.ops")),
+    ("tools", ("eop.spark", "eop.chaos", "eop.bench")),
+    ("cli", ("eop.cli", "eop.__main__")),
+)
+
+#: Pairs of packages in one layer that must not know each other.
+APART = (("eop.broker", "eop.pg"),)
+
+
+def module_name(path: Path, root: Path) -> str:
+    """The dotted name of the module at ``path`` (a package is its ``__init__``)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each module of the ``eop`` package under ``root`` and the eop modules it imports."""
+    modules = {module_name(p, root): p for p in (root / "eop").rglob("*.py")}
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(known(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for alias in node.names:
+                    # `from eop import log` imports the module eop.log, not eop.
+                    full = f"{base}.{alias.name}"
+                    targets.add(full if full in modules else known(base))
+        graph[name] = {t for t in targets if t is not None and t != name}
+    return graph
+
+
+def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _matches(module: str, prefix: str) -> bool:
+    return module == prefix or (prefix != "eop" and module.startswith(prefix + "."))
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of ``module``'s layer (entry points are the CLI's)."""
+    if module.endswith(".__main__"):
+        return len(LAYERS) - 1
+    best = None
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if _matches(module, prefix) and (best is None or len(prefix) > len(best[1])):
+                best = (rank, prefix)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS and CONTRIBUTING.md")
+    return best[0]
+
+
+def upward(graph: Mapping[str, set[str]]) -> Iterator[str]:
+    """Each import from a lower layer to a higher one, as ``a -> b``."""
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(module):
+                yield f"{module} ({LAYERS[layer_of(module)][0]}) -> {target}"
+
+
+def test_eop_has_no_import_circle() -> None:
+    """No two eop modules import each other, however indirectly or lazily."""
+    assert circles(import_graph(ROOT)) == []
+
+
+def test_imports_flow_down_the_layers() -> None:
+    """No module imports one of a higher layer, and every module has a layer."""
+    assert list(upward(import_graph(ROOT))) == []
+
+
+def test_broker_and_pg_do_not_know_each_other() -> None:
+    """NATS and PostgreSQL meet in the protocol only."""
+    graph = import_graph(ROOT)
+    crossing = [
+        f"{m} -> {t}"
+        for a, b in APART
+        for m, targets in graph.items()
+        for t in targets
+        if (_matches(m, a) and _matches(t, b)) or (_matches(m, b) and _matches(t, a))
+    ]
+    assert crossing == []
+
+
+def copy_with(tmp_path: Path, module: str, line: str) -> Path:
+    """A copy of the eop package whose ``module`` imports ``line`` inside a function."""
+    for path in (ROOT / "eop").rglob("*.py"):
+        copy = tmp_path / path.relative_to(ROOT)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(path.read_text())
+    target = tmp_path / Path(*module.split(".")).with_suffix(".py")
+    target.write_text(target.read_text() + f"\n\ndef _late() -> None:\n    {line}\n")
+    return tmp_path
+
+
+def test_the_checks_see_a_circle_closed_by_an_import_in_a_function(tmp_path: Path) -> None:
+    """The circle check fails on a circle added on purpose, made by a lazy import."""
+    graph = import_graph(copy_with(tmp_path, "eop.errors", "from eop import log"))
+    assert any({"eop.errors", "eop.log"} <= set(circle) for circle in circles(graph))
+
+
+def test_the_checks_see_an_import_up_the_layers(tmp_path: Path) -> None:
+    """The layer check fails on a core module importing the runtime, even lazily."""
+    graph = import_graph(copy_with(tmp_path, "eop.log", "from eop.runtime import worker"))
+    assert "eop.log (core) -> eop.runtime.worker" in list(upward(graph))
