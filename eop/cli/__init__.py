@@ -13,10 +13,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from eop import errors, log
 from eop import settings as settings_mod
 from eop.cli import audit, operations, options, worker
+from eop.cli import bench as bench_cli
+from eop.cli import chaos as chaos_cli
+from eop.cli import spark as spark_cli
 from eop.cli.options import (
     NATS_AUTH_FIELDS,
     load_app,
@@ -34,10 +38,21 @@ __all__ = [
 ]
 
 
+#: The tools' commands: their parsers, and the packages behind them, are loaded
+#: only when one of them is run, so that ``eop worker`` never imports them.
+_TOOLS: dict[str, tuple[str, Callable[[Any], None]]] = {
+    "spark": (spark_cli.HELP, spark_cli.add_commands),
+    "chaos": (chaos_cli.HELP, chaos_cli.add_command),
+    "bench": (bench_cli.HELP, bench_cli.add_command),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``eop`` command; returns the process exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args, _ = build_parser().parse_known_args(argv)
+    tool = getattr(args, "tool", None)
+    # A tool's command is parsed again, by its own full parser.
+    args = build_parser(tool).parse_args(argv)
     # `eop worker --processes N` starts its children with the same arguments.
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
@@ -54,8 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``eop`` and its subcommands."""
+def build_parser(tool: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of ``eop`` and its subcommands.
+
+    ``tool`` (``spark``, ``chaos`` or ``bench``) gets its full parser; the
+    others are listed by name and help only.
+    """
     parser = argparse.ArgumentParser(
         prog="eop",
         description="Exactly-once processing of NATS JetStream messages into PostgreSQL.",
@@ -70,17 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_audit(sub)
     worker.add_demo(sub)
 
-    # Imported here, not at the top: these modules import eop.cli themselves,
-    # and `import eop.cli` stays light for those that only need load_app.
-    from eop.cli import spark as spark_cli
-
-    spark_cli.add_commands(sub)
-
-    from eop.cli import chaos as chaos_cli
-
-    chaos_cli.add_command(sub)
-
-    from eop.cli import bench as bench_cli
-
-    bench_cli.add_command(sub)
+    for name, (help_text, add) in _TOOLS.items():
+        if name == tool:
+            add(sub)
+        else:
+            stub = sub.add_parser(name, help=help_text, add_help=False)
+            stub.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            stub.set_defaults(tool=name)
     return parser

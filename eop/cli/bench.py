@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eop.bench import report, runner, runs
 from eop.cli import options
 
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
@@ -25,13 +24,17 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
+HELP = "measure eop beside a raw and a naive loop, on embedded servers"
+
+
 def add_command(sub: Any) -> None:
     """Add ``bench`` to the subparsers of ``eop``."""
     from eop import bench
+    from eop.bench import runs
 
     parser = sub.add_parser(
         "bench",
-        help="measure eop beside a raw and a naive loop, on embedded servers",
+        help=HELP,
         # The package's docstring says what the runs are.
         description=(bench.__doc__ or "").split("\n\n")[1],
     )
@@ -58,6 +61,8 @@ def add_command(sub: Any) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``eop bench``: print the table (and write the JSON)."""
+    from eop.bench import report, runner, runs
+
     results = runner.run(
         runs.Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(runs.Options)})
     )

@@ -10,11 +10,13 @@ import os
 import random
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eop import errors
-from eop.chaos import workers
 from eop.cli import options
+
+if TYPE_CHECKING:
+    from eop.chaos.workers import BatchMode
 
 # flag, type, default, help
 _OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
@@ -55,11 +57,14 @@ def _env_var(flag: str) -> str:
     return "EOP_CHAOS_" + flag.upper().replace("-", "_")
 
 
+HELP = "prove exactly-once under fire: seeded crashes, outages and lost replies"
+
+
 def add_command(sub: Any) -> None:
     """Add ``chaos`` to the subparsers of ``eop``."""
     parser = sub.add_parser(
         "chaos",
-        help="prove exactly-once under fire: seeded crashes, outages and lost replies",
+        help=HELP,
         description="Start nats-server and PostgreSQL, run worker processes behind fault "
         "proxies, publish while injecting seeded faults, heal, drain, and check that every "
         "message took effect exactly once. Exit status 0 only if it did.",
@@ -144,7 +149,7 @@ def run_command(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _batch_mode(value: str) -> workers.BatchMode:
+def _batch_mode(value: str) -> BatchMode:
     if value not in ("mixed", "on", "off"):
         raise errors.ConfigurationError(f"--batch-mode must be mixed, on or off, not {value!r}")
     return value  # type: ignore[return-value]  # checked above

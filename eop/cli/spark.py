@@ -18,9 +18,6 @@ from typing import TYPE_CHECKING, Any
 from eop import errors as eop_errors
 from eop.app import App, select_handlers
 from eop.cli import options
-from eop.spark.apply import Counts
-from eop.spark.offsets import DEFAULT_MESSAGES_PER_PARTITION
-from eop.spark.session import DEFAULT_MASTER
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -55,9 +52,12 @@ _FLAG_FIELDS = (
 )
 
 
+HELP = "run a handler on Apache Spark: backfills and streams"
+
+
 def add_commands(sub: Any) -> None:
     """Add ``spark`` and its actions to the subparsers of ``eop``."""
-    spark = sub.add_parser("spark", help="run a handler on Apache Spark: backfills and streams")
+    spark = sub.add_parser("spark", help=HELP)
     actions = spark.add_subparsers(title="actions", required=True, metavar="ACTION")
     backfill = actions.add_parser(
         "backfill", help="run a handler over a range of the stream (a batch job), exactly once"
@@ -92,6 +92,9 @@ def add_commands(sub: Any) -> None:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
+    from eop.spark.offsets import DEFAULT_MESSAGES_PER_PARTITION
+    from eop.spark.session import DEFAULT_MASTER
+
     options.add_log_options(parser, suppress=True)
     parser.add_argument("app", metavar="MODULE:APP", help="the eop.App, e.g. myapp:app")
     _env_flag(parser, "--handler", str, "the handler to run", metavar="NAME", required=True)
@@ -219,6 +222,7 @@ def _cmd_backfill(args: argparse.Namespace) -> int:
 
 def _cmd_stream(args: argparse.Namespace) -> int:
     from eop.spark import jobs
+    from eop.spark.apply import Counts
 
     _, spec, target, read = _prepare(args)
     total = Counts()

@@ -8,6 +8,9 @@ two modules together for a reader as much as for the interpreter.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -29,6 +32,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tools", ("eop.spark", "eop.chaos", "eop.bench")),
     ("cli", ("eop.cli", "eop.__main__")),
 )
+
+#: What ``eop worker`` must never load: development tools, each a command of its own.
+TOOLS = ("eop.chaos", "eop.bench", "eop.spark", "eop.demo", "eop.embedded", "eop._child")
 
 #: Pairs of packages in one layer that must not know each other.
 APART = (("eop.broker", "eop.pg"),)
@@ -173,3 +179,20 @@ def test_the_checks_see_an_import_up_the_layers(tmp_path: Path) -> None:
     """The layer check fails on a core module importing the runtime, even lazily."""
     graph = import_graph(copy_with(tmp_path, "eop.log", "from eop.runtime import worker"))
     assert "eop.log (core) -> eop.runtime.worker" in list(upward(graph))
+
+
+def test_eop_worker_loads_none_of_the_tools(tmp_path: Path) -> None:
+    """``eop worker`` imports neither chaos, bench, spark, demo nor the embedded servers."""
+    code = (
+        "import sys\n"
+        "from eop import cli\n"
+        "cli.main(['worker', 'no_such_module_xyz:app'])\n"
+        "print(' '.join(m for m in sys.modules if m.startswith('eop')))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    loaded = set(done.stdout.split())
+    assert "eop.runtime.worker" in loaded, done.stderr  # it got as far as the worker
+    assert sorted(m for m in loaded if any(_matches(m, tool) for tool in TOOLS)) == []
