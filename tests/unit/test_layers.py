@@ -16,20 +16,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: The layers, lowest first: a module may import its own layer and those below.
+#: The layers of CONTRIBUTING.md, lowest first: a module imports its own layer and those below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("eop.errors", "eop.redaction", "eop.access", "eop.settings", "eop.log")),
-    ("faults", ("eop.faults",)),
-    ("domain", ("eop.wire", "eop.message", "eop.payload", "eop.writes", "eop.handler")),
-    ("types", ("eop.types",)),
+    (
+        "core",
+        ("eop.errors", "eop.redaction", "eop.access", "eop.settings", "eop.log", "eop.faults"),
+    ),
+    (
+        "domain",
+        ("eop.wire", "eop.message", "eop.payload", "eop.writes", "eop.handler", "eop.types"),
+    ),
     ("edges", ("eop.broker", "eop.pg")),
     ("app", ("eop.app",)),
     ("observe", ("eop.observe",)),
     ("protocol", ("eop.protocol",)),
     ("runtime", ("eop.runtime",)),
     ("api", ("eop",)),
-    ("tools", ("eop.embedded", "eop._child", "eop.demo", "eop.testing", "eop.ops")),
-    ("tools", ("eop.spark", "eop.chaos", "eop.bench")),
+    ("tools", ("eop.ops", "eop.testing", "eop.embedded", "eop._child", "eop.demo", "eop.spark")),
+    ("tools", ("eop.chaos", "eop.bench")),
     ("cli", ("eop.cli", "eop.__main__")),
 )
 
