@@ -172,9 +172,9 @@ def test_a_bad_chaos_variable_is_one_sentence_naming_it(monkeypatch: pytest.Monk
     """EOP_CHAOS_* values follow the settings' rules; a bad one is not a traceback."""
     monkeypatch.setenv("EOP_CHAOS_WORKERS", "three")
     with pytest.raises(SystemExit, match="EOP_CHAOS_WORKERS='three' is not a valid int"):
-        cli.build_parser()
+        cli.build_parser("chaos")
     monkeypatch.setenv("EOP_CHAOS_WORKERS", "5")
-    assert cli.build_parser().parse_args(["chaos"]).workers == 5
+    assert cli.build_parser("chaos").parse_args(["chaos"]).workers == 5
 
 
 _SLOW_STARTER = """
