@@ -27,14 +27,14 @@ def test_environment_variables_give_the_defaults(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("EOP_SPARK_HANDLER", "billing")
     monkeypatch.setenv("EOP_SPARK_FROM_SEQ", "10")
     monkeypatch.setenv("EOP_SPARK_MASTER", "spark://m:7077")
-    args = cli.build_parser().parse_args(["spark", "backfill", "app:app", "--from-seq", "20"])
+    args = cli.build_parser("spark").parse_args(["spark", "backfill", "app:app", "--from-seq", "20"])
     assert (args.handler, args.from_seq, args.master) == ("billing", 20, "spark://m:7077")
 
 
 def test_spark_settings_are_key_value_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     """--conf KEY=VALUE, or EOP_SPARK_CONF comma separated; Spark's progress bar is off."""
     monkeypatch.setenv("EOP_SPARK_CONF", "spark.a=1, spark.b=x=y")
-    args = cli.build_parser().parse_args(["spark", "backfill", "app:app", "--handler", "h"])
+    args = cli.build_parser("spark").parse_args(["spark", "backfill", "app:app", "--handler", "h"])
     conf = spark_cli._conf(args)
     assert conf == {"spark.a": "1", "spark.b": "x=y", "spark.ui.showConsoleProgress": "false"}
     args.conf = ["nonsense"]
