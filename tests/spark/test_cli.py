@@ -27,7 +27,9 @@ def test_environment_variables_give_the_defaults(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("EOP_SPARK_HANDLER", "billing")
     monkeypatch.setenv("EOP_SPARK_FROM_SEQ", "10")
     monkeypatch.setenv("EOP_SPARK_MASTER", "spark://m:7077")
-    args = cli.build_parser("spark").parse_args(["spark", "backfill", "app:app", "--from-seq", "20"])
+    args = cli.build_parser("spark").parse_args(
+        ["spark", "backfill", "app:app", "--from-seq", "20"]
+    )
     assert (args.handler, args.from_seq, args.master) == ("billing", 20, "spark://m:7077")
 
 
