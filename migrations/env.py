@@ -20,8 +20,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from eop import errors
-from eop.pg import migrate, models
 from eop.broker import connection as transport
+from eop.pg import migrate, models
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
