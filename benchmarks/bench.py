@@ -1,4 +1,4 @@
-"""The benchmark of issue 4 as a script: ``python benchmarks/bench.py [FLAGS]``.
+"""The throughput benchmark as a script: ``python benchmarks/bench.py [FLAGS]``.
 
 The same as ``eop bench [FLAGS]`` and ``python3 run.py bench [FLAGS]`` (see
 ``eop bench --help``, :mod:`eop.bench` and BENCHMARKS.md): a raw at-least-once

@@ -1,9 +1,9 @@
 """Named fault points: places in the protocol where a test can crash, fail or stall a worker.
 
-The protocol calls ``await faults.point("after_commit")`` at each hazard of
-design.md section 6. Disarmed (the default, and always in production) a point
-is one check of a module-level boolean. A chaos run arms them through the
-environment of the worker processes::
+The protocol calls ``await faults.point("after_commit")`` at the crash points
+of docs/design.md, 'The hazards'. Disarmed (the default, and always in
+production) a point is one check of a module-level boolean. A chaos run arms
+them through the environment of the worker processes::
 
     EOP_FAULTS="after_commit=kill#40,mid_handler=stall:6@0.01,before_commit=raise@0.02"
     EOP_FAULT_SEED=1234

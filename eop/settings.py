@@ -131,7 +131,7 @@ class Settings:
         "Refused authentications in a row while a running worker reconnects to NATS "
         "(credentials changed, revoked or expired) before it stops and exits with an error.",
     )
-    # Throughput (issue 4).
+    # Throughput.
     uvloop: bool = _field(
         True, "Run the worker on uvloop when it is installed (the ``fast`` extra)."
     )

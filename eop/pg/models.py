@@ -59,9 +59,9 @@ def tables(schema: str = "eop") -> Tables:
     inbox = sa.Table(
         "inbox",
         metadata,
-        # The inbox key (design.md section 3): the handler's logical name, not
-        # the consumer's, and the stream's epoch so a recreated stream whose
-        # sequences restart at 1 is not mistaken for the old one.
+        # The inbox key (docs/design.md, 'The inbox key'): the handler's logical
+        # name, not the consumer's, and the stream's epoch so a recreated stream
+        # whose sequences restart at 1 is not mistaken for the old one.
         sa.Column("subscription", sa.Text, primary_key=True),
         sa.Column("stream", sa.Text, primary_key=True),
         sa.Column("stream_epoch", sa.Text, primary_key=True),
@@ -145,8 +145,9 @@ def tables(schema: str = "eop") -> Tables:
     watermarks = sa.Table(
         "watermarks",
         metadata,
-        # Every stream sequence at or below the watermark has a committed
-        # outcome (design.md section 4): its inbox rows may go.
+        # Every stream sequence at or below the watermark has a committed outcome
+        # or a parked retry (docs/design.md, 'The watermark'): its inbox rows may
+        # go, but for the retrying ones.
         sa.Column("subscription", sa.Text, primary_key=True),
         sa.Column("stream", sa.Text, primary_key=True),
         sa.Column("stream_epoch", sa.Text, primary_key=True),

@@ -115,7 +115,7 @@ def _claim_sql(schema: str, arrays: str) -> str:
     )
 
 
-# Throughput (issue 4): the batch claim on the driver's own connection.
+# Throughput: the batch claim on the driver's own connection.
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Keeping the inbox bounded: the watermark of design.md section 4.
+"""Keeping the inbox bounded: the watermark (docs/design.md, 'The watermark').
 
 Every stream sequence at or below the consumer's ack floor was acked (or
 termed), and eop acks only after the message's outcome committed; sequences

@@ -1,4 +1,5 @@
-"""The per-message protocol (design.md section 2), branch by branch, on eop.testing's fakes."""
+"""The per-message protocol (docs/design.md, 'The protocol'), branch by branch, on eop.testing's
+fakes."""
 
 from __future__ import annotations
 
