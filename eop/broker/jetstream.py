@@ -246,7 +246,7 @@ async def ensure_consumer(js: Any, spec: HandlerSpec, settings: Settings, *, cre
     """
     with _translated(f"consumer {spec.durable!r} on stream {spec.stream!r}"):
         subjects = await _stream_subjects(js, spec.stream)
-        if subjects is not None and not any(subject_covers(s, spec.subject) for s in subjects):
+        if subjects is not None and not any(subject_matches(s, spec.subject) for s in subjects):
             # The server accepts such a consumer: it would wait for ever, silently.
             raise errors.ConfigurationError(
                 f"stream {spec.stream!r} holds subjects {', '.join(subjects)}, which do not "
@@ -299,19 +299,6 @@ async def _stream_subjects(js: Any, stream: str) -> list[str] | None:
     except NATS_ERRORS:
         return None
     return list(info.config.subjects or [])
-
-
-def subject_covers(pattern: str, subject: str) -> bool:
-    """Whether every subject matching ``subject`` (wildcards allowed) matches ``pattern``."""
-    have, want = pattern.split("."), subject.split(".")
-    for i, token in enumerate(have):
-        if token == ">":
-            return len(want) > i
-        if i >= len(want) or want[i] == ">":
-            return False
-        if token != "*" and token != want[i]:
-            return False
-    return len(want) == len(have)
 
 
 def _describe(exc: BaseException) -> str:
@@ -389,15 +376,23 @@ def consumer_filters(
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
-    """Whether a NATS subject filter matches ``subject``.
+    """Whether the NATS subject filter ``pattern`` matches ``subject``, as the server does.
 
-    ``*`` is one token, a final ``>`` one or more tokens.
+    ``*`` stands for one token, ``>`` (as the last token only) for one or
+    more. ``subject`` may be a filter too: then True when the pattern
+    matches every subject it does. A subject or pattern with an empty token
+    (``a..b``, ``.a``, ``""``) is no valid subject and matches nothing.
     """
-    want, have = pattern.split("."), subject.split(".")
-    for i, token in enumerate(want):
-        if token == ">" and i == len(want) - 1:
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
+    have, want = pattern.split("."), subject.split(".")
+    if "" in have or "" in want:
+        return False
+    for i, token in enumerate(have):
+        if token == ">" and i == len(have) - 1:
+            return len(want) > i
+        if i >= len(want) or (want[i] == ">" and i == len(want) - 1):
+            # The pattern ends, or the subject's ``>`` stands for more than this token.
+            return False
+        if token != "*" and token != want[i]:
             return False
     return len(want) == len(have)
 

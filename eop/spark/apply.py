@@ -107,10 +107,6 @@ class Counts:
         return text + (f", {self.skipped} not for this handler" if self.skipped else "")
 
 
-#: Kept for callers of ``apply.subject_matches``; the rules are :mod:`eop.broker.jetstream`'s.
-subject_matches = jetstream.subject_matches
-
-
 class Partition:
     """Runs one handler over partitions of messages; one per handler per process."""
 

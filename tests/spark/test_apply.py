@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 import eop
 from eop.message import Message
-from eop.spark.apply import Counts, Partition, subject_matches
+from eop.spark.apply import Counts, Partition
 from tests.integration.bed import STREAM, SUBJECT, create_effects_table, effects_by_body, scalar
 
 from . import sparkapp
@@ -192,20 +192,3 @@ async def test_a_batch_handler_failing_on_one_message_still_commits_the_others(
     assert (counts.processed, counts.dead_lettered) == (5, 1)
     assert await effects_by_body(bed_engine) == {f"m{i}": 1 for i in (1, 2, 4, 5, 6)}
     assert max(calls) == 4  # the partition is handed over in lists of at most `batch`
-
-
-@pytest.mark.parametrize(
-    ("pattern", "subject", "matches"),
-    [
-        ("ORDERS.created", "ORDERS.created", True),
-        ("ORDERS.created", "ORDERS.cancelled", False),
-        ("ORDERS.*", "ORDERS.created", True),
-        ("ORDERS.*", "ORDERS.created.eu", False),
-        ("ORDERS.>", "ORDERS.created.eu", True),
-        ("ORDERS.>", "ORDERS", False),
-        ("*.created", "ORDERS.created", True),
-    ],
-)
-def test_subject_matching_follows_nats_wildcards(pattern: str, subject: str, matches: bool) -> None:
-    """`*` matches one token, a final `>` one or more."""
-    assert subject_matches(pattern, subject) is matches

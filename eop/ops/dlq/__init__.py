@@ -35,7 +35,6 @@ from eop.ops.dlq.replay import (
     Replayer,
     replay_headers,
     replay_msg_id,
-    subject_matches,
 )
 from eop.ops.dlq.state import ReplayMode, ReplayResult, replay_state
 
@@ -52,7 +51,6 @@ __all__ = [
     "replay_headers",
     "REPLAY_OF_HEADER",
     "SCAN_MARGIN",
-    "subject_matches",
     # showing them
     "replay_state",
     "format_table",

@@ -64,10 +64,6 @@ def replay_headers(
     return headers, dropped
 
 
-#: Kept for callers of ``dlq.subject_matches``; the rules are :mod:`eop.broker.jetstream`'s.
-subject_matches = jetstream.subject_matches
-
-
 @dataclasses.dataclass(frozen=True)
 class _Intent:
     row: dict[str, Any]
