@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -17,7 +16,7 @@ import nats.errors
 import tenacity
 from nats.js import api
 
-from eop import faults, log
+from eop import faults, log, retry
 from eop.types import Delivery
 
 _ACK = b"+ACK"
@@ -37,6 +36,10 @@ _RETRYABLE_ACK_ERRORS: tuple[type[BaseException], ...] = (
     nats.errors.FlushTimeoutError,
 )
 
+
+# The waits between resent acks: 50 ms, doubling up to 1 s, until give_up_s.
+_ACK_RETRY_FIRST_S = 0.05
+_ACK_RETRY_MAX_S = 1.0
 
 # Sending a batch of acks stops at any client error: those not confirmed then
 # take the per-message path, which knows which errors are worth a retry.
@@ -64,12 +67,12 @@ async def confirm(delivery: Delivery, *, timeout_s: float, give_up_s: float, log
         exc = state.outcome.exception() if state.outcome else None
         logger.debug(log.Event.ACK_RETRY, attempt=state.attempt_number, error=type(exc).__name__)
 
-    retrying = tenacity.AsyncRetrying(
+    retrying = retry.retrying(
         stop=tenacity.stop_after_delay(give_up_s),
-        wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
         retry=tenacity.retry_if_exception_type(_RETRYABLE_ACK_ERRORS),
+        base_s=_ACK_RETRY_FIRST_S,
+        max_s=_ACK_RETRY_MAX_S,
         before_sleep=before_sleep,
-        reraise=True,
     )
     try:
         async for attempt in retrying:
@@ -233,19 +236,3 @@ async def heartbeat(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-def backoff_s(num_delivered: int, base_s: float, max_s: float) -> float:
-    """The retry delay after ``num_delivered`` deliveries (or failures): exponential, capped."""
-    exponent = min(max(num_delivered - 1, 0), 30)
-    return float(min(base_s * (2**exponent), max_s))
-
-
-def jittered_s(attempt: int, base_s: float, max_s: float) -> float:
-    """:func:`backoff_s` with jitter: between half of it and all of it.
-
-    Transactions that deadlocked or timed out on the same hot rows retry at
-    different moments instead of colliding again in lockstep.
-    """
-    delay = backoff_s(attempt, base_s, max_s)
-    return delay / 2 + random.random() * delay / 2

@@ -199,6 +199,22 @@ def classify(exc: BaseException) -> DbFailure:
     return DbFailure.OTHER
 
 
+def transient(exc: BaseException, failures: frozenset[DbFailure] = INFRASTRUCTURE) -> bool:
+    """Whether ``exc`` is a failure of the database after which the transaction is retried whole.
+
+    Wherever it is raised, in eop's statements or in a handler's, such a
+    failure is not the handler's: it never counts as an attempt. eop's own
+    :class:`eop.errors.TransactionConflict` and :class:`eop.errors.DatabaseUnavailable`
+    always are; its other errors never; anything else by its :func:`classify`
+    kind, one of ``failures``.
+    """
+    if isinstance(exc, (errors.TransactionConflict, errors.DatabaseUnavailable)):
+        return True
+    if isinstance(exc, errors.EopError):
+        return False
+    return classify(exc) in failures
+
+
 _DRIVER_CONNECTION_ERRORS = {"ConnectionDoesNotExistError", "InterfaceError"}
 
 # SQLSTATE classes of a statement whose values PostgreSQL refuses: data

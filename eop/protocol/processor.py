@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-from eop import errors, faults, log, message
+from eop import errors, faults, log, message, retry
 from eop.broker import ack
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
@@ -253,7 +253,7 @@ class Processor:
                     contended = True
                     self.note_contention()
                 attempt += 1
-                delay_s = ack.jittered_s(
+                delay_s = retry.jittered_s(
                     attempt, self.settings.backoff_base_s, self.settings.backoff_max_s
                 )
                 # Quiet while it is a blip, loud once it lasts.
@@ -526,7 +526,7 @@ class Processor:
     def _retry_delay(self, exc: Exception, failures: int) -> float:
         if isinstance(exc, errors.Retry) and exc.delay_s is not None:
             return exc.delay_s
-        return ack.backoff_s(failures, self.settings.backoff_base_s, self.settings.backoff_max_s)
+        return retry.backoff_s(failures, self.settings.backoff_base_s, self.settings.backoff_max_s)
 
     async def _commit_and_park(
         self, tx: inbox.Transaction, delivery: Delivery, msg: message.Message, logger: Any
@@ -635,7 +635,7 @@ class Processor:
         self, delivery: Delivery, msg: message.Message, delay_s: float | None, logger: Any
     ) -> Outcome:
         if delay_s is None:
-            delay_s = ack.backoff_s(
+            delay_s = retry.backoff_s(
                 msg.num_delivered, self.settings.backoff_base_s, self.settings.backoff_max_s
             )
         await ack.nak(delivery, delay_s, logger)
@@ -657,16 +657,8 @@ async def _claim(tx: inbox.Transaction, msg: message.Message, outcome: str) -> b
 
 
 def _transient(exc: BaseException) -> bool:
-    """Failures of the database, after which the whole transaction is retried in this process.
-
-    Wherever they are raised, in eop's statements or in the handler's, they
-    are no failure of the handler: they never count as an attempt.
-    """
-    if isinstance(exc, (errors.TransactionConflict, errors.DatabaseUnavailable)):
-        return True
-    if isinstance(exc, errors.EopError):
-        return False
-    return inbox.classify(exc) in inbox.INFRASTRUCTURE
+    """Failures of the database (:func:`eop.pg.inbox.transient`): retried here, never counted."""
+    return inbox.transient(exc)
 
 
 # How long after a deadlock or lock timeout a handler's transactions run one at a

@@ -7,11 +7,12 @@ one clear line naming it (its URL without credentials).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from eop import errors, log
+import tenacity
+
+from eop import errors, log, retry
 from eop.settings import Settings
 
 T = TypeVar("T")
@@ -20,29 +21,43 @@ _FIRST_DELAY_S = 0.5
 _MAX_DELAY_S = 5.0
 
 
+def _worth_retrying(exc: BaseException) -> bool:
+    # A refused login or a failed TLS handshake is also a configuration
+    # error: retrying would only knock on the server's door again.
+    return isinstance(exc, errors.ServiceUnavailable) and not isinstance(
+        exc, errors.ConfigurationError
+    )
+
+
 async def retrying(step: Callable[[], Awaitable[T]], settings: Settings) -> T:
     """Run ``step``, again after a backoff while it raises :class:`eop.errors.ServiceUnavailable`.
 
     Other errors (an unmigrated schema, a bad configuration) are not
-    transient: they are raised at once.
+    transient: they are raised at once. After ``settings.startup_attempts``
+    tries the last error is raised.
     """
     logger = log.get_logger()
     attempts = settings.startup_attempts
-    for attempt in range(1, attempts + 1):
-        try:
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        logger.warning(
+            log.Event.WORKER_STARTUP_RETRY,
+            attempt=state.attempt_number,
+            attempts=attempts,
+            retry_in_s=state.upcoming_sleep,
+            error=str(state.outcome.exception() if state.outcome else None),
+        )
+
+    retrier = retry.retrying(
+        stop=tenacity.stop_after_attempt(attempts),
+        retry=tenacity.retry_if_exception(_worth_retrying),
+        base_s=_FIRST_DELAY_S,
+        max_s=_MAX_DELAY_S,
+        before_sleep=before_sleep,
+    )
+    # Not ``await retrier(step)``: tenacity awaits only what it sees is a
+    # coroutine function, and a step may be a lambda returning a coroutine.
+    async for attempt in retrier:
+        with attempt:
             return await step()
-        except errors.ServiceUnavailable as exc:
-            # A refused login or a failed TLS handshake is also a configuration
-            # error: retrying would only knock on the server's door again.
-            if attempt >= attempts or isinstance(exc, errors.ConfigurationError):
-                raise
-            delay_s = min(_FIRST_DELAY_S * 2 ** (attempt - 1), _MAX_DELAY_S)
-            logger.warning(
-                log.Event.WORKER_STARTUP_RETRY,
-                attempt=attempt,
-                attempts=attempts,
-                retry_in_s=delay_s,
-                error=str(exc),
-            )
-            await asyncio.sleep(delay_s)
     raise AssertionError("unreachable: the last attempt returns or raises")

@@ -20,7 +20,7 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 
-from eop import errors, log, redaction
+from eop import errors, log, redaction, retry
 from eop.app import App, select_handlers
 from eop.broker import ack, connection, fetcher, jetstream
 from eop.handler import HandlerSpec
@@ -29,6 +29,10 @@ from eop.pg import inbox, migrate, retries
 from eop.protocol import batch, compaction, ordering, processor
 from eop.runtime import shutdown, startup, telemetry
 from eop.types import Outcome
+
+# The waits after failed fetches (counted from 1): 0.2 s, doubling up to 5 s.
+_FETCH_RETRY_FIRST_S = 0.2
+_FETCH_RETRY_MAX_S = 5.0
 
 
 class Worker:
@@ -402,7 +406,7 @@ class Worker:
         self._logger.warning(
             log.Event.FETCH_FAILED, handler=spec.name, error=type(exc).__name__, failures=failures
         )
-        await asyncio.sleep(min(0.1 * 2**failures, 5.0))
+        await asyncio.sleep(retry.backoff_s(failures, _FETCH_RETRY_FIRST_S, _FETCH_RETRY_MAX_S))
         if (
             isinstance(exc, (nats.js.errors.APIError, nats.errors.NoRespondersError))
             or failures > 3

@@ -35,9 +35,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-from eop import errors, log
+from eop import errors, log, retry
 from eop.app import App
-from eop.broker import ack, jetstream
+from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.message import Message
 from eop.pg import inbox, models, sql
@@ -62,6 +62,11 @@ class RowOutcome(enum.Enum):
     SKIPPED = "skipped"
     """Another stream or subject than the handler's: a worker would never deliver it."""
 
+
+# The waits before a partition's transaction runs again after a transient
+# failure (``tx_retries`` of them at most, inside one Spark task).
+_TX_RETRY_FIRST_S = 0.1
+_TX_RETRY_MAX_S = 2.0
 
 _COUNT_FIELD = {
     RowOutcome.PROCESSED: "processed",
@@ -164,7 +169,7 @@ class Partition:
                     messages=len(batch),
                     error=_describe(exc),
                 )
-                await sleep(min(0.05 * 2**attempt, 2.0))
+                await sleep(retry.backoff_s(attempt, _TX_RETRY_FIRST_S, _TX_RETRY_MAX_S))
 
     @contextlib.asynccontextmanager
     async def open(self) -> AsyncIterator[PartitionTx]:
@@ -306,7 +311,7 @@ class _Pass:
         if isinstance(exc, errors.Retry) and exc.delay_s is not None:
             # Waited inside the partition's transaction: never longer than the backoff cap.
             return min(exc.delay_s, s.backoff_max_s)
-        return ack.backoff_s(attempt, s.backoff_base_s, s.backoff_max_s)
+        return retry.backoff_s(attempt, s.backoff_base_s, s.backoff_max_s)
 
     async def _dead_letter(
         self, tx: inbox.SqlTransaction, msg: Message, exc: Exception, logger: Any

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from eop import errors
 from eop.pg import inbox
 
 T = TypeVar("T")
@@ -36,18 +35,21 @@ class AsyncPartitionTx(inbox.AsyncTransaction):
 PartitionTx = SyncPartitionTx | AsyncPartitionTx
 
 
-def transient(exc: BaseException) -> bool:
-    """Errors after which the partition's whole transaction is retried in place."""
-    if isinstance(exc, (errors.TransactionConflict, errors.DatabaseUnavailable)):
-        return True
-    if isinstance(exc, errors.EopError):
-        return False
-    return inbox.classify(exc) in (
+# The failures a partition retries in place. BUSY (a statement timeout, a
+# full pool) is not one: it fails the task, and Spark's task retry runs it again.
+_RETRIED_IN_PLACE = frozenset(
+    {
         inbox.DbFailure.CONFLICT,
         inbox.DbFailure.CONNECTION,
         # Another transaction (a live worker, a speculative task) holds a claim.
         inbox.DbFailure.LOCK_TIMEOUT,
-    )
+    }
+)
+
+
+def transient(exc: BaseException) -> bool:
+    """Errors after which the partition's whole transaction is retried in place."""
+    return inbox.transient(exc, _RETRIED_IN_PLACE)
 
 
 def drive(coro: Coroutine[Any, Any, T]) -> T:

@@ -1,4 +1,4 @@
-"""Settling deliveries: backoff, the confirmed ack, nak, term and heartbeats."""
+"""Settling deliveries: the confirmed ack, nak, term and heartbeats."""
 
 from __future__ import annotations
 
@@ -17,32 +17,6 @@ from eop.broker import ack
 from .support import events
 
 LOGGER = structlog.get_logger("test")
-
-
-# -------------------------------------------------------------------- backoff
-
-
-@pytest.mark.parametrize(
-    ("num_delivered", "expected"),
-    [(1, 0.5), (2, 1.0), (3, 2.0), (4, 4.0), (8, 60.0), (100, 60.0)],
-)
-def test_backoff_doubles_with_each_delivery_up_to_the_cap(
-    num_delivered: int, expected: float
-) -> None:
-    assert ack.backoff_s(num_delivered, 0.5, 60.0) == expected
-
-
-def test_backoff_of_a_first_or_unknown_delivery_is_the_base() -> None:
-    assert ack.backoff_s(0, 0.5, 60.0) == 0.5
-    assert ack.backoff_s(-3, 0.5, 60.0) == 0.5
-
-
-def test_backoff_of_a_huge_delivery_count_stays_capped() -> None:
-    assert ack.backoff_s(10**9, 0.5, 60.0) == 60.0
-
-
-def test_backoff_is_a_float() -> None:
-    assert isinstance(ack.backoff_s(2, 1, 60), float)
 
 
 # -------------------------------------------------------------------- confirm
@@ -176,6 +150,14 @@ async def test_heartbeat_lets_the_body_error_through() -> None:
     with pytest.raises(KeyError):
         async with ack.heartbeat(d, 10.0, LOGGER):
             raise KeyError("handler failed")
+
+
+async def test_heartbeat_at_once_renews_the_lease_before_the_first_interval() -> None:
+    """``at_once``: a lease that may be nearly spent is renewed right away."""
+    d = testing.FakeDelivery.make()
+    async with ack.heartbeat(d, 3600.0, LOGGER, at_once=True):
+        await asyncio.wait_for(d.wait_for_in_progress(1), timeout=10)
+    assert d.in_progress_calls == 1
 
 
 # ---------------------------------------------------------------- confirm_many

@@ -107,6 +107,35 @@ def test_classify_a_bare_os_error_as_other(exc: BaseException) -> None:
     assert inbox.classify(exc) is DbFailure.OTHER
 
 
+@pytest.mark.parametrize(
+    ("exc", "transient"),
+    [
+        (errors.TransactionConflict("x"), True),
+        (errors.DatabaseUnavailable("x"), True),
+        (DriverError("40P01"), True),
+        (DriverError("55P03"), True),
+        (DriverError("57014"), True),
+        (wrapped(OSError("reset")), True),
+        (DriverError("23505"), False),
+        (errors.Reject("bad"), False),
+        (OSError("the handler's own"), False),
+    ],
+)
+def test_transient_failures_are_the_databases_not_the_handlers(
+    exc: BaseException, transient: bool
+) -> None:
+    """eop's own outage errors always, its other errors never, the rest by their kind."""
+    assert inbox.transient(exc) is transient
+
+
+def test_transient_takes_the_kinds_a_caller_retries() -> None:
+    """A caller narrowing the kinds (Spark's partitions: no BUSY) gets its own answer."""
+    kinds = frozenset({DbFailure.CONFLICT})
+    assert inbox.transient(DriverError("40001"), kinds) is True
+    assert inbox.transient(DriverError("57014"), kinds) is False
+    assert inbox.transient(errors.DatabaseUnavailable("x"), kinds) is True
+
+
 def test_classify_asyncpg_connection_errors_by_name() -> None:
     """asyncpg's connection errors, raised unwrapped, are lost connections."""
     namespace = {"__module__": "asyncpg.exceptions"}

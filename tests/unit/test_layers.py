@@ -20,7 +20,15 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "core",
-        ("eop.errors", "eop.redaction", "eop.access", "eop.settings", "eop.log", "eop.faults"),
+        (
+            "eop.errors",
+            "eop.redaction",
+            "eop.access",
+            "eop.settings",
+            "eop.log",
+            "eop.faults",
+            "eop.retry",
+        ),
     ),
     (
         "domain",

@@ -13,8 +13,7 @@ from sqlalchemy import exc as sa_exc
 from structlog.testing import capture_logs
 
 import eop
-from eop import log, testing
-from eop.broker import ack
+from eop import log, retry, testing
 from eop.pg import models
 from eop.pg.retries import ParkedDelivery
 from eop.protocol.processor import Critical
@@ -24,7 +23,7 @@ from .support import FAST, STREAM, Harness, MakeHarness, delivery, effect_of, ev
 
 
 def backoff(num_delivered: int) -> float:
-    return ack.backoff_s(num_delivered, FAST.backoff_base_s, FAST.backoff_max_s)
+    return retry.backoff_s(num_delivered, FAST.backoff_base_s, FAST.backoff_max_s)
 
 
 async def decode_json(msg: eop.Message, session: Any) -> None:
