@@ -41,6 +41,10 @@ _RETRYABLE_ACK_ERRORS: tuple[type[BaseException], ...] = (
 _ACK_RETRY_FIRST_S = 0.05
 _ACK_RETRY_MAX_S = 1.0
 
+# Failures of one in_progress(): the lease may lapse (a redelivery, which the
+# inbox skips), so they are logged and the heartbeat goes on.
+_HEARTBEAT_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, asyncio.TimeoutError)
+
 # Sending a batch of acks stops at any client error: those not confirmed then
 # take the per-message path, which knows which errors are worth a retry.
 _BATCH_SEND_ERRORS: tuple[type[BaseException], ...] = (*_RETRYABLE_ACK_ERRORS, nats.errors.Error)
@@ -214,9 +218,25 @@ async def term(delivery: Delivery, logger: Any) -> None:
 async def heartbeat(
     delivery: Delivery, interval_s: float, logger: Any, *, at_once: bool = False
 ) -> AsyncIterator[None]:
-    """Send ``in_progress()`` every ``interval_s`` while the body runs, keeping the lease.
+    """Keep one delivery's lease while the body runs: :func:`heartbeats` of one."""
+    async with heartbeats([delivery], interval_s, [logger], at_once=at_once):
+        yield
 
-    ``at_once``: the first one right away (the lease may be nearly spent already).
+
+@contextlib.asynccontextmanager
+async def heartbeats(
+    deliveries: Sequence[Delivery],
+    interval_s: float,
+    loggers: Sequence[Any],
+    *,
+    at_once: bool = False,
+) -> AsyncIterator[None]:
+    """Send ``in_progress()`` for every delivery each ``interval_s`` while the body runs.
+
+    One task keeps the leases of a message or of a whole batch. A failed
+    ``in_progress()`` is a warning on that delivery's logger, and the beats
+    go on. ``at_once``: the first beat right away (the lease may be nearly
+    spent already).
     """
 
     async def beat() -> None:
@@ -224,10 +244,14 @@ async def heartbeat(
         while True:
             await asyncio.sleep(wait_s)
             wait_s = interval_s
-            try:
-                await delivery.in_progress()
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                logger.warning(log.Event.HEARTBEAT_FAILED, error=type(exc).__name__)
+            results = await asyncio.gather(
+                *(d.in_progress() for d in deliveries), return_exceptions=True
+            )
+            for logger, result in zip(loggers, results, strict=True):
+                if isinstance(result, _HEARTBEAT_ERRORS):
+                    logger.warning(log.Event.HEARTBEAT_FAILED, error=type(result).__name__)
+                elif isinstance(result, BaseException):
+                    raise result
 
     task = asyncio.create_task(beat())
     try:

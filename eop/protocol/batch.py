@@ -12,12 +12,12 @@ settles it exactly as a lone message would be.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from eop import errors, faults, log, message
+from eop.broker import ack
 from eop.pg import inbox, models
 from eop.protocol.processor import Processor, _contention, _transient
 from eop.types import Delivery, Outcome
@@ -148,7 +148,9 @@ class BatchProcessor:
             await faults.point("after_claim")
             mine = [i for i in items if i.msg.seq in claimed]
             leftovers = [i for i in items if i.msg.seq not in claimed]
-            async with self._heartbeat(mine):
+            async with ack.heartbeats(
+                [i.delivery for i in mine], self.single.ack_wait_s / 3, [i.logger for i in mine]
+            ):
                 if isolate:
                     failures = await self._run_handlers(tx, mine)
                 else:
@@ -218,26 +220,6 @@ class BatchProcessor:
         await faults.point("after_commit")
         await self.single.ack_processed([i.delivery for i in done], [i.logger for i in done])
         return [Outcome.PROCESSED] * len(done)
-
-    @contextlib.asynccontextmanager
-    async def _heartbeat(self, items: list[_Item]) -> AsyncIterator[None]:
-        """One heartbeat task for the whole batch: ``in_progress()`` for each message."""
-        interval_s = self.single.ack_wait_s / 3
-
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                await asyncio.gather(
-                    *(i.delivery.in_progress() for i in items), return_exceptions=True
-                )
-
-        task = asyncio.create_task(beat())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 class _NeedsIsolation(Exception):

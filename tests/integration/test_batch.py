@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import sqlalchemy as sa
@@ -70,6 +71,32 @@ async def test_one_failing_handler_does_not_sink_its_batch(
     assert deliveries["bad"][-1] == 2
     assert set(deliveries["bad"]) == {1, 2}
     assert all(set(d) == {1} for body, d in deliveries.items() if body != "bad")
+
+
+async def test_heartbeats_keep_the_leases_of_a_batch_slower_than_ack_wait(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """One heartbeat for the batch: 3 handlers of 1 s in one transaction under a 1 s AckWait.
+
+    The batch outlasts the lease three times over; only in_progress() for
+    every message keeps the server from handing them out again.
+    """
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, ack_wait_s=1.0)
+    runs: list[tuple[str, int]] = []
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="slow")
+    async def slow(msg: eop.Message, session: AsyncSession) -> None:
+        runs.append((msg.data.decode(), msg.num_delivered))
+        await asyncio.sleep(1.0)
+        await record_effect(session, "slow", msg)
+
+    bodies = ["a", "b", "c"]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-slow", engine=engine), what="the slow batch")
+    assert runs == [(b, 1) for b in bodies]
+    assert await effects_by_body(engine) == dict.fromkeys(bodies, 1)
 
 
 async def test_batch_handler_gets_lists_and_each_message_takes_effect_once(

@@ -152,6 +152,30 @@ async def test_heartbeat_lets_the_body_error_through() -> None:
             raise KeyError("handler failed")
 
 
+async def test_heartbeats_of_a_batch_keep_every_lease_from_one_task() -> None:
+    """A batch's leases are renewed together: one task, in_progress() for each delivery."""
+    batch = [testing.FakeDelivery.make(seq=seq) for seq in (1, 2, 3)]
+    before = asyncio.all_tasks()
+    async with ack.heartbeats(batch, 0.01, [LOGGER] * 3):
+        for d in batch:
+            await asyncio.wait_for(d.wait_for_in_progress(2), timeout=10)
+        assert len(asyncio.all_tasks() - before) == 1
+    assert asyncio.all_tasks() == before
+
+
+async def test_heartbeats_warn_on_the_failed_delivery_and_go_on_for_all() -> None:
+    """One lost in_progress() is a warning for that message; the others' leases go on."""
+    failing = testing.FakeDelivery.make(seq=1).fail("in_progress", 1, nats.errors.TimeoutError)
+    fine = testing.FakeDelivery.make(seq=2)
+    loggers = [structlog.get_logger("test").bind(seq=1), structlog.get_logger("test").bind(seq=2)]
+    with capture_logs() as logs:
+        async with ack.heartbeats([failing, fine], 0.01, loggers):
+            await asyncio.wait_for(failing.wait_for_in_progress(2), timeout=10)
+            await asyncio.wait_for(fine.wait_for_in_progress(2), timeout=10)
+    [warning] = events(logs, log.Event.HEARTBEAT_FAILED)
+    assert (warning["seq"], warning["error"]) == (1, "TimeoutError")
+
+
 async def test_heartbeat_at_once_renews_the_lease_before_the_first_interval() -> None:
     """``at_once``: a lease that may be nearly spent is renewed right away."""
     d = testing.FakeDelivery.make()
