@@ -49,7 +49,7 @@ def migrations_path() -> Path:
     installed = importlib.resources.files("eop") / "_migrations"
     if installed.is_dir():
         return Path(str(installed))
-    return Path(__file__).resolve().parent.parent / "migrations"
+    return Path(__file__).resolve().parents[2] / "migrations"
 
 
 def configured_schema(config: Config) -> str:
