@@ -1,16 +1,12 @@
-"""How eop reaches NATS and PostgreSQL: credentials, TLS, and refused connections.
+"""How eop reaches NATS: credentials, TLS, and refused connections.
 
 :class:`NatsAccess` is everything needed to open a NATS connection (servers,
 one way to authenticate, TLS files), checked once and picklable, so Spark
 tasks carry it to executors. :func:`connect_nats` is the one place where eop
 opens a NATS connection: it fails fast, with an error naming the cause, when
 the server refuses the credentials or the TLS handshake fails, instead of
-retrying a connection that can never succeed.
-
-:func:`asyncpg_url` lets a database URL carry libpq's TLS parameters
-(``sslmode``, ``sslrootcert``, ``sslcert``, ``sslkey``) for both drivers:
-psycopg (libpq) reads them as they are, asyncpg gets an ``ssl`` context made
-from them.
+retrying a connection that can never succeed. (PostgreSQL's side, TLS
+parameters in a database URL, is :mod:`eop.pg.engines`.)
 """
 
 from __future__ import annotations
