@@ -19,6 +19,8 @@ import contextlib
 import time
 from typing import Any
 
+from eop import log
+from eop.broker import ack
 from eop.handler import HandlerSpec, parse_order_by
 from eop.settings import Settings
 from eop.types import Outcome
@@ -60,16 +62,16 @@ class BlockedKeys:
 
     async def wait(self, handler: str, key: str, deliveries: list[Any], beat_s: float) -> None:
         """Wait until the key is unblocked, keeping the waiting deliveries' leases."""
-        while (entry := self._blocked.get((handler, key))) is not None:
-            remaining = entry[1] - time.monotonic()
-            if remaining <= 0:
-                self._release(handler, key)
-                return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(entry[2].wait(), min(beat_s, remaining))
-            for delivery in deliveries:
-                with contextlib.suppress(Exception):
-                    await delivery.in_progress()
+        logger = log.get_logger(handler=handler)
+        async with ack.heartbeats(deliveries, beat_s, [logger] * len(deliveries)):
+            while (entry := self._blocked.get((handler, key))) is not None:
+                remaining = entry[1] - time.monotonic()
+                if remaining <= 0:
+                    self._release(handler, key)
+                    return
+                # Woken at least every beat_s: the entry may have been replaced.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(entry[2].wait(), min(beat_s, remaining))
 
     def update(self, handler: str, key: str, msg: Any, outcome: Outcome, s: Settings) -> None:
         """Block the key behind a retried message; unblock once it is settled."""

@@ -418,7 +418,7 @@ class Processor:
             except Exception as exc:
                 if not _transient(exc):
                     raise
-                await asyncio.sleep(0.2 * 2**attempt)
+                await asyncio.sleep(retry.backoff_s(attempt + 1, 0.2, 0.8))
                 continue
             if committed:
                 return await self._settle(delivery, outcome, logger, dead, ambiguous=True)
