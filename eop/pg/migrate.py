@@ -49,7 +49,8 @@ def migrations_path() -> Path:
     installed = importlib.resources.files("eop") / "_migrations"
     if installed.is_dir():
         return Path(str(installed))
-    return Path(__file__).resolve().parent.parent / "migrations"
+    # eop/pg/migrate.py: the repository is three levels up.
+    return Path(__file__).resolve().parents[2] / "migrations"
 
 
 def configured_schema(config: Config) -> str:
