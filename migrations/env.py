@@ -20,8 +20,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from eop import errors
-from eop.broker import connection as transport
-from eop.pg import migrate, models
+from eop.pg import engines, migrate, models
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -88,7 +87,7 @@ def prepare_schema(connection: sa.Connection) -> None:
 
 async def run_async_migrations(url: sa.URL) -> None:
     """Run on a fresh async engine, through its sync facade."""
-    url, connect_args = transport.asyncpg_url(url)
+    url, connect_args = engines.asyncpg_url(url)
     engine = create_async_engine(url, poolclass=NullPool, connect_args=connect_args)
     try:
         async with engine.connect() as connection:
