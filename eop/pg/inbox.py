@@ -1,8 +1,9 @@
 """The inbox: where a message is claimed, found, or dead-lettered, in PostgreSQL.
 
 :class:`Store` and :class:`Transaction` are the seam between the protocol
-(:mod:`eop.protocol.processor`) and the database; :class:`PostgresStore` is the real
-one, :class:`eop.testing.MemoryStore` a fake for unit tests. Driver errors are
+(:mod:`eop.protocol.processor`, and :mod:`eop.protocol.batch` for fetched batches)
+and the database; :class:`PostgresStore` is the real one, :class:`eop.testing.MemoryStore`
+a fake for unit tests. Driver errors are
 translated here, at the edge, by :func:`classify`.
 """
 

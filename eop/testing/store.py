@@ -32,7 +32,11 @@ class MemoryStore:
       open transaction makes it wait, up to ``lock_timeout_s`` (None: forever);
     - rows, dead letters and the handler's writes (:attr:`effects`) are
       visible to others after COMMIT only; a rollback discards them;
-    - one dead letter per (key, fingerprint).
+    - one dead letter per (key, fingerprint);
+    - for the batch path, a claim of several rows is one statement (skipping
+      taken keys and msg-ids, failing whole), a dropped claim keeps its key
+      locked until the transaction ends, and a handler run in a savepoint
+      (``run_isolated``) has its writes rolled back alone when it fails.
 
     Knobs inject the failures the protocol must survive: :meth:`fail_transactions`,
     :meth:`fail_claims`, :meth:`lock_timeout_claims`, :meth:`conflict_commits`,
