@@ -1,8 +1,9 @@
 """The inbox: where a message is claimed, found, or dead-lettered, in PostgreSQL.
 
 :class:`Store` and :class:`Transaction` are the seam between the protocol
-(:mod:`eop.protocol.processor`) and the database; :class:`PostgresStore` is the real
-one, :class:`eop.testing.MemoryStore` a fake for unit tests. Driver errors are
+(:mod:`eop.protocol.processor`, and :mod:`eop.protocol.batch` for fetched batches)
+and the database; :class:`PostgresStore` is the real one, :class:`eop.testing.MemoryStore`
+a fake for unit tests. Driver errors are
 translated here, at the edge, by :func:`classify`.
 """
 
@@ -65,10 +66,35 @@ class DeadLetter:
 
 
 class Transaction(Protocol):
-    """One database transaction of the per-message protocol."""
+    """One database transaction of the protocol: per message, or for a fetched batch.
+
+    The batch path (:mod:`eop.protocol.batch`) claims the whole batch in one
+    statement (:meth:`claim_many`), runs the handlers with their writes held
+    back (``flush=False``, then :meth:`flush`) or each in a savepoint
+    (:meth:`run_isolated`), drops the claims of the failed ones
+    (:meth:`unclaim`) and commits the rest.
+    """
 
     async def claim(self, message: Message, outcome: str) -> bool:
         """Insert the message's inbox row; False when it (or its msg-id) is taken."""
+
+    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
+        """Claim a batch in one statement; the stream sequences of the rows inserted.
+
+        Each row as :meth:`claim` would insert it, in order: a row whose key or
+        msg-id is taken (committed, held by this transaction, or by an earlier
+        row of the same batch), or which lies at or below the watermark, is
+        skipped; one held by another open transaction makes the statement wait
+        for it. The statement fails whole (a lock timeout, a refused value):
+        then nothing of it is claimed, and the transaction is aborted.
+        """
+
+    async def unclaim(self, message: Message) -> None:
+        """Drop this transaction's claim of ``message`` (its handler failed in a batch).
+
+        Its key stays locked until the transaction ends: a concurrent claim
+        of it keeps waiting, as on a row inserted and deleted by an open one.
+        """
 
     async def find(self, message: Message) -> Existing | None:
         """What the inbox holds under the message's key, else under its msg-id."""
@@ -98,8 +124,27 @@ class Transaction(Protocol):
     async def settle_retrying(self, message: Message, outcome: str) -> bool:
         """Give a retrying message its outcome; False when it is not retrying (any more)."""
 
-    async def run(self, message: Message) -> None:
-        """Run the handler inside this transaction."""
+    async def run(self, message: Message, *, flush: bool = True) -> None:
+        """Run the handler inside this transaction.
+
+        With ``flush=False`` the handler's queued writes and pending ORM objects
+        stay queued, to be sent with the rest of a batch's by :meth:`flush`.
+        """
+
+    async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:
+        """Run a batch handler (:attr:`HandlerSpec.batch`) on ``messages`` in this transaction."""
+
+    async def flush(self) -> None:
+        """Send the handlers' queued writes, then their pending ORM objects."""
+
+    async def run_isolated(self, messages: list[Message]) -> Exception | None:
+        """Run the handler on ``messages`` (one, or a batch handler's list) in a savepoint.
+
+        Its error, with its writes rolled back to the savepoint (the rest of the
+        transaction kept), or None. Failures of the database
+        (:data:`INFRASTRUCTURE`) are raised, not returned: they are no handler's
+        failure, and the transaction is retried whole.
+        """
 
     async def commit(self) -> None:
         """COMMIT; :class:`eop.AmbiguousCommit` when the connection drops during it."""

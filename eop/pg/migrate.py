@@ -49,6 +49,7 @@ def migrations_path() -> Path:
     installed = importlib.resources.files("eop") / "_migrations"
     if installed.is_dir():
         return Path(str(installed))
+    # eop/pg/migrate.py: the repository is three levels up.
     return Path(__file__).resolve().parents[2] / "migrations"
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from eop import errors, faults, log, message
 from eop.broker import ack
 from eop.pg import inbox, models
-from eop.protocol.processor import Processor, _contention, _transient
+from eop.protocol.processor import Processor, contention, transient
 from eop.types import Delivery, Outcome
 
 
@@ -59,9 +59,9 @@ class BatchProcessor:
                 except _NeedsIsolation:
                     outcomes, leftovers, failures = await self._run(items, isolate=True)
             except Exception as exc:
-                if not (_transient(exc) or isinstance(exc, _BatchRejected)):
+                if not (transient(exc) or isinstance(exc, _BatchRejected)):
                     raise
-                if _contention(exc):
+                if contention(exc):
                     # The batch deadlocked (or waited out its lock timeout): shrink it
                     # to one transaction per message, run one at a time.
                     self.single.note_contention()
@@ -74,7 +74,7 @@ class BatchProcessor:
         singles = [self.single.handle(d, received_at) for d in others]
         singles += [self.single.handle(item.delivery, received_at) for item in leftovers]
         singles += [
-            self.single._handler_failed(item.delivery, item.msg, exc, item.logger)
+            self.single.handler_failed(item.delivery, item.msg, exc, item.logger)
             for item, exc in failures
         ]
         outcomes += await asyncio.gather(*singles)
@@ -135,14 +135,14 @@ class BatchProcessor:
         rolled back whole and run again with a savepoint per message.
         """
         async with self.single.store.transaction(self.spec) as tx:
-            assert isinstance(tx, inbox.SqlTransaction)
             try:
                 claimed = await tx.claim_many([i.msg for i in items], models.OUTCOME_PROCESSED)
             except Exception as exc:
-                if not _transient(exc):
-                    # A concurrent delivery holds one of the keys (a lock timeout), or
-                    # the database refuses one message's row: go one by one, so that
+                if not transient(exc):
+                    # The database refuses one message's row: go one by one, so that
                     # message settles on its own and the others are not held back.
+                    # (A lock timeout on a key a concurrent delivery holds is
+                    # transient: the batch runs one message at a time then.)
                     raise _BatchRejected() from exc
                 raise
             await faults.point("after_claim")
@@ -162,7 +162,7 @@ class BatchProcessor:
             outcomes = await self.single.critical.run(self._commit_and_ack(tx, done))
         return outcomes, leftovers, failures
 
-    async def _run_optimistically(self, tx: inbox.SqlTransaction, mine: list[_Item]) -> None:
+    async def _run_optimistically(self, tx: inbox.Transaction, mine: list[_Item]) -> None:
         # The handlers' writes and ORM objects go out together at the end: one
         # executemany per statement instead of a round trip per message. A
         # failure among them is one of the handlers', as any other here.
@@ -176,12 +176,12 @@ class BatchProcessor:
                     await faults.point("mid_handler")
             await tx.flush()
         except Exception as exc:
-            if _transient(exc):
+            if transient(exc):
                 raise
             raise _NeedsIsolation() from exc
 
     async def _run_handlers(
-        self, tx: inbox.SqlTransaction, mine: list[_Item]
+        self, tx: inbox.Transaction, mine: list[_Item]
     ) -> list[tuple[_Item, Exception]]:
         if self.spec.batch and mine:
             error = await tx.run_isolated([i.msg for i in mine])
@@ -196,7 +196,7 @@ class BatchProcessor:
                 failures.append((item, error))
         return failures
 
-    async def _commit_and_ack(self, tx: inbox.SqlTransaction, done: list[_Item]) -> list[Outcome]:
+    async def _commit_and_ack(self, tx: inbox.Transaction, done: list[_Item]) -> list[Outcome]:
         """COMMIT, then every confirmed ack concurrently; the section a stop must not cut."""
         await faults.point("before_commit")
         try:
@@ -205,7 +205,7 @@ class BatchProcessor:
             return list(
                 await asyncio.gather(
                     *(
-                        self.single._resolve_ambiguous(
+                        self.single.resolve_ambiguous(
                             i.delivery, i.msg, Outcome.PROCESSED, i.logger, None
                         )
                         for i in done
@@ -213,7 +213,7 @@ class BatchProcessor:
                 )
             )
         except Exception as exc:
-            if _transient(exc):
+            if transient(exc):
                 raise
             # A deferred constraint failed at COMMIT: one of the handlers' writes.
             raise _BatchRejected() from exc

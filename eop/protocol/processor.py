@@ -90,7 +90,17 @@ class _CommitRejected(Exception):
 
 @dataclasses.dataclass
 class Processor:
-    """Runs the protocol for the deliveries of one handler subscription."""
+    """Runs the protocol for the deliveries of one handler subscription.
+
+    Besides :meth:`handle` and :meth:`retry_parked`, the batch path
+    (:class:`eop.protocol.batch.BatchProcessor`) settles what its shared
+    transaction cannot through a small API of this class's: :meth:`handler_failed`
+    (a handler failed in the batch's savepoint), :meth:`resolve_ambiguous` (the
+    batch's COMMIT may or may not have gone through), :meth:`ack_processed` (the
+    acks of a committed batch), :attr:`in_contention` and :meth:`note_contention`
+    (run one message at a time after a deadlock), and the module's
+    :func:`transient` and :func:`contention`, which classify its failures.
+    """
 
     spec: HandlerSpec
     settings: Settings
@@ -247,9 +257,9 @@ class Processor:
                 logger.info(log.Event.MESSAGE_CLAIM_TIMEOUT, action=log.Action.NAK)
                 return await self._nak(delivery, msg, None, logger)
             except Exception as exc:
-                if not _transient(exc):
+                if not transient(exc):
                     raise
-                if _contention(exc):
+                if contention(exc):
                     contended = True
                     self.note_contention()
                 attempt += 1
@@ -291,7 +301,7 @@ class Processor:
                     await tx.forget_failures(msg)
             except Exception as exc:
                 await tx.rollback()
-                if _transient(exc):
+                if transient(exc):
                     raise
                 failure = exc
             else:
@@ -304,7 +314,7 @@ class Processor:
                     # COMMIT: the handler's failure, settled like any other.
                     await tx.rollback()
                     failure = rejected.error
-        return await self._handler_failed(delivery, msg, failure, logger)
+        return await self.handler_failed(delivery, msg, failure, logger)
 
     async def _rerun(
         self, delivery: retries.ParkedDelivery, msg: message.Message, logger: Any
@@ -330,7 +340,7 @@ class Processor:
                 await tx.forget_failures(msg)
             except Exception as exc:
                 await tx.rollback()
-                if _transient(exc):
+                if transient(exc):
                     raise
                 failure = exc
             else:
@@ -341,7 +351,7 @@ class Processor:
                 except _CommitRejected as rejected:
                     await tx.rollback()
                     failure = rejected.error
-        return await self._handler_failed(delivery, msg, failure, logger)
+        return await self.handler_failed(delivery, msg, failure, logger)
 
     async def _commit_and_settle(
         self,
@@ -357,9 +367,9 @@ class Processor:
         try:
             await tx.commit()
         except errors.AmbiguousCommit:
-            return await self._resolve_ambiguous(delivery, msg, outcome, logger, dead)
+            return await self.resolve_ambiguous(delivery, msg, outcome, logger, dead)
         except Exception as exc:
-            if outcome is Outcome.PROCESSED and not _transient(exc):
+            if outcome is Outcome.PROCESSED and not transient(exc):
                 raise _CommitRejected(exc) from exc
             raise
         await faults.point("after_commit")
@@ -402,7 +412,7 @@ class Processor:
             )
         return outcome
 
-    async def _resolve_ambiguous(
+    async def resolve_ambiguous(
         self,
         delivery: Delivery,
         msg: message.Message,
@@ -410,13 +420,19 @@ class Processor:
         logger: Any,
         dead: inbox.DeadLetter | None,
     ) -> Outcome:
-        """The connection died during COMMIT: never settle blindly, never re-run here."""
+        """The connection died during the COMMIT of ``msg``'s ``outcome``: read it back.
+
+        Never settle blindly, never re-run here: committed (this very message
+        has its outcome), it is settled as ``outcome``; not visible, it is
+        nak'ed and its redelivery's claim decides; unreadable, it is left to
+        its lease.
+        """
         logger.warning(log.Event.COMMIT_AMBIGUOUS)
         for attempt in range(3):
             try:
                 committed = await self.store.has_outcome(self.spec, msg)
             except Exception as exc:
-                if not _transient(exc):
+                if not transient(exc):
                     raise
                 await asyncio.sleep(retry.backoff_s(attempt + 1, 0.2, 0.8))
                 continue
@@ -456,10 +472,12 @@ class Processor:
         self.observer.outcome(self.spec, delivery, Outcome.DUPLICATE)
         return Outcome.DUPLICATE
 
-    async def _handler_failed(
+    async def handler_failed(
         self, delivery: Delivery, msg: message.Message, exc: Exception | None, logger: Any
     ) -> Outcome:
-        """The handler raised (not a failure of the database): dead-letter or count and retry."""
+        """The handler raised ``exc`` (not a failure of the database), in a transaction
+        rolled back since (or, in a batch, its savepoint): dead-letter a rejected
+        message, else count the failure and retry it (:meth:`_count_failure`)."""
         assert exc is not None
         self.observer.failed(self.spec, delivery, exc)
         tb = log.format_traceback(exc)
@@ -656,7 +674,7 @@ async def _claim(tx: inbox.Transaction, msg: message.Message, outcome: str) -> b
         raise
 
 
-def _transient(exc: BaseException) -> bool:
+def transient(exc: BaseException) -> bool:
     """Failures of the database (:func:`eop.pg.inbox.transient`): retried here, never counted."""
     return inbox.transient(exc)
 
@@ -667,7 +685,7 @@ def _transient(exc: BaseException) -> bool:
 _CONTENTION_WINDOW_S = 5.0
 
 
-def _contention(exc: BaseException) -> bool:
+def contention(exc: BaseException) -> bool:
     """A deadlock, a serialization failure or a lock timeout: transactions in each other's way."""
     if isinstance(exc, errors.TransactionConflict):
         return True

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from eop import errors
 from eop.pg import models
-from eop.pg.inbox import DeadLetter, Existing
+from eop.pg.inbox import INFRASTRUCTURE, DeadLetter, Existing, classify
 from eop.testing.failures import Ambiguous, ErrorSpec, Failures, LockNotAvailable, instantiate
 from eop.testing.rows import DeadLetterRow, InboxKey, InboxRow, inbox_key
 
@@ -32,7 +32,11 @@ class MemoryStore:
       open transaction makes it wait, up to ``lock_timeout_s`` (None: forever);
     - rows, dead letters and the handler's writes (:attr:`effects`) are
       visible to others after COMMIT only; a rollback discards them;
-    - one dead letter per (key, fingerprint).
+    - one dead letter per (key, fingerprint);
+    - for the batch path, a claim of several rows is one statement (skipping
+      taken keys and msg-ids, failing whole), a dropped claim keeps its key
+      locked until the transaction ends, and a handler run in a savepoint
+      (``run_isolated``) has its writes rolled back alone when it fails.
 
     Knobs inject the failures the protocol must survive: :meth:`fail_transactions`,
     :meth:`fail_claims`, :meth:`lock_timeout_claims`, :meth:`conflict_commits`,
@@ -197,6 +201,10 @@ class MemoryStore:
             except asyncio.TimeoutError:
                 raise LockNotAvailable() from None
 
+    def _committed(self, key: InboxKey, id_key: tuple[str, str] | None) -> bool:
+        """Whether a committed inbox row has ``key`` or (the guard's) ``id_key``."""
+        return key in self.inbox or (id_key is not None and id_key in self._by_msg_id)
+
     def _release(self, tx: MemoryTransaction) -> None:
         self._claims = {k: holder for k, holder in self._claims.items() if holder is not tx}
         self._msg_id_claims = {
@@ -267,22 +275,59 @@ class MemoryTransaction:
         held by another open transaction makes this wait for it to end; the
         store's ``lock_timeout_s`` bounds that wait (:class:`LockNotAvailable`).
         """
+        return bool(await self.claim_many([message], outcome))
+
+    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
+        """Claim a batch as one ``INSERT ... ON CONFLICT DO NOTHING`` would; the sequences claimed.
+
+        The rows go in in order, each as :meth:`claim`'s: one whose key or
+        msg-id is taken (by a committed row, by this transaction, or by an
+        earlier row of the batch) is skipped; one held by another open
+        transaction makes the statement wait for it. A claim that fails (a lock
+        timeout, :meth:`MemoryStore.fail_claims`) fails whole, as a statement
+        does in PostgreSQL: none of its rows stay (the keys it reached stay
+        locked until the transaction ends). Unlike PostgreSQL, the fake does not
+        abort the transaction: later statements still run.
+        """
         self._check_open()
-        self.store._failures.raise_next("claim")
+        rows_before = len(self._rows)
+        claimed: set[int] = set()
+        try:
+            self.store._failures.raise_next("claim")
+            for message in messages:
+                key = inbox_key(message)
+                msg_id = message.msg_id if self.spec.msg_id_guard else None
+                id_key = None if msg_id is None else (message.subscription, msg_id)
+                await self.store._wait_for_holders(self, key, id_key)
+                if self._holds(key, id_key) or self.store._committed(key, id_key):
+                    continue
+                self._rows.append(InboxRow.of(message, outcome, msg_id))
+                self.store._claims[key] = self
+                if id_key is not None:
+                    self.store._msg_id_claims[id_key] = self
+                claimed.add(message.seq)
+        except BaseException:
+            del self._rows[rows_before:]
+            raise
+        return claimed
+
+    async def unclaim(self, message: Message) -> None:
+        """Drop this transaction's inbox row of ``message``, as ``DELETE`` of it would.
+
+        The key (and msg-id) stays locked until this transaction ends: a
+        concurrent claim keeps waiting, as on a row PostgreSQL saw inserted
+        and deleted by a transaction still open.
+        """
+        self._check_open()
         key = inbox_key(message)
-        msg_id = message.msg_id if self.spec.msg_id_guard else None
-        id_key = None if msg_id is None else (message.subscription, msg_id)
-        holder = await self.store._wait_for_holders(self, key, id_key)
-        if holder is self:
-            return False
-        if key in self.store.inbox or (id_key is not None and id_key in self.store._by_msg_id):
-            return False
-        row = InboxRow.of(message, outcome, msg_id)
-        self._rows.append(row)
-        self.store._claims[key] = self
-        if id_key is not None:
-            self.store._msg_id_claims[id_key] = self
-        return True
+        self._rows = [row for row in self._rows if row.key != key]
+
+    def _holds(self, key: InboxKey, id_key: tuple[str, str] | None) -> bool:
+        """Whether a row of this transaction has ``key`` or (the guard's) ``id_key``."""
+        return any(
+            row.key == key or (id_key is not None and (row.subscription, row.msg_id) == id_key)
+            for row in self._rows
+        )
 
     async def find(self, message: Message) -> Existing | None:
         """What the inbox holds (committed, or claimed by this transaction) for the message."""
@@ -348,18 +393,51 @@ class MemoryTransaction:
         self._settled[key] = outcome
         return True
 
-    async def run(self, message: Message) -> None:
+    async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call ``spec.func(message, session)``, awaiting it when it returns an awaitable.
 
         A plain ``def`` handler runs on the event loop here (the real store
-        runs it in a worker thread).
+        runs it in a worker thread). ``flush=False`` is accepted for the batch
+        path; the fake session sends nothing before COMMIT either way.
         """
+        await self.run_many([message], flush=flush)
+
+    async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:
+        """Call a batch handler (``spec.batch``) with ``messages``, as :meth:`run` does one."""
         self._check_open()
-        arg, extra = self.spec.arguments([message])
+        arg, extra = self.spec.arguments(messages)
         func: Any = self.spec.func  # given a fake session
         result = func(arg, self.session, **extra)
         if inspect.isawaitable(result):
             await result
+        if flush:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Nothing to send: the fake session keeps what the handlers added until COMMIT.
+
+        Not counted in :attr:`FakeSession.flushes`, which counts the handler's own.
+        """
+        self._check_open()
+
+    async def run_isolated(self, messages: list[Message]) -> Exception | None:
+        """Run the handler on ``messages`` as inside a savepoint; its error, or None.
+
+        A handler error rolls back what the handler added (the rest of the
+        transaction stays) and is returned; a failure of the database
+        (:data:`eop.pg.inbox.INFRASTRUCTURE`) is raised, as the real
+        transactions do.
+        """
+        self._check_open()
+        savepoint = len(self.session.added)
+        try:
+            await self.run_many(messages)
+        except Exception as exc:
+            if classify(exc) in INFRASTRUCTURE:
+                raise
+            del self.session.added[savepoint:]
+            return exc
+        return None
 
     async def commit(self) -> None:
         """COMMIT, unless the store was told to fail it (see :class:`MemoryStore`)."""

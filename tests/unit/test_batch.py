@@ -1,18 +1,343 @@
-"""Batch preparation: one epoch look-up for a batch that one epoch holds, per message otherwise."""
+"""The batch path (:mod:`eop.protocol.batch`), branch by branch, on eop.testing's fakes.
+
+One transaction claims the whole batch, runs its handlers, commits once and
+acks every message; what it cannot settle goes to the per-message protocol.
+The integration tests (tests/integration/test_batch.py) run the same paths on
+NATS and PostgreSQL.
+"""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime
 from typing import Any
 
+import eop
 from eop import testing
 from eop.handler import HandlerSpec
+from eop.message import Message
+from eop.pg import models
 from eop.protocol import batch, processor
+from eop.types import Outcome
 
-from .support import FAST
+from .support import FAST, STREAM, delivery, effect_of
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
 RECREATED = T0 + datetime.timedelta(seconds=10)
+
+
+class StatementTimeout(Exception):
+    """What the driver raises when a statement outlives ``statement_timeout`` (sqlstate 57014)."""
+
+    sqlstate = "57014"
+
+
+class UniqueViolation(Exception):
+    """What the driver raises when a deferred unique constraint fails at COMMIT."""
+
+    sqlstate = "23505"
+
+
+@dataclasses.dataclass
+class Batches:
+    """A BatchProcessor on a MemoryStore, with a handler that fails for chosen payloads."""
+
+    processor: batch.BatchProcessor
+    store: testing.MemoryStore
+    calls: list[list[int]]
+    """The sequences the handler was called with, call by call."""
+    failing: dict[bytes, list[Exception | None]]
+    """Per payload, what its next handler runs raise (None: nothing), in turn; the last
+    entry stays (so ``[error]`` fails every run)."""
+
+    def fail(self, data: bytes, *errors: Exception | None) -> Batches:
+        """Make the handler raise ``errors`` in turn for the message with payload ``data``."""
+        self.failing[data] = list(errors)
+        return self
+
+    async def handle(self, *deliveries: testing.FakeDelivery) -> collections.Counter[Outcome]:
+        """Process ``deliveries`` as one fetched batch; how many of each outcome."""
+        outcomes = await self.processor.handle_batch(deliveries, self.processor.single.clock())
+        assert len(outcomes) == len(deliveries)
+        return collections.Counter(outcomes)
+
+    def runs_of(self, seq: int) -> int:
+        """How many handler calls included the message at ``seq``."""
+        return sum(seq in call for call in self.calls)
+
+    def message(self, d: testing.FakeDelivery) -> Message:
+        """The message of ``d`` as the handler sees it (epoch e1)."""
+        return eop.message.from_nats(d, subscription="orders", stream_epoch="e1")
+
+
+def make(*, batch_handler: bool = False) -> Batches:
+    calls: list[list[int]] = []
+    failing: dict[bytes, list[Exception | None]] = {}
+
+    def run(msg: Message, session: Any) -> None:
+        session.add(effect_of(msg))
+        queued = failing.get(msg.data)
+        if queued:
+            error = queued.pop(0) if len(queued) > 1 else queued[0]
+            if error is not None:
+                raise error
+
+    async def one(msg: Message, session: Any) -> None:
+        calls.append([msg.seq])
+        run(msg, session)
+
+    async def many(msgs: list[Message], session: Any) -> None:
+        calls.append([m.seq for m in msgs])
+        for msg in msgs:
+            run(msg, session)
+
+    spec = HandlerSpec(
+        func=many if batch_handler else one,
+        name="orders",
+        stream=STREAM,
+        subject="orders.>",
+        durable="eop-orders",
+        batch=batch_handler,
+    )
+    store = testing.MemoryStore()
+    single = processor.Processor(
+        spec=spec, settings=FAST, store=store, epochs=testing.FakeEpochs({STREAM: "e1"})
+    )
+    return Batches(batch.BatchProcessor(single), store, calls, failing)
+
+
+def three() -> list[testing.FakeDelivery]:
+    """Three deliveries with payloads b"1", b"2", b"3" at sequences 1, 2, 3."""
+    return [delivery(str(seq).encode(), seq=seq) for seq in (1, 2, 3)]
+
+
+def effects(*seqs: int) -> list[tuple[str, int, bytes]]:
+    return [("effect", seq, str(seq).encode()) for seq in seqs]
+
+
+def key(seq: int) -> testing.InboxKey:
+    return ("orders", STREAM, "e1", seq)
+
+
+# ------------------------------------------------------------ optimistic pass
+
+
+async def test_optimistic_pass_commits_the_whole_batch_in_one_transaction_and_acks_each() -> None:
+    b = make()
+    ds = three()
+    assert await b.handle(*ds) == {Outcome.PROCESSED: 3}
+    assert (b.store.transactions, b.store.commits) == (1, 1)
+    assert b.calls == [[1], [2], [3]]  # each handler once: no savepoint pass
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+    assert [b.store.outcome_of(b.message(d)) for d in ds] == [models.OUTCOME_PROCESSED] * 3
+    assert all(d.acked and not d.naked and not d.termed for d in ds)
+
+
+async def test_optimistic_pass_calls_a_batch_handler_once_with_the_whole_batch() -> None:
+    b = make(batch_handler=True)
+    assert await b.handle(*three()) == {Outcome.PROCESSED: 3}
+    assert b.calls == [[1, 2, 3]]
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+
+
+# ------------------------------------------------------------- isolation pass
+
+
+async def test_isolation_pass_commits_the_others_once_and_parks_the_failed_one() -> None:
+    """One handler fails: the batch is run again with a savepoint per message; the
+    others commit once, the failed one's writes are rolled back, its failure is counted
+    and it is parked for a retry (acked), not dead-lettered."""
+    b = make().fail(b"2", ValueError("boom"))
+    d1, d2, d3 = three()
+    assert await b.handle(d1, d2, d3) == {Outcome.PROCESSED: 2, Outcome.RETRY: 1}
+    assert sorted(b.store.effects) == effects(1, 3)
+    assert b.store.outcome_of(b.message(d1)) == models.OUTCOME_PROCESSED
+    assert b.store.outcome_of(b.message(d2)) == models.OUTCOME_RETRYING
+    assert b.store.attempts == {key(2): 1}
+    assert b.store.parked == {key(2)}
+    assert b.store.dead_letters == []
+    assert (d2.acked, d2.termed) == (True, False)
+    assert (d1.acked, d3.acked) == (True, True)
+
+
+async def test_a_handler_failing_only_in_the_optimistic_pass_commits_with_the_batch() -> None:
+    """The savepoint pass runs every handler again; one that succeeds there commits with
+    the others, and no failure is counted for it."""
+    b = make().fail(b"2", ValueError("once"), None)
+    assert await b.handle(*three()) == {Outcome.PROCESSED: 3}
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+    assert b.store.attempts == {}
+    assert b.runs_of(2) == 2
+
+
+async def test_a_failed_message_in_a_batch_is_dead_lettered_when_its_own_attempts_run_out() -> None:
+    b = make().fail(b"2", ValueError("boom"))
+    b.store.attempts[key(2)] = FAST.max_attempts - 1
+    d1, d2, d3 = three()
+    assert await b.handle(d1, d2, d3) == {Outcome.PROCESSED: 2, Outcome.DEAD_LETTERED: 1}
+    [dead] = b.store.dead_letters
+    assert (dead.stream_seq, dead.reason) == (2, models.REASON_ATTEMPTS_EXHAUSTED)
+    assert d2.termed
+    assert sorted(b.store.effects) == effects(1, 3)
+    assert b.store.attempts == {}
+
+
+async def test_a_failing_batch_handler_is_rerun_whole_then_one_message_per_savepoint() -> None:
+    """Which message a batch handler choked on is unknown: after the whole batch fails
+    in its savepoint, each message runs alone in its own."""
+    b = make(batch_handler=True).fail(b"2", ValueError("boom"))
+    assert await b.handle(*three()) == {Outcome.PROCESSED: 2, Outcome.RETRY: 1}
+    assert b.calls == [[1, 2, 3], [1, 2, 3], [1], [2], [3]]
+    assert sorted(b.store.effects) == effects(1, 3)
+    assert b.store.attempts == {key(2): 1}
+
+
+async def test_a_database_failure_in_a_handler_is_no_failure_each_message_retries_alone() -> None:
+    """A statement timeout inside a handler is the database's: nothing is counted, and
+    the batch's messages go to the per-message protocol, which commits each once."""
+    b = make().fail(b"2", StatementTimeout("canceling statement due to statement timeout"), None)
+    assert await b.handle(*three()) == {Outcome.PROCESSED: 3}
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+    assert b.store.attempts == {}
+    assert b.store.dead_letters == []
+
+
+# ----------------------------------------------------------- dead letters
+
+
+async def test_a_rejected_message_in_a_batch_is_dead_lettered_while_the_others_commit_once() -> (
+    None
+):
+    b = make().fail(b"2", eop.Reject("no such customer"))
+    d1, d2, d3 = three()
+    assert await b.handle(d1, d2, d3) == {Outcome.PROCESSED: 2, Outcome.DEAD_LETTERED: 1}
+    [dead] = b.store.dead_letters
+    assert (dead.stream_seq, dead.reason) == (2, models.REASON_REJECTED)
+    assert b.store.outcome_of(b.message(d2)) == models.OUTCOME_DEAD_LETTERED
+    assert (d2.termed, d2.acked) == (True, False)
+    assert sorted(b.store.effects) == effects(1, 3)
+    assert b.store.attempts == {}
+
+
+async def test_an_undecodable_message_in_a_batch_is_dead_lettered_without_running_its_handler() -> (
+    None
+):
+    """A header that is not UTF-8 keeps the message out of the batch transaction; the
+    per-message protocol dead-letters it while its neighbours commit once."""
+    d1, _, d3 = three()
+    d2 = delivery(b"2", seq=2, headers={"X-Bad": "a\udcffb"})
+    b = make()
+    assert await b.handle(d1, d2, d3) == {Outcome.PROCESSED: 2, Outcome.DEAD_LETTERED: 1}
+    [dead] = b.store.dead_letters
+    assert (dead.stream_seq, dead.reason) == (2, models.REASON_UNDECODABLE)
+    assert b.runs_of(2) == 0
+    assert d2.termed
+    assert sorted(b.store.effects) == effects(1, 3)
+
+
+# ---------------------------------------------------------- ambiguous commit
+
+
+async def test_an_ambiguous_commit_that_went_through_is_read_back_and_acked_without_rerunning() -> (
+    None
+):
+    b = make()
+    b.store.ambiguous_commit(committed=True)
+    ds = three()
+    assert await b.handle(*ds) == {Outcome.PROCESSED: 3}
+    assert b.calls == [[1], [2], [3]]
+    assert b.store.commits == 1
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+    assert all(d.acked for d in ds)
+
+
+async def test_an_ambiguous_commit_that_rolled_back_naks_the_batch_and_its_redelivery_applies_once() -> (  # noqa: E501
+    None
+):
+    b = make()
+    b.store.ambiguous_commit(committed=False)
+    ds = three()
+    assert await b.handle(*ds) == {Outcome.RETRY: 3}
+    assert all(d.naked and not d.acked for d in ds)
+    assert b.store.effects == []
+    again = [d.redeliver() for d in ds]
+    assert await b.handle(*again) == {Outcome.PROCESSED: 3}
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+    assert all(d.acked for d in again)
+
+
+# ---------------------------------------------------------------- duplicates
+
+
+async def test_a_redelivered_message_with_an_inbox_row_is_acked_in_a_batch_without_running() -> (
+    None
+):
+    b = make()
+    d1, d2, _ = three()
+    assert await b.handle(d1) == {Outcome.PROCESSED: 1}
+    redelivered = d1.redeliver()
+    assert await b.handle(redelivered, d2) == {Outcome.DUPLICATE: 1, Outcome.PROCESSED: 1}
+    assert b.runs_of(1) == 1
+    assert redelivered.acked
+    assert sorted(b.store.effects) == effects(1, 2)
+
+
+async def test_a_republish_inside_the_same_batch_is_acked_as_a_duplicate_without_running() -> None:
+    """Two messages of one batch with one Nats-Msg-Id: the batch's claim takes the first;
+    the second finds its msg-id taken."""
+    first = delivery(b"1", seq=1, headers={"Nats-Msg-Id": "order-1"})
+    republished = delivery(b"1", seq=2, headers={"Nats-Msg-Id": "order-1"})
+    b = make()
+    assert await b.handle(first, republished) == {Outcome.PROCESSED: 1, Outcome.DUPLICATE: 1}
+    assert b.calls == [[1]]
+    assert republished.acked
+    assert b.store.effects == effects(1)
+
+
+# ---------------------------------------------------------------- contention
+
+
+async def test_a_commit_conflict_reruns_the_batch_one_message_per_transaction() -> None:
+    """A deadlock at COMMIT (nothing committed): each message is run again alone, committed
+    once, and the handler runs one transaction at a time for a while."""
+    b = make()
+    b.store.conflict_commits(1)
+    assert await b.handle(*three()) == {Outcome.PROCESSED: 3}
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+    assert b.store.commits == 3
+    assert b.processor.single.in_contention
+    assert b.store.attempts == {}
+
+
+async def test_a_lock_timeout_on_the_batch_claim_runs_the_batch_one_message_at_a_time() -> None:
+    b = make()
+    b.store.lock_timeout_claims(1)
+    assert await b.handle(*three()) == {Outcome.PROCESSED: 3}
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+    assert b.store.commits == 3
+    assert b.processor.single.in_contention
+
+
+async def test_in_contention_a_batch_runs_one_transaction_per_message() -> None:
+    b = make()
+    b.processor.single.note_contention()
+    assert await b.handle(*three()) == {Outcome.PROCESSED: 3}
+    assert (b.store.transactions, b.store.commits) == (3, 3)
+
+
+async def test_a_commit_refused_for_the_handlers_writes_settles_each_message_alone() -> None:
+    """A deferred constraint fails the batch's COMMIT: no batch failure, no attempt counted;
+    each message runs in its own transaction, where a refusal would be its handler's."""
+    b = make()
+    b.store.fail_commits(1, UniqueViolation("duplicate key value violates orders_pkey"))
+    assert await b.handle(*three()) == {Outcome.PROCESSED: 3}
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+    assert b.store.commits == 3
+    assert b.store.attempts == {}
+
+
+# -------------------------------------------------------------------- epochs
 
 
 class TwoEpochs:
@@ -30,19 +355,17 @@ class TwoEpochs:
         return "e2"
 
 
-async def noop(msg: Any, session: Any) -> None:
-    """A handler that does nothing."""
+def on_two_epochs(epochs: TwoEpochs) -> tuple[batch.BatchProcessor, testing.MemoryStore]:
+    async def noop(msg: Message, session: Any) -> None:
+        """A handler that does nothing."""
 
-
-def batch_processor(epochs: TwoEpochs) -> batch.BatchProcessor:
     spec = HandlerSpec(func=noop, name="orders", stream="S", subject="s", durable="eop-orders")
-    single = processor.Processor(
-        spec=spec, settings=FAST, store=testing.MemoryStore(), epochs=epochs
-    )
-    return batch.BatchProcessor(single)
+    store = testing.MemoryStore()
+    single = processor.Processor(spec=spec, settings=FAST, store=store, epochs=epochs)
+    return batch.BatchProcessor(single), store
 
 
-def deliveries(*seconds: int) -> list[testing.FakeDelivery]:
+def stored_at(*seconds: int) -> list[testing.FakeDelivery]:
     return [
         testing.FakeDelivery.make(seq=i, timestamp=T0 + datetime.timedelta(seconds=s))
         for i, s in enumerate(seconds, 1)
@@ -51,15 +374,14 @@ def deliveries(*seconds: int) -> list[testing.FakeDelivery]:
 
 async def test_a_batch_within_one_epoch_needs_two_lookups_whatever_its_size() -> None:
     epochs = TwoEpochs()
-    bp = batch_processor(epochs)
-    items, others = await bp._prepare(deliveries(*range(8)), bp.single.clock())
-    assert [i.msg.stream_epoch for i in items] == ["e1"] * 8
-    assert others == []
+    bp, store = on_two_epochs(epochs)
+    await bp.handle_batch(stored_at(*range(8)), bp.single.clock())
+    assert sorted(k[2] for k in store.inbox) == ["e1"] * 8
     assert epochs.lookups == 2
 
 
 async def test_a_batch_across_a_recreated_stream_gets_each_messages_own_epoch() -> None:
     epochs = TwoEpochs()
-    bp = batch_processor(epochs)
-    items, _ = await bp._prepare(deliveries(8, 9, 10, 11), bp.single.clock())
-    assert [i.msg.stream_epoch for i in items] == ["e1", "e1", "e2", "e2"]
+    bp, store = on_two_epochs(epochs)
+    await bp.handle_batch(stored_at(8, 9, 10, 11), bp.single.clock())
+    assert {k[3]: k[2] for k in store.inbox} == {1: "e1", 2: "e1", 3: "e2", 4: "e2"}

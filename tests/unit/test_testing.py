@@ -280,6 +280,104 @@ async def test_a_concurrent_claim_times_out_with_a_lock_timeout_error() -> None:
     assert inbox.classify(info.value) is inbox.DbFailure.LOCK_TIMEOUT
 
 
+async def test_claim_many_claims_in_one_go_skipping_taken_keys_and_msg_ids() -> None:
+    """Like INSERT ... ON CONFLICT DO NOTHING: a committed key, a committed msg-id and a
+    msg-id repeated by an earlier row of the same batch are skipped, the rest claimed."""
+    store = testing.MemoryStore()
+    store.record(message(seq=2))
+    store.record(message(seq=9, msg_id="taken"))
+    batch = [
+        message(seq=1, msg_id="a"),
+        message(seq=2),
+        message(seq=3, msg_id="taken"),
+        message(seq=4, msg_id="a"),
+        message(seq=5),
+    ]
+    async with store.transaction(spec()) as tx:
+        assert await tx.claim_many(batch, models.OUTCOME_PROCESSED) == {1, 5}
+        await tx.commit()
+    assert sorted(k[3] for k in store.inbox) == [1, 2, 5, 9]
+
+
+async def test_claim_many_that_times_out_on_a_held_key_claims_nothing() -> None:
+    """A failed statement leaves none of its rows, even those it inserted before waiting."""
+    store = testing.MemoryStore(lock_timeout_s=0.01)
+    async with store.transaction(spec()) as holder:
+        await holder.claim(message(seq=2), models.OUTCOME_PROCESSED)
+        async with store.transaction(spec()) as tx:
+            with pytest.raises(testing.LockNotAvailable):
+                await tx.claim_many([message(seq=1), message(seq=2)], models.OUTCOME_PROCESSED)
+            assert await tx.find(message(seq=1)) is None
+
+
+async def test_unclaim_drops_the_row_but_keeps_the_key_locked_until_the_end() -> None:
+    """As a row inserted and deleted by an open PostgreSQL transaction: a concurrent claim
+    waits for that transaction, then finds the key free."""
+    store = testing.MemoryStore()
+    async with store.transaction(spec()) as first:
+        await first.claim_many([message(seq=1), message(seq=2)], models.OUTCOME_PROCESSED)
+        await first.unclaim(message(seq=1))
+        assert await first.find(message(seq=1)) is None
+        async with store.transaction(spec()) as second:
+            waiting = asyncio.create_task(second.claim(message(seq=1), models.OUTCOME_PROCESSED))
+            await asyncio.sleep(0)
+            assert not waiting.done()
+            await first.commit()
+            assert await waiting is True
+    assert sorted(k[3] for k in store.inbox) == [2]
+
+
+async def test_run_isolated_rolls_back_a_failing_handlers_writes_alone_and_returns_its_error() -> (
+    None
+):
+    async def fails_on_2(msg: Message, session: Any) -> None:
+        session.add(("effect", msg.seq))
+        if msg.seq == 2:
+            raise ValueError("boom")
+
+    store = testing.MemoryStore()
+    async with store.transaction(spec(func=fails_on_2)) as tx:
+        assert await tx.run_isolated([message(seq=1)]) is None
+        error = await tx.run_isolated([message(seq=2)])
+        assert isinstance(error, ValueError)
+        assert await tx.run_isolated([message(seq=3)]) is None
+        await tx.commit()
+    assert store.effects == [("effect", 1), ("effect", 3)]
+
+
+async def test_run_isolated_raises_a_failure_of_the_database() -> None:
+    class StatementTimeout(Exception):
+        sqlstate = "57014"
+
+    async def times_out(msg: Message, session: Any) -> None:
+        raise StatementTimeout()
+
+    store = testing.MemoryStore()
+    async with store.transaction(spec(func=times_out)) as tx:
+        with pytest.raises(StatementTimeout):
+            await tx.run_isolated([message()])
+
+
+async def test_run_many_calls_a_batch_handler_with_the_list() -> None:
+    seen: list[list[int]] = []
+
+    async def batch_handler(msgs: list[Message], session: Any) -> None:
+        seen.append([m.seq for m in msgs])
+
+    batch_spec = HandlerSpec(
+        func=batch_handler,
+        name="orders",
+        stream="ORDERS",
+        subject="orders.>",
+        durable="eop-orders",
+        batch=True,
+    )
+    async with testing.MemoryStore().transaction(batch_spec) as tx:
+        await tx.run_many([message(seq=1), message(seq=2)], flush=False)
+        await tx.flush()
+    assert seen == [[1, 2]]
+
+
 async def test_dead_letters_are_unique_per_key_and_fingerprint() -> None:
     store = testing.MemoryStore()
     dead = inbox.DeadLetter(reason="rejected", error="e")
