@@ -16,15 +16,10 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from eop import errors
-from eop.handler import HandlerSpec
 from eop.observe import metrics
 from eop.observe import observer as observe
-
-if TYPE_CHECKING:
-    from eop.types import Delivery, Outcome
 
 DB_FRESH_S = 10.0
 """A committed outcome or a ping younger than this shows PostgreSQL is reachable."""
@@ -62,18 +57,9 @@ class Readiness(observe.Observer):
         self._db_ok_at = -float("inf")
         self._pinging: asyncio.Task[bool] | None = None
 
-    def outcome(
-        self,
-        spec: HandlerSpec,
-        delivery: Delivery,
-        outcome: Outcome,
-        *,
-        reason: str | None = None,
-        ack_s: float | None = None,
-        acked: bool = True,
-    ) -> None:
+    def outcome(self, event: observe.Settled) -> None:
         """A settled outcome that touched the database proves it reachable."""
-        if outcome.value in _DB_OUTCOMES:
+        if event.outcome.value in _DB_OUTCOMES:
             self._db_ok_at = self._clock()
 
     async def check(self) -> dict[str, bool]:

@@ -23,7 +23,7 @@ from eop.observe import observer as observe
 from eop.pg import models
 
 if TYPE_CHECKING:
-    from eop.types import Delivery, Outcome
+    from eop.types import Delivery
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The Content-Type of the text exposition format."""
@@ -363,31 +363,22 @@ class WorkerMetrics(observe.Observer):
         """The deliveries are no longer in flight."""
         self._of(spec).in_flight.dec(len(deliveries))
 
-    def outcome(
-        self,
-        spec: HandlerSpec,
-        delivery: Delivery,
-        outcome: Outcome,
-        *,
-        reason: str | None = None,
-        ack_s: float | None = None,
-        acked: bool = True,
-    ) -> None:
+    def outcome(self, event: observe.Settled) -> None:
         """Count the outcome; time the ack of a processed message."""
-        s = self._of(spec)
-        kind = outcome.value
+        s = self._of(event.spec)
+        kind = event.outcome.value
         if kind == "processed":
             s.processed.inc()
-            if ack_s is not None:
-                s.commit_to_ack_s.observe(ack_s)
-            if not acked:
+            if event.ack_s is not None:
+                s.commit_to_ack_s.observe(event.ack_s)
+            if not event.acked:
                 s.acks_failed.inc()
         elif kind == "duplicate":
             s.duplicate.inc()
         elif kind == "retry":
             s.retried.inc()
         elif kind in ("dead_lettered", "quarantined"):
-            label = reason or models.REASON_REJECTED
+            label = event.reason or models.REASON_REJECTED
             counter = s.dead.get(label)
             if counter is None:
                 counter = s.dead[label] = self.dead_lettered.labels(*s.key, label)

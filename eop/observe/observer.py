@@ -23,28 +23,31 @@ if TYPE_CHECKING:
     from eop.types import Delivery, Outcome
 
 
+@dataclasses.dataclass(slots=True)
+class Settled:
+    """A delivery was settled: what :meth:`Observer.outcome` is told (observers only read it).
+
+    ``reason`` is the dead letter's reason; for a processed message ``ack_s``
+    is the time from COMMIT to the confirmed ack and ``acked`` is False when
+    the ack was given up after the COMMIT.
+    """
+
+    spec: HandlerSpec
+    delivery: Delivery
+    outcome: Outcome
+    reason: str | None = None
+    ack_s: float | None = None
+    acked: bool = True
+
+
 class Observer:
     """Receives the events of message processing; this base class ignores them all."""
 
     def received(self, spec: HandlerSpec, deliveries: Sequence[Delivery]) -> None:
         """Deliveries of ``spec`` start being processed (one message, or a batch)."""
 
-    def outcome(
-        self,
-        spec: HandlerSpec,
-        delivery: Delivery,
-        outcome: Outcome,
-        *,
-        reason: str | None = None,
-        ack_s: float | None = None,
-        acked: bool = True,
-    ) -> None:
-        """A delivery was settled.
-
-        ``reason`` is the dead letter's reason; for a processed message
-        ``ack_s`` is the time from COMMIT to the confirmed ack and ``acked``
-        is False when the ack was given up after the COMMIT.
-        """
+    def outcome(self, event: Settled) -> None:
+        """A delivery was settled (one event per delivery, whatever its outcome)."""
 
     def failed(self, spec: HandlerSpec, delivery: Delivery, error: BaseException) -> None:
         """The handler raised on this delivery (its outcome follows: retry or dead letter)."""
@@ -84,19 +87,10 @@ class Fanout(Observer):
         for o in self.observers:
             o.received(spec, deliveries)
 
-    def outcome(
-        self,
-        spec: HandlerSpec,
-        delivery: Delivery,
-        outcome: Outcome,
-        *,
-        reason: str | None = None,
-        ack_s: float | None = None,
-        acked: bool = True,
-    ) -> None:
+    def outcome(self, event: Settled) -> None:
         """Pass :meth:`Observer.outcome` on."""
         for o in self.observers:
-            o.outcome(spec, delivery, outcome, reason=reason, ack_s=ack_s, acked=acked)
+            o.outcome(event)
 
     def failed(self, spec: HandlerSpec, delivery: Delivery, error: BaseException) -> None:
         """Pass :meth:`Observer.failed` on."""

@@ -35,7 +35,7 @@ else:
     AVAILABLE = True
 
 if TYPE_CHECKING:
-    from eop.types import Delivery, Outcome
+    from eop.types import Delivery
 
 _ERROR_OUTCOMES = frozenset({"dead_lettered", "quarantined"})
 
@@ -136,30 +136,21 @@ class Tracing(observe.Observer):
             span.record_exception(error)
             span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}"))
 
-    def outcome(
-        self,
-        spec: HandlerSpec,
-        delivery: Delivery,
-        outcome: Outcome,
-        *,
-        reason: str | None = None,
-        ack_s: float | None = None,
-        acked: bool = True,
-    ) -> None:
+    def outcome(self, event: observe.Settled) -> None:
         """Set the outcome and end the span."""
         if not self._spans:
             return
-        key = _key(spec, delivery)
+        key = _key(event.spec, event.delivery)
         span = self._spans.pop(key, None) if key is not None else None
         if span is None:
             return
-        span.set_attribute("eop.outcome", outcome.value)
-        if reason is not None:
-            span.set_attribute("eop.dead_letter.reason", reason)
-        if not acked:
+        span.set_attribute("eop.outcome", event.outcome.value)
+        if event.reason is not None:
+            span.set_attribute("eop.dead_letter.reason", event.reason)
+        if not event.acked:
             span.set_attribute("eop.ack_given_up", True)
-        if outcome.value in _ERROR_OUTCOMES:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, f"dead-lettered: {reason}"))
+        if event.outcome.value in _ERROR_OUTCOMES:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"dead-lettered: {event.reason}"))
         span.end()
 
     def errored(

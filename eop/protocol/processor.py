@@ -158,14 +158,14 @@ class Processor:
             # Stored before the stream's current incarnation: that stream, and
             # this message with it, were deleted; it cannot even be acked.
             logger.warning(log.Event.MESSAGE_STREAM_GONE, action=log.Action.LEFT)
-            self.observer.outcome(self.spec, delivery, Outcome.LEFT)
+            self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
             return Outcome.LEFT
         msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
         remaining = self.ack_wait_s - (self.clock() - received_at)
         if remaining < self.settings.lease_margin_s:
             # The server may already have handed this message to someone else.
             logger.info(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, lease_s=remaining)
-            self.observer.outcome(self.spec, delivery, Outcome.LEFT)
+            self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
             return Outcome.LEFT
         problem = message.undecodable(delivery)
         if problem is not None:
@@ -325,7 +325,7 @@ class Processor:
             if not await tx.lock_run(msg, delivery.runs):
                 # A later run took it (this one outlived its lease), or it settled.
                 await tx.rollback()
-                self.observer.outcome(self.spec, delivery, Outcome.LEFT)
+                self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
                 return Outcome.LEFT
             if delivery.runs > delivery.failures + self.settings.max_deliveries:
                 await tx.rollback()
@@ -333,7 +333,7 @@ class Processor:
                 return await self._dead_letter(delivery, msg, dead, logger)
             if not await tx.settle_retrying(msg, models.OUTCOME_PROCESSED):
                 await tx.rollback()
-                self.observer.outcome(self.spec, delivery, Outcome.LEFT)
+                self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
                 return Outcome.LEFT
             try:
                 await tx.run(msg)
@@ -390,16 +390,18 @@ class Processor:
             # Per message at debug: the worker logs one info line per batch.
             logger.debug(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK, **extra)
             self.observer.outcome(
-                self.spec,
-                delivery,
-                outcome,
-                ack_s=time.perf_counter() - committed_at,
-                acked=acked,
+                observe.Settled(
+                    self.spec,
+                    delivery,
+                    outcome,
+                    ack_s=time.perf_counter() - committed_at,
+                    acked=acked,
+                )
             )
             return outcome
         await ack.term(delivery, logger)
         assert dead is not None
-        self.observer.outcome(self.spec, delivery, outcome, reason=dead.reason)
+        self.observer.outcome(observe.Settled(self.spec, delivery, outcome, reason=dead.reason))
         if outcome is Outcome.QUARANTINED:
             logger.error(log.Event.MESSAGE_QUARANTINED, action=log.Action.TERM, alarm=True, **extra)
         else:
@@ -442,7 +444,7 @@ class Processor:
             # redelivery's claim decides, and it cannot apply the effect twice.
             return await self._nak(delivery, msg, None, logger)
         logger.warning(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, ambiguous=True)
-        self.observer.outcome(self.spec, delivery, Outcome.LEFT)
+        self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
         return Outcome.LEFT
 
     async def _not_claimed(
@@ -469,7 +471,7 @@ class Processor:
             by=existing.by,
             outcome=existing.outcome,
         )
-        self.observer.outcome(self.spec, delivery, Outcome.DUPLICATE)
+        self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.DUPLICATE))
         return Outcome.DUPLICATE
 
     async def handler_failed(
@@ -559,7 +561,7 @@ class Processor:
         if not isinstance(delivery, retries.ParkedDelivery):
             await self._ack(delivery, logger)
         logger.info(log.Event.MESSAGE_RETRY, action=log.Action.PARK)
-        self.observer.outcome(self.spec, delivery, Outcome.RETRY)
+        self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.RETRY))
         return Outcome.RETRY
 
     async def _dead_letter(
@@ -589,7 +591,7 @@ class Processor:
             marked = await tx.settle_retrying(msg, models.OUTCOME_DEAD_LETTERED)
             if not marked:
                 await tx.rollback()
-                self.observer.outcome(self.spec, delivery, Outcome.LEFT)
+                self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
                 return Outcome.LEFT
         elif not await _claim(tx, msg, models.OUTCOME_DEAD_LETTERED):
             existing = await tx.find(msg)
@@ -647,7 +649,9 @@ class Processor:
         for delivery, logger, ok in zip(deliveries, loggers, acked, strict=True):
             await faults.point("after_ack")
             logger.debug(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK)
-            self.observer.outcome(self.spec, delivery, Outcome.PROCESSED, ack_s=ack_s, acked=ok)
+            self.observer.outcome(
+                observe.Settled(self.spec, delivery, Outcome.PROCESSED, ack_s=ack_s, acked=ok)
+            )
 
     async def _nak(
         self, delivery: Delivery, msg: message.Message, delay_s: float | None, logger: Any
@@ -657,7 +661,7 @@ class Processor:
                 msg.num_delivered, self.settings.backoff_base_s, self.settings.backoff_max_s
             )
         await ack.nak(delivery, delay_s, logger)
-        self.observer.outcome(self.spec, delivery, Outcome.RETRY)
+        self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.RETRY))
         return Outcome.RETRY
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from eop import errors
 from eop.observe import health, metrics
+from eop.observe.observer import Settled
 from eop.types import Outcome
 
 from .support import delivery
@@ -132,7 +133,7 @@ async def test_recent_outcome_spares_the_ping_and_a_stale_one_pings_again(
 ) -> None:
     """A committed outcome shows the database reachable; after DB_FRESH_S it is pinged again."""
     spec_delivery = delivery()
-    readiness.outcome(None, spec_delivery, Outcome.PROCESSED)  # type: ignore[arg-type]
+    readiness.outcome(Settled(None, spec_delivery, Outcome.PROCESSED))  # type: ignore[arg-type]
     assert (await readiness.check())["database_reachable"]
     assert state.pings == 0
     clock[0] += health.DB_FRESH_S + 1
@@ -145,7 +146,7 @@ async def test_a_retry_outcome_does_not_prove_the_database(
     readiness: health.Readiness, state: State
 ) -> None:
     """A nak says nothing about PostgreSQL: the probe still pings."""
-    readiness.outcome(None, delivery(), Outcome.RETRY)  # type: ignore[arg-type]
+    readiness.outcome(Settled(None, delivery(), Outcome.RETRY))  # type: ignore[arg-type]
     await readiness.check()
     assert state.pings == 1
 

@@ -10,6 +10,7 @@ import pytest
 from eop.handler import HandlerSpec
 from eop.observe import metrics
 from eop.observe import observer as observe
+from eop.observe.observer import Settled
 from eop.pg import models
 from eop.types import Outcome
 
@@ -143,13 +144,13 @@ def test_worker_metrics_count_each_outcome_in_its_counter() -> None:
     s = spec()
     m = metrics.WorkerMetrics([s])
     d = delivery()
-    m.outcome(s, d, Outcome.PROCESSED, ack_s=0.002)
-    m.outcome(s, d, Outcome.PROCESSED, ack_s=0.5, acked=False)
-    m.outcome(s, d, Outcome.DUPLICATE)
-    m.outcome(s, d, Outcome.RETRY)
-    m.outcome(s, d, Outcome.DEAD_LETTERED, reason=models.REASON_ATTEMPTS_EXHAUSTED)
-    m.outcome(s, d, Outcome.QUARANTINED, reason=models.REASON_SEQUENCE_REUSED)
-    m.outcome(s, d, Outcome.LEFT)
+    m.outcome(Settled(s, d, Outcome.PROCESSED, ack_s=0.002))
+    m.outcome(Settled(s, d, Outcome.PROCESSED, ack_s=0.5, acked=False))
+    m.outcome(Settled(s, d, Outcome.DUPLICATE))
+    m.outcome(Settled(s, d, Outcome.RETRY))
+    m.outcome(Settled(s, d, Outcome.DEAD_LETTERED, reason=models.REASON_ATTEMPTS_EXHAUSTED))
+    m.outcome(Settled(s, d, Outcome.QUARANTINED, reason=models.REASON_SEQUENCE_REUSED))
+    m.outcome(Settled(s, d, Outcome.LEFT))
     m.errored(s, [d], RuntimeError())
     m.received(s, [d, d, d])
     m.done(s, [d])
