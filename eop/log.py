@@ -14,7 +14,7 @@ import logging
 import sys
 import traceback
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from sqlalchemy import exc as sa_exc
@@ -117,9 +117,29 @@ def _stringify_enums(
     return event_dict
 
 
-def get_logger(**bindings: Any) -> Any:
+class Logger(Protocol):
+    """What eop's code logs through: a structlog bound logger, or a :class:`LazyLogger`."""
+
+    def bind(self, **more: Any) -> Logger:
+        """A logger with ``more`` bound as well."""
+
+    def debug(self, event: str, **kw: Any) -> Any:
+        """Log at debug level."""
+
+    def info(self, event: str, **kw: Any) -> Any:
+        """Log at info level."""
+
+    def warning(self, event: str, **kw: Any) -> Any:
+        """Log at warning level."""
+
+    def error(self, event: str, **kw: Any) -> Any:
+        """Log at error level."""
+
+
+def get_logger(**bindings: Any) -> Logger:
     """A structlog logger with ``bindings`` bound."""
-    return structlog.get_logger("eop").bind(**bindings)
+    logger: Logger = structlog.get_logger("eop").bind(**bindings)
+    return logger
 
 
 class LazyLogger:
@@ -134,9 +154,9 @@ class LazyLogger:
 
     def __init__(self, **bindings: Any) -> None:
         self._bindings = bindings
-        self._bound: Any = None
+        self._bound: Logger | None = None
 
-    def _logger(self) -> Any:
+    def _logger(self) -> Logger:
         if self._bound is None:
             self._bound = get_logger(**self._bindings)
         return self._bound
@@ -145,21 +165,21 @@ class LazyLogger:
         """A lazy logger with ``more`` bound as well."""
         return LazyLogger(**{**self._bindings, **more})
 
-    def debug(self, event: Any, **kw: Any) -> None:
+    def debug(self, event: str, **kw: Any) -> None:
         """Log at debug level, if that level is enabled."""
         if enabled(logging.DEBUG):
             self._logger().debug(event, **kw)
 
-    def info(self, event: Any, **kw: Any) -> None:
+    def info(self, event: str, **kw: Any) -> None:
         """Log at info level, if that level is enabled."""
         if enabled(logging.INFO):
             self._logger().info(event, **kw)
 
-    def warning(self, event: Any, **kw: Any) -> None:
+    def warning(self, event: str, **kw: Any) -> None:
         """Log at warning level."""
         self._logger().warning(event, **kw)
 
-    def error(self, event: Any, **kw: Any) -> None:
+    def error(self, event: str, **kw: Any) -> None:
         """Log at error level."""
         self._logger().error(event, **kw)
 

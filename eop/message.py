@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from eop import errors, wire
+from eop.types import Delivery
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 
@@ -82,7 +83,7 @@ class Message:
             raise errors.UndecodableMessage(f"payload is not valid JSON: {exc}") from exc
 
 
-def from_nats(msg: Any, *, subscription: str, stream_epoch: str) -> Message:
+def from_nats(msg: Delivery, *, subscription: str, stream_epoch: str) -> Message:
     """Build a :class:`Message` from a nats-py JetStream message.
 
     A message without JetStream metadata cannot be keyed in the inbox:
@@ -108,7 +109,7 @@ def from_nats(msg: Any, *, subscription: str, stream_epoch: str) -> Message:
     )
 
 
-def undecodable(msg: Any) -> str | None:
+def undecodable(msg: Delivery) -> str | None:
     """Why the subject or a header of a nats-py message is not text, or None.
 
     eop's connections deliver bytes that are not UTF-8 as surrogate escapes

@@ -29,6 +29,7 @@ from typing import Any
 
 import nats.aio.client
 import nats.errors
+from nats.aio.client import Client as NATS
 from nats.js import api
 
 from eop import log
@@ -190,7 +191,7 @@ class Client(nats.aio.client.Client):
         )
 
 
-def reading(nc: Any) -> bool:
+def reading(nc: NATS) -> bool:
     """False when the connection says it is connected but its read loop has ended."""
     task = getattr(nc, "_reading_task", None)
     return not (nc.is_connected and task is not None and task.done())

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from eop import errors
@@ -125,9 +127,16 @@ class Bench:
         self.progress = Progress()
         self.payload = b"x" * options.payload_bytes
         self.engine: AsyncEngine = create_async_engine(database_url)
-        self.js: Any = None
+        self.js: JetStreamContext | None = None
 
-    async def start(self, nc: Any) -> None:
+    @property
+    def stream(self) -> JetStreamContext:
+        """The JetStream context, once :meth:`start` made it."""
+        if self.js is None:
+            raise RuntimeError("Bench.start() first")
+        return self.js
+
+    async def start(self, nc: NATS) -> None:
         """Create the bench's tables, its streams, and the consumers of (a) and (b)."""
         from nats.js import api
 
@@ -162,7 +171,7 @@ class Bench:
         for sent in range(0, count, 1000):
             chunk = min(1000, count - sent)
             await asyncio.gather(
-                *(self.js.publish(run.subject, self.payload) for _ in range(chunk))
+                *(self.stream.publish(run.subject, self.payload) for _ in range(chunk))
             )
             self.progress.show(f"({run.key}) publishing", sent + chunk, count)
         self.progress.end()
@@ -174,7 +183,7 @@ class Bench:
         while sent < total:
             due = min(total, int((loop.time() - start) * rate) + 1)
             await asyncio.gather(
-                *(self.js.publish(run.subject, self.payload) for _ in range(due - sent))
+                *(self.stream.publish(run.subject, self.payload) for _ in range(due - sent))
             )
             sent = due
             self.progress.show(f"({run.key}) latency at {rate:,.0f} msg/s", sent, total)
@@ -187,7 +196,7 @@ class Bench:
         import nats.js.errors
 
         try:
-            info = await self.js.consumer_info(run.stream, run.durable)
+            info = await self.stream.consumer_info(run.stream, run.durable)
         except nats.js.errors.NotFoundError:  # an eop worker creates its consumer as it starts
             return 0, 0
         return int(info.ack_floor.stream_seq), int(info.num_ack_pending)

@@ -14,6 +14,8 @@ from typing import Any
 
 import nats.errors
 import tenacity
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import api
 
 from eop import faults, log, retry
@@ -50,7 +52,9 @@ _HEARTBEAT_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, asyncio
 _BATCH_SEND_ERRORS: tuple[type[BaseException], ...] = (*_RETRYABLE_ACK_ERRORS, nats.errors.Error)
 
 
-async def confirm(delivery: Delivery, *, timeout_s: float, give_up_s: float, logger: Any) -> bool:
+async def confirm(
+    delivery: Delivery, *, timeout_s: float, give_up_s: float, logger: log.Logger
+) -> bool:
     """Send a confirmed ack, retried on timeouts and reconnects; True once the server has it.
 
     ``MsgAlreadyAckdError`` means an earlier attempt got through: done. After
@@ -125,7 +129,7 @@ class Acker:
     :func:`confirm`: retried with tenacity, then given up with a warning.
     """
 
-    def __init__(self, nc: Any) -> None:
+    def __init__(self, nc: NATS) -> None:
         self._nc = nc
         self._prefix: str | None = None
         self._lock = asyncio.Lock()
@@ -141,7 +145,7 @@ class Acker:
                     self._prefix = f"{inbox}."
         return self._prefix
 
-    async def _on_reply(self, msg: Any) -> None:
+    async def _on_reply(self, msg: Msg) -> None:
         assert self._prefix is not None
         entry = self._waiting.pop(msg.subject[len(self._prefix) :], None)
         if entry is not None:
@@ -198,7 +202,7 @@ class Acker:
         return confirmed
 
 
-async def nak(delivery: Delivery, delay_s: float, logger: Any) -> None:
+async def nak(delivery: Delivery, delay_s: float, logger: log.Logger) -> None:
     """Nak with a delay; a failure only means the redelivery comes after AckWait instead."""
     try:
         await delivery.nak(delay=delay_s)
@@ -206,7 +210,7 @@ async def nak(delivery: Delivery, delay_s: float, logger: Any) -> None:
         logger.debug(log.Event.ACK_GAVE_UP, action=log.Action.NAK, error=type(exc).__name__)
 
 
-async def term(delivery: Delivery, logger: Any) -> None:
+async def term(delivery: Delivery, logger: log.Logger) -> None:
     """Term the delivery; if that is lost, the redelivery finds the inbox row and is acked."""
     try:
         await delivery.term()
@@ -216,7 +220,7 @@ async def term(delivery: Delivery, logger: Any) -> None:
 
 @contextlib.asynccontextmanager
 async def heartbeat(
-    delivery: Delivery, interval_s: float, logger: Any, *, at_once: bool = False
+    delivery: Delivery, interval_s: float, logger: log.Logger, *, at_once: bool = False
 ) -> AsyncIterator[None]:
     """Keep one delivery's lease while the body runs: :func:`heartbeats` of one."""
     async with heartbeats([delivery], interval_s, [logger], at_once=at_once):

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
+from nats.aio.client import Client as NATS
 
 from eop import errors, wire
 from eop.access import NatsAccess, url_credentials
@@ -172,7 +173,7 @@ async def connect_nats(
     max_reconnect_attempts: int = 2,
     error_cb: Callable[[Exception], Awaitable[None]] | None = None,
     **callbacks: Any,
-) -> Any:
+) -> wire.Client:
     """A nats-py connection, or an eop error that says why there is none.
 
     Unreachable servers are tried ``max_reconnect_attempts`` more times, then
@@ -219,7 +220,7 @@ async def connect_nats(
     return nc
 
 
-async def close_quietly(nc: Any) -> None:
+async def close_quietly(nc: NATS) -> None:
     """Close a nats-py connection, ignoring how that fails (within 2 s).
 
     Closing a connection that is down can fail writing what it still had

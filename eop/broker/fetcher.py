@@ -29,6 +29,8 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import api
 
 _STATUS = api.Header.STATUS.value
@@ -49,7 +51,7 @@ _EXPIRES_MARGIN_NS = 100_000  # the server ends the request before our deadline
 class Fetcher:
     """Fetches batches from one durable pull consumer; see :mod:`eop.broker.fetcher`."""
 
-    def __init__(self, nc: Any, stream: str, durable: str) -> None:
+    def __init__(self, nc: NATS, stream: str, durable: str) -> None:
         self._nc = nc
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._prefix = nc.new_inbox() + "."
@@ -114,7 +116,7 @@ class Fetcher:
             nats.js.errors.APIError.from_msg(ended)
         return got
 
-    async def _on_message(self, msg: Any) -> None:
+    async def _on_message(self, msg: Msg) -> None:
         headers = msg.headers
         status = headers.get(_STATUS) if headers else None
         if status == _HEARTBEAT:

@@ -16,9 +16,10 @@ from typing import Any
 import nats
 import nats.errors
 import nats.js.errors
-from nats.js import api
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext, api
 
-from eop import errors, log
+from eop import errors, log, wire
 from eop.broker import connection, fetcher
 from eop.handler import HandlerSpec, StreamSpec
 from eop.settings import Settings
@@ -38,7 +39,7 @@ async def connect(
     *,
     name: str = "eop",
     on_lost: Callable[[errors.NatsUnavailable], None] | None = None,
-) -> Any:
+) -> wire.Client:
     """Connect to NATS, failing fast if it is unreachable now, reconnecting for ever later.
 
     For ever, unless the server keeps refusing the credentials it accepted
@@ -48,7 +49,7 @@ async def connect(
     the caller to close.
     """
     logger = log.get_logger()
-    nc: Any = None
+    nc: wire.Client | None = None
     access = settings.nats_access
     refusals = connection.Refusals(access, settings.nats_auth_refusals)
     handed_over = False
@@ -118,7 +119,7 @@ class StreamEpochs:
     known epoch belongs to a deleted stream and gets None.
     """
 
-    def __init__(self, nc: Any, api_prefix: str = API_PREFIX) -> None:
+    def __init__(self, nc: NATS, api_prefix: str = API_PREFIX) -> None:
         self._nc = nc
         self._prefix = api_prefix
         self._history: dict[str, list[tuple[datetime.datetime, str]]] = {}
@@ -168,7 +169,7 @@ def epoch_from_info(info: Mapping[str, Any]) -> str:
     return str(metadata.get(EPOCH_METADATA_KEY) or parse_time(info["created"]).isoformat())
 
 
-async def api_request(nc: Any, subject: str, *, what: str, prefix: str = API_PREFIX) -> Any:
+async def api_request(nc: NATS, subject: str, *, what: str, prefix: str = API_PREFIX) -> Any:
     """The decoded reply of a raw JetStream API request (``STREAM.INFO.X``, ...).
 
     Raw, since nats-py's typed infos drop the server's time (``ts``) that
@@ -183,7 +184,7 @@ async def api_request(nc: Any, subject: str, *, what: str, prefix: str = API_PRE
     return json.loads(reply.data)
 
 
-async def raw_stream_info(nc: Any, stream: str, *, prefix: str = API_PREFIX) -> dict[str, Any]:
+async def raw_stream_info(nc: NATS, stream: str, *, prefix: str = API_PREFIX) -> dict[str, Any]:
     """The raw ``STREAM.INFO`` of ``stream``; :class:`eop.ConfigurationError` if it is missing."""
     what = f"cannot read stream {stream!r}"
     info: dict[str, Any] = await api_request(nc, f"STREAM.INFO.{stream}", what=what, prefix=prefix)
@@ -201,7 +202,7 @@ def parse_time(text: str) -> datetime.datetime:
     )
 
 
-async def ensure_stream(js: Any, spec: StreamSpec, *, create: bool) -> None:
+async def ensure_stream(js: JetStreamContext, spec: StreamSpec, *, create: bool) -> None:
     """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata)."""
     with _translated(f"stream {spec.name!r}"):
         try:
@@ -238,7 +239,9 @@ async def ensure_stream(js: Any, spec: StreamSpec, *, create: bool) -> None:
                 ) from None
 
 
-async def ensure_consumer(js: Any, spec: HandlerSpec, settings: Settings, *, create: bool) -> None:
+async def ensure_consumer(
+    js: JetStreamContext, spec: HandlerSpec, settings: Settings, *, create: bool
+) -> None:
     """Bind to the handler's durable pull consumer, creating it when allowed.
 
     An existing consumer must ack explicitly and filter the handler's subject;
@@ -293,7 +296,7 @@ async def ensure_consumer(js: Any, spec: HandlerSpec, settings: Settings, *, cre
             ) from None
 
 
-async def _stream_subjects(js: Any, stream: str) -> list[str] | None:
+async def _stream_subjects(js: JetStreamContext, stream: str) -> list[str] | None:
     try:
         info = await js.stream_info(stream)
     except NATS_ERRORS:
@@ -397,6 +400,6 @@ def subject_matches(pattern: str, subject: str) -> bool:
     return len(want) == len(have)
 
 
-async def subscribe(nc: Any, spec: HandlerSpec) -> fetcher.Fetcher:
+async def subscribe(nc: NATS, spec: HandlerSpec) -> fetcher.Fetcher:
     """A :class:`eop.broker.fetcher.Fetcher` of the handler's durable consumer."""
     return await fetcher.Fetcher(nc, spec.stream, spec.durable).start()

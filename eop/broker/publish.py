@@ -14,6 +14,7 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NATS
 
 from eop import errors
 from eop.message import MSG_ID_HEADER
@@ -31,7 +32,7 @@ def wire_size(data: bytes, headers: Mapping[str, str] | None = None) -> int:
 
 
 async def publish(
-    nc: Any,
+    nc: NATS,
     subject: str,
     data: bytes,
     *,

@@ -31,6 +31,7 @@ from typing import Any
 import nats
 import nats.errors
 import sqlalchemy as sa
+from nats.js import JetStreamContext
 
 from eop import embedded, errors
 from eop.app import App
@@ -303,7 +304,7 @@ class _Run:
             arm=self.scenario.arm_workers,
         )
 
-    def _publisher(self, js: Any) -> publisher.Publisher:
+    def _publisher(self, js: JetStreamContext) -> publisher.Publisher:
         headers = {
             "Authorization": f"Bearer {self.servers.canaries['authorization header']}",
             "X-Api-Key": self.servers.canaries["api key header"],
@@ -366,7 +367,7 @@ class _Run:
         self.report.timings_s["chaos"] = time.monotonic() - started
 
     async def _heal_and_drain(
-        self, js: Any, pool: workers.WorkerPool, inj: injector.Injector
+        self, js: JetStreamContext, pool: workers.WorkerPool, inj: injector.Injector
     ) -> None:
         started = time.monotonic()
         # Unarmed workers from here on; stopping the armed ones gracefully is
@@ -462,7 +463,7 @@ async def _monitor(pool: workers.WorkerPool, lag: dict[str, float]) -> None:
         lag["max loop lag"] = max(lag.get("max loop lag", 0.0), late)
 
 
-async def _pending(js: Any, spec: Any) -> str:
+async def _pending(js: JetStreamContext, spec: Any) -> str:
     try:
         info = await js.consumer_info(spec.stream, spec.durable)
     except Exception as exc:  # only for the message of a liveness failure
@@ -471,7 +472,7 @@ async def _pending(js: Any, spec: Any) -> str:
 
 
 async def _wait_drained(
-    js: Any, spec: Any, deadline_s: float, parked: Callable[[], Awaitable[int]]
+    js: JetStreamContext, spec: Any, deadline_s: float, parked: Callable[[], Awaitable[int]]
 ) -> bool:
     """Wait until the consumer has nothing undelivered and nothing unacked, and no retry
     waits in the database, twice in a row."""

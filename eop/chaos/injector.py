@@ -13,11 +13,11 @@ import collections
 import contextlib
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import nats.errors
 import nats.js.errors
 import sqlalchemy as sa
+from nats.js import JetStreamContext
 from sqlalchemy.pool import NullPool
 
 from eop import embedded
@@ -39,7 +39,7 @@ class Injector:
         nats_proxy: proxy.FaultProxy,
         pg_proxy: proxy.FaultProxy,
         pool: workers.WorkerPool,
-        js: Any,
+        js: JetStreamContext,
         spec: HandlerSpec,
         settings: Settings,
     ) -> None:

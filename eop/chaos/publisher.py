@@ -14,9 +14,9 @@ import dataclasses
 import random
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import nats.errors
+from nats.js import JetStreamContext
 
 from eop.chaos.target import Payload
 
@@ -57,7 +57,7 @@ def plan(
 class Publisher:
     """Publishes a :func:`plan` through a JetStream context, retrying through outages."""
 
-    js: Any
+    js: JetStreamContext
     subject: str
     headers: Mapping[str, str]
     """Added to every message (the canary headers)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from eop import errors, log
 from eop import settings as settings_mod
@@ -40,7 +39,7 @@ __all__ = [
 
 #: The tools' commands: their parsers, and the packages behind them, are loaded
 #: only when one of them is run, so that ``eop worker`` never imports them.
-_TOOLS: dict[str, tuple[str, Callable[[Any], None]]] = {
+_TOOLS: dict[str, tuple[str, Callable[[options.Subparsers], None]]] = {
     "spark": (spark_cli.HELP, spark_cli.add_commands),
     "chaos": (chaos_cli.HELP, chaos_cli.add_command),
     "bench": (bench_cli.HELP, bench_cli.add_command),

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Any
 
 from eop import errors
 from eop.cli import options
 
 
-def add_audit(sub: Any) -> None:
+def add_audit(sub: options.Subparsers) -> None:
     """Add ``audit`` to the subparsers of ``eop``."""
     audit = sub.add_parser(
         "audit",

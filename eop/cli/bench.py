@@ -27,7 +27,7 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
 HELP = "measure eop beside a raw and a naive loop, on embedded servers"
 
 
-def add_command(sub: Any) -> None:
+def add_command(sub: options.Subparsers) -> None:
     """Add ``bench`` to the subparsers of ``eop``."""
     from eop import bench
     from eop.bench import runs

@@ -60,7 +60,7 @@ def _env_var(flag: str) -> str:
 HELP = "prove exactly-once under fire: seeded crashes, outages and lost replies"
 
 
-def add_command(sub: Any) -> None:
+def add_command(sub: options.Subparsers) -> None:
     """Add ``chaos`` to the subparsers of ``eop``."""
     parser = sub.add_parser(
         "chaos",

@@ -12,7 +12,7 @@ from eop import errors
 from eop.cli import options
 
 
-def add_dlq(sub: Any) -> None:
+def add_dlq(sub: options.Subparsers) -> None:
     """Add ``dlq`` and its actions to the subparsers of ``eop``."""
     dlq = sub.add_parser("dlq", help="list, show, replay and purge dead letters")
     dlq_sub = dlq.add_subparsers(title="actions", required=True, metavar="ACTION")
@@ -70,7 +70,7 @@ def add_dlq(sub: Any) -> None:
         options.add_db_options(p)
 
 
-def add_status(sub: Any) -> None:
+def add_status(sub: options.Subparsers) -> None:
     """Add ``status`` to the subparsers of ``eop``."""
     status = sub.add_parser(
         "status", help="per handler: lag, ack-pending window, redeliveries, inbox, dead letters"

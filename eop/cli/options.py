@@ -11,12 +11,16 @@ import dataclasses
 import os
 import sys
 from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
 
 from eop import errors
 from eop import settings as settings_mod
 from eop.app import App
 from eop.pg import migrate
+
+if TYPE_CHECKING:
+    #: What ``add_subparsers()`` returns: each subcommand module adds its parsers to it.
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 T = TypeVar("T")
 

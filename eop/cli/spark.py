@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from eop import errors as eop_errors
 from eop.app import App, select_handlers
@@ -55,7 +55,7 @@ _FLAG_FIELDS = (
 HELP = "run a handler on Apache Spark: backfills and streams"
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: options.Subparsers) -> None:
     """Add ``spark`` and its actions to the subparsers of ``eop``."""
     spark = sub.add_parser("spark", help=HELP)
     actions = spark.add_subparsers(title="actions", required=True, metavar="ACTION")

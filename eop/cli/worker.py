@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from eop.cli import options
 
@@ -46,7 +45,7 @@ WORKER_FIELDS = (
 )
 
 
-def add_worker(sub: Any) -> None:
+def add_worker(sub: options.Subparsers) -> None:
     """Add ``worker`` to the subparsers of ``eop``."""
     worker = sub.add_parser(
         "worker",
@@ -65,7 +64,7 @@ def add_worker(sub: Any) -> None:
     worker.set_defaults(command=_cmd_worker)
 
 
-def add_db(sub: Any) -> None:
+def add_db(sub: options.Subparsers) -> None:
     """Add ``db`` and its actions to the subparsers of ``eop``."""
     db = sub.add_parser("db", help="manage eop's tables (Alembic migrations)")
     db_sub = db.add_subparsers(title="actions", required=True, metavar="ACTION")
@@ -83,7 +82,7 @@ def add_db(sub: Any) -> None:
         p.set_defaults(command=_cmd_db, action=action)
 
 
-def add_demo(sub: Any) -> None:
+def add_demo(sub: options.Subparsers) -> None:
     """Add ``demo`` to the subparsers of ``eop``."""
     demo = sub.add_parser(
         "demo",

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import nats.js.errors
+from nats.js import JetStreamContext
 
 from eop import errors
 from eop.app import App, select_handlers
@@ -107,7 +108,7 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
 
 
 async def _from_nats(
-    js: Any, epochs: jetstream.StreamEpochs, spec: HandlerSpec, status: HandlerStatus
+    js: JetStreamContext, epochs: jetstream.StreamEpochs, spec: HandlerSpec, status: HandlerStatus
 ) -> None:
     try:
         await js.stream_info(spec.stream)

@@ -134,9 +134,7 @@ CLAIM_COLUMNS: tuple[str, ...] = tuple(name for name, _, _ in _CLAIM_COLUMNS)
 """The columns of a claimed inbox row, in the order of the claim's parameters."""
 
 
-def watermark(
-    t: models.Tables, subscription: str, stream: str, epoch: str
-) -> sa.Select[tuple[int]]:
+def watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> sa.Select[int]:
     """The watermark of a subscription on one stream epoch."""
     w = t.watermarks.c
     return sa.select(w.watermark).where(*_in_epoch(w, subscription, stream, epoch))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from eop import errors, faults, log, message
 from eop.broker import ack
@@ -27,7 +26,7 @@ from eop.types import Delivery, Outcome
 class _Item:
     delivery: Delivery
     msg: message.Message
-    logger: Any
+    logger: log.Logger
 
 
 class BatchProcessor:

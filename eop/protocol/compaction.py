@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
+from nats.js import JetStreamContext
 
 from eop import errors, log
 from eop.broker.jetstream import StreamEpochs
@@ -38,7 +39,7 @@ class Compactor:
 
     def __init__(
         self,
-        js: Any,
+        js: JetStreamContext,
         store: inbox.PostgresStore,
         spec: HandlerSpec,
         epochs: StreamEpochs,

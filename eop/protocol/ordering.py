@@ -23,10 +23,10 @@ from eop import log
 from eop.broker import ack
 from eop.handler import HandlerSpec, parse_order_by
 from eop.settings import Settings
-from eop.types import Outcome
+from eop.types import Delivery, Outcome
 
 
-def key_of(spec: HandlerSpec, msg: Any) -> str:
+def key_of(spec: HandlerSpec, msg: Delivery) -> str:
     """The ordering key of a delivery (empty when the token or header is missing)."""
     assert spec.order_by is not None
     kind, arg = parse_order_by(spec.order_by)
@@ -73,7 +73,7 @@ class BlockedKeys:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(entry[2].wait(), min(beat_s, remaining))
 
-    def update(self, handler: str, key: str, msg: Any, outcome: Outcome, s: Settings) -> None:
+    def update(self, handler: str, key: str, msg: Delivery, outcome: Outcome, s: Settings) -> None:
         """Block the key behind a retried message; unblock once it is settled."""
         seq = int(msg.metadata.sequence.stream)
         if outcome in (Outcome.RETRY, Outcome.LEFT):

@@ -203,7 +203,7 @@ class Processor:
         delivery: Delivery,
         step: Callable[[message.Message], Awaitable[Outcome]],
         msg: message.Message,
-        logger: Any,
+        logger: log.Logger,
         *,
         contended: bool = False,
     ) -> Outcome:
@@ -226,7 +226,7 @@ class Processor:
         delivery: Delivery,
         step: Callable[[message.Message], Awaitable[Outcome]],
         msg: message.Message,
-        logger: Any,
+        logger: log.Logger,
         *,
         contended: bool = False,
     ) -> Outcome:
@@ -284,7 +284,9 @@ class Processor:
             return False
         return True
 
-    async def _attempt(self, delivery: Delivery, msg: message.Message, logger: Any) -> Outcome:
+    async def _attempt(
+        self, delivery: Delivery, msg: message.Message, logger: log.Logger
+    ) -> Outcome:
         failure: Exception | None = None
         async with self.store.transaction(self.spec) as tx:
             if not await _claim(tx, msg, models.OUTCOME_PROCESSED):
@@ -317,7 +319,7 @@ class Processor:
         return await self.handler_failed(delivery, msg, failure, logger)
 
     async def _rerun(
-        self, delivery: retries.ParkedDelivery, msg: message.Message, logger: Any
+        self, delivery: retries.ParkedDelivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
         """A parked message's run: the ``retrying`` row is its claim, locked for this run."""
         failure: Exception | None = None
@@ -359,7 +361,7 @@ class Processor:
         delivery: Delivery,
         msg: message.Message,
         outcome: Outcome,
-        logger: Any,
+        logger: log.Logger,
         dead: inbox.DeadLetter | None = None,
     ) -> Outcome:
         """COMMIT, then tell the server (ack or term); the section a stop must not cut."""
@@ -379,7 +381,7 @@ class Processor:
         self,
         delivery: Delivery,
         outcome: Outcome,
-        logger: Any,
+        logger: log.Logger,
         dead: inbox.DeadLetter | None,
         **extra: Any,
     ) -> Outcome:
@@ -419,7 +421,7 @@ class Processor:
         delivery: Delivery,
         msg: message.Message,
         outcome: Outcome,
-        logger: Any,
+        logger: log.Logger,
         dead: inbox.DeadLetter | None,
     ) -> Outcome:
         """The connection died during the COMMIT of ``msg``'s ``outcome``: read it back.
@@ -452,7 +454,7 @@ class Processor:
         delivery: Delivery,
         msg: message.Message,
         existing: inbox.Existing | None,
-        logger: Any,
+        logger: log.Logger,
     ) -> Outcome:
         if existing is None:
             # The conflicting row vanished between the claim and the look-up.
@@ -475,7 +477,7 @@ class Processor:
         return Outcome.DUPLICATE
 
     async def handler_failed(
-        self, delivery: Delivery, msg: message.Message, exc: Exception | None, logger: Any
+        self, delivery: Delivery, msg: message.Message, exc: Exception | None, logger: log.Logger
     ) -> Outcome:
         """The handler raised ``exc`` (not a failure of the database), in a transaction
         rolled back since (or, in a batch, its savepoint): dead-letter a rejected
@@ -503,7 +505,7 @@ class Processor:
         msg: message.Message,
         exc: Exception,
         tb: str,
-        logger: Any,
+        logger: log.Logger,
     ) -> Outcome:
         """Count the failure in the database; dead-letter at ``max_attempts``, else retry.
 
@@ -549,7 +551,7 @@ class Processor:
         return retry.backoff_s(failures, self.settings.backoff_base_s, self.settings.backoff_max_s)
 
     async def _commit_and_park(
-        self, tx: inbox.Transaction, delivery: Delivery, msg: message.Message, logger: Any
+        self, tx: inbox.Transaction, delivery: Delivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
         """COMMIT the parked retry, then ack: the retries table holds the message now."""
         try:
@@ -569,7 +571,7 @@ class Processor:
         delivery: Delivery,
         msg: message.Message,
         dead: inbox.DeadLetter,
-        logger: Any,
+        logger: log.Logger,
         *,
         msg_id_guard: bool = True,
     ) -> Outcome:
@@ -583,7 +585,7 @@ class Processor:
         delivery: Delivery,
         msg: message.Message,
         dead: inbox.DeadLetter,
-        logger: Any,
+        logger: log.Logger,
     ) -> Outcome:
         """Dead-letter ``msg`` in ``tx``: its inbox row (a claim, or its retrying row), the
         dead letter, no failure count left; COMMIT and term."""
@@ -603,7 +605,9 @@ class Processor:
             self._commit_and_settle(tx, delivery, msg, Outcome.DEAD_LETTERED, logger, dead)
         )
 
-    async def _quarantine(self, delivery: Delivery, msg: message.Message, logger: Any) -> Outcome:
+    async def _quarantine(
+        self, delivery: Delivery, msg: message.Message, logger: log.Logger
+    ) -> Outcome:
         """The sequence was reused for another message: keep it as a dead letter, alarm."""
         dead = inbox.DeadLetter(
             reason=models.REASON_SEQUENCE_REUSED,
@@ -617,7 +621,7 @@ class Processor:
                 self._commit_and_settle(tx, delivery, msg, Outcome.QUARANTINED, logger, dead)
             )
 
-    async def _ack(self, delivery: Delivery, logger: Any) -> bool:
+    async def _ack(self, delivery: Delivery, logger: log.Logger) -> bool:
         await faults.point("during_ack")
         acked = await ack.confirm(
             delivery,
@@ -654,7 +658,7 @@ class Processor:
             )
 
     async def _nak(
-        self, delivery: Delivery, msg: message.Message, delay_s: float | None, logger: Any
+        self, delivery: Delivery, msg: message.Message, delay_s: float | None, logger: log.Logger
     ) -> Outcome:
         if delay_s is None:
             delay_s = retry.backoff_s(

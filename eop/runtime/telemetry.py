@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from nats.aio.client import Client as NATS
+
 from eop import wire
 from eop.app import App
 from eop.handler import HandlerSpec
@@ -94,7 +96,7 @@ class Telemetry:
         return self.endpoints.port if self.endpoints is not None else None
 
     def _nats_connected(self) -> bool:
-        nc: Any = self._worker.nats
+        nc: NATS = self._worker.nats
         # A connection whose read loop has ended says it is connected, and reads nothing.
         return bool(nc is not None and nc.is_connected and wire.reading(nc))
 

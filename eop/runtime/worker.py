@@ -19,6 +19,8 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from eop import errors, log, redaction, retry
 from eop.app import App, select_handlers
@@ -28,7 +30,7 @@ from eop.observe import observer as observe
 from eop.pg import inbox, migrate, retries
 from eop.protocol import batch, compaction, ordering, processor
 from eop.runtime import shutdown, startup, telemetry
-from eop.types import Outcome
+from eop.types import Delivery, Outcome
 
 # The waits after failed fetches (counted from 1): 0.2 s, doubling up to 5 s.
 _FETCH_RETRY_FIRST_S = 0.2
@@ -237,7 +239,7 @@ class Worker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
 
-    async def _bind(self, nc: Any, js: Any, spec: HandlerSpec) -> fetcher.Fetcher:
+    async def _bind(self, nc: NATS, js: JetStreamContext, spec: HandlerSpec) -> fetcher.Fetcher:
         create = self.settings.create
         await jetstream.ensure_stream(js, self.app.stream_spec(spec.stream), create=create)
         await jetstream.ensure_consumer(js, spec, self.settings, create=create)
@@ -251,7 +253,11 @@ class Worker:
         return sub
 
     async def _fetch_loop(
-        self, js: Any, spec: HandlerSpec, sub: fetcher.Fetcher, proc: processor.Processor
+        self,
+        js: JetStreamContext,
+        spec: HandlerSpec,
+        sub: fetcher.Fetcher,
+        proc: processor.Processor,
     ) -> None:
         failures = 0
         while not self._stopping.is_set():
@@ -400,7 +406,7 @@ class Worker:
         return taken
 
     async def _recover(
-        self, js: Any, spec: HandlerSpec, exc: BaseException, failures: int, proc: Any
+        self, js: JetStreamContext, spec: HandlerSpec, exc: BaseException, failures: int, proc: Any
     ) -> None:
         """A fetch failed: wait, and when the consumer or stream is gone, provision again."""
         self._logger.warning(
@@ -500,7 +506,7 @@ class Worker:
             await asyncio.wait(pending, timeout=shutdown.STOP_MARGIN_S)
 
 
-def _seq(msg: Any) -> int:
+def _seq(msg: Delivery) -> int:
     return int(msg.metadata.sequence.stream)
 
 

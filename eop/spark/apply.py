@@ -314,7 +314,7 @@ class _Pass:
         return retry.backoff_s(attempt, s.backoff_base_s, s.backoff_max_s)
 
     async def _dead_letter(
-        self, tx: inbox.SqlTransaction, msg: Message, exc: Exception, logger: Any
+        self, tx: inbox.SqlTransaction, msg: Message, exc: Exception, logger: log.Logger
     ) -> RowOutcome:
         if isinstance(exc, errors.UndecodableMessage):
             reason = models.REASON_UNDECODABLE

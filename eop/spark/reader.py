@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 import nats
 import nats.errors
 import nats.js.errors
-from nats.js import api
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext, api
 
 from eop import access, message
 from eop import errors as eop_errors
@@ -61,7 +62,7 @@ async def connect(access: access.NatsAccess) -> Any:
     )
 
 
-async def stream_state(nc: Any, stream: str) -> StreamState:
+async def stream_state(nc: NATS, stream: str) -> StreamState:
     """The stream's epoch (as the workers compute it) and the sequences it holds.
 
     The epoch is read before and after the state, so the two belong to the
@@ -81,7 +82,7 @@ async def stream_state(nc: Any, stream: str) -> StreamState:
     raise errors.StreamRecreated(f"stream {stream!r} keeps being recreated while eop reads it")
 
 
-async def read_range(nc: Any, seqs: SeqRange) -> AsyncGenerator[list[Row], None]:
+async def read_range(nc: NATS, seqs: SeqRange) -> AsyncGenerator[list[Row], None]:
     """The rows of ``seqs`` in sequence order, in batches; see the module docstring."""
     if seqs.start >= seqs.end:
         return
@@ -108,7 +109,7 @@ async def read_range(nc: Any, seqs: SeqRange) -> AsyncGenerator[list[Row], None]
         check_available(seqs.stream, seqs.start, seqs.end, state)
         sub = await js.pull_subscribe_bind(consumer=consumer.name, stream=seqs.stream)
         coverage = _Coverage(seqs.start)
-        pending = int(consumer.num_pending)
+        pending = consumer.num_pending or 0
         while pending > 0 and coverage.cursor < seqs.end:
             want = min(FETCH_BATCH, seqs.end - coverage.cursor, pending)
             rows: list[Row] = []
@@ -172,7 +173,9 @@ class _Coverage:
             )
 
 
-async def _fetch(js: Any, sub: Any, consumer: str, want: int, seqs: SeqRange) -> list[Any]:
+async def _fetch(
+    js: JetStreamContext, sub: Any, consumer: str, want: int, seqs: SeqRange
+) -> list[Any]:
     """Up to ``want`` messages; none when the consumer turns out to have nothing left."""
     for _ in range(FETCH_TRIES):
         try:
@@ -203,7 +206,7 @@ def _row(msg: Any, seq: int, meta: Any, epoch: str) -> Row:
     )
 
 
-async def _cleanup(js: Any, sub: Any, stream: str, consumer: str) -> None:
+async def _cleanup(js: JetStreamContext, sub: Any, stream: str, consumer: str) -> None:
     # Best effort: a consumer left behind is removed by the server once inactive.
     with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
         await js.delete_consumer(stream, consumer)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any
+
+from nats.aio.client import Client as NATS
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from eop import errors
 from eop.app import App, select_handlers
@@ -69,7 +71,7 @@ async def run(app: App, handlers: Iterable[str] = (), options: Options | None = 
 class _Auditor:
     """The audit of one handler."""
 
-    def __init__(self, nc: Any, app: App, spec: HandlerSpec, options: Options) -> None:
+    def __init__(self, nc: NATS, app: App, spec: HandlerSpec, options: Options) -> None:
         self.spec, self.options = spec, options
         self.walker = Walker(nc, spec)
         self.outcomes = Outcomes(app, spec)
@@ -175,7 +177,7 @@ class _Auditor:
 
     async def _by_msg_id(
         self,
-        session: Any,
+        session: AsyncSession,
         batch: list[Walked],
         by_seq: Mapping[int, Recorded],
         dead_by_seq: Mapping[int, list[Recorded]],

@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from eop import errors
 from eop.app import App
 from eop.handler import HandlerSpec
@@ -61,7 +63,7 @@ class Outcomes:
             return int((await session.execute(stmt)).scalar_one())
 
     async def recorded(
-        self, session: Any, epoch: str, lo: int, hi: int | None, limit: int | None = None
+        self, session: AsyncSession, epoch: str, lo: int, hi: int | None, limit: int | None = None
     ) -> tuple[list[Recorded], list[Recorded]]:
         """Inbox rows and dead letters of one epoch in ``lo..hi``."""
         t, name, stream = self.tables, self.spec.name, self.spec.stream
@@ -74,12 +76,12 @@ class Outcomes:
         ]
         return inbox_rows, dead
 
-    async def by_msg_id(self, session: Any, ids: list[str]) -> dict[str, str]:
+    async def by_msg_id(self, session: AsyncSession, ids: list[str]) -> dict[str, str]:
         """Where the msg-ids ``ids`` have their outcome, by msg-id."""
         rows = await session.execute(sql.audit_by_msg_ids(self.tables, self.spec.name, ids))
         return {str(r[0]): f"stream {r[1]} sequence {r[3]} (epoch {r[2]}, {r[4]})" for r in rows}
 
-    async def watermark(self, session: Any, epoch: str) -> int:
+    async def watermark(self, session: AsyncSession, epoch: str) -> int:
         """The inbox watermark of ``epoch`` (0 before the first compaction)."""
         stmt = sql.watermark(self.tables, self.spec.name, self.spec.stream, epoch)
         value = (await session.execute(stmt)).scalar()

@@ -17,6 +17,7 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NATS
 from nats.js import api
 
 from eop import errors, message
@@ -151,7 +152,7 @@ def _nats_edge(what: str) -> Iterator[None]:
 class Walker:
     """Reads one handler's stream and consumer, and walks the consumer's messages."""
 
-    def __init__(self, nc: Any, spec: HandlerSpec) -> None:
+    def __init__(self, nc: NATS, spec: HandlerSpec) -> None:
         self.nc, self.js, self.spec = nc, nc.jetstream(), spec
         self.truncated = False
         """Set when a walk stopped at its ``limit`` before the end of its range."""

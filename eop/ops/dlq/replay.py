@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import nats.errors
 import nats.js.errors
-from nats.js import api
+from nats.js import JetStreamContext, api
 
 from eop import errors, message, redaction
 from eop.broker import jetstream
@@ -81,7 +81,9 @@ class Replayer:
     again, as a new message).
     """
 
-    def __init__(self, app: App, js: Any = None, *, allow_fanout: bool = False) -> None:
+    def __init__(
+        self, app: App, js: JetStreamContext | None = None, *, allow_fanout: bool = False
+    ) -> None:
         self.app = app
         self.js = js
         self.allow_fanout = allow_fanout
@@ -94,14 +96,19 @@ class Replayer:
         """Replay each dead letter in turn (see :meth:`replay`)."""
         return [await self.replay(i, mode=mode, again=again) for i in ids]
 
+    @property
+    def _nats(self) -> JetStreamContext:
+        if self.js is None:
+            raise errors.ConfigurationError("publishing a replay needs a NATS connection")
+        return self.js
+
     async def replay(
         self, dead_letter_id: int, *, mode: state.ReplayMode = "publish", again: bool = False
     ) -> state.ReplayResult:
         """Replay one dead letter once; repeating the call is a no-op unless ``again``."""
         if mode == "rerun":
             return await self._rerun(dead_letter_id, again)
-        if self.js is None:
-            raise errors.ConfigurationError("publishing a replay needs a NATS connection")
+        self._nats  # noqa: B018  # fails here, before any change, without a connection
         intent = await self._begin(dead_letter_id, again)
         if isinstance(intent, state.ReplayResult):
             return intent
@@ -163,7 +170,7 @@ class Replayer:
             return
         others = []
         try:
-            consumers = await self.js.consumers_info(row["stream"])
+            consumers = await self._nats.consumers_info(row["stream"])
         except nats.js.errors.NotFoundError:
             raise errors.ReplayRefused(
                 f"stream {row['stream']!r} does not exist: nothing to publish the replay into"
@@ -196,7 +203,9 @@ class Replayer:
             mem_storage=True,
         )
         try:
-            psub = await self.js.pull_subscribe(row["subject"], stream=row["stream"], config=config)
+            psub = await self._nats.pull_subscribe(
+                row["subject"], stream=row["stream"], config=config
+            )
         except nats.js.errors.NotFoundError:
             return None
         try:
@@ -205,13 +214,13 @@ class Replayer:
             name = (await psub.consumer_info()).name
             await psub.unsubscribe()
             with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self.js.delete_consumer(row["stream"], name)
+                await self._nats.delete_consumer(row["stream"], name)
 
     async def _publish(self, intent: _Intent) -> tuple[int, bool, list[str]]:
         row = intent.row
         headers, dropped = replay_headers(row["headers"], row["id"], intent.msg_id)
         try:
-            ack = await self.js.publish(
+            ack = await self._nats.publish(
                 row["subject"], bytes(row["payload"]), stream=row["stream"], headers=headers
             )
         except jetstream.NATS_ERRORS as exc:
