@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import nats.errors
 import tenacity
@@ -156,7 +155,7 @@ class Acker:
     async def confirm_many(
         self,
         deliveries: Sequence[Delivery],
-        loggers: Sequence[Any],
+        loggers: Sequence[log.Logger],
         *,
         timeout_s: float,
         give_up_s: float,
@@ -231,7 +230,7 @@ async def heartbeat(
 async def heartbeats(
     deliveries: Sequence[Delivery],
     interval_s: float,
-    loggers: Sequence[Any],
+    loggers: Sequence[log.Logger],
     *,
     at_once: bool = False,
 ) -> AsyncIterator[None]:

@@ -59,7 +59,7 @@ class Fetcher:
         self._requests = 0
         self._current = ""
         self._wanted = 0
-        self._got: list[Any] = []
+        self._got: list[Msg] = []
         self._ended: Any = None  # the status message that ended the current request
         self._leftover: collections.deque[Any] = collections.deque()
         self._wake: asyncio.Future[None] | None = None
@@ -74,7 +74,7 @@ class Fetcher:
         if self._sub is not None:
             await self._sub.unsubscribe()
 
-    async def fetch(self, batch: int, timeout_s: float) -> list[Any]:
+    async def fetch(self, batch: int, timeout_s: float) -> list[Msg]:
         """Up to ``batch`` messages; waits at most ``timeout_s`` when there are none.
 
         Raises ``nats.js.errors.APIError`` for a status that is not a normal end
@@ -94,7 +94,7 @@ class Fetcher:
             raise nats.errors.TimeoutError
         return msgs
 
-    async def _request(self, body: dict[str, Any], wanted: int, deadline: float) -> list[Any]:
+    async def _request(self, body: dict[str, Any], wanted: int, deadline: float) -> list[Msg]:
         self._requests += 1
         self._current = f"{self._prefix}{self._requests}"
         self._wanted, self._got, self._ended = wanted, [], None

@@ -804,7 +804,7 @@ class PostgresStore:
     async def _open_async(self, spec: HandlerSpec) -> AsyncIterator[AsyncTransaction]:
         async with self.app.sessionmaker() as session:
             tx = AsyncTransaction(session, self.tables, spec)
-            await _connected(tx._rows(self._timeouts))
+            await _connected(tx.select(self._timeouts))
             yield tx
 
     @contextlib.asynccontextmanager
@@ -819,7 +819,7 @@ class PostgresStore:
         # connection out, in a thread, under the permit.
         tx = SyncTransaction(self.app.sync_sessionmaker(), self.tables, spec, self._threads)
         try:
-            await _connected(tx._rows(self._timeouts))
+            await _connected(tx.select(self._timeouts))
             yield tx
         finally:
             await tx.close()

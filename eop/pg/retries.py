@@ -41,7 +41,7 @@ class _Metadata:
 class ParkedDelivery:
     """One run of a parked message, taken from the retries table.
 
-    It quacks like a JetStream delivery for the protocol (:class:`eop.broker.Delivery`),
+    It quacks like a JetStream delivery for the protocol (:class:`eop.types.Delivery`),
     but there is nothing to tell NATS: the message was acked when it was
     parked, and its outcome lives in the database alone.
     """

@@ -4,8 +4,8 @@ A handler declared with ``order_by="subject:2"`` (the third subject token) or
 ``order_by="header:X-Account"`` gets one lane per key in each worker process:
 a key's messages run one after another, in the order the stream holds them,
 while different keys run concurrently. When a message is retried (nak), the
-later messages of its key are held back (nak'ed too) until it has an outcome,
-so they cannot overtake it.
+later messages of its key wait in their lane (:class:`BlockedKeys`, their
+leases kept) until it has an outcome, so they cannot overtake it.
 
 Across worker processes, order holds when one process consumes a key (for
 example one worker per consumer, or a consumer per key range); two processes
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from collections.abc import Sequence
 
 from eop import log
 from eop.broker import ack
@@ -60,7 +60,9 @@ class BlockedKeys:
             return None
         return entry[0]
 
-    async def wait(self, handler: str, key: str, deliveries: list[Any], beat_s: float) -> None:
+    async def wait(
+        self, handler: str, key: str, deliveries: Sequence[Delivery], beat_s: float
+    ) -> None:
         """Wait until the key is unblocked, keeping the waiting deliveries' leases."""
         logger = log.get_logger(handler=handler)
         async with ack.heartbeats(deliveries, beat_s, [logger] * len(deliveries)):

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import datetime
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from eop import errors, faults, log, message, retry
@@ -34,7 +34,10 @@ T = TypeVar("T")
 
 
 class Epochs(Protocol):
-    """Where the processor learns which epoch of a stream a message belongs to."""
+    """Where the processor learns which epoch of a stream a message belongs to.
+
+    :class:`eop.broker.jetstream.StreamEpochs` is the one a worker uses.
+    """
 
     async def epoch_of(self, stream: str, stored_at: datetime.datetime | None) -> str | None:
         """The epoch of the message stored at ``stored_at``; None if its stream is gone."""
@@ -632,7 +635,9 @@ class Processor:
         await faults.point("after_ack")
         return acked
 
-    async def ack_processed(self, deliveries: list[Delivery], loggers: list[Any]) -> None:
+    async def ack_processed(
+        self, deliveries: list[Delivery], loggers: Sequence[log.Logger]
+    ) -> None:
         """Confirmed acks of a committed batch, together when an :class:`ack.Acker` is set."""
         if self.acker is None:
             await asyncio.gather(

@@ -14,7 +14,7 @@ import functools
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import nats.errors
@@ -171,16 +171,16 @@ class Worker:
             for spec in self.specs:
                 sub = await self._bind(nc, js, spec)
                 proc = processor.Processor(
-                    spec=spec,
+                    # The handler as the observer sees it run (timed, traced).
+                    spec=observe.instrument(spec, self._observer),
                     settings=s,
                     store=store,
                     epochs=epochs,
                     critical=self._critical,
+                    observer=self._observer,
                     acker=acker,
+                    stopping=self._stopping,
                 )
-                proc.spec = observe.instrument(spec, self._observer)
-                proc.observer = self._observer
-                proc.stopping = self._stopping
                 compactor = compaction.Compactor(js, store, spec, epochs)
                 # The watermark row before fetching; a failure only delays compaction.
                 await compactor.quietly(compactor.prepare)
@@ -333,9 +333,11 @@ class Worker:
         task.add_done_callback(self._inflight.discard)
         return task
 
-    def _dispatch_ordered(self, proc: processor.Processor, msgs: list[Any], at: float) -> None:
+    def _dispatch_ordered(
+        self, proc: processor.Processor, msgs: Sequence[Delivery], at: float
+    ) -> None:
         """One lane per key: a key's messages run one after another, in stream order."""
-        by_key: dict[str, list[Any]] = {}
+        by_key: dict[str, list[Delivery]] = {}
         for msg in msgs:
             by_key.setdefault(ordering.key_of(proc.spec, msg), []).append(msg)
         for key, group in by_key.items():
@@ -352,7 +354,7 @@ class Worker:
         self,
         proc: processor.Processor,
         key: str,
-        msgs: list[Any],
+        msgs: Sequence[Delivery],
         received_at: float,
         previous: asyncio.Task[Any] | None,
     ) -> None:
@@ -374,7 +376,7 @@ class Worker:
                 self._slots.release()
 
     async def _run_lane(
-        self, proc: processor.Processor, key: str, msgs: list[Any], received_at: float
+        self, proc: processor.Processor, key: str, msgs: Sequence[Delivery], received_at: float
     ) -> None:
         name = proc.spec.name
         for index, msg in enumerate(msgs):
@@ -406,7 +408,12 @@ class Worker:
         return taken
 
     async def _recover(
-        self, js: JetStreamContext, spec: HandlerSpec, exc: BaseException, failures: int, proc: Any
+        self,
+        js: JetStreamContext,
+        spec: HandlerSpec,
+        exc: BaseException,
+        failures: int,
+        proc: processor.Processor,
     ) -> None:
         """A fetch failed: wait, and when the consumer or stream is gone, provision again."""
         self._logger.warning(
@@ -430,7 +437,7 @@ class Worker:
                 self._logger.info(log.Event.SUBSCRIPTION_BOUND, handler=spec.name, rebound=True)
 
     async def _process(
-        self, proc: processor.Processor, msgs: list[Any], received_at: float
+        self, proc: processor.Processor, msgs: Sequence[Delivery], received_at: float
     ) -> None:
         """Process one message, or a batch in one transaction; release their slots."""
         self._observer.received(proc.spec, msgs)
@@ -461,7 +468,7 @@ class Worker:
                 self._slots.release()
 
     def _log_batch(
-        self, proc: processor.Processor, msgs: list[Any], outcomes: list[Outcome]
+        self, proc: processor.Processor, msgs: Sequence[Delivery], outcomes: list[Outcome]
     ) -> None:
         """One info line per batch (the per-message lines are debug lines)."""
         if not log.enabled(logging.INFO):

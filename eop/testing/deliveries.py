@@ -38,7 +38,7 @@ class FakeMetadata:
 
 
 class FakeDelivery:
-    """An in-memory JetStream delivery implementing :class:`eop.broker.Delivery`.
+    """An in-memory JetStream delivery implementing :class:`eop.types.Delivery`.
 
     It settles like nats-py's ``Msg``: once an ack, nak or term went through,
     any further one raises ``nats.errors.MsgAlreadyAckdError``. What happened
