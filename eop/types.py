@@ -6,6 +6,7 @@ those can name them without importing the others.
 
 from __future__ import annotations
 
+import datetime
 import enum
 from typing import Any, Protocol
 
@@ -21,6 +22,34 @@ class Outcome(enum.Enum):
     LEFT = "left_for_redelivery"
 
 
+class Sequences(Protocol):
+    """Where a delivered message sits: its sequence in the stream."""
+
+    @property
+    def stream(self) -> int:
+        """The message's stream sequence."""
+
+
+class Metadata(Protocol):
+    """The JetStream metadata of a delivery that eop reads (nats-py's ``Msg.Metadata``)."""
+
+    @property
+    def stream(self) -> str:
+        """The stream the message is in."""
+
+    @property
+    def sequence(self) -> Sequences:
+        """Its sequences."""
+
+    @property
+    def num_delivered(self) -> int:
+        """How many times the server has delivered it, this time included."""
+
+    @property
+    def timestamp(self) -> datetime.datetime | None:
+        """When the stream stored it."""
+
+
 class Delivery(Protocol):
     """The parts of a nats-py JetStream ``Msg`` that eop uses."""
 
@@ -30,7 +59,7 @@ class Delivery(Protocol):
     reply: str
 
     @property
-    def metadata(self) -> Any:
+    def metadata(self) -> Metadata:
         """JetStream metadata: stream, sequences, delivery count."""
 
     async def ack_sync(self, timeout: float = 1.0) -> Any:

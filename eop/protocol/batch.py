@@ -116,8 +116,8 @@ class BatchProcessor:
         oldest is looked up.
         """
         metas = [d.metadata for d in deliveries]
-        stamps = [m.timestamp for m in metas]
-        if not metas or None in stamps or len({m.stream for m in metas}) != 1:
+        stamps = [m.timestamp for m in metas if m.timestamp is not None]
+        if not metas or len(stamps) != len(metas) or len({m.stream for m in metas}) != 1:
             return None
         stream, epochs = metas[0].stream, self.single.epochs
         newest = await epochs.epoch_of(stream, max(stamps))
