@@ -276,7 +276,7 @@ def test_concurrent_upgrades_from_processes_serialise(empty_database_url: str) -
     # Each process imports first, then waits for the same instant, so that
     # the upgrades themselves overlap.
     code = (
-        "import sys, time; from eop import migrate; import asyncpg, sqlalchemy.ext.asyncio; "
+        "import sys, time; from eop.pg import migrate; import asyncpg, sqlalchemy.ext.asyncio; "
         "time.sleep(max(0.0, float(sys.argv[2]) - time.time())); migrate.upgrade(sys.argv[1])"
     )
     go = str(time.time() + 2.0)
