@@ -103,7 +103,10 @@ def configure(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        # One write() per line (PrintLogger writes the line and its newline
+        # separately): the processes of one `eop worker` share stderr, and two
+        # writes per line let their lines interleave into broken JSON.
+        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
 

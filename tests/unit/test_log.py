@@ -146,6 +146,28 @@ def test_json_log_lines_carry_event_level_and_plain_enum_values() -> None:
     assert "timestamp" in line
 
 
+class _Writes(io.StringIO):
+    """A stream that records each write() call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.writes.append(s)
+        return super().write(s)
+
+
+def test_each_log_line_is_one_write_so_processes_sharing_stderr_never_split_lines() -> None:
+    out = _Writes()
+    log.configure("json", "info", stream=out)
+    log.get_logger(handler="orders").info(log.Event.MESSAGE_PROCESSED)
+    log.get_logger().warning(log.Event.ACK_GAVE_UP)
+    assert len(out.writes) == 2
+    assert all(w.endswith("\n") and w.count("\n") == 1 for w in out.writes)
+    assert [json.loads(w)["event"] for w in out.writes] == ["message.processed", "ack.gave_up"]
+
+
 def test_configured_level_filters_lower_levels() -> None:
     out = io.StringIO()
     log.configure("console", "warning", stream=out)
