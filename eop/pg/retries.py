@@ -19,7 +19,7 @@ from typing import Any
 
 from eop import message
 from eop.handler import HandlerSpec
-from eop.pg import inbox, sql
+from eop.pg import sql, store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class ParkedDelivery:
 
 
 async def take_due(
-    store: inbox.PostgresStore, spec: HandlerSpec, limit: int, lease_s: float
+    store: store.PostgresStore, spec: HandlerSpec, limit: int, lease_s: float
 ) -> list[ParkedDelivery]:
     """Lease up to ``limit`` parked messages of ``spec`` whose retry is due."""
     stmt = sql.take_due(store.tables, spec.name, limit, lease_s)

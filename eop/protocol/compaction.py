@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from eop import errors, log
 from eop.broker.jetstream import StreamEpochs
 from eop.handler import HandlerSpec
-from eop.pg import inbox, sql
+from eop.pg import failures, sql, store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Compactor:
     def __init__(
         self,
         js: JetStreamContext,
-        store: inbox.PostgresStore,
+        store: store.PostgresStore,
         spec: HandlerSpec,
         epochs: StreamEpochs,
         *,
@@ -111,7 +111,7 @@ class Compactor:
         except (errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
             self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
         except Exception as exc:
-            if inbox.classify(exc) is inbox.DbFailure.OTHER:
+            if failures.classify(exc) is failures.DbFailure.OTHER:
                 raise
             self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
 
@@ -163,7 +163,7 @@ class Compactor:
                 await session.execute(sql.lock_inbox_shared(self.store.tables))
                 await session.rollback()
             except Exception as exc:
-                if inbox.classify(exc) is not inbox.DbFailure.LOCK_TIMEOUT:
+                if failures.classify(exc) is not failures.DbFailure.LOCK_TIMEOUT:
                     raise
                 return
         self._created.pop(epoch, None)

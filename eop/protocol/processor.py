@@ -6,7 +6,7 @@ handler's writes or a dead letter, each with its inbox row), in a parked
 retry (:mod:`eop.pg.retries`), or in a redelivery that will find one.
 
 Attempts are the handler's failures, counted in the database. Failures of
-the database itself (:data:`eop.pg.inbox.INFRASTRUCTURE`: an outage, read-only,
+the database itself (:data:`eop.pg.failures.INFRASTRUCTURE`: an outage, read-only,
 lock and statement timeouts, deadlocks, an exhausted pool) are retried here,
 in the process, with jittered backoff, for as long as the worker runs: they
 never count, so no outage is long enough to dead-letter a good message.
@@ -26,7 +26,7 @@ from eop import errors, faults, log, message, retry
 from eop.broker import ack
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
-from eop.pg import inbox, models, retries
+from eop.pg import failures, inbox, models, retries
 from eop.settings import Settings
 from eop.types import Delivery, Outcome
 
@@ -678,9 +678,9 @@ async def _claim(tx: inbox.Transaction, msg: message.Message, outcome: str) -> b
     try:
         return await tx.claim(msg, outcome)
     except Exception as exc:
-        if inbox.classify(exc) is inbox.DbFailure.LOCK_TIMEOUT:
+        if failures.classify(exc) is failures.DbFailure.LOCK_TIMEOUT:
             raise errors.ClaimTimeout() from exc
-        if inbox.refuses_values(exc):
+        if failures.refuses_values(exc):
             raise errors.UnclaimableMessage(
                 f"the inbox refuses this message's row: {_describe(exc)}"
             ) from exc
@@ -688,8 +688,8 @@ async def _claim(tx: inbox.Transaction, msg: message.Message, outcome: str) -> b
 
 
 def transient(exc: BaseException) -> bool:
-    """Failures of the database (:func:`eop.pg.inbox.transient`): retried here, never counted."""
-    return inbox.transient(exc)
+    """Failures of the database (:func:`eop.pg.failures.transient`): retried here, never counted."""
+    return failures.transient(exc)
 
 
 # How long after a deadlock or lock timeout a handler's transactions run one at a
@@ -702,7 +702,7 @@ def contention(exc: BaseException) -> bool:
     """A deadlock, a serialization failure or a lock timeout: transactions in each other's way."""
     if isinstance(exc, errors.TransactionConflict):
         return True
-    return inbox.classify(exc) in (inbox.DbFailure.CONFLICT, inbox.DbFailure.LOCK_TIMEOUT)
+    return failures.classify(exc) in (failures.DbFailure.CONFLICT, failures.DbFailure.LOCK_TIMEOUT)
 
 
 def _crash_loop(runs: int, bound: int) -> inbox.DeadLetter:

@@ -27,7 +27,8 @@ from eop.app import App, select_handlers
 from eop.broker import ack, connection, fetcher, jetstream
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
-from eop.pg import inbox, migrate, retries
+from eop.pg import migrate, retries
+from eop.pg.store import PostgresStore
 from eop.protocol import batch, compaction, ordering, processor
 from eop.runtime import shutdown, startup, telemetry
 from eop.types import Delivery, Outcome
@@ -162,7 +163,7 @@ class Worker:
             lambda: jetstream.connect(s, name=name, on_lost=self._nats_lost), s
         )
         self.nats = nc
-        store = inbox.PostgresStore(self.app)
+        store = PostgresStore(self.app)
         try:
             js = nc.jetstream()
             epochs = jetstream.StreamEpochs(nc)
@@ -284,7 +285,7 @@ class Worker:
                 if group:
                     self._spawn(self._process(proc, group, received_at))
 
-    async def _retry_loop(self, store: inbox.PostgresStore, proc: processor.Processor) -> None:
+    async def _retry_loop(self, store: PostgresStore, proc: processor.Processor) -> None:
         """Run the parked messages of ``proc``'s handler whose retry is due.
 
         Retries share the worker's slots with fetched messages: it waits for
@@ -504,7 +505,7 @@ class Worker:
         # Cancelling a handler rolls its transaction back and leaves the message
         # for redelivery; a COMMIT already under way finishes in Critical. A sync
         # handler's thread cannot be cancelled: its task ends at once all the
-        # same, and the thread is left to inbox.SyncTransaction and eop.runtime.shutdown.
+        # same, and the thread is left to transactions.SyncTransaction and eop.runtime.shutdown.
         self.cancelled = len(pending)
         for task in pending:
             task.cancel()

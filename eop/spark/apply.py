@@ -40,7 +40,7 @@ from eop.app import App
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.message import Message
-from eop.pg import inbox, models, sql
+from eop.pg import failures, inbox, models, sql, transactions
 from eop.spark.transaction import (
     AsyncPartitionTx,
     PartitionTx,
@@ -200,7 +200,7 @@ async def _connected(awaitable: Awaitable[Any]) -> None:
     try:
         await awaitable
     except Exception as exc:
-        if inbox.unreachable(exc):
+        if failures.unreachable(exc):
             raise errors.DatabaseUnavailable(
                 f"PostgreSQL is unreachable: {_describe(exc)[:200]}"
             ) from exc
@@ -255,7 +255,7 @@ class _Pass:
                 mine.append(msg)
         return mine
 
-    async def _optimistic(self, tx: inbox.SqlTransaction, todo: list[Message]) -> None:
+    async def _optimistic(self, tx: transactions.SqlTransaction, todo: list[Message]) -> None:
         try:
             # Writes go out together, one executemany per statement (eop.writes).
             if self.spec.batch:
@@ -270,7 +270,9 @@ class _Pass:
                 raise
             raise _NeedsIsolation() from exc
 
-    async def _isolated(self, tx: inbox.SqlTransaction, todo: list[Message]) -> list[RowOutcome]:
+    async def _isolated(
+        self, tx: transactions.SqlTransaction, todo: list[Message]
+    ) -> list[RowOutcome]:
         outcomes: list[RowOutcome] = []
         if self.spec.batch:
             singles: list[Message] = []
@@ -288,7 +290,7 @@ class _Pass:
             outcomes.append(await self._one(tx, msg))
         return outcomes
 
-    async def _one(self, tx: inbox.SqlTransaction, msg: Message) -> RowOutcome:
+    async def _one(self, tx: transactions.SqlTransaction, msg: Message) -> RowOutcome:
         """One claimed message in its own savepoint: retried in place, else dead-lettered."""
         logger = log.get_logger(handler=self.spec.name, stream=msg.stream, seq=msg.seq)
         attempt = 1
@@ -314,7 +316,7 @@ class _Pass:
         return retry.backoff_s(attempt, s.backoff_base_s, s.backoff_max_s)
 
     async def _dead_letter(
-        self, tx: inbox.SqlTransaction, msg: Message, exc: Exception, logger: log.Logger
+        self, tx: transactions.SqlTransaction, msg: Message, exc: Exception, logger: log.Logger
     ) -> RowOutcome:
         if isinstance(exc, errors.UndecodableMessage):
             reason = models.REASON_UNDECODABLE
@@ -335,7 +337,7 @@ class _Pass:
 
 
 async def _not_claimed(
-    tx: inbox.SqlTransaction, msg: Message, existing: inbox.Existing | None
+    tx: transactions.SqlTransaction, msg: Message, existing: inbox.Existing | None
 ) -> RowOutcome:
     """A message whose claim found the key (or its msg-id, or the watermark) taken."""
     if existing is None:

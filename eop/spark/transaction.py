@@ -1,6 +1,6 @@
 """A partition's transaction: eop's inbox statements, run inline for sync handlers.
 
-:class:`eop.pg.inbox.SqlTransaction` subclasses for Spark tasks: the sync one
+:class:`eop.pg.transactions.SqlTransaction` subclasses for Spark tasks: the sync one
 never hops to a thread (a task has no event loop to keep free), so its
 coroutines never suspend and :func:`drive` runs them without a loop.
 """
@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from eop.pg import inbox
+from eop.pg import failures, transactions
 
 T = TypeVar("T")
 
 
-class SyncPartitionTx(inbox.SyncTransaction):
+class SyncPartitionTx(transactions.SyncTransaction):
     """A partition's transaction on a sync ``Session``, every step inline.
 
-    Unlike :class:`eop.pg.inbox.SyncTransaction` no step hops to a thread: its
+    Unlike :class:`eop.pg.transactions.SyncTransaction` no step hops to a thread: its
     coroutines never suspend, so :func:`drive` runs them without an event
     loop, and the handler runs as plain code in the Spark task's thread.
     """
@@ -28,7 +28,7 @@ class SyncPartitionTx(inbox.SyncTransaction):
         return func(*args)
 
 
-class AsyncPartitionTx(inbox.AsyncTransaction):
+class AsyncPartitionTx(transactions.AsyncTransaction):
     """A partition's transaction on an ``AsyncSession``, for ``async def`` handlers."""
 
 
@@ -39,17 +39,17 @@ PartitionTx = SyncPartitionTx | AsyncPartitionTx
 # full pool) is not one: it fails the task, and Spark's task retry runs it again.
 _RETRIED_IN_PLACE = frozenset(
     {
-        inbox.DbFailure.CONFLICT,
-        inbox.DbFailure.CONNECTION,
+        failures.DbFailure.CONFLICT,
+        failures.DbFailure.CONNECTION,
         # Another transaction (a live worker, a speculative task) holds a claim.
-        inbox.DbFailure.LOCK_TIMEOUT,
+        failures.DbFailure.LOCK_TIMEOUT,
     }
 )
 
 
 def transient(exc: BaseException) -> bool:
     """Errors after which the partition's whole transaction is retried in place."""
-    return inbox.transient(exc, _RETRIED_IN_PLACE)
+    return failures.transient(exc, _RETRIED_IN_PLACE)
 
 
 def drive(coro: Coroutine[Any, Any, T]) -> T:

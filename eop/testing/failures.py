@@ -12,7 +12,7 @@ ErrorSpec = Union[BaseException, "type[BaseException]"]  # a runtime alias: no `
 class LockNotAvailable(Exception):
     """PostgreSQL's ``lock_not_available``: ``lock_timeout`` expired (sqlstate 55P03).
 
-    :func:`eop.pg.inbox.classify` reads its :attr:`sqlstate` as LOCK_TIMEOUT.
+    :func:`eop.pg.failures.classify` reads its :attr:`sqlstate` as LOCK_TIMEOUT.
     """
 
     sqlstate = "55P03"

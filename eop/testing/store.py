@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from eop import errors
 from eop.pg import models
-from eop.pg.inbox import INFRASTRUCTURE, DeadLetter, Existing, classify
+from eop.pg.failures import INFRASTRUCTURE, classify
+from eop.pg.inbox import DeadLetter, Existing
 from eop.testing.failures import Ambiguous, ErrorSpec, Failures, LockNotAvailable, instantiate
 from eop.testing.rows import DeadLetterRow, InboxKey, InboxRow, inbox_key
 
@@ -425,7 +426,7 @@ class MemoryTransaction:
 
         A handler error rolls back what the handler added (the rest of the
         transaction stays) and is returned; a failure of the database
-        (:data:`eop.pg.inbox.INFRASTRUCTURE`) is raised, as the real
+        (:data:`eop.pg.failures.INFRASTRUCTURE`) is raised, as the real
         transactions do.
         """
         self._check_open()

@@ -15,7 +15,7 @@ from sqlalchemy.pool import NullPool
 
 from eop import embedded
 from eop.chaos.proxy import FaultProxy
-from eop.pg import inbox
+from eop.pg import failures
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ async def test_reset_cuts_open_connections_only(
         assert pg_proxy.reset() == 1
         with pytest.raises(Exception) as caught:  # noqa: PT011  # classified below
             await conn.execute(sa.text("SELECT 1"))
-        assert inbox.classify(caught.value) is inbox.DbFailure.CONNECTION
+        assert failures.classify(caught.value) is failures.DbFailure.CONNECTION
     async with proxied_engine.connect() as conn:
         assert (await conn.execute(sa.text("SELECT 1"))).scalar() == 1
 
@@ -84,7 +84,7 @@ async def test_dropped_commit_reply_commits_but_the_client_never_learns_it(
     pg_proxy.drop_next_reply()
     with pytest.raises(Exception) as caught:  # noqa: PT011  # classified below
         await conn.commit()
-    assert inbox.classify(caught.value) is inbox.DbFailure.CONNECTION
+    assert failures.classify(caught.value) is failures.DbFailure.CONNECTION
     await conn.invalidate()
     assert pg_proxy.stats["dropped_commit_replies"] == 1
     async with engine.connect() as direct:

@@ -13,9 +13,9 @@ from sqlalchemy.dialects import postgresql
 from eop import errors
 from eop.handler import HandlerSpec
 from eop.message import Message
-from eop.pg import inbox, models, sql
+from eop.pg import failures, inbox, models, sql, transactions
 
-DbFailure = inbox.DbFailure
+DbFailure = failures.DbFailure
 
 
 class DriverError(Exception):
@@ -60,7 +60,7 @@ def wrapped(orig: BaseException, *, invalidated: bool = False) -> sa_exc.DBAPIEr
     ],
 )
 def test_classify_reads_the_sqlstate(sqlstate: str, expected: DbFailure) -> None:
-    assert inbox.classify(DriverError(sqlstate)) is expected
+    assert failures.classify(DriverError(sqlstate)) is expected
 
 
 class OperationalError(Exception):
@@ -70,19 +70,21 @@ class OperationalError(Exception):
 
 
 def test_classify_an_operational_error_without_sqlstate_as_connection() -> None:
-    assert inbox.classify(wrapped(OperationalError("connection refused"))) is (DbFailure.CONNECTION)
+    assert failures.classify(wrapped(OperationalError("connection refused"))) is (
+        DbFailure.CONNECTION
+    )
 
 
 def test_classify_reads_psycopg2_pgcode() -> None:
-    assert inbox.classify(Psycopg2Error("40001")) is DbFailure.CONFLICT
+    assert failures.classify(Psycopg2Error("40001")) is DbFailure.CONFLICT
 
 
 def test_classify_looks_inside_sqlalchemy_wrappers() -> None:
-    assert inbox.classify(wrapped(DriverError("40P01"))) is DbFailure.CONFLICT
+    assert failures.classify(wrapped(DriverError("40P01"))) is DbFailure.CONFLICT
 
 
 def test_classify_an_invalidated_connection_as_connection() -> None:
-    assert inbox.classify(wrapped(ValueError("x"), invalidated=True)) is DbFailure.CONNECTION
+    assert failures.classify(wrapped(ValueError("x"), invalidated=True)) is DbFailure.CONNECTION
 
 
 @pytest.mark.parametrize(
@@ -96,7 +98,7 @@ def test_classify_an_invalidated_connection_as_connection() -> None:
 )
 def test_classify_socket_errors_below_a_database_error_as_connection(exc: BaseException) -> None:
     """An OSError raised by the driver (wrapped by SQLAlchemy) is a lost connection."""
-    assert inbox.classify(exc) is DbFailure.CONNECTION
+    assert failures.classify(exc) is DbFailure.CONNECTION
 
 
 @pytest.mark.parametrize(
@@ -104,7 +106,7 @@ def test_classify_socket_errors_below_a_database_error_as_connection(exc: BaseEx
 )
 def test_classify_a_bare_os_error_as_other(exc: BaseException) -> None:
     """A handler's own OSError (a file, an HTTP API) is not the database's connection."""
-    assert inbox.classify(exc) is DbFailure.OTHER
+    assert failures.classify(exc) is DbFailure.OTHER
 
 
 @pytest.mark.parametrize(
@@ -125,15 +127,15 @@ def test_transient_failures_are_the_databases_not_the_handlers(
     exc: BaseException, transient: bool
 ) -> None:
     """eop's own outage errors always, its other errors never, the rest by their kind."""
-    assert inbox.transient(exc) is transient
+    assert failures.transient(exc) is transient
 
 
 def test_transient_takes_the_kinds_a_caller_retries() -> None:
     """A caller narrowing the kinds (Spark's partitions: no BUSY) gets its own answer."""
     kinds = frozenset({DbFailure.CONFLICT})
-    assert inbox.transient(DriverError("40001"), kinds) is True
-    assert inbox.transient(DriverError("57014"), kinds) is False
-    assert inbox.transient(errors.DatabaseUnavailable("x"), kinds) is True
+    assert failures.transient(DriverError("40001"), kinds) is True
+    assert failures.transient(DriverError("57014"), kinds) is False
+    assert failures.transient(errors.DatabaseUnavailable("x"), kinds) is True
 
 
 def test_classify_asyncpg_connection_errors_by_name() -> None:
@@ -141,35 +143,35 @@ def test_classify_asyncpg_connection_errors_by_name() -> None:
     namespace = {"__module__": "asyncpg.exceptions"}
     ConnectionDoesNotExistError = type("ConnectionDoesNotExistError", (Exception,), namespace)
     InterfaceError = type("InterfaceError", (Exception,), namespace)
-    assert inbox.classify(ConnectionDoesNotExistError()) is DbFailure.CONNECTION
-    assert inbox.classify(InterfaceError()) is DbFailure.CONNECTION
+    assert failures.classify(ConnectionDoesNotExistError()) is DbFailure.CONNECTION
+    assert failures.classify(InterfaceError()) is DbFailure.CONNECTION
 
 
 def test_classify_database_unavailable_as_connection() -> None:
-    assert inbox.classify(errors.DatabaseUnavailable()) is DbFailure.CONNECTION
+    assert failures.classify(errors.DatabaseUnavailable()) is DbFailure.CONNECTION
 
 
 @pytest.mark.parametrize("exc", [ValueError("x"), KeyError("k"), errors.Reject("no")])
 def test_classify_anything_else_as_other(exc: BaseException) -> None:
-    assert inbox.classify(exc) is DbFailure.OTHER
+    assert failures.classify(exc) is DbFailure.OTHER
 
 
 def test_classify_follows_the_cause_chain() -> None:
     outer = RuntimeError("claim failed")
     outer.__cause__ = DriverError("55P03")
-    assert inbox.classify(outer) is DbFailure.LOCK_TIMEOUT
+    assert failures.classify(outer) is DbFailure.LOCK_TIMEOUT
 
 
 def test_classify_follows_the_context_chain() -> None:
     outer = RuntimeError("while handling")
     outer.__context__ = DriverError("40001")
-    assert inbox.classify(outer) is DbFailure.CONFLICT
+    assert failures.classify(outer) is DbFailure.CONFLICT
 
 
 def test_classify_ends_on_a_cyclic_chain() -> None:
     a, b = ValueError("a"), ValueError("b")
     a.__context__, b.__context__ = b, a
-    assert inbox.classify(a) is DbFailure.OTHER
+    assert failures.classify(a) is DbFailure.OTHER
 
 
 # --------------------------------------------------- the real store's statements
@@ -259,8 +261,8 @@ def message(headers: dict[str, str] | None = None) -> Message:
     )
 
 
-def transaction(session: FakeAsyncSession, **spec_options: Any) -> inbox.AsyncTransaction:
-    return inbox.AsyncTransaction(session, models.tables("eop"), spec(**spec_options))  # type: ignore[arg-type]
+def transaction(session: FakeAsyncSession, **spec_options: Any) -> transactions.AsyncTransaction:
+    return transactions.AsyncTransaction(session, models.tables("eop"), spec(**spec_options))  # type: ignore[arg-type]
 
 
 def params(stmt: Any) -> dict[str, Any]:
@@ -411,7 +413,7 @@ async def test_connecting_error_becomes_database_unavailable() -> None:
         raise ConnectionRefusedError("[Errno 111] Connect call failed\nmore detail")
 
     with pytest.raises(errors.DatabaseUnavailable, match="Connect call failed") as info:
-        await inbox._connected(connect())
+        await failures.connected(connect())
     assert "more detail" not in str(info.value)
 
 
@@ -420,4 +422,4 @@ async def test_other_errors_while_connecting_pass_through() -> None:
         raise DriverError("28P01", "password authentication failed")
 
     with pytest.raises(DriverError):
-        await inbox._connected(connect())
+        await failures.connected(connect())

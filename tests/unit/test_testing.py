@@ -12,7 +12,7 @@ import pytest
 from eop import errors, testing
 from eop.handler import HandlerSpec
 from eop.message import Message
-from eop.pg import inbox, models
+from eop.pg import failures, inbox, models
 
 
 async def handler(message: Message, session: Any) -> None:
@@ -277,7 +277,7 @@ async def test_a_concurrent_claim_times_out_with_a_lock_timeout_error() -> None:
         async with store.transaction(spec()) as second:
             with pytest.raises(testing.LockNotAvailable) as info:
                 await second.claim(message(), models.OUTCOME_PROCESSED)
-    assert inbox.classify(info.value) is inbox.DbFailure.LOCK_TIMEOUT
+    assert failures.classify(info.value) is failures.DbFailure.LOCK_TIMEOUT
 
 
 async def test_claim_many_claims_in_one_go_skipping_taken_keys_and_msg_ids() -> None:
@@ -422,7 +422,7 @@ async def test_lock_timeout_claims_raise_a_lock_timeout() -> None:
         with pytest.raises(testing.LockNotAvailable) as info:
             await tx.claim(message(), models.OUTCOME_PROCESSED)
         assert await tx.claim(message(), models.OUTCOME_PROCESSED)
-    assert inbox.classify(info.value) is inbox.DbFailure.LOCK_TIMEOUT
+    assert failures.classify(info.value) is failures.DbFailure.LOCK_TIMEOUT
 
 
 async def test_conflict_commits_roll_back_and_raise_transaction_conflict() -> None:
@@ -480,7 +480,7 @@ async def test_closing_a_transaction_under_its_commit_is_reported_as_misuse() ->
 
 def test_lock_not_available_carries_sqlstate_55p03() -> None:
     assert testing.LockNotAvailable().sqlstate == "55P03"
-    assert inbox.classify(testing.LockNotAvailable()) is inbox.DbFailure.LOCK_TIMEOUT
+    assert failures.classify(testing.LockNotAvailable()) is failures.DbFailure.LOCK_TIMEOUT
 
 
 async def test_plain_ack_records_the_ack() -> None:

@@ -14,7 +14,7 @@ import eop
 from eop import errors
 from eop import settings as settings_mod
 from eop.handler import HandlerSpec
-from eop.pg import inbox, models
+from eop.pg import models, transactions
 from eop.pg.threads import SyncThreads
 
 
@@ -45,8 +45,8 @@ def sync_spec() -> HandlerSpec:
     return HandlerSpec(func=handler, name="h", stream="S", subject="s", durable="eop-h")
 
 
-def transaction(threads: SyncThreads, session: FakeSession) -> inbox.SyncTransaction:
-    return inbox.SyncTransaction(session, models.tables(), sync_spec(), threads)  # type: ignore[arg-type]
+def transaction(threads: SyncThreads, session: FakeSession) -> transactions.SyncTransaction:
+    return transactions.SyncTransaction(session, models.tables(), sync_spec(), threads)  # type: ignore[arg-type]
 
 
 async def test_a_permit_is_held_from_the_first_step_until_the_connection_is_given_back() -> None:

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 
 from eop import errors
-from eop.pg import inbox, models
+from eop.pg import failures, models
 from eop.types import Outcome
 
 from .support import Harness, delivery
@@ -45,14 +45,14 @@ def test_refuses_values_only_for_errors_of_the_statements_values(
     exc: BaseException, refused: bool
 ) -> None:
     """Data, integrity and size errors are the values' fault; timeouts, locks, connections not."""
-    assert inbox.refuses_values(exc) is refused
+    assert failures.refuses_values(exc) is refused
 
 
 def test_refuses_values_follows_the_cause_chain() -> None:
     """A refusal below the driver's wrapper counts."""
     outer = RuntimeError("wrapped")
     outer.__cause__ = row_too_big()
-    assert inbox.refuses_values(outer)
+    assert failures.refuses_values(outer)
 
 
 async def test_refused_claim_dead_letters_as_undecodable_keyed_without_its_msg_id(

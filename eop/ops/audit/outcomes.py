@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from eop import errors
 from eop.app import App
 from eop.handler import HandlerSpec
-from eop.pg import inbox, models, sql
+from eop.pg import failures, models, sql
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Outcomes:
             async with self.app.sessionmaker() as session:
                 yield session
         except Exception as exc:
-            if inbox.unreachable(exc):
+            if failures.unreachable(exc):
                 raise errors.DatabaseUnavailable(
                     f"PostgreSQL failed during the audit: {exc}"
                 ) from exc

@@ -1,0 +1,176 @@
+"""What went wrong in the database, in eop's terms: the edge where driver errors are translated.
+
+:func:`classify` names the kind of a failure (a conflict, a lock timeout, a
+lost connection, a busy or read-only server, or none of those), whichever
+driver raised it; :data:`INFRASTRUCTURE` are the kinds that are never a
+handler's fault, so :func:`transient` retries them without counting.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import sqlalchemy.exc as sa_exc
+
+from eop import errors
+
+
+class DbFailure(enum.Enum):
+    """How the protocol reacts to a database error."""
+
+    CONFLICT = "conflict"
+    """40001 / 40P01: retry the whole transaction."""
+    LOCK_TIMEOUT = "lock_timeout"
+    """55P03: another delivery holds the key; nak with a delay."""
+    CONNECTION = "connection"
+    """The connection is gone: retry the transaction (or, during COMMIT, the outcome is unknown)."""
+    BUSY = "busy"
+    """The database cannot serve now (statement timeout, read-only, out of connections or
+    resources, a pool with no free connection): retry the transaction later."""
+    OTHER = "other"
+
+
+#: Failures of the database, not of a handler: they never count as a message's attempt.
+INFRASTRUCTURE = frozenset(
+    {DbFailure.CONFLICT, DbFailure.LOCK_TIMEOUT, DbFailure.CONNECTION, DbFailure.BUSY}
+)
+
+_CONFLICT_STATES = {"40001", "40P01"}
+# 57014: statement timeout (or a cancel request); 25006: read-only transaction (a
+# standby, or default_transaction_read_only); class 53: insufficient resources
+# (too many connections, disk full, out of memory); 55006: object in use.
+_BUSY_STATES = {"57014", "25006", "55006"}
+# 57P01-57P03: the server is shutting down or terminated the backend;
+# class 08: connection exceptions.
+_CONNECTION_STATES = {"57P01", "57P02", "57P03"}
+
+
+def classify(exc: BaseException) -> DbFailure:
+    """Classify a driver or SQLAlchemy error by what the protocol should do about it.
+
+    A bare ``OSError`` counts as a lost connection only below a database
+    error: a handler's own ``FileNotFoundError`` or an HTTP client's refused
+    connection is the handler's failure, not the database's.
+    """
+    seen: set[int] = set()
+    from_database = False
+    any_state = False
+    operational = False
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        operational = operational or type(current).__name__ == "OperationalError"
+        if isinstance(current, errors.DatabaseUnavailable):
+            return DbFailure.CONNECTION
+        # Anything carrying a SQLSTATE is a database error, whatever raised it.
+        state = _sqlstate(current)
+        any_state = any_state or state is not None
+        from_database = from_database or state is not None or _is_database_error(current)
+        if isinstance(current, sa_exc.DBAPIError) and current.connection_invalidated:
+            return DbFailure.CONNECTION
+        if state in _CONFLICT_STATES:
+            return DbFailure.CONFLICT
+        if state == "55P03":
+            return DbFailure.LOCK_TIMEOUT
+        if state is not None and (state in _CONNECTION_STATES or state.startswith("08")):
+            return DbFailure.CONNECTION
+        if state is not None and (state in _BUSY_STATES or state.startswith("53")):
+            return DbFailure.BUSY
+        if isinstance(current, sa_exc.TimeoutError):
+            # QueuePool's "QueuePool limit ... reached, connection timed out".
+            return DbFailure.BUSY
+        if from_database and isinstance(current, (OSError, sa_exc.DisconnectionError)):
+            return DbFailure.CONNECTION
+        if from_database and type(current).__name__ in _DRIVER_CONNECTION_ERRORS:
+            return DbFailure.CONNECTION
+        nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
+        current = nxt or current.__cause__ or current.__context__
+    if from_database and operational and not any_state:
+        # psycopg's "connection failed: ... Connection refused" carries no SQLSTATE:
+        # an OperationalError without one is the connection's, not a statement's.
+        return DbFailure.CONNECTION
+    return DbFailure.OTHER
+
+
+def transient(exc: BaseException, failures: frozenset[DbFailure] = INFRASTRUCTURE) -> bool:
+    """Whether ``exc`` is a failure of the database after which the transaction is retried whole.
+
+    Wherever it is raised, in eop's statements or in a handler's, such a
+    failure is not the handler's: it never counts as an attempt. eop's own
+    :class:`eop.errors.TransactionConflict` and :class:`eop.errors.DatabaseUnavailable`
+    always are; its other errors never; anything else by its :func:`classify`
+    kind, one of ``failures``.
+    """
+    if isinstance(exc, (errors.TransactionConflict, errors.DatabaseUnavailable)):
+        return True
+    if isinstance(exc, errors.EopError):
+        return False
+    return classify(exc) in failures
+
+
+_DRIVER_CONNECTION_ERRORS = {"ConnectionDoesNotExistError", "InterfaceError"}
+
+# SQLSTATE classes of a statement whose values PostgreSQL refuses: data
+# exceptions (22: a value it cannot convert or accept), integrity constraints
+# (23), program limits (54: e.g. an index row too large).
+_REFUSED_CLASSES = ("22", "23", "54")
+
+
+def refuses_values(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database (or its driver) refuses the statement's values.
+
+    Unlike a conflict, a timeout or a lost connection, running the same
+    statement with the same values again cannot succeed.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        state = _sqlstate(current)
+        if (state is not None and state[:2] in _REFUSED_CLASSES) or isinstance(
+            current, UnicodeError
+        ):
+            return True
+        nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
+        current = nxt or current.__cause__ or current.__context__
+    return False
+
+
+def _is_database_error(exc: BaseException) -> bool:
+    if isinstance(exc, sa_exc.SQLAlchemyError):
+        return True
+    module = type(exc).__module__.split(".")[0]
+    return module in ("asyncpg", "psycopg", "psycopg2", "sqlalchemy")
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    for attr in ("sqlstate", "pgcode"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while opening or using a connection, means PostgreSQL is gone.
+
+    Unlike :func:`classify`, a bare ``OSError`` counts too: at this edge (no
+    handler code runs) it can only come from reaching the server.
+    """
+    return isinstance(exc, OSError) or classify(exc) is DbFailure.CONNECTION
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:200]
+
+
+async def connected(awaitable: Any) -> Any:
+    """Await a step that opens a connection; translate 'cannot connect' at the edge."""
+    try:
+        return await awaitable
+    except Exception as exc:
+        if unreachable(exc):
+            raise errors.DatabaseUnavailable(f"PostgreSQL is unreachable: {_short(exc)}") from exc
+        raise

@@ -1,0 +1,114 @@
+"""The real inbox store: eop's tables in the app's database."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
+
+from eop.pg import failures, models, sql
+from eop.pg.threads import SyncThreads
+
+if TYPE_CHECKING:
+    from sqlalchemy import orm
+    from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+    from sqlalchemy.orm import Session
+
+    from eop.handler import HandlerSpec
+    from eop.message import Message
+    from eop.settings import Settings
+
+from eop.pg.inbox import Transaction
+from eop.pg.transactions import AsyncTransaction, SqlTransaction, SyncTransaction
+
+
+class Database(Protocol):
+    """What the store needs of the app it serves (:class:`eop.App` is one)."""
+
+    @property
+    def settings(self) -> Settings:
+        """The schema, the timeouts."""
+
+    @property
+    def sessionmaker(self) -> async_sessionmaker[AsyncSession]:
+        """Async sessions: async handlers' transactions and eop's own bookkeeping."""
+
+    @property
+    def sync_sessionmaker(self) -> orm.sessionmaker[Session]:
+        """Sync sessions, for sync handlers' transactions."""
+
+    def sync_transactions(self) -> int:
+        """How many sync transactions may be open at once."""
+
+
+class PostgresStore:
+    """The real :class:`Store`: eop's tables in the app's database.
+
+    Sync transactions run in threads of the store's own (:mod:`eop.pg.threads`),
+    as many as the app's sync pool hands out connections
+    (:meth:`eop.App.sync_transactions`); :meth:`close` lets them go.
+    """
+
+    def __init__(self, app: Database) -> None:
+        self.app = app
+        self.tables = models.tables(app.settings.schema)
+        s = app.settings
+        self._timeouts = sql.set_local_timeouts(
+            int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000)
+        )
+        self._threads: SyncThreads | None = None
+
+    def transaction(self, spec: HandlerSpec) -> contextlib.AbstractAsyncContextManager[Transaction]:
+        """Open a session, begin, set the local timeouts; close (and so roll back) on exit."""
+        return self._open(spec)
+
+    @contextlib.asynccontextmanager
+    async def _open_async(self, spec: HandlerSpec) -> AsyncIterator[AsyncTransaction]:
+        async with self.app.sessionmaker() as session:
+            tx = AsyncTransaction(session, self.tables, spec)
+            await failures.connected(tx.select(self._timeouts))
+            yield tx
+
+    @contextlib.asynccontextmanager
+    async def _open(self, spec: HandlerSpec) -> AsyncIterator[SqlTransaction]:
+        if spec.is_async:
+            async with self._open_async(spec) as atx:
+                yield atx
+            return
+        if self._threads is None:
+            self._threads = SyncThreads(self.app.sync_transactions())
+        # Making a session sends nothing: its first statement checks a
+        # connection out, in a thread, under the permit.
+        tx = SyncTransaction(self.app.sync_sessionmaker(), self.tables, spec, self._threads)
+        try:
+            await failures.connected(tx.select(self._timeouts))
+            yield tx
+        finally:
+            await tx.close()
+
+    def session(self) -> AsyncSession:
+        """A plain async session for eop's own bookkeeping (compaction, status)."""
+        return self.app.sessionmaker()
+
+    async def has_outcome(self, spec: HandlerSpec, message: Message) -> bool:
+        """Whether this very message has a committed outcome, read in a fresh transaction.
+
+        Read on the async engine, whatever the handler's kind: the caller still
+        holds its own transaction, and a sync one waiting here for a second sync
+        permit could wait for ever once every permit is held that way.
+        """
+        async with self._open_async(spec) as tx:
+            found = await tx.find(message)
+            if found is not None and found.by == "key" and found.fingerprint == message.fingerprint:
+                return True
+            return await tx.has_dead_letter(message)
+
+    @property
+    def abandoned_threads(self) -> int:
+        """Threads still running a step after :meth:`close` (a handler that did not return)."""
+        return self._threads.busy if self._threads is not None else 0
+
+    def close(self) -> None:
+        """Take no more sync steps; threads stuck in a handler are left running."""
+        if self._threads is not None:
+            self._threads.close()

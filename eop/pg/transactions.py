@@ -1,0 +1,493 @@
+"""The inbox transactions on PostgreSQL: async (asyncpg) and sync (psycopg, in threads).
+
+Both implement :class:`eop.pg.inbox.Transaction` with eop's statements
+(:mod:`eop.pg.sql`): the claim, the handler's run, COMMIT, the dead letters
+and the retries' bookkeeping.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import sqlalchemy as sa
+
+from eop import errors, redaction, writes
+from eop import message as message_mod
+from eop.pg import models, sql
+from eop.pg.threads import SyncThreads
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
+    from eop.handler import HandlerSpec
+    from eop.message import Message
+
+from eop.pg.failures import INFRASTRUCTURE, DbFailure, classify
+from eop.pg.inbox import DeadLetter, Existing
+
+T = TypeVar("T")
+
+
+class SqlTransaction(abc.ABC):
+    """The protocol's statements over a SQLAlchemy session (async or sync)."""
+
+    def __init__(self, tables: models.Tables, spec: HandlerSpec) -> None:
+        self.tables = tables
+        self.spec = spec
+        self.committed = False
+        self.writes: writes.Writes | None = None
+        """The handler's write queue, when it takes one (:attr:`HandlerSpec.takes_writes`)."""
+
+    @abc.abstractmethod
+    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]: ...
+
+    @abc.abstractmethod
+    async def _execute(self, stmt: sa.Executable) -> None: ...
+
+    async def select(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
+        """The rows of one of eop's own statements (:mod:`eop.pg.sql`), run in this transaction."""
+        return await self._rows(stmt)
+
+    @abc.abstractmethod
+    async def run(self, message: Message, *, flush: bool = True) -> None:
+        """Run the handler inside this transaction.
+
+        With ``flush=False`` the handler's queued writes (:class:`eop.Writes`)
+        and pending ORM objects stay queued, to be sent with the rest of the
+        batch's by :meth:`flush`.
+        """
+
+    @abc.abstractmethod
+    async def flush(self) -> None:
+        """Send the handlers' queued writes, then their pending ORM objects."""
+
+    @abc.abstractmethod
+    async def commit(self) -> None:
+        """COMMIT; :class:`eop.AmbiguousCommit` when the connection drops during it."""
+
+    @abc.abstractmethod
+    async def rollback(self) -> None:
+        """ROLLBACK (never raises)."""
+
+    def _second_argument(self, session: Any) -> Any:
+        """What the handler gets after the message: its write queue, or the session."""
+        return self.writes if self.writes is not None else session
+
+    async def claim(self, message: Message, outcome: str) -> bool:
+        """Insert the inbox row; False when the key or the msg-id is taken, or below the
+        watermark."""
+        return bool(await self.claim_many([message], outcome))
+
+    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
+        """Claim a batch in one statement; returns the claimed stream sequences.
+
+        The messages of one batch share a subscription and a stream, so the
+        sequence identifies each one.
+        """
+        rows = [self.claim_row(m, outcome) for m in messages]
+        return {int(row[0]) for row in await self._rows(sql.claim(self.tables, rows))}
+
+    def claim_row(self, m: Message, outcome: str) -> dict[str, Any]:
+        """The inbox row that claims ``m`` with ``outcome``."""
+        return {
+            "subscription": m.subscription,
+            "stream": m.stream,
+            "stream_epoch": m.stream_epoch,
+            "stream_seq": m.seq,
+            "fingerprint": m.fingerprint,
+            "msg_id": m.msg_id if self.spec.msg_id_guard else None,
+            "subject": m.subject,
+            "outcome": outcome,
+            "delivery_count": m.num_delivered,
+        }
+
+    async def unclaim(self, message: Message) -> None:
+        """Drop this transaction's claim of ``message`` (its handler failed in a batch)."""
+        await self._rows(
+            sql.unclaim(
+                self.tables, message.subscription, message.stream, message.stream_epoch, message.seq
+            )
+        )
+
+    @abc.abstractmethod
+    async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:
+        """Run a batch handler on ``messages`` inside this transaction."""
+
+    @abc.abstractmethod
+    async def run_isolated(self, messages: list[Message]) -> Exception | None:
+        """Run the handler on ``messages`` inside a savepoint; its error, rolled back, or None.
+
+        Failures of the database (:data:`INFRASTRUCTURE`: conflicts, lock and
+        statement timeouts, a lost connection) are raised, not returned: they
+        are no handler's failure, and the transaction is retried whole.
+        """
+
+    async def find(self, message: Message) -> Existing | None:
+        """What the inbox holds under the message's key, else under its msg-id."""
+        rows = await self._rows(
+            sql.find_by_key(
+                self.tables,
+                message.subscription,
+                message.stream,
+                message.stream_epoch,
+                message.seq,
+            )
+        )
+        if rows:
+            return Existing(by="key", fingerprint=rows[0][0], outcome=rows[0][1])
+        if message.msg_id is not None and self.spec.msg_id_guard:
+            rows = await self._rows(
+                sql.find_by_msg_id(self.tables, message.subscription, message.msg_id)
+            )
+            if rows:
+                return Existing(by="msg_id", fingerprint=None, outcome=rows[0][3])
+        rows = await self._rows(
+            sql.watermark(self.tables, message.subscription, message.stream, message.stream_epoch)
+        )
+        if rows and message.seq <= rows[0][0]:
+            # Compacted: its outcome committed before the consumer's ack floor passed it.
+            return Existing(by="watermark", fingerprint=None, outcome=models.OUTCOME_PROCESSED)
+        return None
+
+    async def has_dead_letter(self, message: Message) -> bool:
+        """Whether a dead letter for this message (key and fingerprint) is recorded."""
+        stmt = sql.find_dead_letter(
+            self.tables,
+            message.subscription,
+            message.stream,
+            message.stream_epoch,
+            message.seq,
+            message.fingerprint,
+        )
+        return bool(await self._rows(stmt))
+
+    async def count_failure(
+        self, message: Message, error: str, *, parked: bool, due_in_s: float
+    ) -> int:
+        """Add one handler failure to the message's count, keeping the message; the new count."""
+        row = {
+            "subscription": message.subscription,
+            "stream": message.stream,
+            "stream_epoch": message.stream_epoch,
+            "stream_seq": message.seq,
+            "last_error": message_mod.pg_text(error),
+            "parked": parked,
+            "due_in_s": due_in_s,
+            "subject": message.subject,
+            # The handler needs the headers as they were (secrets included) on its
+            # retry; JSON in bytea keeps any character, NUL too.
+            "headers": json.dumps(dict(message.headers)).encode(),
+            "payload": message.data,
+            "stored_at": message.timestamp,
+        }
+        rows = await self._rows(sql.count_failure(self.tables, row))
+        return int(rows[0][0])
+
+    async def forget_failures(self, message: Message) -> None:
+        """Drop the message's failure count and parked copy (it has its outcome)."""
+        await self._execute(sql.forget_failures(self.tables, *_key(message)))
+
+    async def reschedule(self, message: Message, due_in_s: float) -> None:
+        """Run a parked message again ``due_in_s`` from now."""
+        await self._execute(sql.reschedule(self.tables, *_key(message), due_in_s))
+
+    async def lock_run(self, message: Message, runs: int) -> bool:
+        """Lock a parked message for its run number ``runs``; False if another run took it."""
+        return bool(await self._rows(sql.lock_run(self.tables, *_key(message), runs)))
+
+    async def settle_retrying(self, message: Message, outcome: str) -> bool:
+        """Give a retrying message its outcome; False when it is not retrying (any more)."""
+        return bool(await self._rows(sql.settle_retrying(self.tables, *_key(message), outcome)))
+
+    async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
+        """Record the dead letter: reason, error, headers without secrets, payload."""
+        row = {
+            "subscription": message.subscription,
+            "stream": message.stream,
+            "stream_epoch": message.stream_epoch,
+            "stream_seq": message.seq,
+            "fingerprint": message.fingerprint,
+            "msg_id": message.msg_id,
+            "subject": message.subject,
+            "headers": json.loads(json.dumps(redaction.redact_headers(message.headers))),
+            "payload": message.data,
+            "reason": dead.reason,
+            "error": dead.error,
+            "traceback": dead.traceback,
+            "delivery_count": message.num_delivered,
+        }
+        await self._rows(sql.insert_dead_letter(self.tables, row))
+
+
+class AsyncTransaction(SqlTransaction):
+    """A transaction on an ``AsyncSession``, for ``async def`` handlers."""
+
+    def __init__(self, session: AsyncSession, tables: models.Tables, spec: HandlerSpec) -> None:
+        super().__init__(tables, spec)
+        self.session = session
+        if spec.takes_writes:
+            self.writes = writes.Writes(session)
+
+    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
+        result = await self.session.execute(stmt)
+        return [tuple(row) for row in result]
+
+    async def _execute(self, stmt: sa.Executable) -> None:
+        await self.session.execute(stmt)
+
+    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
+        """Claim a batch in one statement, sent on asyncpg's own connection when it is one.
+
+        The transaction is already open on that connection (the local
+        timeouts were set through the session), so the claim is part of it.
+        """
+        driver = await self._driver()
+        if driver is None:
+            return await super().claim_many(messages, outcome)
+        guard = self.spec.msg_id_guard
+        # One list per column, in the order of sql.CLAIM_COLUMNS (the values of claim_row).
+        columns = (
+            [m.subscription for m in messages],
+            [m.stream for m in messages],
+            [m.stream_epoch for m in messages],
+            [m.seq for m in messages],
+            [m.fingerprint for m in messages],
+            [m.msg_id if guard else None for m in messages],
+            [m.subject for m in messages],
+            [outcome] * len(messages),
+            [m.num_delivered for m in messages],
+        )
+        records = await driver.fetch(sql.claim_driver_text(self.tables.schema), *columns)
+        return {int(record[0]) for record in records}
+
+    async def _driver(self) -> Any:
+        """The asyncpg connection under the session, or None for another driver."""
+        connection = await self.session.connection()
+        if connection.dialect.driver != "asyncpg":
+            return None
+        raw = await connection.get_raw_connection()
+        return raw.driver_connection
+
+    async def run(self, message: Message, *, flush: bool = True) -> None:
+        """Await the handler with this transaction's session (or write queue)."""
+        await self._call([message], flush=flush)
+
+    async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:
+        """Await a batch handler with the messages of a batch."""
+        await self._call(messages, flush=flush)
+
+    async def _call(self, messages: list[Message], *, flush: bool = True) -> None:
+        arg, extra = self.spec.arguments(messages)
+        func: Any = self.spec.func  # an async handler, given the AsyncSession or Writes
+        await func(arg, self._second_argument(self.session), **extra)
+        if flush:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Send queued writes and pending ORM objects, so their errors are the handler's.
+
+        A handler that only executed statements left nothing to send: no
+        greenlet hop then.
+        """
+        if self.writes:
+            await self.session.run_sync(self.writes.send)
+        if self.session.new or self.session.dirty or self.session.deleted:
+            await self.session.flush()
+
+    async def run_isolated(self, messages: list[Message]) -> Exception | None:
+        """Run the handler inside a savepoint; roll it back alone if it fails."""
+        savepoint = await self.session.begin_nested()
+        try:
+            await self._call(messages)
+            await savepoint.commit()
+        except Exception as exc:
+            if self.writes is not None:
+                self.writes.discard()
+            if classify(exc) in INFRASTRUCTURE:
+                raise
+            await savepoint.rollback()
+            return exc
+        return None
+
+    async def commit(self) -> None:
+        """COMMIT; a connection lost during it makes the outcome unknown."""
+        if self.writes:
+            await self.flush()  # never left behind, whoever ran the handler
+        await _commit(self.session.commit)
+        self.committed = True
+
+    async def rollback(self) -> None:
+        """ROLLBACK, ignoring a broken connection."""
+        with contextlib.suppress(Exception):
+            await self.session.rollback()
+
+
+class SyncTransaction(SqlTransaction):
+    """A transaction on a sync ``Session``; each step runs in a worker thread.
+
+    Steps run one after another, never concurrently, so handing the session
+    from thread to thread is safe. Where each step runs is :meth:`_step`'s
+    choice: with ``threads`` (what :class:`eop.pg.store.PostgresStore` gives), in those
+    threads under a permit held while the session holds a connection (see
+    :mod:`eop.pg.threads`); without, in :func:`asyncio.to_thread`'s.
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        tables: models.Tables,
+        spec: HandlerSpec,
+        threads: SyncThreads | None = None,
+    ) -> None:
+        super().__init__(tables, spec)
+        self.session = session
+        if spec.takes_writes:
+            self.writes = writes.Writes(session)
+        self._threads = threads
+        self._permit = False
+        self._abandoned = False
+
+    async def _step(self, func: Callable[..., T], *args: Any) -> T:
+        """Run one blocking step of the transaction: in a worker thread, off the event loop."""
+        threads = self._threads
+        if threads is None:
+            return await asyncio.to_thread(func, *args)
+        if self._abandoned:
+            raise RuntimeError("a cancelled step of this transaction still runs in its thread")
+        if not self._permit:
+            # Before the step checks a connection out of the pool, never after.
+            await threads.acquire()
+            self._permit = True
+        future = threads.submit(func, *args)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.done():
+                self._abandon(threads, future)
+            raise
+
+    def _abandon(self, threads: SyncThreads, future: concurrent.futures.Future[Any]) -> None:
+        """The step was cancelled but its thread may still use the session: it is that
+        thread's until the step returns; then the session is closed (rolling back)
+        and the permit given back, there."""
+        self._abandoned = True
+
+        def close() -> None:
+            with contextlib.suppress(Exception):
+                self.session.close()
+            threads.release()
+
+        future.add_done_callback(lambda _: threads.later(close))
+
+    def _release(self) -> None:
+        """The session gave its connection back to the pool: give the permit back."""
+        if self._threads is not None and self._permit and not self._abandoned:
+            self._permit = False
+            self._threads.release()
+
+    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
+        def execute() -> list[tuple[Any, ...]]:
+            result = self.session.execute(stmt)
+            return [tuple(row) for row in result]
+
+        return await self._step(execute)
+
+    async def _execute(self, stmt: sa.Executable) -> None:
+        await self._step(self.session.execute, stmt)
+
+    async def run(self, message: Message, *, flush: bool = True) -> None:
+        """Call the handler in a worker thread, off the event loop, and flush its writes."""
+        await self._step(self._call, [message], flush)
+
+    async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:
+        """Call a batch handler in a worker thread with the messages of a batch."""
+        await self._step(self._call, messages, flush)
+
+    def _call(self, messages: list[Message], flush: bool = True) -> None:
+        arg, extra = self.spec.arguments(messages)
+        func: Any = self.spec.func  # a sync handler, given the Session or Writes
+        func(arg, self._second_argument(self.session), **extra)
+        if flush:
+            self._flush()
+
+    async def flush(self) -> None:
+        """Send queued writes, then flush pending ORM objects, in a worker thread."""
+        await self._step(self._flush)
+
+    def _flush(self) -> None:
+        if self.writes is not None:
+            self.writes.send(self.session)
+        self.session.flush()
+
+    async def run_isolated(self, messages: list[Message]) -> Exception | None:
+        """Run the handler inside a savepoint in a worker thread; roll it back alone if it fails."""
+        return await self._step(self._isolated, messages)
+
+    def _isolated(self, messages: list[Message]) -> Exception | None:
+        savepoint = self.session.begin_nested()
+        try:
+            self._call(messages)
+            savepoint.commit()
+        except Exception as exc:
+            if self.writes is not None:
+                self.writes.discard()
+            if classify(exc) in INFRASTRUCTURE:
+                raise
+            savepoint.rollback()
+            return exc
+        return None
+
+    async def commit(self) -> None:
+        """COMMIT in a worker thread; a connection lost during it makes the outcome unknown."""
+        if self.writes:
+            await self.flush()  # never left behind, whoever ran the handler
+        await _commit(functools.partial(self._step, self.session.commit))
+        self.committed = True
+        self._release()
+
+    async def rollback(self) -> None:
+        """ROLLBACK, ignoring a broken connection."""
+        try:
+            await self._step(self.session.rollback)
+        except Exception:
+            return  # the permit stays until close(), which also returns the connection
+        self._release()
+
+    async def close(self) -> None:
+        """Close the session (rolling back what is open) and give the permit back."""
+        if self._abandoned:
+            return
+        if self._threads is not None and not self._permit:
+            # No connection to give back: nothing to send, nothing to wait for.
+            self.session.close()
+            return
+        with contextlib.suppress(Exception):
+            await self._step(self.session.close)
+        if self._threads is not None and not self._abandoned:
+            self._permit = False
+            self._threads.release()
+
+
+def _key(message: Message) -> tuple[str, str, str, int]:
+    return (message.subscription, message.stream, message.stream_epoch, message.seq)
+
+
+async def _commit(commit: Any) -> None:
+    try:
+        await commit()
+    except Exception as exc:
+        failure = classify(exc)
+        # COMMIT runs no handler code: an OSError here is the database's socket.
+        if failure is DbFailure.CONNECTION or isinstance(exc, OSError):
+            raise errors.AmbiguousCommit() from exc
+        if failure is DbFailure.CONFLICT:
+            raise errors.TransactionConflict() from exc
+        raise
