@@ -218,6 +218,7 @@ class App:
         if self._engine is None:
             # libpq's TLS parameters (sslrootcert...) become asyncpg's ssl context.
             url, connect_args = engines.asyncpg_url(self.settings.database_url)
+            connect_args = engines.named(connect_args)
             self._engine = create_async_engine(
                 url,
                 connect_args=connect_args,
@@ -251,7 +252,7 @@ class App:
             self._sync_sessionmaker = orm.sessionmaker(
                 # From the settings' URL: the engine's lost the TLS parameters libpq reads.
                 sa.create_engine(
-                    sync_url(sa.make_url(self.settings.database_url)),
+                    engines.named_url(sync_url(sa.make_url(self.settings.database_url))),
                     pool_size=self.sync_transactions(),
                     max_overflow=0,
                     pool_pre_ping=True,

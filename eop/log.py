@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import sys
 import traceback
 from collections.abc import MutableMapping
@@ -82,6 +83,12 @@ class Action(str, enum.Enum):
     """Acked, its retry held in the database (the retries table)."""
 
 
+def _add_pid(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    # The processes of one `eop worker` share stderr: the pid tells their lines apart.
+    event_dict.setdefault("pid", os.getpid())
+    return event_dict
+
+
 def configure(
     log_format: settings_mod.LogFormat = "console",
     level: settings_mod.LogLevel = "info",
@@ -97,6 +104,7 @@ def configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
+            _add_pid,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
             _stringify_enums,

@@ -54,3 +54,26 @@ def asyncpg_url(url: str | sa.URL) -> tuple[sa.URL, dict[str, Any]]:
     if "sslcert" in files:
         context.load_cert_chain(files["sslcert"], files["sslkey"])
     return rest, {"ssl": context}
+
+
+#: How eop's own connections show in ``pg_stat_activity`` (unless the URL names them).
+APPLICATION_NAME = "eop"
+
+
+def named(connect_args: dict[str, Any]) -> dict[str, Any]:
+    """asyncpg ``connect_args`` that name the connection :data:`APPLICATION_NAME`.
+
+    A ``server_settings`` entry already there wins.
+    """
+    server_settings = {
+        "application_name": APPLICATION_NAME,
+        **connect_args.get("server_settings", {}),
+    }
+    return {**connect_args, "server_settings": server_settings}
+
+
+def named_url(url: sa.URL) -> sa.URL:
+    """A libpq (psycopg) URL with ``application_name``, unless it has one."""
+    if "application_name" in url.query:
+        return url
+    return url.update_query_dict({"application_name": APPLICATION_NAME})

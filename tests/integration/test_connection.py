@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+import sqlalchemy as sa
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
@@ -114,3 +115,16 @@ async def test_a_read_loop_ended_without_reconnects_allowed_closes_and_reports_i
         assert nc.is_closed
     finally:
         await nc.close()
+
+
+async def test_eops_own_connections_name_themselves_in_pg_stat_activity(database_url: str) -> None:
+    """Both of eop's engines connect as application_name 'eop', so operators can find them."""
+    app = eop.App(settings=Settings(database_url=database_url))
+    query = sa.text("SELECT current_setting('application_name')")
+    try:
+        async with app.engine.connect() as conn:
+            assert (await conn.execute(query)).scalar() == "eop"
+        with app.sync_sessionmaker() as session:
+            assert session.execute(query).scalar() == "eop"
+    finally:
+        await app.dispose()

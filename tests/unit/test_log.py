@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import traceback
 
 import asyncpg
@@ -306,3 +307,14 @@ def test_the_engines_eop_makes_hide_bound_values() -> None:
     assert app.engine.sync_engine.hide_parameters
     bind = app.sync_sessionmaker.kw["bind"]
     assert bind.hide_parameters
+
+
+def test_each_line_names_its_process() -> None:
+    """The processes of one `eop worker` share stderr: every line carries its pid."""
+    stream = io.StringIO()
+    log.configure("json", "info", stream=stream)
+    try:
+        log.get_logger().info(log.Event.WORKER_STARTED)
+    finally:
+        log.configure()
+    assert json.loads(stream.getvalue())["pid"] == os.getpid()
