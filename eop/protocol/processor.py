@@ -290,42 +290,30 @@ class Processor:
     async def _attempt(
         self, delivery: Delivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
-        failure: Exception | None = None
         async with self.store.transaction(self.spec) as tx:
             if not await _claim(tx, msg, models.OUTCOME_PROCESSED):
                 existing = await tx.find(msg)
                 await tx.rollback()
                 return await self._not_claimed(delivery, msg, existing, logger)
             await faults.point("after_claim")
-            try:
+
+            async def run() -> None:
                 async with ack.heartbeat(delivery, self.ack_wait_s / 3, logger):
                     await tx.run(msg)
                     await faults.point("mid_handler")
                 if msg.num_delivered > 1 and not self.parks:
                     # An ordered handler's failures were counted for its nak'ed retries.
                     await tx.forget_failures(msg)
-            except Exception as exc:
-                await tx.rollback()
-                if transient(exc):
-                    raise
-                failure = exc
-            else:
-                try:
-                    return await self.critical.run(
-                        self._commit_and_settle(tx, delivery, msg, Outcome.PROCESSED, logger)
-                    )
-                except _CommitRejected as rejected:
-                    # A deferred constraint or the handler's last writes failed at
-                    # COMMIT: the handler's failure, settled like any other.
-                    await tx.rollback()
-                    failure = rejected.error
-        return await self.handler_failed(delivery, msg, failure, logger)
+
+            result = await self._run_and_commit(tx, delivery, msg, run, logger)
+        if isinstance(result, Outcome):
+            return result
+        return await self.handler_failed(delivery, msg, result, logger)
 
     async def _rerun(
         self, delivery: retries.ParkedDelivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
         """A parked message's run: the ``retrying`` row is its claim, locked for this run."""
-        failure: Exception | None = None
         async with self.store.transaction(self.spec) as tx:
             if not await tx.lock_run(msg, delivery.runs):
                 # A later run took it (this one outlived its lease), or it settled.
@@ -340,23 +328,46 @@ class Processor:
                 await tx.rollback()
                 self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
                 return Outcome.LEFT
-            try:
+
+            async def run() -> None:
                 await tx.run(msg)
                 await tx.forget_failures(msg)
-            except Exception as exc:
-                await tx.rollback()
-                if transient(exc):
-                    raise
-                failure = exc
-            else:
-                try:
-                    return await self.critical.run(
-                        self._commit_and_settle(tx, delivery, msg, Outcome.PROCESSED, logger)
-                    )
-                except _CommitRejected as rejected:
-                    await tx.rollback()
-                    failure = rejected.error
-        return await self.handler_failed(delivery, msg, failure, logger)
+
+            result = await self._run_and_commit(tx, delivery, msg, run, logger)
+        if isinstance(result, Outcome):
+            return result
+        return await self.handler_failed(delivery, msg, result, logger)
+
+    async def _run_and_commit(
+        self,
+        tx: inbox.Transaction,
+        delivery: Delivery,
+        msg: message.Message,
+        run: Callable[[], Awaitable[None]],
+        logger: log.Logger,
+    ) -> Outcome | Exception:
+        """Run the handler in its claimed transaction, COMMIT, settle; or the handler's failure.
+
+        A database failure is raised (:func:`transient`: retried, never counted);
+        the handler's own, or its writes refused at COMMIT, is returned for
+        :meth:`handler_failed`, once the transaction is rolled back.
+        """
+        try:
+            await run()
+        except Exception as exc:
+            await tx.rollback()
+            if transient(exc):
+                raise
+            return exc
+        try:
+            return await self.critical.run(
+                self._commit_and_settle(tx, delivery, msg, Outcome.PROCESSED, logger)
+            )
+        except _CommitRejected as rejected:
+            # A deferred constraint or the handler's last writes failed at
+            # COMMIT: the handler's failure, settled like any other.
+            await tx.rollback()
+            return rejected.error
 
     async def _commit_and_settle(
         self,
