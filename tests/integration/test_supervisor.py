@@ -73,6 +73,13 @@ async def test_a_worker_process_that_dies_stops_the_other_and_sets_the_exit_stat
     proc = workers.start("--processes", "2")
     pids = await _pids(tmp_path / "worker-0.log")
     await wait_for(lambda: consumer_exists(js), what="the consumer")
+
+    # Both at work: a process still importing would die of the SIGTERM (143)
+    # before it could stop cleanly, which is another test's matter.
+    async def both_started() -> bool:
+        return workers.logs().count('"worker.started"') == 2
+
+    await wait_for(both_started, what="both processes started")
     os.kill(pids[1], signal.SIGKILL)
     assert proc.wait(timeout=60) == 128 + signal.SIGKILL
     await wait_for(lambda: _all_gone(pids), what="the other worker process to exit")
