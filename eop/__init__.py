@@ -7,6 +7,7 @@ the stream ends in exactly one committed outcome in PostgreSQL.
 
 from __future__ import annotations
 
+from eop import outbox  # after the names it builds on: eop.outbox.add
 from eop.app import App
 from eop.broker.publish import publish
 from eop.errors import (
@@ -22,6 +23,7 @@ from eop.errors import (
     Retry,
     SchemaNotReady,
     UndecodableMessage,
+    UnpublishableMessage,
 )
 from eop.message import Message
 from eop.settings import Settings
@@ -36,6 +38,7 @@ __all__ = [
     "Settings",
     "Writes",
     "publish",
+    "outbox",
     # what handlers raise
     "Reject",
     "Retry",
@@ -50,5 +53,6 @@ __all__ = [
     "NatsUnavailable",
     "PayloadTooLarge",
     "SchemaNotReady",
+    "UnpublishableMessage",
     "__version__",
 ]

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 from eop import errors
 from eop import handler as handler_mod
 from eop import settings as settings_mod
-from eop.pg import engines
+from eop.pg import engines, outbox
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -238,7 +238,9 @@ class App:
     def sessionmaker(self) -> async_sessionmaker[AsyncSession]:
         """The async sessionmaker eop opens handler transactions with."""
         if self._sessionmaker is None:
-            self._sessionmaker = async_sessionmaker(self.engine, expire_on_commit=False)
+            self._sessionmaker = async_sessionmaker(
+                self.engine, expire_on_commit=False, info=self._outbox_info()
+            )
         return self._sessionmaker
 
     @property
@@ -259,8 +261,13 @@ class App:
                     hide_parameters=True,  # as the async engine's
                 ),
                 expire_on_commit=False,
+                info=self._outbox_info(),
             )
         return self._sync_sessionmaker
+
+    def _outbox_info(self) -> dict[str, object]:
+        # Sessions the app makes know their outbox: eop.outbox.add needs no schema= then.
+        return {outbox.CONTEXT_KEY: outbox.Context.of(self.settings)}
 
     async def dispose(self) -> None:
         """Close the connection pools eop made (not the ones it was given)."""

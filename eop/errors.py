@@ -124,5 +124,9 @@ class StatusProblem(EopError):
     """A handler's stream or consumer is missing: see `eop status`."""
 
 
-class PayloadTooLarge(EopError):
+class UnpublishableMessage(EopError):
+    """A message cannot be published as given: its subject, a header or its size."""
+
+
+class PayloadTooLarge(UnpublishableMessage):
     """A message is larger than the NATS server accepts (its max_payload)."""

@@ -47,6 +47,8 @@ Point = Literal[
     "after_commit",
     "during_ack",
     "after_ack",
+    "relay_after_publish",
+    "relay_after_mark",
 ]
 """The fault points, in the order a delivery passes them."""
 

@@ -112,6 +112,38 @@ class Settings:
     create: bool = _field(
         True, "Create streams and consumers that do not exist (else bind to existing ones only)."
     )
+    # -- the outbox and its relay
+    relay: bool = _field(
+        True,
+        "Run the outbox relay in ``eop worker``: one relay at a time publishes (it holds the "
+        "lease), the others stand by.",
+    )
+    outbox_max_payload: int = _field(
+        1024 * 1024,
+        "Largest message (payload and headers) ``eop.outbox.add`` accepts: the NATS "
+        "server's max_payload (1 MiB unless raised).",
+    )
+    outbox_batch: int = _field(
+        1000, "Outbox rows one relay round publishes at once (asynchronous PubAcks)."
+    )
+    outbox_poll_s: float = _field(
+        1.0, "How often the relay looks for rows when no NOTIFY woke it (LISTEN is down)."
+    )
+    outbox_keep_s: float = _field(
+        60.0, "How long published outbox rows are kept (for `eop outbox list`) before deletion."
+    )
+    outbox_max_attempts: int = _field(
+        5,
+        "Publishes of an outbox row the server refuses (no stream holds its subject) before "
+        "the row is parked; NATS outages never count.",
+    )
+    relay_lease_s: float = _field(
+        10.0,
+        "The relay lease: a standby takes over at most this long after the publishing relay died.",
+    )
+    publish_timeout_s: float = _field(
+        5.0, "How long the relay waits for the PubAcks of one round before sending it again."
+    )
     # metrics, health and tracing (obs)
     metrics_port: int = _field(
         0, "Port of the worker's HTTP endpoint: /metrics, /healthz, /readyz (0: off)."
@@ -165,6 +197,9 @@ class Settings:
             "max_ack_pending",
             "startup_attempts",
             "nats_auth_refusals",
+            "outbox_max_payload",
+            "outbox_batch",
+            "outbox_max_attempts",
         ):
             if getattr(self, name) < 1:
                 raise errors.ConfigurationError(f"{name} must be at least 1")
@@ -180,11 +215,7 @@ class Settings:
                 raise errors.ConfigurationError(
                     f"{field.name} must be a finite, non-negative number of seconds"
                 )
-        if self.lease_margin_s >= self.ack_wait_s:
-            raise errors.ConfigurationError(
-                f"lease_margin_s ({self.lease_margin_s}) must be below ack_wait_s "
-                f"({self.ack_wait_s}), or no delivery would ever be started"
-            )
+        self._check_leases()
         if self.log_format not in get_args(LogFormat):
             raise errors.ConfigurationError(
                 f"log_format must be one of {get_args(LogFormat)}, not {self.log_format!r}"
@@ -196,6 +227,17 @@ class Settings:
         if not self.schema.isidentifier():
             raise errors.ConfigurationError(f"schema must be an identifier, not {self.schema!r}")
         self.nats_access.check()
+
+    def _check_leases(self) -> None:
+        if self.lease_margin_s >= self.ack_wait_s:
+            raise errors.ConfigurationError(
+                f"lease_margin_s ({self.lease_margin_s}) must be below ack_wait_s "
+                f"({self.ack_wait_s}), or no delivery would ever be started"
+            )
+        if self.relay_lease_s < 1.0:
+            raise errors.ConfigurationError(
+                "relay_lease_s must be at least 1 s: the relay renews it a few times per lease"
+            )
 
     @property
     def nats_access(self) -> access.NatsAccess:

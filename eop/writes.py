@@ -73,6 +73,12 @@ class Writes:
             sa.event.listen(sync_session, "do_orm_execute", self._before_execute)
         return self._session
 
+    @property
+    def info(self) -> dict[str, Any]:
+        """The session's ``info`` (where eop keeps the transaction's outbox context)."""
+        info: dict[str, Any] = self._session.info
+        return info
+
     def _before_execute(self, state: Any) -> None:
         self.send(state.session)
 

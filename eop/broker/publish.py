@@ -18,17 +18,7 @@ from nats.aio.client import Client as NATS
 
 from eop import errors
 from eop.message import MSG_ID_HEADER
-
-# "NATS/1.0\r\n" ... "\r\n": the header block's framing on the wire.
-_HEADER_FRAMING = len(b"NATS/1.0\r\n\r\n")
-
-
-def wire_size(data: bytes, headers: Mapping[str, str] | None = None) -> int:
-    """The bytes the server counts against its max_payload: payload plus header block."""
-    if not headers:
-        return len(data)
-    block = sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
-    return len(data) + block + _HEADER_FRAMING
+from eop.outgoing import wire_size
 
 
 async def publish(

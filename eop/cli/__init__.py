@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from eop import errors, log
 from eop import settings as settings_mod
-from eop.cli import audit, operations, options, worker
+from eop.cli import audit, operations, options, outbox, worker
 from eop.cli import bench as bench_cli
 from eop.cli import chaos as chaos_cli
 from eop.cli import spark as spark_cli
@@ -82,9 +82,11 @@ def build_parser(tool: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     # In this order in --help.
     worker.add_worker(sub)
+    outbox.add_relay(sub)
     worker.add_db(sub)
     operations.add_dlq(sub)
     operations.add_status(sub)
+    outbox.add_outbox(sub)
     audit.add_audit(sub)
     worker.add_demo(sub)
 

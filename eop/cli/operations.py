@@ -219,15 +219,22 @@ def _cmd_dlq_purge(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from eop.ops import status
+    from eop.ops import outbox, status
 
     app = options.configured_app(args, options.SERVER_FIELDS)
     handlers = args.handler or options.env_list("EOP_HANDLERS")
-    statuses = options.run_with(app, status.collect(app, handlers))
+
+    async def collect() -> tuple[list[status.HandlerStatus], outbox.Backlog]:
+        statuses = await status.collect(app, handlers)
+        return statuses, await outbox.Outbox(app).backlog()
+
+    statuses, backlog = options.run_with(app, collect())
     if args.json:
+        # The handlers' array, as before; `eop outbox status --json` has the outbox.
         print(json.dumps([s.to_json() for s in statuses], indent=2))
     else:
         print(status.format_table(statuses))
+        print(backlog.describe())
     problems = [f"{s.handler}: {p}" for s in statuses for p in s.problems]
     if problems:
         raise errors.StatusProblem("; ".join(problems))

@@ -42,6 +42,14 @@ WORKER_FIELDS = (
     "startup_attempts",
     "nats_auth_refusals",
     "uvloop",
+    "relay",
+    "outbox_batch",
+    "outbox_poll_s",
+    "outbox_keep_s",
+    "outbox_max_attempts",
+    "relay_lease_s",
+    "publish_timeout_s",
+    "outbox_max_payload",
 )
 
 

@@ -347,6 +347,34 @@ class WorkerMetrics(observe.Observer):
                 buckets=ACK_BUCKETS_S,
             )
         )
+        self.outbox_published_total = r.add(
+            Counter(
+                "eop_outbox_published_total",
+                "Outbox rows this process's relay published (PubAck received, row marked).",
+            )
+        ).labels()
+        self.outbox_parked_by_reason = r.add(
+            Counter(
+                "eop_outbox_parked_total",
+                "Outbox rows this process's relay parked, by reason (see `eop outbox list`).",
+                ("reason",),
+            )
+        )
+        self.outbox_pending = r.add(
+            Gauge(
+                "eop_outbox_pending",
+                "Unpublished outbox rows, as the publishing relay last counted them.",
+            )
+        ).labels()
+        self.outbox_lag_s = r.add(
+            Gauge(
+                "eop_outbox_lag_seconds",
+                "Age of the oldest unpublished outbox row, as the publishing relay last saw it.",
+            )
+        ).labels()
+        self.outbox_parked_rows = r.add(
+            Gauge("eop_outbox_parked", "Parked outbox rows, as the publishing relay last counted.")
+        ).labels()
         self._series = {spec.name: _HandlerSeries(self, spec) for spec in specs}
 
     def _of(self, spec: HandlerSpec) -> _HandlerSeries:
@@ -395,3 +423,17 @@ class WorkerMetrics(observe.Observer):
     def handler_finished(self, spec: HandlerSpec, token: object, seconds: float) -> None:
         """Time the handler call."""
         self._of(spec).handler_s.observe(seconds)
+
+    def outbox_published(self, rows: int) -> None:
+        """Count published outbox rows."""
+        self.outbox_published_total.inc(rows)
+
+    def outbox_parked(self, rows: int, reason: str) -> None:
+        """Count parked outbox rows by reason."""
+        self.outbox_parked_by_reason.labels(reason).inc(rows)
+
+    def outbox_backlog(self, pending: int, oldest_s: float, parked: int) -> None:
+        """Set the outbox's backlog gauges."""
+        self.outbox_pending.set(pending)
+        self.outbox_lag_s.set(oldest_s)
+        self.outbox_parked_rows.set(parked)

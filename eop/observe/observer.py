@@ -71,6 +71,15 @@ class Observer:
     def handler_finished(self, spec: HandlerSpec, token: Any, seconds: float) -> None:
         """The handler call that returned ``token`` ended (returned or raised)."""
 
+    def outbox_published(self, rows: int) -> None:
+        """The relay published ``rows`` outbox rows (PubAck received, marked)."""
+
+    def outbox_parked(self, rows: int, reason: str) -> None:
+        """The relay parked ``rows`` outbox rows for ``reason``."""
+
+    def outbox_backlog(self, pending: int, oldest_s: float, parked: int) -> None:
+        """The outbox holds ``pending`` unpublished rows, the oldest ``oldest_s`` old."""
+
 
 NOOP = Observer()
 """The observer of a worker without metrics and tracing."""
@@ -117,6 +126,21 @@ class Fanout(Observer):
         """Pass :meth:`Observer.handler_finished` on, in reverse order (tokens nest)."""
         for o, t in reversed(list(zip(self.observers, token, strict=True))):
             o.handler_finished(spec, t, seconds)
+
+    def outbox_published(self, rows: int) -> None:
+        """Pass :meth:`Observer.outbox_published` on."""
+        for o in self.observers:
+            o.outbox_published(rows)
+
+    def outbox_parked(self, rows: int, reason: str) -> None:
+        """Pass :meth:`Observer.outbox_parked` on."""
+        for o in self.observers:
+            o.outbox_parked(rows, reason)
+
+    def outbox_backlog(self, pending: int, oldest_s: float, parked: int) -> None:
+        """Pass :meth:`Observer.outbox_backlog` on."""
+        for o in self.observers:
+            o.outbox_backlog(pending, oldest_s, parked)
 
 
 def combine(observers: Sequence[Observer]) -> Observer:

@@ -36,6 +36,21 @@ RULE_REASONS = frozenset(
 REPLAY_PUBLISH = "publish"
 REPLAY_RERUN = "rerun"
 
+#: Why an outbox row was parked (not published until ``eop outbox retry``).
+PARK_NO_STREAM = "no_stream"
+PARK_TOO_LARGE = "too_large"
+PARK_BAD_HEADER = "bad_header"
+PARK_REFUSED = "refused"
+
+#: The one relay lease: the relay holding it publishes, the others stand by.
+RELAY_LEASE = "outbox"
+
+
+def outbox_channel(schema: str) -> str:
+    """The LISTEN/NOTIFY channel an insert into ``schema``'s outbox notifies (on COMMIT)."""
+    return f"{schema}_outbox"
+
+
 #: Name of eop's own Alembic version table, kept apart from the host app's.
 VERSION_TABLE = "eop_alembic_version"
 
@@ -50,6 +65,8 @@ class Tables:
     dead_letters: sa.Table
     watermarks: sa.Table
     retries: sa.Table
+    outbox: sa.Table
+    relay_leases: sa.Table
 
 
 @functools.cache
@@ -191,6 +208,7 @@ def tables(schema: str = "eop") -> Tables:
             postgresql_where=sa.text("parked"),
         ),
     )
+    outbox, relay_leases = _outbox_tables(metadata)
     return Tables(
         schema=schema,
         metadata=metadata,
@@ -198,4 +216,57 @@ def tables(schema: str = "eop") -> Tables:
         dead_letters=dead_letters,
         watermarks=watermarks,
         retries=retries,
+        outbox=outbox,
+        relay_leases=relay_leases,
     )
+
+
+def _outbox_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
+    """The outbox (messages committed with the app's writes, for the relay to publish)
+    and the relay's lease (docs/design.md, 'The outbox')."""
+    outbox = sa.Table(
+        "outbox",
+        metadata,
+        sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+        # Chosen when the row is added and sent with every publish of it, so the
+        # server (inside its duplicate window) and the consumer's msg-id guard
+        # (after it) drop a re-send.
+        sa.Column("msg_id", sa.Text, nullable=False),
+        sa.Column("subject", sa.Text, nullable=False),
+        # JSON in bytea, as the retries keep them: any character survives.
+        sa.Column("headers", sa.LargeBinary, nullable=False),
+        sa.Column("payload", sa.LargeBinary, nullable=False),
+        sa.Column(
+            "created_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+        # Publishes the server refused (a missing stream): a NATS outage never counts.
+        sa.Column("attempts", sa.Integer, nullable=False, server_default=sa.text("0")),
+        sa.Column("last_error", sa.Text, nullable=True),
+        sa.Column("parked_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("park_reason", sa.Text, nullable=True),
+        sa.Column("published_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("stream", sa.Text, nullable=True),
+        sa.Column("stream_seq", sa.BigInteger, nullable=True),
+        # What the relay reads, in order: the rows neither published nor parked.
+        sa.Index(
+            "outbox_pending_idx",
+            "id",
+            postgresql_where=sa.text("published_at IS NULL AND parked_at IS NULL"),
+        ),
+        sa.Index(
+            "outbox_published_idx",
+            "published_at",
+            postgresql_where=sa.text("published_at IS NOT NULL"),
+        ),
+    )
+    relay_leases = sa.Table(
+        "relay_leases",
+        metadata,
+        sa.Column("name", sa.Text, primary_key=True),
+        sa.Column("holder", sa.Text, nullable=False),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    )
+    return outbox, relay_leases

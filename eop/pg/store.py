@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
-from eop.pg import failures, models, sql
+from eop.pg import failures, models, outbox, sql
 from eop.pg.threads import SyncThreads
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class PostgresStore:
             int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000)
         )
         self._threads: SyncThreads | None = None
+        self._outbox = outbox.Context(self.tables, s.outbox_max_payload)
 
     def transaction(self, spec: HandlerSpec) -> contextlib.AbstractAsyncContextManager[Transaction]:
         """Open a session, begin, set the local timeouts; close (and so roll back) on exit."""
@@ -65,7 +66,7 @@ class PostgresStore:
     @contextlib.asynccontextmanager
     async def _open_async(self, spec: HandlerSpec) -> AsyncIterator[AsyncTransaction]:
         async with self.app.sessionmaker() as session:
-            tx = AsyncTransaction(session, self.tables, spec)
+            tx = AsyncTransaction(session, self.tables, spec, self._outbox)
             await failures.connected(tx.select(self._timeouts))
             yield tx
 
@@ -79,7 +80,9 @@ class PostgresStore:
             self._threads = SyncThreads(self.app.sync_transactions())
         # Making a session sends nothing: its first statement checks a
         # connection out, in a thread, under the permit.
-        tx = SyncTransaction(self.app.sync_sessionmaker(), self.tables, spec, self._threads)
+        tx = SyncTransaction(
+            self.app.sync_sessionmaker(), self.tables, spec, self._threads, self._outbox
+        )
         try:
             await failures.connected(tx.select(self._timeouts))
             yield tx

@@ -20,7 +20,8 @@ import sqlalchemy as sa
 
 from eop import errors, redaction, writes
 from eop import message as message_mod
-from eop.pg import models, sql
+from eop.outgoing import DEFAULT_MAX_PAYLOAD
+from eop.pg import models, outbox, sql
 from eop.pg.threads import SyncThreads
 
 if TYPE_CHECKING:
@@ -39,12 +40,22 @@ T = TypeVar("T")
 class SqlTransaction(abc.ABC):
     """The protocol's statements over a SQLAlchemy session (async or sync)."""
 
-    def __init__(self, tables: models.Tables, spec: HandlerSpec) -> None:
+    def __init__(
+        self,
+        session: AsyncSession | Session,
+        tables: models.Tables,
+        spec: HandlerSpec,
+        outbox_context: outbox.Context | None = None,
+    ) -> None:
         self.tables = tables
         self.spec = spec
         self.committed = False
-        self.writes: writes.Writes | None = None
-        """The handler's write queue, when it takes one (:attr:`HandlerSpec.takes_writes`)."""
+        self.writes = writes.Writes(session)
+        """The transaction's write queue: the handler's, when it takes one
+        (:attr:`HandlerSpec.takes_writes`), and the rows it adds to the outbox."""
+        info = session.info
+        info[outbox.WRITES_KEY] = self.writes
+        info[outbox.CONTEXT_KEY] = outbox_context or outbox.Context(tables, DEFAULT_MAX_PAYLOAD)
 
     @abc.abstractmethod
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]: ...
@@ -79,7 +90,7 @@ class SqlTransaction(abc.ABC):
 
     def _second_argument(self, session: Any) -> Any:
         """What the handler gets after the message: its write queue, or the session."""
-        return self.writes if self.writes is not None else session
+        return self.writes if self.spec.takes_writes else session
 
     async def claim(self, message: Message, outcome: str) -> bool:
         """Insert the inbox row; False when the key or the msg-id is taken, or below the
@@ -230,11 +241,15 @@ class SqlTransaction(abc.ABC):
 class AsyncTransaction(SqlTransaction):
     """A transaction on an ``AsyncSession``, for ``async def`` handlers."""
 
-    def __init__(self, session: AsyncSession, tables: models.Tables, spec: HandlerSpec) -> None:
-        super().__init__(tables, spec)
+    def __init__(
+        self,
+        session: AsyncSession,
+        tables: models.Tables,
+        spec: HandlerSpec,
+        outbox_context: outbox.Context | None = None,
+    ) -> None:
+        super().__init__(session, tables, spec, outbox_context)
         self.session = session
-        if spec.takes_writes:
-            self.writes = writes.Writes(session)
 
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
         result = await self.session.execute(stmt)
@@ -309,8 +324,7 @@ class AsyncTransaction(SqlTransaction):
             await self._call(messages)
             await savepoint.commit()
         except Exception as exc:
-            if self.writes is not None:
-                self.writes.discard()
+            self.writes.discard()
             if classify(exc) in INFRASTRUCTURE:
                 raise
             await savepoint.rollback()
@@ -346,11 +360,10 @@ class SyncTransaction(SqlTransaction):
         tables: models.Tables,
         spec: HandlerSpec,
         threads: SyncThreads | None = None,
+        outbox_context: outbox.Context | None = None,
     ) -> None:
-        super().__init__(tables, spec)
+        super().__init__(session, tables, spec, outbox_context)
         self.session = session
-        if spec.takes_writes:
-            self.writes = writes.Writes(session)
         self._threads = threads
         self._permit = False
         self._abandoned = False
@@ -423,7 +436,7 @@ class SyncTransaction(SqlTransaction):
         await self._step(self._flush)
 
     def _flush(self) -> None:
-        if self.writes is not None:
+        if self.writes:
             self.writes.send(self.session)
         self.session.flush()
 
@@ -437,8 +450,7 @@ class SyncTransaction(SqlTransaction):
             self._call(messages)
             savepoint.commit()
         except Exception as exc:
-            if self.writes is not None:
-                self.writes.discard()
+            self.writes.discard()
             if classify(exc) in INFRASTRUCTURE:
                 raise
             savepoint.rollback()

@@ -29,7 +29,7 @@ from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import migrate, retries
 from eop.pg.store import PostgresStore
-from eop.protocol import batch, compaction, ordering, processor
+from eop.protocol import batch, compaction, ordering, processor, relay
 from eop.runtime import shutdown, startup, telemetry
 from eop.types import Delivery, Outcome
 
@@ -82,6 +82,8 @@ class Worker:
         """In-flight messages a stop cancelled after the grace period (left for redelivery)."""
         self.abandoned_threads = 0
         """Threads still running a sync handler after the stop (:mod:`eop.runtime.shutdown`)."""
+        self.relay: relay.Relay | None = None
+        """The outbox relay of this process (``relay`` setting), once started."""
 
     def stop(self, *, force: bool = False) -> None:
         """Stop fetching and finish in-flight messages; ``force`` cancels their handlers.
@@ -195,6 +197,9 @@ class Worker:
                             compactor.run_forever(s.compaction_interval_s, self._stopping)
                         )
                     )
+            if s.relay:
+                self.relay = relay.Relay(self.app.engine, nc, s, observer=self._observer)
+                loops.append(asyncio.create_task(self.relay.run(self._stopping)))
             self._logger.info(log.Event.WORKER_STARTED)
             self.ready.set()
             await self._stopping.wait()

@@ -186,6 +186,7 @@ class FakeAsyncSession:
         commit_error: Exception | None = None,
     ) -> None:
         self.executed: list[Any] = []
+        self.info: dict[str, Any] = {}
         self.results = list(results or [])
         self.commit_error = commit_error
         self.calls: list[str] = []

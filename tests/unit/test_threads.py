@@ -23,6 +23,7 @@ class FakeSession:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.info: dict[str, object] = {}
         self.gate = threading.Event()
         self.gate.set()
         self.closed = threading.Event()

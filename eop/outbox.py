@@ -1,0 +1,19 @@
+"""The outbox: messages published once, exactly when the transaction that added them commits.
+
+::
+
+    async with app.sessionmaker() as session, session.begin():
+        session.add(Order(id=order_id, total=total))
+        eop.outbox.add(session, "ORDERS.created", json.dumps({"id": order_id}))
+
+The message is stored in eop's ``outbox`` table in the caller's transaction;
+the relay that ``eop worker`` runs (or ``eop relay``) publishes it after the
+COMMIT, with a ``Nats-Msg-Id`` fixed when it was added. In a handler, pass
+its session or its :class:`eop.Writes`. See the README's "Outbox" section.
+"""
+
+from __future__ import annotations
+
+from eop.pg.outbox import add
+
+__all__ = ["add"]

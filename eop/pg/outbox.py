@@ -1,0 +1,163 @@
+"""Adding messages to the outbox, in the caller's own transaction.
+
+A row added here commits with the caller's writes, or not at all; the relay
+(:mod:`eop.protocol.relay`) publishes the committed ones. Where the row is
+written depends on what the caller holds:
+
+- an eop handler's session or :class:`eop.Writes`: queued with the handler's
+  writes, sent before its COMMIT (as one ``executemany`` for a batch), and
+  dropped with them when its savepoint is rolled back;
+- a sync ``Session``: inserted at once, in its transaction;
+- an ``AsyncSession``: inserted when the session commits (``add`` cannot
+  await), and dropped when the transaction (or the savepoint) it was added
+  in is rolled back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy import orm
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from eop import errors, outgoing, settings, writes
+from eop.pg import models
+from eop.pg.sql import outbox as sql
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import SessionTransaction
+
+#: Where a session made by eop keeps its :class:`Context` (``Session.info``).
+CONTEXT_KEY = "eop.outbox"
+#: Where an eop handler transaction keeps its write queue, for rows added through its session.
+WRITES_KEY = "eop.writes"
+# An AsyncSession's rows waiting for its COMMIT.
+_QUEUE_KEY = "eop.outbox.queue"
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Where a session's outbox rows go, and how large a message may be."""
+
+    tables: models.Tables
+    max_payload: int
+
+    @classmethod
+    def of(cls, s: settings.Settings) -> Context:
+        """The context ``s`` describes (its schema and ``outbox_max_payload``)."""
+        return cls(models.tables(s.schema), s.outbox_max_payload)
+
+
+@functools.cache
+def _default_context() -> Context:
+    # A session eop did not make: the process's EOP_SCHEMA and EOP_OUTBOX_MAX_PAYLOAD,
+    # read once.
+    return Context.of(settings.Settings.from_env())
+
+
+def add(
+    target: orm.Session | AsyncSession | writes.Writes,
+    subject: str,
+    data: bytes | str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    msg_id: str | None = None,
+    schema: str | None = None,
+) -> str:
+    """Add a message to the outbox in ``target``'s transaction; returns its ``Nats-Msg-Id``.
+
+    The message is published after the transaction commits, and never if it
+    rolls back. Without ``msg_id``, one is chosen now; every send of the
+    message carries it, so the stream (inside its duplicate window) and an
+    eop consumer's msg-id guard (after it) keep one copy. ``schema`` is the
+    schema of eop's tables when ``target`` was not made by eop (default:
+    ``EOP_SCHEMA``, else ``eop``). A bad subject, header or size raises
+    :class:`eop.UnpublishableMessage` here, before anything is written.
+    """
+    info = target.info if isinstance(target, writes.Writes) else _info(target)
+    context = info.get(CONTEXT_KEY) or _default_context()
+    if schema is not None and schema != context.tables.schema:
+        context = dataclasses.replace(context, tables=models.tables(schema))
+    message = outgoing.outgoing(
+        subject, data, headers=headers, msg_id=msg_id, max_payload=context.max_payload
+    )
+    row = {
+        "msg_id": message.msg_id,
+        "subject": message.subject,
+        "headers": json.dumps(dict(message.headers)).encode(),
+        "payload": message.data,
+    }
+    statement = sql.insert(context.tables)
+    queue = target if isinstance(target, writes.Writes) else info.get(WRITES_KEY)
+    if isinstance(queue, writes.Writes):
+        queue.add(statement, row)
+    elif isinstance(target, AsyncSession):
+        _queue_until_commit(target.sync_session, statement, row)
+    elif isinstance(target, orm.Session):
+        target.execute(statement, row)
+    return message.msg_id
+
+
+def _info(session: object) -> dict[str, Any]:
+    if not isinstance(session, (orm.Session, AsyncSession)):
+        raise errors.ConfigurationError(
+            "eop.outbox.add takes a SQLAlchemy Session or AsyncSession, or an eop.Writes, "
+            f"not {type(session).__name__}"
+        )
+    info: dict[str, Any] = session.info
+    return info
+
+
+@dataclasses.dataclass
+class _Queued:
+    statement: sa.Insert
+    row: dict[str, Any]
+    transaction: SessionTransaction | None
+
+
+def _queue_until_commit(session: orm.Session, statement: sa.Insert, row: dict[str, Any]) -> None:
+    queue: list[_Queued] | None = session.info.get(_QUEUE_KEY)
+    if queue is None:
+        queue = session.info[_QUEUE_KEY] = []
+        sa.event.listen(session, "before_commit", _send_queued)
+        sa.event.listen(session, "after_soft_rollback", _drop_rolled_back)
+        sa.event.listen(session, "after_transaction_end", _forget_ended)
+    # The innermost transaction: a savepoint rolled back drops only its own rows.
+    # None (not begun yet): the rows belong to the transaction the session begins next.
+    transaction = session.get_nested_transaction() or session.get_transaction()
+    queue.append(_Queued(statement, row, transaction))
+
+
+def _send_queued(session: orm.Session) -> None:
+    queue: list[_Queued] = session.info.get(_QUEUE_KEY) or []
+    if not queue:
+        return
+    session.info[_QUEUE_KEY] = []
+    connection = session.connection()
+    for item in queue:
+        connection.execute(item.statement, item.row)
+
+
+def _drop_rolled_back(session: orm.Session, previous: SessionTransaction) -> None:
+    queue: list[_Queued] | None = session.info.get(_QUEUE_KEY)
+    if queue:
+        session.info[_QUEUE_KEY] = [q for q in queue if not _within(q.transaction, previous)]
+
+
+def _forget_ended(session: orm.Session, transaction: SessionTransaction) -> None:
+    # The root transaction ended: its rows were sent (COMMIT) or must not be (anything else).
+    if transaction.parent is None and session.info.get(_QUEUE_KEY):
+        session.info[_QUEUE_KEY] = []
+
+
+def _within(transaction: SessionTransaction | None, ancestor: SessionTransaction) -> bool:
+    while transaction is not None:
+        if transaction is ancestor:
+            return True
+        transaction = transaction.parent
+    return False

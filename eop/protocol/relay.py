@@ -1,0 +1,485 @@
+"""The outbox relay: publishes committed outbox rows to JetStream, in order, exactly once.
+
+One relay at a time publishes: the one holding the lease (a row of
+``relay_leases``, renewed on the database's clock). The others stand by and
+take the lease over when it expires, so any number of relays may run (one in
+each ``eop worker`` process, ``eop relay`` beside them) and the rows still go
+out in ``id`` order. A round:
+
+1. marks what an earlier round published but could not mark (the database
+   was away), so a recovered database does not cause a second send;
+2. reads the oldest pending rows (``outbox_batch``), skipping the subjects
+   held back after a refusal;
+3. publishes them all at once (``publish_async``) and waits for their
+   PubAcks; every send of a row carries its ``Nats-Msg-Id``, so a re-send is
+   dropped by the stream inside its duplicate window and by an eop
+   consumer's msg-id guard after it;
+4. marks the acknowledged rows published, with their stream sequence.
+
+A row the server refuses for good (too large, a header it rejects) is parked
+at once; one whose subject no stream holds, as JetStream itself answers, is
+parked after ``outbox_max_attempts`` such answers, its subject held back in
+between so later rows of the subject do not overtake it. An outage of NATS
+or PostgreSQL never counts: the round is tried again, with backoff, until it
+goes through. See docs/design.md, 'The outbox'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+import tenacity
+from nats.aio.client import Client as NATS
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from eop import errors, faults, log, outgoing, retry
+from eop.message import MSG_ID_HEADER
+from eop.observe.observer import NOOP, Observer
+from eop.pg import failures, models
+from eop.pg.sql import outbox as sql
+from eop.settings import Settings
+
+# The waits after failed rounds: 0.2 s doubling to 5 s (an outage is retried for ever).
+_FAILED_FIRST_S = 0.2
+_FAILED_MAX_S = 5.0
+# A subject no stream holds is asked again after 1 s, doubling to 30 s.
+_HELD_FIRST_S = 1.0
+_HELD_MAX_S = 30.0
+# Published rows deleted per statement, and how often the leader purges and reports lag.
+_PURGE_ROWS = 10_000
+_HOUSEKEEPING_S = 5.0
+# nats-server's error code for a message above its max_payload.
+_TOO_LARGE_CODES = frozenset({10054})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    id: int
+    msg_id: str
+    subject: str
+    headers: dict[str, str]
+    payload: bytes
+    attempts: int
+
+
+@dataclasses.dataclass
+class _Round:
+    """What one round's publishes came to."""
+
+    published: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+    parked: dict[str, list[tuple[int, str]]] = dataclasses.field(default_factory=dict)
+    no_stream: list[_Row] = dataclasses.field(default_factory=list)
+    unanswered: int = 0
+
+    def park(self, row: _Row, reason: str, error: str) -> None:
+        self.parked.setdefault(reason, []).append((row.id, error))
+
+
+class Relay:
+    """Publishes the outbox of ``settings.schema`` through ``nc`` while it holds the lease."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        nc: NATS,
+        settings: Settings,
+        *,
+        observer: Observer = NOOP,
+        holder: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.nc = nc
+        self.settings = settings
+        self.tables = models.tables(settings.schema)
+        self.observer = observer
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        """This relay's name in the lease (host, pid and a random part)."""
+        self.published = 0
+        """Rows this relay published (PubAck received and marked)."""
+        self.parked = 0
+        self.notifications = 0
+        """NOTIFYs received (each wakes a round)."""
+        self._js = nc.jetstream(publish_async_max_pending=max(settings.outbox_batch, 1))
+        self._wake = asyncio.Event()
+        self._held: dict[str, tuple[float, int]] = {}
+        self._unmarked: list[tuple[int, str, int]] = []
+        self._lease_until = 0.0
+        self._renew_at = 0.0
+        self._housekeeping_at = 0.0
+        self._listener: AsyncConnection | None = None
+        self._logger = log.get_logger(relay=self.holder)
+
+    @property
+    def leading(self) -> bool:
+        """True while this relay holds the lease (by its own, cautious, clock)."""
+        return time.monotonic() < self._lease_until
+
+    def wake(self) -> None:
+        """Look for rows now (a NOTIFY arrived, or a test wants a round)."""
+        self._wake.set()
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Publish while leading, stand by otherwise, until ``stopping`` is set.
+
+        Failures of NATS or PostgreSQL are logged (once per outage) and the
+        round is tried again with backoff; the lease is given up on the way out.
+        """
+        failures_in_row = 0
+        try:
+            while not stopping.is_set():
+                try:
+                    wait_s = await self._step()
+                    failures_in_row = 0
+                except Exception as exc:
+                    failures_in_row += 1
+                    (self._logger.warning if failures_in_row == 1 else self._logger.debug)(
+                        log.Event.RELAY_FAILED,
+                        failures=failures_in_row,
+                        error=log.describe_error(exc)[:500],
+                    )
+                    await self._close_listener()
+                    wait_s = retry.backoff_s(failures_in_row, _FAILED_FIRST_S, _FAILED_MAX_S)
+                await self._sleep(stopping, wait_s)
+        finally:
+            await self._leave()
+
+    async def _step(self) -> float:
+        """One pass: keep (or try for) the lease, then a round if leading; how long to wait."""
+        now = time.monotonic()
+        if now >= self._renew_at:
+            await self._take_lease()
+        if not self.leading:
+            return self.settings.relay_lease_s / 3
+        await self._listen()
+        if time.monotonic() >= self._housekeeping_at:
+            await self._housekeeping()
+        self._wake.clear()
+        sent = await self.round()
+        if sent >= self.settings.outbox_batch:
+            return 0.0
+        until_renew = max(self._renew_at - time.monotonic(), 0.0)
+        return min(self.settings.outbox_poll_s, until_renew, self._next_release())
+
+    async def _sleep(self, stopping: asyncio.Event, wait_s: float) -> None:
+        if wait_s <= 0:
+            return
+        waiters = [asyncio.ensure_future(stopping.wait()), asyncio.ensure_future(self._wake.wait())]
+        try:
+            await asyncio.wait(waiters, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    # -- the lease
+
+    async def _take_lease(self) -> None:
+        lease_s = self.settings.relay_lease_s
+        asked_at = time.monotonic()
+        try:
+            async with self.engine.begin() as conn:
+                got = (
+                    await conn.execute(sql.take_lease(self.tables, self.holder, lease_s))
+                ).first()
+        except Exception:
+            # Unknown whether it was renewed: assume the worst, stop publishing at expiry.
+            self._renew_at = time.monotonic() + 1.0
+            raise
+        was_leading = self.leading
+        if got is None:
+            self._lease_until = 0.0
+            self._renew_at = time.monotonic() + lease_s / 3
+            if was_leading:
+                self._logger.warning(log.Event.RELAY_STANDING_BY)
+                await self._close_listener()
+            return
+        # Counted from before the request: the database's expiry is at least this late.
+        # A quarter of the lease is left as a margin for the clocks' drift and a slow round.
+        self._lease_until = asked_at + lease_s * 0.75
+        self._renew_at = asked_at + lease_s / 3
+        if not was_leading:
+            self._logger.info(log.Event.RELAY_LEADING, lease_s=lease_s)
+            self._housekeeping_at = 0.0
+
+    async def _leave(self) -> None:
+        """On the way out: mark what was published, give the lease up, stop listening."""
+        await self._close_listener()
+        if self._lease_until == 0.0 and not self._unmarked:
+            self._logger.info(log.Event.RELAY_STOPPED, published=self.published)
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._mark_unmarked(), self.settings.publish_timeout_s)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._release_lease(), self.settings.publish_timeout_s)
+        self._lease_until = 0.0
+        self._logger.info(log.Event.RELAY_STOPPED, published=self.published)
+
+    async def _release_lease(self) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(sql.release_lease(self.tables, self.holder))
+
+    # -- LISTEN
+
+    async def _listen(self) -> None:
+        """LISTEN on the outbox's channel while leading (asyncpg only; else rounds poll)."""
+        listener = self._listener
+        if listener is not None:
+            raw = await listener.get_raw_connection()
+            driver: Any = raw.driver_connection
+            if driver is not None and not driver.is_closed():
+                return
+            await self._close_listener()
+        if self.engine.dialect.driver != "asyncpg":
+            return
+        conn = await failures.connected(self.engine.connect())
+        try:
+            raw = await conn.get_raw_connection()
+            listening: Any = raw.driver_connection
+            await listening.add_listener(
+                models.outbox_channel(self.settings.schema), self._notified
+            )
+        except BaseException:
+            await conn.close()
+            raise
+        self._listener = conn
+
+    def _notified(self, *_: object) -> None:
+        self.notifications += 1
+        self._wake.set()
+
+    async def _close_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            # Closed, not returned to the pool: a pooled connection must not LISTEN.
+            with contextlib.suppress(Exception):
+                raw = await listener.get_raw_connection()
+                raw.invalidate()
+            with contextlib.suppress(Exception):
+                await listener.close()
+
+    # -- a round
+
+    async def round(self) -> int:
+        """Publish the oldest pending rows once; how many were sent."""
+        await self._mark_unmarked()
+        rows = await self._read()
+        if not rows:
+            return 0
+        result = await self._publish(rows)
+        await faults.point("relay_after_publish")
+        self._unmarked.extend(result.published)
+        await self._mark_unmarked()
+        await faults.point("relay_after_mark")
+        await self._settle_refusals(result)
+        if result.unanswered:
+            raise errors.NatsUnavailable(
+                f"{result.unanswered} of {len(rows)} outbox messages got no PubAck within "
+                f"{self.settings.publish_timeout_s} s; sending them again"
+            )
+        return len(rows)
+
+    async def _read(self) -> list[_Row]:
+        held = self._held_subjects()
+        stmt = sql.pending(self.tables, self.settings.outbox_batch, held)
+        async with self.engine.connect() as conn:
+            result = await failures.connected(conn.execute(stmt))
+            records = result.all()
+        return [
+            _Row(
+                id=int(r[0]),
+                msg_id=str(r[1]),
+                subject=str(r[2]),
+                headers=json.loads(bytes(r[3])),
+                payload=bytes(r[4]),
+                attempts=int(r[5]),
+            )
+            for r in records
+        ]
+
+    async def _publish(self, rows: list[_Row]) -> _Round:
+        result = _Round()
+        limit = int(self.nc.max_payload)
+        sent: list[tuple[_Row, asyncio.Future[Any]]] = []
+        for row in rows:
+            headers = {**row.headers, MSG_ID_HEADER: row.msg_id}
+            size = outgoing.wire_size(row.payload, headers)
+            if size > limit:
+                result.park(
+                    row,
+                    models.PARK_TOO_LARGE,
+                    f"{size} bytes, above the server's max_payload of {limit}",
+                )
+                continue
+            try:
+                future = await self._js.publish_async(row.subject, row.payload, headers=headers)
+            except nats.errors.BadHeaderError as exc:
+                result.park(row, models.PARK_BAD_HEADER, str(exc)[:500])
+                continue
+            except Exception:
+                for _, pending in sent:
+                    pending.cancel()
+                raise
+            sent.append((row, future))
+        if sent:
+            await asyncio.wait(
+                [future for _, future in sent], timeout=self.settings.publish_timeout_s
+            )
+        for row, future in sent:
+            self._settle_publish(row, future, result)
+        return result
+
+    def _settle_publish(self, row: _Row, future: asyncio.Future[Any], result: _Round) -> None:
+        if not future.done():
+            future.cancel()
+            result.unanswered += 1
+            return
+        exc = future.exception()
+        if exc is None:
+            ack = future.result()
+            result.published.append((row.id, str(ack.stream), int(ack.seq)))
+        elif isinstance(exc, nats.js.errors.NoStreamResponseError):
+            result.no_stream.append(row)
+        elif isinstance(exc, nats.js.errors.APIError) and exc.err_code in _TOO_LARGE_CODES:
+            result.park(row, models.PARK_TOO_LARGE, str(exc.description or exc)[:500])
+        elif isinstance(exc, nats.js.errors.APIError) and exc.code is not None and exc.code < 500:
+            result.park(row, models.PARK_REFUSED, str(exc.description or exc)[:500])
+        else:
+            # A server error (503: no stream leader yet) or a dropped connection: try again.
+            result.unanswered += 1
+
+    async def _mark_unmarked(self) -> None:
+        if not self._unmarked:
+            return
+        done, self._unmarked = self._unmarked, []
+        ids, streams, seqs = (list(column) for column in zip(*done, strict=True))
+        try:
+            async for attempt in _retrying():
+                with attempt:
+                    async with self.engine.begin() as conn:
+                        await conn.execute(sql.mark_published(self.tables, ids, streams, seqs))
+        except BaseException:
+            # Published: kept, to be marked before anything else is sent (not sent again).
+            self._unmarked = done + self._unmarked
+            raise
+        self.published += len(done)
+        self.observer.outbox_published(len(done))
+        self._logger.debug(log.Event.OUTBOX_PUBLISHED, rows=len(done))
+
+    async def _settle_refusals(self, result: _Round) -> None:
+        for reason, parked in result.parked.items():
+            for row_id, error in parked:
+                await self._park([row_id], reason, error)
+        if result.no_stream:
+            await self._no_stream(result.no_stream)
+
+    async def _no_stream(self, rows: list[_Row]) -> None:
+        """Rows whose publish found no stream: ask JetStream itself before counting anything.
+
+        'No responders' also answers a publish while JetStream restarts or a
+        stream has no leader yet: only JetStream's own "no stream matches"
+        counts as a refusal.
+        """
+        by_subject: dict[str, list[_Row]] = {}
+        for row in rows:
+            by_subject.setdefault(row.subject, []).append(row)
+        for subject, subject_rows in by_subject.items():
+            if not await self._no_stream_holds(subject):
+                self._hold(subject, 1)
+                continue
+            error = f"no stream holds subject {subject}"
+            async with self.engine.begin() as conn:
+                counted = (
+                    await conn.execute(
+                        sql.count_attempt(self.tables, [r.id for r in subject_rows], error)
+                    )
+                ).all()
+            attempts = max((int(a) for _, a in counted), default=1)
+            spent = [int(i) for i, a in counted if int(a) >= self.settings.outbox_max_attempts]
+            self._logger.warning(
+                log.Event.OUTBOX_REFUSED, subject=subject, rows=len(subject_rows), attempts=attempts
+            )
+            if spent:
+                await self._park(spent, models.PARK_NO_STREAM, error)
+            self._hold(subject, attempts)
+
+    async def _no_stream_holds(self, subject: str) -> bool:
+        try:
+            await self._js.find_stream_name_by_subject(subject)
+        except nats.js.errors.NotFoundError:
+            return True
+        except Exception:
+            return False  # JetStream did not answer: not a refusal
+        return False
+
+    async def _park(self, ids: list[int], reason: str, error: str) -> None:
+        async with self.engine.begin() as conn:
+            parked = (await conn.execute(sql.park(self.tables, ids, reason, error))).all()
+        if parked:
+            self.parked += len(parked)
+            self.observer.outbox_parked(len(parked), reason)
+            self._logger.error(
+                log.Event.OUTBOX_PARKED,
+                rows=len(parked),
+                ids=[int(r[0]) for r in parked][:20],
+                reason=reason,
+                error=error,
+                alarm=True,
+            )
+
+    # -- held subjects
+
+    def _hold(self, subject: str, attempts: int) -> None:
+        delay = retry.backoff_s(attempts, _HELD_FIRST_S, _HELD_MAX_S)
+        self._held[subject] = (time.monotonic() + delay, attempts)
+
+    def _held_subjects(self) -> list[str]:
+        now = time.monotonic()
+        for subject in [s for s, (until, _) in self._held.items() if until <= now]:
+            del self._held[subject]
+        return sorted(self._held)
+
+    def _next_release(self) -> float:
+        if not self._held:
+            return float("inf")
+        return max(min(until for until, _ in self._held.values()) - time.monotonic(), 0.0)
+
+    # -- housekeeping
+
+    async def _housekeeping(self) -> None:
+        """Delete published rows past ``outbox_keep_s`` (bounded) and report the backlog."""
+        self._housekeeping_at = time.monotonic() + _HOUSEKEEPING_S
+        deleted = 0
+        for _ in range(10):
+            async with self.engine.begin() as conn:
+                result = await conn.execute(
+                    sql.purge_published(self.tables, self.settings.outbox_keep_s, _PURGE_ROWS)
+                )
+            count = result.rowcount or 0
+            deleted += count
+            if count < _PURGE_ROWS:
+                break
+        if deleted:
+            self._logger.debug(log.Event.OUTBOX_PURGED, rows=deleted)
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(sql.summary(self.tables))).one()
+        self.observer.outbox_backlog(int(row[0]), float(row[1] or 0.0), int(row[2]))
+
+
+def _retrying() -> tenacity.AsyncRetrying:
+    """Marks retried in place a few times (a dropped connection), then the round fails."""
+    return retry.retrying(
+        stop=tenacity.stop_after_attempt(3),
+        retry=tenacity.retry_if_exception(failures.transient),
+        base_s=0.1,
+        max_s=1.0,
+        before_sleep=lambda state: None,
+    )

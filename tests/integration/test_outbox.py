@@ -1,0 +1,365 @@
+"""The outbox: rows added in a transaction are published once it commits, never if it does not.
+
+Against real JetStream and PostgreSQL: the handler styles of the README
+(async session, sync Session, eop.Writes, batch), the app's own sessions
+outside handlers, the relay's lease, parking, and the operators' commands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from nats.aio.client import Client as NATS
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+import eop
+from eop.protocol.relay import Relay
+
+from .bed import STREAM, bed_settings, create_effects_table, drained, running, scalar, wait_for
+
+OUT_STREAM = "SHIPMENTS"
+OUT_SUBJECT = "SHIPMENTS.requested"
+EFFECT = sa.text("INSERT INTO effects (handler, msg_key, body) VALUES (:h, :k, :b)")
+
+
+def make_app(database_url: str, nats_url: str, **changes: Any) -> eop.App:
+    """An app with the input stream and the stream the outbox publishes to."""
+    changes.setdefault("outbox_poll_s", 0.2)
+    app = eop.App(settings=bed_settings(database_url, nats_url, **changes))
+    app.stream(STREAM, subjects=["ORDERS.>"])
+    app.stream(OUT_STREAM, subjects=["SHIPMENTS.>"])
+    return app
+
+
+async def out_messages(js: Any, stream: str = OUT_STREAM) -> list[tuple[int, str, bytes]]:
+    """Every message of ``stream``: (sequence, msg-id, payload), in stream order."""
+    info = await js.stream_info(stream)
+    found = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        with contextlib.suppress(Exception):
+            msg = await js.get_msg(stream, seq)
+            found.append((seq, (msg.headers or {}).get("Nats-Msg-Id", ""), msg.data))
+    return found
+
+
+async def out_count(js: Any, stream: str = OUT_STREAM) -> int:
+    """Messages stored in ``stream`` (0 when it does not exist)."""
+    try:
+        return int((await js.stream_info(stream)).state.messages)
+    except Exception:
+        return 0
+
+
+async def outbox_rows(engine: AsyncEngine, where: str = "true") -> int:
+    """Outbox rows matching ``where``."""
+    return int(await scalar(engine, f"SELECT count(*) FROM eop.outbox WHERE {where}"))
+
+
+@contextlib.asynccontextmanager
+async def relaying(app: eop.App, nats_url: str, **kwargs: Any) -> AsyncIterator[Relay]:
+    """A relay of its own (not a worker's) in a task for the body; stopped after."""
+    nc = NATS()
+    await nc.connect(nats_url)
+    relay = Relay(app.engine, nc, app.settings, **kwargs)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(relay.run(stopping))
+    try:
+        yield relay
+    finally:
+        stopping.set()
+        await asyncio.wait_for(task, 30)
+        await nc.close()
+
+
+async def ensure_streams(js: Any) -> None:
+    """The input and output streams, before any publish."""
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    await js.add_stream(name=OUT_STREAM, subjects=["SHIPMENTS.>"])
+
+
+@pytest.mark.parametrize("style", ["async_session", "sync_session", "writes", "batch"])
+async def test_a_handler_publishes_through_the_outbox_once_per_message(
+    style: str, database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Each handler style adds one outbox row per message in its transaction: the worker's
+    relay publishes each row once, with the row's msg-id, and marks it published."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, batch=16, concurrency=16)
+
+    if style == "async_session":
+
+        @app.handler(stream=STREAM, subject="ORDERS.created", name="h")
+        async def h(msg: eop.Message, session: AsyncSession) -> None:
+            await session.execute(EFFECT, {"h": "h", "k": msg.idempotency_key, "b": msg.text()})
+            eop.outbox.add(session, OUT_SUBJECT, msg.data, headers={"Order": msg.text()})
+
+    elif style == "sync_session":
+
+        @app.handler(stream=STREAM, subject="ORDERS.created", name="h")
+        def h_sync(msg: eop.Message, session: Session) -> None:
+            session.execute(EFFECT, {"h": "h", "k": msg.idempotency_key, "b": msg.text()})
+            eop.outbox.add(session, OUT_SUBJECT, msg.data, headers={"Order": msg.text()})
+
+    elif style == "writes":
+
+        @app.handler(stream=STREAM, subject="ORDERS.created", name="h")
+        async def h_writes(msg: eop.Message, writes: eop.Writes) -> None:
+            writes.add(EFFECT, {"h": "h", "k": msg.idempotency_key, "b": msg.text()})
+            eop.outbox.add(writes, OUT_SUBJECT, msg.data, headers={"Order": msg.text()})
+
+    else:
+
+        @app.handler(stream=STREAM, subject="ORDERS.created", name="h", batch=True)
+        def h_batch(msgs: list[eop.Message], writes: eop.Writes) -> None:
+            for msg in msgs:
+                writes.add(EFFECT, {"h": "h", "k": msg.idempotency_key, "b": msg.text()})
+                eop.outbox.add(writes, OUT_SUBJECT, msg.data, headers={"Order": msg.text()})
+
+    await ensure_streams(js)
+    bodies = [f"o{i}" for i in range(60)]
+    for body in bodies:
+        await js.publish("ORDERS.created", body.encode())
+    async with running(app) as worker:
+        await wait_for(lambda: drained(js, "eop-h"), what="input drained")
+        await wait_for(lambda: _equals(out_count(js), 60), what="60 messages published")
+        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        assert worker.relay is not None
+        assert worker.relay.published == 60
+    stored = await out_messages(js)
+    assert sorted(data.decode() for _, _, data in stored) == sorted(bodies)
+    msg_ids = await _msg_ids_by_row(engine)
+    assert sorted(msg_id for _, msg_id, _ in stored) == sorted(msg_ids.values())
+    seqs = await _seqs_by_row(engine)
+    assert sorted(seqs) == [seq for seq, _, _ in stored]
+
+
+async def _equals(awaitable: Any, expected: int) -> bool:
+    return bool(await awaitable == expected)
+
+
+async def _msg_ids_by_row(engine: AsyncEngine) -> dict[int, str]:
+    async with engine.connect() as conn:
+        rows = await conn.execute(sa.text("SELECT id, msg_id FROM eop.outbox"))
+        return {int(r[0]): str(r[1]) for r in rows}
+
+
+async def _seqs_by_row(engine: AsyncEngine) -> list[int]:
+    async with engine.connect() as conn:
+        rows = await conn.execute(sa.text("SELECT stream_seq FROM eop.outbox ORDER BY id"))
+        return [int(r[0]) for r in rows]
+
+
+async def test_a_failing_handler_in_a_batch_leaves_no_outbox_row_and_its_neighbours_publish(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A rolled-back handler's outbox row goes with its savepoint (never published);
+    its batch neighbours' rows commit and are published once."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, batch=16, concurrency=16, max_attempts=1)
+
+    @app.handler(stream=STREAM, subject="ORDERS.created", name="h")
+    async def h(msg: eop.Message, writes: eop.Writes) -> None:
+        eop.outbox.add(writes, OUT_SUBJECT, msg.data)
+        if msg.text() == "bad":
+            raise eop.Reject("bad order")
+
+    await ensure_streams(js)
+    for body in ["a", "b", "bad", "c", "d"]:
+        await js.publish("ORDERS.created", body.encode())
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-h"), what="input drained")
+        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NOT NULL"), 4))
+    assert await outbox_rows(engine) == 4
+    stored = sorted(data.decode() for _, _, data in await out_messages(js))
+    assert stored == ["a", "b", "c", "d"]
+
+
+async def test_the_apps_own_async_session_publishes_on_commit_only(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Outside handlers: a row added on an AsyncSession is written at COMMIT; a rollback,
+    or a rolled-back savepoint, drops the rows added in it, and only those."""
+    app = make_app(database_url, nats_url)
+    await ensure_streams(js)
+    async with app.sessionmaker() as session:
+        eop.outbox.add(session, OUT_SUBJECT, b"kept-1")
+        async with session.begin_nested():
+            eop.outbox.add(session, OUT_SUBJECT, b"released-savepoint")
+        with contextlib.suppress(RuntimeError):
+            async with session.begin_nested():
+                eop.outbox.add(session, OUT_SUBJECT, b"rolled-back-savepoint")
+                raise RuntimeError("the savepoint rolls back")
+        eop.outbox.add(session, OUT_SUBJECT, b"kept-2")
+        await session.commit()
+    async with app.sessionmaker() as session:
+        eop.outbox.add(session, OUT_SUBJECT, b"rolled-back")
+        await session.rollback()
+    async with app.sessionmaker() as session, session.begin():
+        eop.outbox.add(session, OUT_SUBJECT, b"with-begin")
+    async with relaying(app, nats_url):
+        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        await wait_for(lambda: _equals(out_count(js), 4))
+    stored = [data.decode() for _, _, data in await out_messages(js)]
+    assert stored == ["kept-1", "released-savepoint", "kept-2", "with-begin"]
+    await app.dispose()
+
+
+async def test_a_sync_session_and_a_schema_given_by_name_write_at_once(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A plain sync Session (not made by eop) inserts the row at once, in its transaction;
+    it is published in id order with the rest, and a rolled-back one never."""
+    app = make_app(database_url, nats_url)
+    await ensure_streams(js)
+    sync_engine = sa.create_engine(database_url.replace("+asyncpg", "+psycopg"))
+    try:
+        with Session(sync_engine) as session, session.begin():
+            for i in range(3):
+                eop.outbox.add(session, OUT_SUBJECT, f"sync-{i}", schema="eop")
+        with Session(sync_engine) as session:
+            eop.outbox.add(session, OUT_SUBJECT, "never", schema="eop")
+            session.rollback()
+    finally:
+        sync_engine.dispose()
+    async with relaying(app, nats_url):
+        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+    stored = [data.decode() for _, _, data in await out_messages(js)]
+    assert stored == ["sync-0", "sync-1", "sync-2"]
+    await app.dispose()
+
+
+async def test_a_commit_wakes_the_relay_through_notify(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """The relay LISTENs while it leads: a COMMIT that added rows sends it a NOTIFY, which
+    starts a round (polling is set to once a minute here, so only NOTIFY can explain it)."""
+    app = make_app(database_url, nats_url, outbox_poll_s=60.0)
+    await ensure_streams(js)
+    async with relaying(app, nats_url) as relay:
+        await wait_for(lambda: _true(relay.leading), what="the relay leads")
+        await asyncio.sleep(0.5)  # its first round (and LISTEN) are done
+        async with app.sessionmaker() as session, session.begin():
+            eop.outbox.add(session, OUT_SUBJECT, b"wake up")
+        await wait_for(lambda: _equals(out_count(js), 1), what="published")
+        assert relay.notifications >= 1
+    await app.dispose()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_two_relays_publish_every_row_once_in_id_order(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Two relays at once: one holds the lease and publishes, the other stands by; every row
+    reaches the stream once, in id order; when the leader stops, the other takes over."""
+    app = make_app(database_url, nats_url, relay_lease_s=2.0, outbox_batch=50)
+    await ensure_streams(js)
+
+    async def add(n: int, prefix: str) -> None:
+        for i in range(n):
+            async with app.sessionmaker() as session, session.begin():
+                eop.outbox.add(session, OUT_SUBJECT, f"{prefix}{i:04d}")
+
+    async with relaying(app, nats_url) as first, relaying(app, nats_url) as second:
+        await add(300, "a")
+        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        assert (first.published == 0) != (second.published == 0)
+        leader = first if first.published else second
+    async with relaying(app, nats_url) as third:
+        await add(50, "b")
+        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        assert third.published == 50
+    stored = [data.decode() for _, _, data in await out_messages(js)]
+    assert stored == [f"a{i:04d}" for i in range(300)] + [f"b{i:04d}" for i in range(50)]
+    assert leader.published == 300
+    await app.dispose()
+
+
+async def test_bad_messages_are_refused_when_added(database_url: str, nats_url: str) -> None:
+    """A subject with a wildcard or a space, a bad header name, a line break in a value, or a
+    message above max_payload raises UnpublishableMessage at add time; nothing is written."""
+    app = make_app(database_url, nats_url, outbox_max_payload=1000)
+    async with app.sessionmaker() as session:
+        for subject in ["ORDERS.*", "ORDERS.>", "a b", "", "ORDERS..x"]:
+            with pytest.raises(eop.UnpublishableMessage, match="subject"):
+                eop.outbox.add(session, subject, b"x")
+        with pytest.raises(eop.UnpublishableMessage, match="header name"):
+            eop.outbox.add(session, OUT_SUBJECT, b"x", headers={"Bad Name": "v"})
+        with pytest.raises(eop.UnpublishableMessage, match="header"):
+            eop.outbox.add(session, OUT_SUBJECT, b"x", headers={"X-Ok": "line\r\nbreak"})
+        with pytest.raises(eop.PayloadTooLarge, match="max_payload of 1000"):
+            eop.outbox.add(session, OUT_SUBJECT, b"x" * 1000)
+        await session.commit()
+    assert await scalar(app.engine, "SELECT count(*) FROM eop.outbox") == 0
+    await app.dispose()
+
+
+async def test_a_subject_no_stream_holds_is_parked_then_retried_by_the_operator(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """JetStream says no stream holds the subject, outbox_max_attempts times: the row is
+    parked with its reason, later rows of other subjects go on; once a stream exists,
+    `retry` queues it again and it is published."""
+    app = make_app(database_url, nats_url, outbox_max_attempts=2)
+    await ensure_streams(js)
+    async with app.sessionmaker() as session, session.begin():
+        eop.outbox.add(session, "NOWHERE.x", b"lost?")
+        eop.outbox.add(session, OUT_SUBJECT, b"fine")
+    from eop.ops import outbox as ops
+
+    async with relaying(app, nats_url) as relay:
+        await wait_for(lambda: _equals(outbox_rows(engine, "parked_at IS NOT NULL"), 1), 60)
+        assert relay.parked == 1
+        assert await out_count(js) == 1
+        (row,) = await ops.Outbox(app).rows("parked")
+        assert row["park_reason"] == "no_stream"
+        assert row["attempts"] == 2
+        assert "no stream holds subject NOWHERE.x" in row["last_error"]
+        await js.add_stream(name="NOWHERE", subjects=["NOWHERE.>"])
+        assert await ops.Outbox(app).retry(ids=[row["id"]]) == [row["id"]]
+        relay.wake()
+        await wait_for(lambda: _equals(out_count(js, "NOWHERE"), 1), what="retried row sent")
+    await app.dispose()
+
+
+async def test_published_rows_are_deleted_after_outbox_keep_s(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """The leading relay deletes rows published longer than outbox_keep_s ago, so the table
+    stays small; unpublished rows stay."""
+    app = make_app(database_url, nats_url, outbox_keep_s=0.0)
+    await ensure_streams(js)
+    async with app.sessionmaker() as session, session.begin():
+        for i in range(20):
+            eop.outbox.add(session, OUT_SUBJECT, f"p{i}")
+    async with relaying(app, nats_url):
+        await wait_for(lambda: _equals(out_count(js), 20))
+        await wait_for(lambda: _equals(outbox_rows(engine), 0), what="purged", timeout_s=30)
+    await app.dispose()
+
+
+async def test_headers_and_msg_ids_reach_the_stream_as_given(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A caller's msg_id (or Nats-Msg-Id header) and headers are published as given; the
+    server drops a second row with the same msg-id inside its duplicate window."""
+    app = make_app(database_url, nats_url)
+    await ensure_streams(js)
+    async with app.sessionmaker() as session, session.begin():
+        first = eop.outbox.add(session, OUT_SUBJECT, b"1", msg_id="order-1", headers={"K": "v"})
+        again = eop.outbox.add(session, OUT_SUBJECT, b"1", headers={"Nats-Msg-Id": "order-1"})
+    assert first == again == "order-1"
+    async with relaying(app, nats_url):
+        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+    stored = await js.get_msg(OUT_STREAM, 1)
+    assert stored.headers == {"K": "v", "Nats-Msg-Id": "order-1"}
+    assert await out_count(js) == 1
+    await app.dispose()
