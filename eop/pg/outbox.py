@@ -115,12 +115,14 @@ def _info(session: object) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class _Queued:
-    statement: sa.Insert
+    statement: sa.Executable
     row: dict[str, Any]
     transaction: SessionTransaction | None
 
 
-def _queue_until_commit(session: orm.Session, statement: sa.Insert, row: dict[str, Any]) -> None:
+def _queue_until_commit(
+    session: orm.Session, statement: sa.Executable, row: dict[str, Any]
+) -> None:
     queue: list[_Queued] | None = session.info.get(_QUEUE_KEY)
     if queue is None:
         queue = session.info[_QUEUE_KEY] = []
