@@ -78,7 +78,8 @@ class _Round:
 
     published: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
     parked: dict[str, list[tuple[int, str]]] = dataclasses.field(default_factory=dict)
-    no_stream: list[_Row] = dataclasses.field(default_factory=list)
+    refused: list[tuple[_Row, str, str]] = dataclasses.field(default_factory=list)
+    """Rows to count an attempt for (then park at the limit): row, reason, error."""
     unanswered: int = 0
 
     def park(self, row: _Row, reason: str, error: str) -> None:
@@ -272,7 +273,8 @@ class Relay:
         """Publish the oldest pending rows once; how many were sent."""
         await self._mark_unmarked()
         rows = await self._read()
-        if not rows:
+        if not rows or not self.leading:
+            # Not leading any more (the read outlived the lease): the new holder sends them.
             return 0
         result = await self._publish(rows)
         await faults.point("relay_after_publish")
@@ -347,11 +349,15 @@ class Relay:
             ack = future.result()
             result.published.append((row.id, str(ack.stream), int(ack.seq)))
         elif isinstance(exc, nats.js.errors.NoStreamResponseError):
-            result.no_stream.append(row)
+            result.refused.append(
+                (row, models.PARK_NO_STREAM, f"no stream holds subject {row.subject}")
+            )
         elif isinstance(exc, nats.js.errors.APIError) and exc.err_code in _TOO_LARGE_CODES:
             result.park(row, models.PARK_TOO_LARGE, str(exc.description or exc)[:500])
         elif isinstance(exc, nats.js.errors.APIError) and exc.code is not None and exc.code < 500:
-            result.park(row, models.PARK_REFUSED, str(exc.description or exc)[:500])
+            # A stream that is full (discard new), a limit per subject: maybe for a while
+            # only, so counted and retried like a missing stream, not parked at once.
+            result.refused.append((row, models.PARK_REFUSED, str(exc.description or exc)[:500]))
         else:
             # A server error (503: no stream leader yet) or a dropped connection: try again.
             result.unanswered += 1
@@ -378,38 +384,37 @@ class Relay:
         for reason, parked in result.parked.items():
             for row_id, error in parked:
                 await self._park([row_id], reason, error)
-        if result.no_stream:
-            await self._no_stream(result.no_stream)
+        by_subject: dict[tuple[str, str, str], list[_Row]] = {}
+        for row, reason, error in result.refused:
+            by_subject.setdefault((row.subject, reason, error), []).append(row)
+        for (subject, reason, error), rows in by_subject.items():
+            await self._refused(subject, rows, reason, error)
 
-    async def _no_stream(self, rows: list[_Row]) -> None:
-        """Rows whose publish found no stream: ask JetStream itself before counting anything.
+    async def _refused(self, subject: str, rows: list[_Row], reason: str, error: str) -> None:
+        """Count a refusal of ``rows``, hold their subject back, park those at the limit.
 
         'No responders' also answers a publish while JetStream restarts or a
-        stream has no leader yet: only JetStream's own "no stream matches"
-        counts as a refusal.
+        stream has no leader yet: for those, only JetStream's own "no stream
+        matches" counts.
         """
-        by_subject: dict[str, list[_Row]] = {}
-        for row in rows:
-            by_subject.setdefault(row.subject, []).append(row)
-        for subject, subject_rows in by_subject.items():
-            if not await self._no_stream_holds(subject):
-                self._hold(subject, 1)
-                continue
-            error = f"no stream holds subject {subject}"
-            async with self.engine.begin() as conn:
-                counted = (
-                    await conn.execute(
-                        sql.count_attempt(self.tables, [r.id for r in subject_rows], error)
-                    )
-                ).all()
-            attempts = max((int(a) for _, a in counted), default=1)
-            spent = [int(i) for i, a in counted if int(a) >= self.settings.outbox_max_attempts]
-            self._logger.warning(
-                log.Event.OUTBOX_REFUSED, subject=subject, rows=len(subject_rows), attempts=attempts
-            )
-            if spent:
-                await self._park(spent, models.PARK_NO_STREAM, error)
-            self._hold(subject, attempts)
+        if reason == models.PARK_NO_STREAM and not await self._no_stream_holds(subject):
+            self._hold(subject, 1)
+            return
+        async with self.engine.begin() as conn:
+            stmt = sql.count_attempt(self.tables, [r.id for r in rows], error)
+            counted = (await conn.execute(stmt)).all()
+        attempts = max((int(a) for _, a in counted), default=1)
+        spent = [int(i) for i, a in counted if int(a) >= self.settings.outbox_max_attempts]
+        self._logger.warning(
+            log.Event.OUTBOX_REFUSED,
+            subject=subject,
+            rows=len(rows),
+            attempts=attempts,
+            reason=reason,
+        )
+        if spent:
+            await self._park(spent, reason, error)
+        self._hold(subject, attempts)
 
     async def _no_stream_holds(self, subject: str) -> bool:
         try:

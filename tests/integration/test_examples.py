@@ -26,3 +26,41 @@ async def test_quickstart_bills_and_audits_every_order_once(
     assert await scalar(engine, "SELECT count(DISTINCT order_id) FROM invoices") == 10
     assert await scalar(engine, "SELECT count(*) FROM invoices") == 10
     assert await scalar(engine, "SELECT count(*) FROM audit_entries") == 10
+
+
+async def test_outbox_example_ships_every_order_posted_to_the_endpoint_once(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """The outbox example: orders posted to its FastAPI endpoint are announced through the
+    outbox, reserved by one handler, which requests the shipment through the outbox, and
+    shipped by the other: one reservation and one shipment per order."""
+    import httpx
+
+    from examples.outbox import app as example
+    from examples.outbox import web
+
+    app = example.app.with_settings(**vars(bed_settings(database_url, nats_url)))
+    async with engine.begin() as conn:
+        await conn.run_sync(example.Base.metadata.create_all)
+    api = web.make_api(app)
+    async with running(app):
+        transport = httpx.ASGITransport(app=api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://orders") as client:
+            for i in range(20):
+                response = await client.post("/orders", json={"id": f"o-{i}", "total_cents": i})
+                assert response.status_code == 201
+        await wait_for(
+            lambda: _equals(scalar(engine, "SELECT count(*) FROM shipments"), 20),
+            what="20 shipments",
+        )
+        await wait_for(lambda: drained(js, "eop-reserve"), what="reserve")
+        await wait_for(lambda: drained(js, "eop-ship", stream="SHIPMENTS"), what="ship")
+    assert await scalar(engine, "SELECT count(DISTINCT order_id) FROM reservations") == 20
+    assert await scalar(engine, "SELECT count(*) FROM reservations") == 20
+    assert await scalar(engine, "SELECT count(DISTINCT order_id) FROM shipments") == 20
+    assert await scalar(engine, "SELECT count(*) FROM shipments") == 20
+    assert await scalar(engine, "SELECT count(*) FROM eop.outbox WHERE published_at IS NULL") == 0
+
+
+async def _equals(awaitable: Any, expected: int) -> bool:
+    return bool(await awaitable == expected)
