@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy import orm
@@ -80,6 +80,7 @@ def add(
     :class:`eop.UnpublishableMessage` here, before anything is written.
     """
     info = target.info if isinstance(target, writes.Writes) else _info(target)
+    queue: RowQueue | None = target if isinstance(target, writes.Writes) else info.get(WRITES_KEY)
     context = info.get(CONTEXT_KEY) or _default_context()
     if schema is not None and schema != context.tables.schema:
         context = dataclasses.replace(context, tables=models.tables(schema))
@@ -93,8 +94,7 @@ def add(
         "payload": message.data,
     }
     statement = sql.insert(context.tables)
-    queue = target if isinstance(target, writes.Writes) else info.get(WRITES_KEY)
-    if isinstance(queue, writes.Writes):
+    if queue is not None:
         queue.add(statement, row)
     elif isinstance(target, AsyncSession):
         _queue_until_commit(target.sync_session, statement, row)
@@ -103,14 +103,24 @@ def add(
     return message.msg_id
 
 
+class RowQueue(Protocol):
+    """Where a transaction that is not the caller's to run queues its rows (eop's own)."""
+
+    def add(self, statement: sa.Executable, params: Mapping[str, Any] | None = None) -> None:
+        """Queue ``statement`` with ``params`` for the transaction."""
+
+
 def _info(session: object) -> dict[str, Any]:
-    if not isinstance(session, (orm.Session, AsyncSession)):
-        raise errors.ConfigurationError(
-            "eop.outbox.add takes a SQLAlchemy Session or AsyncSession, or an eop.Writes, "
-            f"not {type(session).__name__}"
-        )
-    info: dict[str, Any] = session.info
-    return info
+    info = getattr(session, "info", None)
+    # eop's handler sessions (and the test kit's fakes) carry their queue in info.
+    if isinstance(session, (orm.Session, AsyncSession)) or (
+        isinstance(info, dict) and WRITES_KEY in info
+    ):
+        return info  # type: ignore[return-value]  # a Session's info is a dict
+    raise errors.ConfigurationError(
+        "eop.outbox.add takes a SQLAlchemy Session or AsyncSession, or an eop.Writes, "
+        f"not {type(session).__name__}"
+    )
 
 
 @dataclasses.dataclass

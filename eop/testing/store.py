@@ -10,11 +10,13 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import AsyncIterator, Generator, Iterable
+import json
+from collections.abc import AsyncIterator, Generator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from eop import errors
-from eop.pg import models
+from eop.outgoing import Outgoing
+from eop.pg import models, outbox
 from eop.pg.failures import INFRASTRUCTURE, classify
 from eop.pg.inbox import DeadLetter, Existing
 from eop.testing.failures import Ambiguous, ErrorSpec, Failures, LockNotAvailable, instantiate
@@ -53,6 +55,8 @@ class MemoryStore:
         """Committed dead letters, in commit order."""
         self.effects: list[object] = []
         """What handlers ``add()``-ed to their session, for committed transactions only."""
+        self.outbox: list[Outgoing] = []
+        """What handlers added to the outbox (``eop.outbox.add``), committed transactions only."""
         self.attempts: dict[InboxKey, int] = {}
         """Committed handler failures per message key (dropped once it has its outcome)."""
         self.parked: set[InboxKey] = set()
@@ -225,6 +229,10 @@ class FakeSession:
         """Objects added in this transaction, in order."""
         self.flushes = 0
         """``flush()`` calls."""
+        self.outbox: list[Outgoing] = []
+        """Messages ``eop.outbox.add``-ed in this transaction, in order."""
+        self.info: dict[str, object] = {outbox.WRITES_KEY: _OutboxRecorder(self.outbox)}
+        """As a session's ``info``: where ``eop.outbox.add`` finds this transaction's queue."""
 
     def add(self, instance: object) -> None:
         """Record ``instance`` as a write of this transaction."""
@@ -238,6 +246,25 @@ class FakeSession:
         """Do nothing, as ``session.flush()`` or ``await session.flush()``."""
         self.flushes += 1
         return _Done()
+
+
+class _OutboxRecorder:
+    """Takes the rows ``eop.outbox.add`` queues, as the messages they stand for."""
+
+    def __init__(self, messages: list[Outgoing]) -> None:
+        self.messages = messages
+
+    def add(self, statement: object, params: Mapping[str, Any] | None = None) -> None:
+        """Record the outbox row ``params`` as a message."""
+        row = dict(params or {})
+        self.messages.append(
+            Outgoing(
+                subject=row["subject"],
+                data=row["payload"],
+                headers=json.loads(row["headers"]),
+                msg_id=row["msg_id"],
+            )
+        )
 
 
 class _Done:
@@ -431,12 +458,14 @@ class MemoryTransaction:
         """
         self._check_open()
         savepoint = len(self.session.added)
+        sent = len(self.session.outbox)
         try:
             await self.run_many(messages)
         except Exception as exc:
             if classify(exc) in INFRASTRUCTURE:
                 raise
             del self.session.added[savepoint:]
+            del self.session.outbox[sent:]
             return exc
         return None
 
@@ -489,6 +518,7 @@ class MemoryTransaction:
             if parked:
                 store.parked.add(key)
         store.effects.extend(self.session.added)
+        store.outbox.extend(self.session.outbox)
         store.commits += 1
         self.committed = True
         self._end()
@@ -498,6 +528,7 @@ class MemoryTransaction:
             return
         if not self.committed:
             self.session.added.clear()
+            self.session.outbox.clear()
         self._rows.clear()
         self._dead_letters.clear()
         if not self.committed:
