@@ -50,9 +50,13 @@ Point = Literal[
     "relay_after_publish",
     "relay_after_mark",
 ]
-"""The fault points, in the order a delivery passes them."""
+"""The fault points: a delivery's, in the order it passes them, then the outbox relay's."""
 
 POINTS: tuple[Point, ...] = get_args(Point)
+RELAY_POINTS: tuple[Point, ...] = ("relay_after_publish", "relay_after_mark")
+"""The relay's points: passed only where outbox rows are published."""
+DELIVERY_POINTS: tuple[Point, ...] = tuple(p for p in POINTS if p not in RELAY_POINTS)
+"""The points every delivery passes."""
 
 Action = Literal["kill", "raise", "stall", "freeze"]
 ACTIONS: tuple[Action, ...] = get_args(Action)

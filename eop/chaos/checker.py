@@ -202,12 +202,12 @@ def evidence(ev: LogEvidence) -> dict[str, int]:
     found["deadlocks retried"] = ev.deadlocks
     found["duplicate deliveries skipped"] = ev.events["message.duplicate"]
     found["nats reconnects"] = ev.events["nats.reconnected"]
-    for point in faults.POINTS:
+    for point in faults.DELIVERY_POINTS:
         found[f"kills at {point}"] = ev.fault_hits[f"{point}:kill"]
     return found
 
 
 def missing_evidence(found: Mapping[str, int]) -> list[str]:
     """The races a full run must show but this one did not."""
-    required = [*EVIDENCE_EVENTS, *(f"kills at {p}" for p in faults.POINTS)]
+    required = [*EVIDENCE_EVENTS, *(f"kills at {p}" for p in faults.DELIVERY_POINTS)]
     return [label for label in required if not found.get(label)]

@@ -270,7 +270,7 @@ def worker_plan(
     else:
         rules.append(_kill_rule(rng, kill_point))
     extra = [
-        faults.Rule(rng.choice(faults.POINTS), "raise", probability=0.01),
+        faults.Rule(rng.choice(faults.DELIVERY_POINTS), "raise", probability=0.01),
         faults.Rule(rng.choice(("after_claim", "before_commit")), "stall", stall_s, 0.01),
         faults.Rule("mid_handler", "freeze", stall_s, 0.001),
     ]

@@ -94,8 +94,8 @@ class WorkerPool:
         # at the fault point that has fired least so far: all get hit early.
         if slot == 0 and len(self.slots) > 1:
             return None
-        fewest = min(self.kills_fired[p] for p in faults.POINTS)
-        choices = [p for p in faults.POINTS if self.kills_fired[p] == fewest]
+        fewest = min(self.kills_fired[p] for p in faults.DELIVERY_POINTS)
+        choices = [p for p in faults.DELIVERY_POINTS if self.kills_fired[p] == fewest]
         return choices[number % len(choices)]
 
     def _spawn(self, slot: int) -> Incarnation:
@@ -226,7 +226,7 @@ class WorkerPool:
         """
         armed, self.arming = self.arming, False
         # Top-ups only complete an armed run's evidence; an unarmed run stays unarmed.
-        self.top_up = [p for p in faults.POINTS if not self.kills_fired[p]] if armed else []
+        self.top_up = [p for p in faults.DELIVERY_POINTS if not self.kills_fired[p]] if armed else []
         self.stall_top_up = stall and armed
         self.resume_all()
         self._stop(self.running(), "heal", None)
