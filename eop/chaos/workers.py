@@ -226,7 +226,9 @@ class WorkerPool:
         """
         armed, self.arming = self.arming, False
         # Top-ups only complete an armed run's evidence; an unarmed run stays unarmed.
-        self.top_up = [p for p in faults.DELIVERY_POINTS if not self.kills_fired[p]] if armed else []
+        self.top_up = (
+            [p for p in faults.DELIVERY_POINTS if not self.kills_fired[p]] if armed else []
+        )
         self.stall_top_up = stall and armed
         self.resume_all()
         self._stop(self.running(), "heal", None)

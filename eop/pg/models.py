@@ -261,6 +261,7 @@ def _outbox_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
             "published_at",
             postgresql_where=sa.text("published_at IS NOT NULL"),
         ),
+        sa.Index("outbox_parked_idx", "id", postgresql_where=sa.text("parked_at IS NOT NULL")),
     )
     relay_leases = sa.Table(
         "relay_leases",

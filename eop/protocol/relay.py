@@ -474,6 +474,8 @@ class Relay:
                 break
         if deleted:
             self._logger.debug(log.Event.OUTBOX_PURGED, rows=deleted)
+        if self.observer is NOOP:
+            return  # nobody to report the backlog to
         async with self.engine.connect() as conn:
             row = (await conn.execute(sql.summary(self.tables))).one()
         self.observer.outbox_backlog(int(row[0]), float(row[1] or 0.0), int(row[2]))

@@ -58,6 +58,13 @@ def upgrade() -> None:
         postgresql_where=sa.text("published_at IS NOT NULL"),
         schema=schema,
     )
+    op.create_index(
+        "outbox_parked_idx",
+        "outbox",
+        ["id"],
+        postgresql_where=sa.text("parked_at IS NOT NULL"),
+        schema=schema,
+    )
     op.create_table(
         "relay_leases",
         sa.Column("name", sa.Text(), nullable=False),
@@ -91,6 +98,7 @@ def downgrade() -> None:
     op.execute(sa.text(f'DROP TRIGGER IF EXISTS outbox_notify ON "{schema}".outbox'))
     op.execute(sa.text(f'DROP FUNCTION IF EXISTS "{schema}".outbox_notify()'))
     op.drop_table("relay_leases", schema=schema)
+    op.drop_index("outbox_parked_idx", table_name="outbox", schema=schema)
     op.drop_index("outbox_published_idx", table_name="outbox", schema=schema)
     op.drop_index("outbox_pending_idx", table_name="outbox", schema=schema)
     op.drop_table("outbox", schema=schema)

@@ -54,6 +54,8 @@ def test_fresh_upgrade_matches_the_models(empty_database_url: str) -> None:
         "dead_letters",
         "watermarks",
         "retries",
+        "outbox",
+        "relay_leases",
         "eop_alembic_version",
     }
 
@@ -188,7 +190,8 @@ def test_a_non_default_schema_holds_everything(empty_database_url: str) -> None:
     """With schema='billing_eop', tables and version table live there, and `eop` stays absent."""
     migrate.upgrade(empty_database_url, schema="billing_eop")
     assert tables_in(empty_database_url, "billing_eop") == {
-        "inbox", "dead_letters", "watermarks", "retries", models.VERSION_TABLE,
+        "inbox", "dead_letters", "watermarks", "retries", "outbox", "relay_leases",
+        models.VERSION_TABLE,
     }  # fmt: skip
     migrate.check(empty_database_url, schema="billing_eop")
     assert migrate.current(empty_database_url, schema="eop") is None
@@ -369,6 +372,6 @@ def test_host_environment_can_run_eop_revisions_as_a_branch(
     versions = query(empty_database_url, "SELECT version_num FROM public.alembic_version")
     assert sorted(versions) == [(migrate.head(),), ("host_0001",)]
     assert tables_in(empty_database_url, "host_eop") == {
-        "inbox", "dead_letters", "watermarks", "retries",
+        "inbox", "dead_letters", "watermarks", "retries", "outbox", "relay_leases",
     }  # fmt: skip
     assert tables_in(empty_database_url, "public") == {"alembic_version", "accounts"}

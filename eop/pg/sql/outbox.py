@@ -120,22 +120,25 @@ def purge_published(t: models.Tables, keep_s: float, limit: int) -> sa.Delete:
 
 
 def summary(t: models.Tables) -> sa.Select[Any]:
-    """Pending rows, the age in seconds of the oldest, parked rows; and the lease."""
+    """Pending rows, the age in seconds of the oldest, parked rows; and the lease.
+
+    Each part reads its own partial index: the published rows kept for
+    ``outbox_keep_s`` may be many, and are never scanned.
+    """
     c = t.outbox.c
-    pending_filter = sa.and_(*_pending(c))
-    oldest = sa.func.min(c.created_at).filter(pending_filter)
+    pending = sa.select(sa.func.count()).select_from(t.outbox).where(*_pending(c))
+    oldest = sa.select(c.created_at).where(*_pending(c)).order_by(c.id).limit(1)
+    parked = sa.select(sa.func.count()).select_from(t.outbox).where(c.parked_at.is_not(None))
     lease = t.relay_leases.c
-    holder = (
-        sa.select(lease.holder)
-        .where(lease.name == models.RELAY_LEASE, lease.expires_at > sa.func.now())
-        .scalar_subquery()
+    holder = sa.select(lease.holder).where(
+        lease.name == models.RELAY_LEASE, lease.expires_at > sa.func.now()
     )
     return sa.select(
-        sa.func.count().filter(pending_filter),
-        sa.extract("epoch", sa.func.now() - oldest),
-        sa.func.count().filter(c.parked_at.is_not(None)),
-        holder,
-    ).select_from(t.outbox)
+        pending.scalar_subquery(),
+        sa.extract("epoch", sa.func.now() - oldest.scalar_subquery()),
+        parked.scalar_subquery(),
+        holder.scalar_subquery(),
+    )
 
 
 def where(
