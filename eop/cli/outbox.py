@@ -24,6 +24,8 @@ RELAY_FIELDS = (
     *options.NATS_AUTH_FIELDS,
     "startup_attempts",
     "nats_auth_refusals",
+    "metrics_port",
+    "metrics_host",
     "uvloop",
 )
 
@@ -62,13 +64,13 @@ def add_outbox(sub: options.Subparsers) -> None:
     listing.set_defaults(command=_cmd_list)
 
     retry = actions.add_parser("retry", help="queue parked rows for the relay again")
-    retry.add_argument("ids", type=int, nargs="*", metavar="ID")
+    retry.add_argument("ids", type=int, nargs="*", metavar="ID", help="these parked rows")
     retry.add_argument("--all", action="store_true", help="every parked row (of --subject)")
     retry.add_argument("--subject", help="only rows to this subject")
     retry.set_defaults(command=_cmd_retry)
 
     purge = actions.add_parser("purge", help="delete parked rows (never sent)")
-    purge.add_argument("ids", type=int, nargs="*", metavar="ID")
+    purge.add_argument("ids", type=int, nargs="*", metavar="ID", help="these parked rows")
     purge.add_argument("--all", action="store_true", help="every parked row (of --subject)")
     purge.add_argument("--subject", help="only rows to this subject")
     purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
@@ -80,7 +82,7 @@ def add_outbox(sub: options.Subparsers) -> None:
 
 
 def _add_selection(parser: argparse.ArgumentParser, *, default_state: str) -> None:
-    parser.add_argument("ids", type=int, nargs="*", metavar="ID")
+    parser.add_argument("ids", type=int, nargs="*", metavar="ID", help="only these rows")
     parser.add_argument(
         "--state",
         choices=["parked", "pending", "published", "all"],

@@ -3,6 +3,8 @@
 For apps that add to the outbox but run no handlers (a web service), or that
 run their workers with ``relay`` off. Any number may run beside the workers'
 relays: the one holding the lease publishes (:mod:`eop.protocol.relay`).
+With ``metrics_port`` set it serves ``/metrics`` (the ``eop_outbox_*``
+series), ``/healthz`` and ``/readyz`` as a worker does.
 """
 
 from __future__ import annotations
@@ -10,37 +12,57 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Sequence
+from typing import Any
 
 from eop import errors, log, redaction
 from eop.app import App
 from eop.broker import connection, jetstream
+from eop.handler import HandlerSpec
 from eop.pg import migrate
 from eop.protocol import relay
-from eop.runtime import shutdown, startup
+from eop.runtime import shutdown, startup, telemetry
+from eop.settings import Settings
+
+
+class RelayProcess:
+    """A relay's process, as telemetry sees it (:class:`eop.runtime.telemetry.Observed`)."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.settings: Settings = app.settings
+        self.specs: Sequence[HandlerSpec] = ()
+        self.ready = asyncio.Event()
+        """Set once connected to both servers and relaying."""
+        self.nats: Any = None
+        self.stopping = asyncio.Event()
+        self.lost: errors.NatsUnavailable | None = None
+
+    @property
+    def draining(self) -> bool:
+        """Whether a stop was asked for."""
+        return self.stopping.is_set()
+
+    def nats_lost(self, error: errors.NatsUnavailable) -> None:
+        """NATS gave up on the relay (credentials refused): stop, then exit with the error."""
+        if self.lost is None:
+            self.lost = error
+            log.get_logger().error(log.Event.NATS_CLOSED, error=str(error))
+        self.stopping.set()
 
 
 async def run_relay(app: App) -> int:
-    """Run a relay until a stop signal; the exit status (:mod:`eop.runtime.shutdown`).
-
-    Stops as a worker does when NATS gives up on it (credentials refused).
-    """
+    """Run a relay until a stop signal; the exit status (:mod:`eop.runtime.shutdown`)."""
     s = app.settings
     logger = log.get_logger()
-    stopping = asyncio.Event()
-    lost: list[errors.NatsUnavailable] = []
-
-    def nats_lost(error: errors.NatsUnavailable) -> None:
-        lost.append(error)
-        logger.error(log.Event.NATS_CLOSED, error=str(error))
-        stopping.set()
-
-    loop = asyncio.get_running_loop()
+    process = RelayProcess(app)
     watchdog = shutdown.Watchdog(s.publish_timeout_s * 2 + shutdown.STOP_MARGIN_S)
 
     def stop() -> None:
         watchdog.arm()
-        stopping.set()
+        process.stopping.set()
 
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
     logger.info(
@@ -49,20 +71,32 @@ async def run_relay(app: App) -> int:
         database=redaction.redact_url(s.database_url),
         relay_only=True,
     )
+    reports = telemetry.Telemetry(process)
+    await reports.start()
+    try:
+        await _relay(app, process, reports.observer)
+    finally:
+        await reports.close()
+    if process.lost is not None:
+        raise process.lost
+    logger.info(log.Event.WORKER_STOPPED)
+    return shutdown.EXIT_STOPPED
+
+
+async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
+    s = app.settings
     await startup.retrying(lambda: migrate.ensure_ready(app.engine, s.schema), s)
     nc = await startup.retrying(
-        lambda: jetstream.connect(s, name="eop-relay", on_lost=nats_lost), s
+        lambda: jetstream.connect(s, name="eop-relay", on_lost=process.nats_lost), s
     )
+    process.nats = nc
     try:
-        logger.info(log.Event.WORKER_STARTED)
-        await relay.Relay(app.engine, nc, s).run(stopping)
+        log.get_logger().info(log.Event.WORKER_STARTED)
+        process.ready.set()
+        await relay.Relay(app.engine, nc, s, observer=observer).run(process.stopping)
     finally:
         with contextlib.suppress(Exception):
             await nc.flush(timeout=2)
         await connection.close_quietly(nc)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(app.dispose(), shutdown.STOP_MARGIN_S)
-    if lost:
-        raise lost[0]
-    logger.info(log.Event.WORKER_STOPPED)
-    return shutdown.EXIT_STOPPED

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,17 @@ def start_relay(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     )
 
 
+async def _metric(port: int, line: str) -> bool:
+    def get() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+
+    try:
+        return line in (await asyncio.to_thread(get)).splitlines()
+    except OSError:
+        return False
+
+
 async def _equals(awaitable: Any, expected: int) -> bool:
     return bool(await awaitable == expected)
 
@@ -40,14 +52,16 @@ async def _equals(awaitable: Any, expected: int) -> bool:
 async def test_eop_relay_publishes_and_stops_on_sigterm_with_status_0(
     database_url: str, nats_url: str, js: Any, tmp_path: Path
 ) -> None:
-    """`eop relay` (settings from the environment only) publishes committed rows, gives up
-    its lease on SIGTERM and exits 0; `eop outbox status` shows the backlog before and after."""
+    """`eop relay` (settings from the environment only) publishes committed rows, serves its
+    metrics, gives up its lease on SIGTERM and exits 0; `eop outbox status` shows the
+    backlog before and after."""
     await js.add_stream(name=OUT_STREAM, subjects=["SHIPMENTS.>"])
     app = make_app(database_url, nats_url)
     async with app.sessionmaker() as session, session.begin():
         for i in range(25):
             eop.outbox.add(session, OUT_SUBJECT, f"r{i}")
-    env = eop_env(database_url, nats_url)
+    port = embedded.free_port()
+    env = eop_env(database_url, nats_url, EOP_METRICS_PORT=str(port))
     before = run_eop("outbox", "status", "--json", env=env)
     assert before.returncode == 0, before.stderr
     backlog = json.loads(before.stdout)
@@ -61,6 +75,8 @@ async def test_eop_relay_publishes_and_stops_on_sigterm_with_status_0(
         during = json.loads(run_eop("outbox", "status", "--json", env=env).stdout)
         assert during["pending"] == 0
         assert during["relay"] is not None
+        await wait_for(lambda: _metric(port, "eop_outbox_published_total 25"), what="metrics")
+        await wait_for(lambda: _metric(port, "eop_outbox_pending 0"), what="backlog gauge")
     finally:
         proc.send_signal(signal.SIGTERM)
         status = proc.wait(timeout=60)
