@@ -121,7 +121,9 @@ class App:
         duplicate_window_s: float = 120.0,
         max_age_s: float = 0.0,
     ) -> handler_mod.StreamSpec:
-        """Declare a stream that workers create if it is missing (with ``create`` on).
+        """Declare a stream that workers (and ``eop relay``) create if it is missing
+        (with ``create`` on), whether a handler consumes it or only the outbox
+        publishes to it. An existing stream is used as it is.
 
         Undeclared streams are created with the subjects of their handlers.
         """
@@ -134,6 +136,11 @@ class App:
         )
         self._streams[name] = spec
         return spec
+
+    @property
+    def streams(self) -> dict[str, handler_mod.StreamSpec]:
+        """The declared streams by name (:meth:`stream`)."""
+        return dict(self._streams)
 
     @property
     def handlers(self) -> dict[str, handler_mod.HandlerSpec]:

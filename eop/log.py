@@ -65,6 +65,8 @@ class Event(str, enum.Enum):
     NATS_AUTH_REFUSED = "nats.auth_refused"
     NATS_CLOSED = "nats.closed"
     NATS_READER_ENDED = "nats.reader_ended"
+    RELAY_STARTING = "relay.starting"
+    RELAY_STARTED = "relay.started"
     RELAY_LEADING = "relay.leading"
     RELAY_STANDING_BY = "relay.standing_by"
     RELAY_FAILED = "relay.failed"

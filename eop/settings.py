@@ -133,9 +133,10 @@ class Settings:
         60.0, "How long published outbox rows are kept (for `eop outbox list`) before deletion."
     )
     outbox_max_attempts: int = _field(
-        5,
-        "Publishes of an outbox row the server refuses (no stream holds its subject) before "
-        "the row is parked; NATS outages never count.",
+        10,
+        "Refused publishes to a subject (JetStream says no stream holds it) before its "
+        "pending outbox rows are parked, the subject held back 1 s, doubling to 60 s, in "
+        "between (about 4 minutes); NATS outages never count.",
     )
     relay_lease_s: float = _field(
         10.0,

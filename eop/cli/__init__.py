@@ -11,6 +11,7 @@ the parser; what they share is in :mod:`eop.cli.options`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -66,6 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `eop ... | head`: the reader left. Python would complain again when it
+        # flushes stdout at exit: point it at /dev/null. 128 + SIGPIPE, as tools
+        # that die of the signal report it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def build_parser(tool: str | None = None) -> argparse.ArgumentParser:

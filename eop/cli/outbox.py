@@ -24,6 +24,7 @@ RELAY_FIELDS = (
     *options.NATS_AUTH_FIELDS,
     "startup_attempts",
     "nats_auth_refusals",
+    "create",
     "metrics_port",
     "metrics_host",
     "uvloop",
@@ -141,8 +142,18 @@ def _cmd_retry(args: argparse.Namespace) -> int:
     ids = options.run_with(
         app, outbox.Outbox(app).retry(ids=args.ids, subject=args.subject), schema_ready=True
     )
-    print(f"queued {len(ids)} parked rows again")
-    return 0
+    print(f"queued {outbox.count_text(len(ids), 'parked')} again")
+    return _not_parked(args.ids, ids)
+
+
+def _not_parked(asked: list[int], done: list[int]) -> int:
+    """1 (and say which) when some of the IDs asked for were not parked rows."""
+    missing = sorted(set(asked) - set(done))
+    if not missing:
+        return 0
+    shown = ", ".join(str(i) for i in missing[:20]) + (" ..." if len(missing) > 20 else "")
+    print(f"eop: error: not parked (published, pending or no such row): {shown}", file=sys.stderr)
+    return 1
 
 
 def _cmd_purge(args: argparse.Namespace) -> int:
@@ -158,12 +169,14 @@ def _cmd_purge(args: argparse.Namespace) -> int:
         )
         if not rows:
             print("purged 0 parked rows")
-            return 0
+            return _not_parked(args.ids, [])
         if not sys.stdin.isatty():
             raise errors.ConfigurationError(
-                f"{len(rows)} parked rows match: pass --yes to delete them without a prompt"
+                f"{outbox.count_text(len(rows), 'parked')} match: pass --yes to delete them "
+                "without a prompt"
             )
-        if input(f"Delete {len(rows)} parked rows? [y/N] ").strip().lower() not in ("y", "yes"):
+        question = f"Delete {outbox.count_text(len(rows), 'parked')}? [y/N] "
+        if input(question).strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return 1
         app = options.db_app(args, options.DB_FIELDS)
@@ -172,5 +185,5 @@ def _cmd_purge(args: argparse.Namespace) -> int:
         outbox.Outbox(app).purge("parked", ids=args.ids, subject=args.subject),
         schema_ready=True,
     )
-    print(f"purged {len(ids)} parked rows")
-    return 0
+    print(f"purged {outbox.count_text(len(ids), 'parked')}")
+    return _not_parked(args.ids, ids)

@@ -45,6 +45,8 @@ class Backlog:
     parked: int
     relay: str | None
     """The relay holding the lease (None: no relay is publishing)."""
+    lease_expires_in_s: float | None = None
+    """When the holder's lease runs out unless renewed (every third of it while it runs)."""
 
     def to_json(self) -> dict[str, Any]:
         """As JSON-able values."""
@@ -53,8 +55,13 @@ class Backlog:
     def describe(self) -> str:
         """One line for ``eop status``."""
         oldest = f", oldest {self.oldest_s:.1f} s old" if self.oldest_s is not None else ""
-        relay = f"relay {self.relay}" if self.relay else "no relay publishing"
-        line = f"outbox: {self.pending} pending{oldest}; {self.parked} parked; {relay}"
+        relay = "no relay publishing"
+        if self.relay:
+            expiry = self.lease_expires_in_s or 0.0
+            relay = f"relay {self.relay} (lease renewed within {expiry:.1f} s, or it is gone)"
+        line = (
+            f"outbox: {self.pending} pending{oldest}; {count_text(self.parked, 'parked')}; {relay}"
+        )
         if self.parked:
             line += "\noutbox: WARNING: parked rows are never sent: see `eop outbox list`"
         if self.pending and not self.relay:
@@ -72,12 +79,14 @@ class Outbox:
     async def backlog(self) -> Backlog:
         """Pending and parked rows, the oldest pending one's age, the lease's holder."""
         async with self.app.engine.connect() as conn:
-            pending, oldest, parked, holder = (await conn.execute(sql.summary(self.tables))).one()
+            row = (await conn.execute(sql.summary(self.tables))).one()
+        pending, oldest, parked, holder, expires_in = row
         return Backlog(
             pending=int(pending),
             oldest_s=float(oldest) if oldest is not None else None,
             parked=int(parked),
             relay=holder,
+            lease_expires_in_s=float(expires_in) if expires_in is not None else None,
         )
 
     async def rows(
@@ -109,6 +118,11 @@ class Outbox:
             return [int(r[0]) for r in await conn.execute(sql.delete_rows(self.tables, conditions))]
 
 
+def count_text(count: int, what: str) -> str:
+    """``1 parked row``, ``2 parked rows``."""
+    return f"{count} {what} row" if count == 1 else f"{count} {what} rows"
+
+
 def to_json(row: dict[str, Any]) -> dict[str, Any]:
     """A row as JSON-able values (times in ISO 8601, UTC)."""
     return {k: _iso(v) if isinstance(v, datetime.datetime) else v for k, v in row.items()}
@@ -129,7 +143,7 @@ _TABLE = (
 )
 
 
-def format_table(rows: Sequence[dict[str, Any]], *, error_width: int = 50) -> str:
+def format_table(rows: Sequence[dict[str, Any]], *, error_width: int = 90) -> str:
     """Rows as an aligned text table."""
     cells = [[title for title, _ in _TABLE]]
     for row in rows:
@@ -147,6 +161,8 @@ def _cell(key: str, row: dict[str, Any], error_width: int) -> str:
         if row["parked_at"] is not None:
             return f"parked ({row['park_reason']})"
         return "pending"
+    if key == "last_error" and row["published_at"] is not None:
+        return ""  # a refusal it got over
     value = row.get(key)
     if isinstance(value, datetime.datetime):
         return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")

@@ -38,6 +38,7 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
+import sqlalchemy as sa
 import tenacity
 from nats.aio.client import Client as NATS
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -52,9 +53,10 @@ from eop.settings import Settings
 # The waits after failed rounds: 0.2 s doubling to 5 s (an outage is retried for ever).
 _FAILED_FIRST_S = 0.2
 _FAILED_MAX_S = 5.0
-# A subject no stream holds is asked again after 1 s, doubling to 30 s.
+# A subject no stream holds is asked again after 1 s, doubling to 60 s: with the default
+# outbox_max_attempts (10), parked only after about 4 minutes of refusals.
 _HELD_FIRST_S = 1.0
-_HELD_MAX_S = 30.0
+_HELD_MAX_S = 60.0
 # Published rows deleted per statement, and how often the leader purges and reports lag.
 _PURGE_ROWS = 10_000
 _HOUSEKEEPING_S = 5.0
@@ -115,6 +117,7 @@ class Relay:
         self._held: dict[str, tuple[float, int]] = {}
         self._unmarked: list[tuple[int, str, int]] = []
         self._lease_until = 0.0
+        self._holding = False
         self._renew_at = 0.0
         self._housekeeping_at = 0.0
         self._listener: AsyncConnection | None = None
@@ -195,11 +198,12 @@ class Relay:
             # Unknown whether it was renewed: assume the worst, stop publishing at expiry.
             self._renew_at = time.monotonic() + 1.0
             raise
-        was_leading = self.leading
         if got is None:
             self._lease_until = 0.0
             self._renew_at = time.monotonic() + lease_s / 3
-            if was_leading:
+            if self._holding:
+                # Another relay holds it now: this one was frozen, or cut off, past it.
+                self._holding = False
                 self._logger.warning(log.Event.RELAY_STANDING_BY)
                 await self._close_listener()
             return
@@ -207,14 +211,15 @@ class Relay:
         # A quarter of the lease is left as a margin for the clocks' drift and a slow round.
         self._lease_until = asked_at + lease_s * 0.75
         self._renew_at = asked_at + lease_s / 3
-        if not was_leading:
+        if not self._holding:
+            self._holding = True
             self._logger.info(log.Event.RELAY_LEADING, lease_s=lease_s)
             self._housekeeping_at = 0.0
 
     async def _leave(self) -> None:
         """On the way out: mark what was published, give the lease up, stop listening."""
         await self._close_listener()
-        if self._lease_until == 0.0 and not self._unmarked:
+        if not self._holding and not self._unmarked:
             self._logger.info(log.Event.RELAY_STOPPED, published=self.published)
             return
         with contextlib.suppress(Exception):
@@ -222,6 +227,7 @@ class Relay:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._release_lease(), self.settings.publish_timeout_s)
         self._lease_until = 0.0
+        self._holding = False
         self._logger.info(log.Event.RELAY_STOPPED, published=self.published)
 
     async def _release_lease(self) -> None:
@@ -383,7 +389,7 @@ class Relay:
     async def _settle_refusals(self, result: _Round) -> None:
         for reason, parked in result.parked.items():
             for row_id, error in parked:
-                await self._park([row_id], reason, error)
+                await self._park(sql.park(self.tables, [row_id], reason, error), reason, error)
         by_subject: dict[tuple[str, str, str], list[_Row]] = {}
         for row, reason, error in result.refused:
             by_subject.setdefault((row.subject, reason, error), []).append(row)
@@ -404,7 +410,6 @@ class Relay:
             stmt = sql.count_attempt(self.tables, [r.id for r in rows], error)
             counted = (await conn.execute(stmt)).all()
         attempts = max((int(a) for _, a in counted), default=1)
-        spent = [int(i) for i, a in counted if int(a) >= self.settings.outbox_max_attempts]
         self._logger.warning(
             log.Event.OUTBOX_REFUSED,
             subject=subject,
@@ -412,8 +417,10 @@ class Relay:
             attempts=attempts,
             reason=reason,
         )
-        if spent:
-            await self._park(spent, reason, error)
+        if attempts >= self.settings.outbox_max_attempts:
+            # The subject's refusals are spent: park all its pending rows at once, or a
+            # backlog would take its full course of refusals one round at a time.
+            await self._park(sql.park_subject(self.tables, subject, reason, error), reason, error)
         self._hold(subject, attempts)
 
     async def _no_stream_holds(self, subject: str) -> bool:
@@ -425,9 +432,9 @@ class Relay:
             return False  # JetStream did not answer: not a refusal
         return False
 
-    async def _park(self, ids: list[int], reason: str, error: str) -> None:
+    async def _park(self, stmt: sa.Executable, reason: str, error: str) -> None:
         async with self.engine.begin() as conn:
-            parked = (await conn.execute(sql.park(self.tables, ids, reason, error))).all()
+            parked = (await conn.execute(stmt)).all()
         if parked:
             self.parked += len(parked)
             self.observer.outbox_parked(len(parked), reason)

@@ -66,10 +66,9 @@ async def run_relay(app: App) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
     logger.info(
-        log.Event.WORKER_STARTING,
+        log.Event.RELAY_STARTING,
         nats=redaction.redact_urls(s.nats_url),
         database=redaction.redact_url(s.database_url),
-        relay_only=True,
     )
     reports = telemetry.Telemetry(process)
     await reports.start()
@@ -79,7 +78,6 @@ async def run_relay(app: App) -> int:
         await reports.close()
     if process.lost is not None:
         raise process.lost
-    logger.info(log.Event.WORKER_STOPPED)
     return shutdown.EXIT_STOPPED
 
 
@@ -91,7 +89,10 @@ async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
     )
     process.nats = nc
     try:
-        log.get_logger().info(log.Event.WORKER_STARTED)
+        js = nc.jetstream()
+        for stream in app.streams.values():
+            await jetstream.ensure_stream(js, stream, create=s.create)
+        log.get_logger().info(log.Event.RELAY_STARTED)
         process.ready.set()
         await relay.Relay(app.engine, nc, s, observer=observer).run(process.stopping)
     finally:

@@ -197,6 +197,9 @@ class Worker:
                             compactor.run_forever(s.compaction_interval_s, self._stopping)
                         )
                     )
+            # The streams only the outbox publishes to, before anything is published.
+            for stream in self.app.streams.values():
+                await jetstream.ensure_stream(js, stream, create=s.create)
             if s.relay:
                 self.relay = relay.Relay(self.app.engine, nc, s, observer=self._observer)
                 loops.append(asyncio.create_task(self.relay.run(self._stopping)))

@@ -23,7 +23,7 @@ or serve the endpoint of :mod:`examples.outbox.web` (``pip install fastapi uvico
 
     uvicorn examples.outbox.web:api
     curl -X POST localhost:8000/orders -H 'content-type: application/json' \\
-         -d '{"id": "order-1", "total_cents": 1200}'
+         -d '{"id": "web-1", "total_cents": 1200}'
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import uuid
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -100,10 +101,11 @@ async def ship(msg: eop.Message, session: AsyncSession) -> None:
 
 
 async def post(count: int) -> None:
-    """Take ``count`` orders, each in its own transaction, as the endpoint would."""
+    """Take ``count`` new orders, each in its own transaction, as the endpoint would."""
+    run = uuid.uuid4().hex[:8]  # new order ids on every run
     for i in range(count):
         async with app.sessionmaker() as session, session.begin():
-            await create_order(session, f"order-{i}", 100 + i)
+            await create_order(session, f"order-{run}-{i}", 100 + i)
     await app.dispose()
 
 

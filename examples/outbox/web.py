@@ -8,7 +8,8 @@ that gives a view an ``AsyncSession`` (or a sync ``Session``) does the same.
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import sqlalchemy as sa
+from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
 import eop
@@ -29,8 +30,12 @@ def make_api(orders: eop.App = app) -> FastAPI:
     @web.post("/orders", status_code=201)
     async def post_order(order: OrderIn) -> dict[str, str]:
         # The order and its ORDERS.created message commit together, or neither does.
-        async with orders.sessionmaker() as session, session.begin():
-            await create_order(session, order.id, order.total_cents)
+        try:
+            async with orders.sessionmaker() as session, session.begin():
+                await create_order(session, order.id, order.total_cents)
+        except sa.exc.IntegrityError:
+            # A retried request: the order is stored and announced already.
+            raise HTTPException(409, f"order {order.id} exists") from None
         return {"id": order.id}
 
     return web

@@ -33,7 +33,8 @@ async def test_outbox_example_ships_every_order_posted_to_the_endpoint_once(
 ) -> None:
     """The outbox example: orders posted to its FastAPI endpoint are announced through the
     outbox, reserved by one handler, which requests the shipment through the outbox, and
-    shipped by the other: one reservation and one shipment per order."""
+    shipped by the other: one reservation and one shipment per order; a repeated POST is
+    a 409 and announces nothing more."""
     import httpx
 
     from examples.outbox import app as example
@@ -49,6 +50,8 @@ async def test_outbox_example_ships_every_order_posted_to_the_endpoint_once(
             for i in range(20):
                 response = await client.post("/orders", json={"id": f"o-{i}", "total_cents": i})
                 assert response.status_code == 201
+            again = await client.post("/orders", json={"id": "o-3", "total_cents": 3})
+            assert again.status_code == 409
         await wait_for(
             lambda: _equals(scalar(engine, "SELECT count(*) FROM shipments"), 20),
             what="20 shipments",

@@ -155,6 +155,24 @@ async def _seqs_by_row(engine: AsyncEngine) -> list[int]:
         return [int(r[0]) for r in rows]
 
 
+async def test_a_declared_stream_only_the_outbox_publishes_to_is_created_by_the_worker(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A stream the app declares but no handler consumes (the outbox's destination) is
+    created when the worker starts, so rows to it are published, not parked."""
+    app = make_app(database_url, nats_url, outbox_max_attempts=1)
+
+    @app.handler(stream=STREAM, subject="ORDERS.created", name="h")
+    async def h(msg: eop.Message, session: AsyncSession) -> None:
+        eop.outbox.add(session, OUT_SUBJECT, msg.data)
+
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    await js.publish("ORDERS.created", b"one")
+    async with running(app):
+        await wait_for(lambda: _equals(out_count(js), 1), what="published to the new stream")
+    assert await outbox_rows(engine, "parked_at IS NOT NULL") == 0
+
+
 async def test_a_failing_handler_in_a_batch_leaves_no_outbox_row_and_its_neighbours_publish(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:

@@ -93,7 +93,8 @@ async def test_outbox_commands_list_retry_and_purge_parked_rows(
     database_url: str, nats_url: str, js: Any
 ) -> None:
     """`eop outbox list` shows parked rows with their reason (never the payload); `retry`
-    queues one again, which is then published; `purge --yes` deletes the other."""
+    queues one again, which is then published, and names (exit 1) IDs that are not
+    parked; `purge --yes` deletes the other."""
     await js.add_stream(name=OUT_STREAM, subjects=["SHIPMENTS.>"])
     app = make_app(database_url, nats_url, outbox_max_attempts=1)
     async with app.sessionmaker() as session, session.begin():
@@ -115,9 +116,16 @@ async def test_outbox_commands_list_retry_and_purge_parked_rows(
     assert "eop: error: name the parked rows to retry (IDs) or pass --all" in refused.stderr
     await js.add_stream(name="LATER", subjects=["LATER.>"])
     retried = run_eop("outbox", "retry", str(ids["LATER.a"]), env=env)
-    assert retried.stdout.strip() == "queued 1 parked rows again"
+    assert retried.stdout.strip() == "queued 1 parked row again"
+    assert retried.returncode == 0
+    not_parked = run_eop("outbox", "retry", str(ids["LATER.a"]), "999999", env=env)
+    assert not_parked.returncode == 1
+    queued = ids["LATER.a"]  # pending again, so not parked any more
+    assert f"not parked (published, pending or no such row): {queued}, 999999" in (
+        not_parked.stderr
+    )
     purged = run_eop("outbox", "purge", "--all", "--yes", env=env)
-    assert purged.stdout.strip() == "purged 1 parked rows"
+    assert purged.stdout.strip() == "purged 1 parked row"
     async with relaying(app, nats_url):
         await wait_for(lambda: _equals(out_count(js, "LATER"), 1), what="the retried row")
     assert await outbox_rows(app.engine) == 1

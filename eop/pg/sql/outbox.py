@@ -81,6 +81,17 @@ def park(t: models.Tables, ids: list[int], reason: str, error: str) -> sa.Update
     )
 
 
+def park_subject(t: models.Tables, subject: str, reason: str, error: str) -> sa.Update:
+    """Park every pending row to ``subject`` (its refusals are spent)."""
+    c = t.outbox.c
+    return (
+        sa.update(t.outbox)
+        .where(c.subject == subject, *_pending(c))
+        .values(parked_at=sa.func.now(), park_reason=reason, last_error=error)
+        .returning(c.id)
+    )
+
+
 def take_lease(t: models.Tables, holder: str, ttl_s: float) -> sa.TextClause:
     """Take or renew the relay lease for ``holder``; returns a row only if ``holder`` has it.
 
@@ -120,7 +131,8 @@ def purge_published(t: models.Tables, keep_s: float, limit: int) -> sa.Delete:
 
 
 def summary(t: models.Tables) -> sa.Select[Any]:
-    """Pending rows, the age in seconds of the oldest, parked rows; and the lease.
+    """Pending rows, the age in seconds of the oldest, parked rows; the lease's holder and
+    the seconds until it expires.
 
     Each part reads its own partial index: the published rows kept for
     ``outbox_keep_s`` may be many, and are never scanned.
@@ -130,14 +142,15 @@ def summary(t: models.Tables) -> sa.Select[Any]:
     oldest = sa.select(c.created_at).where(*_pending(c)).order_by(c.id).limit(1)
     parked = sa.select(sa.func.count()).select_from(t.outbox).where(c.parked_at.is_not(None))
     lease = t.relay_leases.c
-    holder = sa.select(lease.holder).where(
-        lease.name == models.RELAY_LEASE, lease.expires_at > sa.func.now()
-    )
+    current = (lease.name == models.RELAY_LEASE, lease.expires_at > sa.func.now())
+    holder = sa.select(lease.holder).where(*current)
+    expires_in = sa.select(sa.extract("epoch", lease.expires_at - sa.func.now())).where(*current)
     return sa.select(
         pending.scalar_subquery(),
         sa.extract("epoch", sa.func.now() - oldest.scalar_subquery()),
         parked.scalar_subquery(),
         holder.scalar_subquery(),
+        expires_in.scalar_subquery(),
     )
 
 
