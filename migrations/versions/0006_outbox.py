@@ -75,13 +75,20 @@ def upgrade() -> None:
     )
     # One NOTIFY per INSERT statement, delivered on COMMIT (and folded into one
     # per transaction by PostgreSQL): any writer wakes the relay, eop's add()
-    # or the app's own SQL, and a rolled-back insert wakes nobody.
+    # or the app's own SQL, and a rolled-back insert wakes nobody. PostgreSQL
+    # serialises the COMMITs of notifying transactions: a writer with many small
+    # ones turns it off with SET eop.outbox_notify = off (the relay still polls).
     quoted = f'"{schema}"'
     channel = models.outbox_channel(schema).replace("'", "''")
     op.execute(
         sa.text(
-            f"CREATE FUNCTION {quoted}.outbox_notify() RETURNS trigger LANGUAGE plpgsql AS "
-            f"$$ BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$"
+            f"CREATE FUNCTION {quoted}.outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$ "
+            "BEGIN "
+            "IF coalesce(current_setting('eop.outbox_notify', true), '') <> 'off' THEN "
+            f"PERFORM pg_notify('{channel}', ''); "
+            "END IF; "
+            "RETURN NULL; "
+            "END $$"
         )
     )
     op.execute(

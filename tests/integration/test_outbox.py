@@ -381,3 +381,21 @@ async def test_headers_and_msg_ids_reach_the_stream_as_given(
     assert stored.headers == {"K": "v", "Nats-Msg-Id": "order-1"}
     assert await out_count(js) == 1
     await app.dispose()
+
+
+async def test_a_writer_can_leave_notify_out_and_its_rows_are_still_polled(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """With eop.outbox_notify off in its session, a COMMIT sends no NOTIFY (PostgreSQL
+    serialises notifying COMMITs); the relay's polling publishes the row all the same."""
+    app = make_app(database_url, nats_url, outbox_poll_s=0.5)
+    await ensure_streams(js)
+    async with relaying(app, nats_url) as relay:
+        await wait_for(lambda: _true(relay.leading), what="the relay leads")
+        await asyncio.sleep(1.0)  # its LISTEN is in place
+        async with app.sessionmaker() as session, session.begin():
+            await session.execute(sa.text("SET LOCAL eop.outbox_notify = off"))
+            eop.outbox.add(session, OUT_SUBJECT, b"quiet")
+        await wait_for(lambda: _equals(out_count(js), 1), what="published by polling")
+        assert relay.notifications == 0
+    await app.dispose()
