@@ -2,8 +2,9 @@
 
 The same as ``eop bench [FLAGS]`` and ``python3 run.py bench [FLAGS]`` (see
 ``eop bench --help``, :mod:`eop.bench` and BENCHMARKS.md): a raw at-least-once
-loop, the naive exactly-once loop, eop default and eop tuned, measured in one
-run on embedded servers; ``--big`` adds the 1,000,000-message run.
+loop, the naive exactly-once loop, eop default and eop tuned, and the outbox
+relay's runs, measured in one run on embedded servers; ``--big`` adds the
+1,000,000-message run.
 """
 
 from __future__ import annotations

@@ -9,7 +9,12 @@ settings, whose handler queues its write (eop.Writes); (d) an `eop worker`
 with the --tuned flags and a batch handler; (e) eop default again, its handler
 executing the INSERT through the session (a round trip per message); (f) eop
 default in one process (``--processes 1``), where (c) runs one per CPU. (b)
-to (f) do the same handler work: one INSERT per message.
+to (f) do the same handler work: one INSERT per message. (r) the outbox
+relay: --relay-messages rows committed first, then published by one ``eop
+relay``, beside (rw) one default ``eop worker`` consuming the same messages
+and (rp) a raw ``publish_async`` loop; (rl) and (rn): commit-to-PubAck latency
+of rows committed one per transaction at --relay-rate, the relay woken by
+NOTIFY (rl) or polling (rn). ``--runs`` picks runs by letter (r: all five).
 
 Throughput: a backlog is published, then drained; the rate runs from the
 first completion to the last, so start-up is excluded. Latency: then messages
@@ -20,13 +25,14 @@ are published at a steady share (--latency-load) of that rate for
 with the inbox row count at both points.
 
 This package is also the app of the bench's workers (``eop.bench:app``) and
-the program of the (a) and (b) child processes (``python -m eop.bench``).
+the program of its other child processes (``python -m eop.bench``).
 
 Its modules: :mod:`~eop.bench.runs` (what is measured: the runs, their app,
 the options), :mod:`~eop.bench.loops` (the raw and naive loops of (a) and (b)),
 :mod:`~eop.bench.harness` (the servers' clients, the child processes, the
-progress line), :mod:`~eop.bench.measurement` (one run measured, and the
-arithmetic), :mod:`~eop.bench.runner` (every run on fresh servers),
+progress line, CPU time), :mod:`~eop.bench.measurement` (one run measured,
+and the arithmetic), :mod:`~eop.bench.relay` (the relay's runs),
+:mod:`~eop.bench.runner` (every run on fresh servers),
 :mod:`~eop.bench.report` (the table); ``eop bench`` itself is :mod:`eop.cli.bench`.
 """
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from nats.aio.client import Client as NATS
@@ -63,16 +64,60 @@ class Progress:
         self._width, self._printed = 0, 0.0
 
 
-def _proc_stats() -> dict[int, tuple[int, int]]:
-    """Every process's parent and CPU ticks (user + system), from /proc."""
-    stats: dict[int, tuple[int, int]] = {}
+def _proc_stats() -> dict[int, tuple[int, int, int]]:
+    """Every process's parent, its CPU ticks (user + system) and those of its reaped
+    children, from /proc."""
+    stats: dict[int, tuple[int, int, int]] = {}
     for entry in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = entry.read_text().rsplit(")", 1)[1].split()
-            stats[int(entry.parent.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+            own, reaped = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+            stats[int(entry.parent.name)] = (int(fields[1]), own, reaped)
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile, or not readable
     return stats
+
+
+def tree_cpu_s(
+    pid: int | None, stats: dict[int, tuple[int, int, int]] | None = None
+) -> float | None:
+    """CPU seconds of process ``pid`` and its children, the exited ones included.
+
+    PostgreSQL's backends are the postmaster's children; one that exits (a
+    connection closed) is counted in the postmaster's reaped time from then
+    on. None if unknown (not Linux, or not running).
+    """
+    stats = _proc_stats() if stats is None else stats
+    if pid is None or pid not in stats:
+        return None
+    ticks = stats[pid][1] + stats[pid][2]
+    ticks += sum(own for ppid, own, _ in stats.values() if ppid == pid)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class Cpu(NamedTuple):
+    """CPU seconds so far: of a run's process (and its children), nats-server, PostgreSQL."""
+
+    child: float | None
+    nats: float | None
+    pg: float | None
+
+    def per_message_us(self, later: Cpu, messages: int) -> Cpu:
+        """Microseconds per message of each, from this sample to ``later`` (None if unknown)."""
+
+        def us(before: float | None, after: float | None) -> float | None:
+            if before is None or after is None or messages <= 0:
+                return None
+            return (after - before) / messages * 1e6
+
+        return Cpu(us(self.child, later.child), us(self.nats, later.nats), us(self.pg, later.pg))
+
+
+class Drained(NamedTuple):
+    """A drain: the rate since the first ack, and CPU µs per message meanwhile."""
+
+    rate: float
+    cpu_us: Cpu
 
 
 class Child:
@@ -99,7 +144,7 @@ class Child:
         stats = _proc_stats()
         if self.proc.pid not in stats:
             return None
-        ticks = sum(cpu for pid, (ppid, cpu) in stats.items() if self.proc.pid in (pid, ppid))
+        ticks = sum(own for pid, (ppid, own, _) in stats.items() if self.proc.pid in (pid, ppid))
         return ticks / os.sysconf("SC_CLK_TCK")
 
     def check(self) -> None:
@@ -121,9 +166,18 @@ class Child:
 class Bench:
     """The servers' clients and the steps that the runs share."""
 
-    def __init__(self, options: runs.Options, nats_url: str, database_url: str, tmp: Path) -> None:
+    def __init__(
+        self,
+        options: runs.Options,
+        nats_url: str,
+        database_url: str,
+        tmp: Path,
+        server_pids: tuple[int | None, int | None] = (None, None),
+    ) -> None:
         self.options, self.tmp = options, tmp
         self.nats_url, self.database_url = nats_url, database_url
+        self.server_pids = server_pids
+        """nats-server's and the postmaster's process ids, for their CPU time."""
         self.progress = Progress()
         self.payload = b"x" * options.payload_bytes
         self.engine: AsyncEngine = create_async_engine(database_url)
@@ -146,8 +200,10 @@ class Bench:
         async with self.engine.begin() as conn:
             for ddl in _DDL:
                 await conn.execute(sa.text(ddl))
-        for run in (*runs.RUNS, runs.BIG):
+        streams = (*runs.RUNS, runs.BIG, runs.RELAY, runs.RAW_PUBLISH, *runs.RELAY_LATENCY)
+        for run in streams:
             await jetstream.ensure_stream(self.js, runs.app.stream_spec(run.stream), create=True)
+        for run in runs.RUNS:
             if not run.handler:  # as eop makes them: explicit acks, the default limits
                 config = api.ConsumerConfig(
                     durable_name=run.durable,
@@ -155,6 +211,16 @@ class Bench:
                     max_ack_pending=runs.app.settings.max_ack_pending,
                 )
                 await self.js.add_consumer(run.stream, config)
+
+    def cpu(self, child: Child | None = None) -> Cpu:
+        """CPU seconds so far of ``child`` (and its children) and of the two servers."""
+        stats = _proc_stats()
+        nats_pid, pg_pid = self.server_pids
+        return Cpu(
+            child.cpu_s() if child is not None else None,
+            tree_cpu_s(nats_pid, stats),
+            tree_cpu_s(pg_pid, stats),
+        )
 
     def command(self, run: runs.Run, extra: Sequence[str] = ()) -> list[str]:
         """The argv of a run's consumer process."""
@@ -191,6 +257,16 @@ class Bench:
         self.progress.end()
         return total, total / max(loop.time() - start, 1e-9)
 
+    async def stream_messages(self, run: runs.Run) -> int:
+        """The messages ``run``'s stream holds now."""
+        info = await self.stream.stream_info(run.stream)
+        return int(info.state.messages)
+
+    def shown(self, argv: Sequence[str]) -> str:
+        """A child's command line for the report, the servers' URLs left out."""
+        shown = shlex.join([Path(argv[0]).name, *argv[1:]])
+        return shown.replace(self.database_url, "DB").replace(self.nats_url, "NATS")
+
     async def acked(self, run: runs.Run) -> tuple[int, int]:
         """The consumer's ack floor and its deliveries awaiting an ack ((0, 0) if absent)."""
         import nats.js.errors
@@ -201,31 +277,28 @@ class Bench:
             return 0, 0
         return int(info.ack_floor.stream_seq), int(info.num_ack_pending)
 
-    async def drain(
-        self, run: runs.Run, child: Child, target: int, label: str
-    ) -> tuple[float, float | None]:
+    async def drain(self, run: runs.Run, child: Child, target: int, label: str) -> Drained:
         """Wait until every sequence up to ``target`` is acked.
 
-        Returns the rate seen since the first ack, and the child's CPU time per
-        message meanwhile in microseconds (None if unknown).
+        Returns the rate seen since the first ack, and the CPU time per message
+        meanwhile of the child and of the servers.
         """
         base, _ = await self.acked(run)
-        first: tuple[float, int, float | None] | None = None
+        first: tuple[float, int, Cpu] | None = None
         rate, last_move, last_floor = 0.0, time.monotonic(), base
         while True:
             floor, pending = await self.acked(run)
             now = time.monotonic()
             if first is None and floor > base:
-                first = (now, floor, child.cpu_s())
+                first = (now, floor, self.cpu(child))
             elif first is not None and now > first[0]:
                 rate = (floor - first[1]) / (now - first[0])
             self.progress.show(label, floor - base, target - base, rate)
             if floor >= target and pending == 0:
                 self.progress.end()
-                cpu = child.cpu_s()
-                if first is None or first[2] is None or cpu is None or floor <= first[1]:
-                    return rate, None
-                return rate, (cpu - first[2]) / (floor - first[1]) * 1e6
+                if first is None:
+                    return Drained(rate, Cpu(None, None, None))
+                return Drained(rate, first[2].per_message_us(self.cpu(child), floor - first[1]))
             if floor != last_floor:
                 last_move, last_floor = now, floor
             elif now - last_move > 60:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import shlex
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import sqlalchemy as sa
@@ -27,6 +25,10 @@ class Result:
     rate: float
     cpu_us: float | None
     """CPU time of the consumer process per message while it drained the backlog."""
+    nats_us: float | None
+    """nats-server's CPU time per message meanwhile."""
+    pg_us: float | None
+    """PostgreSQL's CPU time per message meanwhile (the postmaster and its backends)."""
     latency_messages: int
     latency_rate: float
     p50_ms: float
@@ -67,8 +69,8 @@ async def measure(
     argv = bench.command(run, extra)
     child = harness.Child(argv, bench.tmp / f"{run.key}.log")
     try:
-        estimate, cpu_us = await bench.drain(run, child, messages, f"({run.key}) {run.label}")
-        load = max(1.0, bench.options.latency_load * estimate)
+        drained = await bench.drain(run, child, messages, f"({run.key}) {run.label}")
+        load = max(1.0, bench.options.latency_load * drained.rate)
         sent, paced = await bench.publish_paced(run, load, bench.options.latency_s)
         await bench.drain(run, child, messages + sent, f"({run.key}) latency drain")
     finally:
@@ -76,14 +78,15 @@ async def measure(
     points = await bench.points(run, 1, messages + sent)
     bulk = sorted(done for seq, _, done in points if seq <= messages)
     latencies = sorted(done - stored for seq, stored, done in points if seq > messages)
-    shown = shlex.join([Path(argv[0]).name, *argv[1:]])
     return Result(
         key=run.key,
         label=run.label,
-        command=shown.replace(bench.database_url, "DB").replace(bench.nats_url, "NATS"),
+        command=bench.shown(argv),
         messages=messages,
         rate=throughput(bulk),
-        cpu_us=cpu_us,
+        cpu_us=drained.cpu_us.child,
+        nats_us=drained.cpu_us.nats,
+        pg_us=drained.cpu_us.pg,
         latency_messages=sent,
         latency_rate=paced,
         p50_ms=percentile(latencies, 0.50) * 1000,

@@ -34,32 +34,19 @@ def machine() -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as a table for people."""
-    o, m, ratios = report["options"], report["machine"], report["ratios"]
+    o, m = report["options"], report["machine"]
     lines = [
-        f"eop bench: {o['payload_bytes']}-byte messages; latency at {o['latency_load']:.0%} of "
+        f"eop bench: runs {o['runs']}{' and the long run' if o['big'] else ''}; "
+        f"{o['payload_bytes']}-byte messages; latency at {o['latency_load']:.0%} of "
         f"each run's rate for {o['latency_s']} s; fsync {'on' if o['fsync'] else 'off'}",
         f"machine: {m['cores']} cores ({m['cpu']}), {m['system']}, Python {m['python']}; "
         f"{'; '.join(m['servers'])}; load average {m['load_average_start']} -> "
         f"{m['load_average_end']}",
-        "",
-        f"{'run':<34}{'messages':>9}{'msg/s':>9}{'CPU us/msg':>11}{'p50 ms':>8}{'p99 ms':>8}"
-        "  latency load",
     ]
-    for r in report["runs"]:
-        cpu = _us(r["cpu_us"])
-        lines.append(
-            f"({r['key']}) {r['label']:<30}{r['messages']:>9,}{r['rate']:>9,.0f}{cpu:>11}"
-            f"{r['p50_ms']:>8.1f}{r['p99_ms']:>8.1f}  {r['latency_rate']:,.0f} msg/s"
-        )
-        expected = r["messages"] + r["latency_messages"]
-        if r["effects"] is not None and r["effects"] != expected:
-            lines.append(f"    WARNING: {r['effects']} effect rows for {expected} messages")
-    lines += [
-        "",
-        f"c/a = {ratios['c/a']:.2f} (target >= 0.6)   c/b = {ratios['c/b']:.1f} (target >= 15)"
-        f"   d/a = {ratios['d/a']:.2f}   e/a = {ratios['e/a']:.2f}   e/b = {ratios['e/b']:.1f}"
-        f"   f/a = {ratios['f/a']:.2f}   f/b = {ratios['f/b']:.1f}",
-    ]
+    if report["runs"]:
+        lines += ["", *_runs(report)]
+    if report.get("relay"):
+        lines += ["", *_relay(report["relay"], o, report["ratios"])]
     big = report["big"]
     if big:
         lines += [
@@ -72,8 +59,71 @@ def format_report(report: dict[str, Any]) -> str:
             f"inbox rows: at most {big['early_inbox']:,} at 10k-20k, {big['late_inbox']:,} at "
             f"the last 10k, {big['max_inbox']:,} over the whole run",
         ]
-    lines += ["", "consumers:"] + [f"  ({r['key']}) {r['command']}" for r in report["runs"]]
+    commands = [f"  ({r['key']}) {r['command']}" for r in report["runs"]]
+    if report.get("relay"):
+        relay = report["relay"]
+        commands += [f"  ({r['key']}) {r['command']}" for r in relay["rows"] + relay["latency"]]
+    lines += ["", "commands:", *commands]
     return "\n".join([*lines, f"took {report['seconds']:.0f} s"])
+
+
+def _runs(report: dict[str, Any]) -> list[str]:
+    ratios = report["ratios"]
+    lines = [
+        f"{'run':<36}{'messages':>9}{'msg/s':>9}{'CPU us/msg':>11}{'nats us':>8}{'pg us':>7}"
+        f"{'p50 ms':>8}{'p99 ms':>8}  latency load",
+    ]
+    for r in report["runs"]:
+        lines.append(
+            f"({r['key']}) {r['label']:<32}{r['messages']:>9,}{r['rate']:>9,.0f}"
+            f"{_us(r['cpu_us']):>11}{_us(r['nats_us']):>8}{_us(r['pg_us']):>7}"
+            f"{r['p50_ms']:>8.1f}{r['p99_ms']:>8.1f}  {r['latency_rate']:,.0f} msg/s"
+        )
+        expected = r["messages"] + r["latency_messages"]
+        if r["effects"] is not None and r["effects"] != expected:
+            lines.append(f"    WARNING: {r['effects']} effect rows for {expected} messages")
+    targets = {"c/a": " (target >= 0.6)", "c/b": " (target >= 15)"}
+    shown = [
+        f"{name} = {value:.1f}{targets.get(name, '')}"
+        if name.endswith("/b")
+        else f"{name} = {value:.2f}{targets.get(name, '')}"
+        for name, value in ratios.items()
+        if not name.startswith("r")
+    ]
+    return [*lines, "", "   ".join(shown)] if shown else lines
+
+
+def _relay(relay: dict[str, Any], o: dict[str, Any], ratios: dict[str, float]) -> list[str]:
+    lines = [
+        f"outbox relay: {o['relay_messages']:,} rows of {o['relay_payload_bytes']} bytes, "
+        f"committed 100 per transaction before the clock ({relay['fill_s']:.1f} s)",
+        f"{'run':<44}{'messages':>9}{'msg/s':>9}{'CPU us/msg':>11}{'nats us':>8}{'pg us':>7}",
+    ]
+    for r in relay["rows"]:
+        lines.append(
+            f"({r['key']}) {r['label']:<{39 - len(r['key'])}}{r['messages']:>9,}"
+            f"{r['rate']:>9,.0f}{_us(r['cpu_us']):>11}{_us(r['nats_us']):>8}{_us(r['pg_us']):>7}"
+        )
+        if r["delivered"] != r["messages"]:
+            lines.append(f"    WARNING: {r['delivered']} delivered of {r['messages']}")
+    lines += [
+        f"r/rw = {ratios.get('r/rw', 0.0):.2f} (target >= 1: the relay keeps up with a worker)"
+        f"   r/rp = {ratios.get('r/rp', 0.0):.2f}",
+        "",
+        f"commit to PubAck, one row per transaction at {o['relay_rate']:,.0f}/s for "
+        f"{o['relay_latency_s']} s (outbox_poll_s {relay['poll_s']} s)",
+        f"{'run':<36}{'rows':>7}{'rows/s':>8}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}"
+        f"{'CPU us/row':>11}{'nats us':>8}{'pg us':>7}",
+    ]
+    for r in relay["latency"]:
+        lines.append(
+            f"({r['key']}) {r['label']:<31}{r['rows']:>7,}{r['rate']:>8,.0f}{r['p50_ms']:>8.1f}"
+            f"{r['p99_ms']:>8.1f}{r['max_ms']:>8.1f}{_us(r['cpu_us']):>11}"
+            f"{_us(r['nats_us']):>8}{_us(r['pg_us']):>7}"
+        )
+        if r["delivered"] != r["rows"]:
+            lines.append(f"    WARNING: {r['delivered']} in the stream of {r['rows']}")
+    return lines
 
 
 def _us(value: float | None) -> str:

@@ -14,6 +14,8 @@ from eop import settings as settings_mod
 
 INSERT = sa.text("INSERT INTO bench_effects (variant, seq, stored_at) VALUES (:v, :s, :t)")
 """The handler work of every database run (the naive loop's too)."""
+SELECTABLE = "abcdefr"
+"""What ``--runs`` chooses from: the runs (a) to (f), and r, the relay's rows."""
 WINDOW = 10_000  # the --big run's windows: messages 10,001-20,000 and the last 10,000
 
 # Default settings, never the environment's: the bench passes the servers' URLs as
@@ -74,7 +76,15 @@ RUNS = (
     ),
 )
 BIG = Run("big", "eop default, long run", "BENCH_BIG", "eop-bench-big", "bench-big")
-for _run in (*RUNS, BIG):
+RELAY = Run("r", "eop relay", "BENCH_R", "eop-bench-relayed", "bench-relayed")
+"""The relay's stream, and the eop worker (rw) that consumes what the relay published."""
+RAW_PUBLISH = Run("rp", "raw publisher", "BENCH_RP", "")
+RELAY_LATENCY = (
+    Run("rl", "relay, LISTEN/NOTIFY", "BENCH_RL", "bench-latency-listen"),
+    Run("rn", "relay without LISTEN (polls)", "BENCH_RN", "bench-latency-poll"),
+)
+"""The streams of the commit-to-PubAck runs (their durables only read the stream back)."""
+for _run in (*RUNS, BIG, RELAY, RAW_PUBLISH, *RELAY_LATENCY):
     app.stream(_run.stream, subjects=[_run.subject])
 for _run, _func in (
     (RUNS[2], record),
@@ -82,6 +92,7 @@ for _run, _func in (
     (RUNS[4], record_direct),
     (RUNS[5], record),
     (BIG, record),
+    (RELAY, record),
 ):
     app.handler(
         stream=_run.stream, subject=_run.subject, name=_run.handler, batch=_func is record_batch
@@ -101,10 +112,24 @@ class Options:
     big: bool = False
     big_messages: int = 1_010_000
     fsync: bool = True
+    runs: str = "abcdefr"
+    """The runs to measure: letters of (a) to (f), and r for the relay's rows."""
+    relay_messages: int = 20_000
+    relay_payload_bytes: int = 256
+    relay_rate: float = 200.0
+    """Rows/s the commit-to-PubAck runs commit, one per transaction."""
+    relay_latency_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if min(self.messages, self.naive_messages, self.payload_bytes) < 1:
+        counts = (self.messages, self.naive_messages, self.payload_bytes)
+        if min(*counts, self.relay_messages, self.relay_payload_bytes) < 1:
             raise errors.ConfigurationError("message counts and payload-bytes must be at least 1")
+        if set(self.runs) - set(SELECTABLE) or not self.runs.strip():
+            raise errors.ConfigurationError(
+                f"runs must be letters of {SELECTABLE!r} (r: the relay's rows), not {self.runs!r}"
+            )
+        if not (self.relay_rate > 0 and self.relay_latency_s > 0):
+            raise errors.ConfigurationError("relay-rate and relay-latency-s must be above 0")
         if not (0 < self.latency_load <= 1 and self.latency_s > 0):
             raise errors.ConfigurationError("latency-load must be in (0, 1], latency-s above 0")
         if self.big and self.big_messages < 3 * WINDOW:

@@ -1,13 +1,14 @@
-"""The arithmetic and the progress line of `eop bench`."""
+"""The arithmetic, the CPU accounting, the options and the progress line of `eop bench`."""
 
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 
-from eop import bench
-from eop.bench import measurement
+from eop import bench, errors
+from eop.bench import harness, measurement, runs
 
 
 def test_throughput_starts_after_the_first_completion() -> None:
@@ -73,3 +74,33 @@ def test_progress_redraws_one_line_on_a_terminal() -> None:
     assert out.getvalue().count("\r") == 2
     assert out.getvalue().endswith("\n")
     assert out.getvalue().count("\n") == 1
+
+
+def test_cpu_per_message_divides_each_known_figure() -> None:
+    """CPU per message is each process's difference over the messages, in µs; unknown
+    stays unknown (None), and so does a count of zero."""
+    before = harness.Cpu(child=1.0, nats=2.0, pg=None)
+    after = harness.Cpu(child=1.5, nats=2.1, pg=3.0)
+    per = before.per_message_us(after, 1_000)
+    assert per.child == pytest.approx(500.0)
+    assert per.nats == pytest.approx(100.0)
+    assert per.pg is None
+    assert before.per_message_us(after, 0) == harness.Cpu(None, None, None)
+
+
+def test_tree_cpu_counts_a_running_process_and_nothing_for_an_absent_one() -> None:
+    """This process has used some CPU (Linux); an unknown pid has none to report."""
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("no /proc")
+    mine = harness.tree_cpu_s(os.getpid())
+    assert mine is not None
+    assert mine >= 0
+    assert harness.tree_cpu_s(None) is None
+
+
+def test_runs_are_chosen_by_letter() -> None:
+    """--runs takes letters of a to f and r; anything else, or nothing, is refused."""
+    assert runs.Options(runs="cr").runs == "cr"
+    for bad in ("x", "", " "):
+        with pytest.raises(errors.ConfigurationError):
+            runs.Options(runs=bad)
