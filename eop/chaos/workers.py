@@ -184,9 +184,15 @@ class WorkerPool:
         return True
 
     def pause(self, slot: int) -> Incarnation | None:
-        """SIGSTOP the worker in ``slot``; returns it, to :meth:`resume` later."""
+        """SIGSTOP the worker in ``slot``; returns it, to :meth:`resume` later.
+
+        Not one that is stopping: a frozen process cannot exit, and its timed stop
+        would count the pause as the worker's own stall.
+        """
         inc = self.slots[slot]
-        if inc is None or inc.stopped or inc.proc.poll() is not None:
+        if inc is None or inc.stopped or inc.terminated_at is not None:
+            return None
+        if inc.proc.poll() is not None:
             return None
         inc.stopped = True
         with contextlib.suppress(ProcessLookupError):

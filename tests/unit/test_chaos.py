@@ -425,3 +425,24 @@ def test_the_outbox_check_counts_copies_and_names_what_went_wrong() -> None:
     assert v.doubled == ["key k1 to b.new: rows 1 and 7"]
     assert v.not_absorbed == ["id 3 (b.new, key k3): stored 3 times, effects [2]"]
     assert len(v.problems) == 5
+
+
+def test_a_stopping_worker_is_never_paused(tmp_path: Path) -> None:
+    """worker_stop does not SIGSTOP a worker the harness is stopping (a mid-run SIGTERM):
+    a frozen process cannot exit, and its timed stop would count the pause as a stall."""
+    from eop.chaos import workers
+
+    pool = workers.WorkerPool(
+        app="x:app", handlers=["h"], env={}, log_dir=tmp_path, count=1, seed=1, ack_wait_s=4.0
+    )
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    inc = workers.Incarnation(0, 0, proc, schedule.WorkerPlan((), 1), tmp_path / "w.log")
+    pool.incarnations.append(inc)
+    pool.slots[0] = inc
+    try:
+        pool.send_term(inc)
+        assert pool.pause(0) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
