@@ -10,7 +10,8 @@ Armed incarnations die at a kill spot (:class:`~eop.chaos.schedule.KillSpot`):
 always the one that has fired least so far, so all get hit early. A scenario
 with ``relay_spots`` arms one of those too in every incarnation: only the
 worker whose relay leads passes them, and it must not be the one that never
-dies.
+dies. Each slot keeps the same relay spot (given enough slots): the lease
+passes from a dead leader to another slot, so each takeover tries another spot.
 """
 
 from __future__ import annotations
@@ -118,11 +119,16 @@ class WorkerPool:
         stall = slot == 0 and len(self.slots) > 1
         spots = [] if stall else [self._least_fired(self.kill_spots, number)]
         # Every one may lead the relay, stallers too: the leader must die at times.
-        spots.append(self._least_fired(self.relay_spots, number))
+        if self.relay_spots and len(self.slots) >= len(self.relay_spots):
+            spots.append(self.relay_spots[slot % len(self.relay_spots)])
+        else:
+            spots.append(self._least_fired(self.relay_spots, number))
         return [s for s in spots if s is not None], stall
 
-    def _unfired_relay_spot(self) -> list[schedule.KillSpot]:
-        return [s for s in self.relay_spots if not self.kills_fired[s.name]][:1]
+    def _unfired_relay_spot(self, slot: int) -> list[schedule.KillSpot]:
+        # Spread over the slots: whichever takes the lease next carries one.
+        unfired = [s for s in self.relay_spots if not self.kills_fired[s.name]]
+        return [unfired[slot % len(unfired)]] if unfired else []
 
     def _spawn(self, slot: int) -> Incarnation:
         number = len(self.incarnations)
@@ -135,10 +141,10 @@ class WorkerPool:
         elif self.stall_top_up:
             self.stall_top_up = False
             plan = schedule.stall_plan(self.seed, number, self.ack_wait_s)
-        elif self.top_up or (self.relay_top_up and self._unfired_relay_spot()):
-            # A relay spot goes to every drain worker until it fires: only the
+        elif self.top_up or (self.relay_top_up and self._unfired_relay_spot(slot)):
+            # The relay spots go to every drain worker until they fire: only the
             # one that takes the lease can.
-            relay = self._unfired_relay_spot() if self.relay_top_up else []
+            relay = self._unfired_relay_spot(slot) if self.relay_top_up else []
             plan = schedule.kill_plan(self.seed, number, self.top_up[:1], first_pass=relay)
             del self.top_up[:1]
         log = self.log_dir / f"worker-{number:04d}.log"

@@ -446,3 +446,20 @@ def test_a_stopping_worker_is_never_paused(tmp_path: Path) -> None:
         proc.kill()
         proc.wait()
 
+
+def test_a_self_killed_worker_is_credited_with_the_spot_it_died_at(tmp_path: Path) -> None:
+    """A worker armed at two spots (a delivery's and the relay's) is credited with the one
+    its log says fired last, a timer's kill included (lines follow it)."""
+    from eop.chaos import workers
+
+    log = tmp_path / "worker-0000.log"
+    lines = [
+        {"event": "fault.hit", "point": "after_claim", "action": "stall", "seconds": 8},
+        {"event": "fault.hit", "point": "relay_after_publish", "action": "kill", "seconds": 0.05},
+        {"event": "outbox.published"},
+    ]
+    log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    inc = workers.Incarnation(0, 0, proc, schedule.WorkerPlan((), 1), log)
+    assert workers._killed_at(inc) == "relay_during_mark"
