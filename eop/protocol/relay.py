@@ -81,6 +81,8 @@ class _Round:
     refused: list[tuple[_Row, str, str]] = dataclasses.field(default_factory=list)
     """Rows to count an attempt for (then park at the limit): row, reason, error."""
     unanswered: int = 0
+    unsent: int = 0
+    """Rows not sent: NATS was not connected."""
 
     def park(self, row: _Row, reason: str, error: str) -> None:
         self.parked.setdefault(reason, []).append((row.id, error))
@@ -282,6 +284,11 @@ class Relay:
         await self._mark_unmarked()
         await faults.point("relay_after_mark")
         await self._settle_refusals(result)
+        if result.unsent:
+            raise errors.NatsUnavailable(
+                f"{result.unsent} of {len(rows)} outbox messages not sent: NATS is not "
+                "connected; sending them once it is"
+            )
         if result.unanswered:
             raise errors.NatsUnavailable(
                 f"{result.unanswered} of {len(rows)} outbox messages got no PubAck within "
@@ -320,6 +327,17 @@ class Relay:
                     models.PARK_TOO_LARGE,
                     f"{size} bytes, above the server's max_payload of {limit}",
                 )
+                continue
+            refusal = _unframeable(row.subject, headers)
+            if refusal is not None:
+                result.park(row, *refusal)
+                continue
+            if not self.nc.is_connected:
+                # nats-py would buffer it until it reconnects and, its buffer full, refuse
+                # it (as it does a row _unframeable catches) only after taking one of
+                # publish_async's slots, for good: with all spent, the relay would wait
+                # for ever. A later round sends it.
+                result.unsent += 1
                 continue
             try:
                 future = await self._js.publish_async(row.subject, row.payload, headers=headers)
@@ -479,6 +497,25 @@ class Relay:
         async with self.engine.connect() as conn:
             row = (await conn.execute(sql.summary(self.tables))).one()
         self.observer.outbox_backlog(int(row[0]), float(row[1] or 0.0), int(row[2]))
+
+
+def _unframeable(subject: str, headers: dict[str, str]) -> tuple[str, str] | None:
+    """Why NATS cannot carry a row as it is (park reason and error), else None.
+
+    What eop.outbox.add refuses: rows written otherwise (plain SQL, another
+    version) may hold anything, and nats-py refuses a bad subject or header
+    only after it took a slot of publish_async that it never gives back.
+    """
+    try:
+        outgoing.check_subject(subject)
+    except errors.UnpublishableMessage as exc:
+        return models.PARK_REFUSED, str(exc)[:500]
+    try:
+        for name, value in headers.items():
+            outgoing.check_header(name, value)
+    except errors.UnpublishableMessage as exc:
+        return models.PARK_BAD_HEADER, str(exc)[:500]
+    return None
 
 
 def _retrying() -> tenacity.AsyncRetrying:
