@@ -251,6 +251,11 @@ class Relay:
                 models.outbox_channel(self.settings.schema), self._notified
             )
         except BaseException:
+            # add_listener fails outside SQLAlchemy (a pooled connection that died
+            # with a restart), which would hand the same connection out again: with
+            # the lease renewed on a live one, the relay failed every round for ever.
+            with contextlib.suppress(Exception):
+                await conn.invalidate()
             await conn.close()
             raise
         self._listener = conn

@@ -427,3 +427,24 @@ async def test_a_nats_outage_with_more_pending_than_the_reconnect_buffer_does_no
     assert await outbox_rows(engine, "parked_at IS NOT NULL") == 0
     await app.dispose()
 
+
+async def test_a_connection_that_fails_to_listen_is_not_handed_out_again(
+    database_url: str, nats_url: str, nc: Any, engine: AsyncEngine
+) -> None:
+    """A pooled connection whose backend is gone (PostgreSQL restarted) fails the relay's
+    LISTEN outside SQLAlchemy, which would hand the same dead connection out again: a
+    relay that renewed its lease on a live connection and LISTENed on the dead one failed
+    every round for ever. The relay drops it: the pool's next connection is a live one.
+    (The alternation depends on timing; this pins its cause.)"""
+    app = make_app(database_url, nats_url)
+    relay = Relay(app.engine, nc, app.settings)
+    async with app.engine.connect() as conn:
+        pid = await conn.scalar(sa.text("SELECT pg_backend_pid()"))
+    async with engine.connect() as admin:
+        await admin.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    await asyncio.sleep(0.5)  # the idle connection sees its socket closed
+    with pytest.raises(Exception, match="closed"):
+        await relay._listen()
+    async with app.engine.connect() as conn:
+        assert await conn.scalar(sa.text("SELECT pg_backend_pid()")) != pid
+    await app.dispose()
