@@ -41,6 +41,7 @@ import nats.js.errors
 import tenacity
 from nats.aio.client import Client as NATS
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.pool import QueuePool
 
 from eop import errors, faults, log, outgoing, retry
 from eop.message import MSG_ID_HEADER
@@ -233,7 +234,8 @@ class Relay:
     # -- LISTEN
 
     async def _listen(self) -> None:
-        """LISTEN on the outbox's channel while leading (asyncpg only; else rounds poll)."""
+        """LISTEN on the outbox's channel while leading (asyncpg only, and only with a
+        connection to spare for the rounds; else rounds poll)."""
         listener = self._listener
         if listener is not None:
             raw = await listener.get_raw_connection()
@@ -241,7 +243,7 @@ class Relay:
             if driver is not None and not driver.is_closed():
                 return
             await self._close_listener()
-        if self.engine.dialect.driver != "asyncpg":
+        if self.engine.dialect.driver != "asyncpg" or not _spares_a_connection(self.engine):
             return
         conn = await failures.connected(self.engine.connect())
         try:
@@ -502,6 +504,19 @@ class Relay:
         async with self.engine.connect() as conn:
             row = (await conn.execute(sql.summary(self.tables))).one()
         self.observer.outbox_backlog(int(row[0]), float(row[1] or 0.0), int(row[2]))
+
+
+def _spares_a_connection(engine: AsyncEngine) -> bool:
+    """Whether the pool keeps a connection for the rounds while one LISTENs.
+
+    A worker of sync handlers only may have one async connection (4 per process,
+    as ``--processes 4`` gives by default): held to LISTEN, every round waited
+    for the pool's timeout and nothing was published.
+    """
+    pool = engine.pool
+    if isinstance(pool, QueuePool):
+        return pool.size() + max(int(getattr(pool, "_max_overflow", 0)), 0) >= 2
+    return True  # no bound (NullPool...), or not one eop can size up
 
 
 def _unframeable(subject: str, headers: dict[str, str]) -> tuple[str, str] | None:

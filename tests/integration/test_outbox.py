@@ -448,3 +448,30 @@ async def test_a_connection_that_fails_to_listen_is_not_handed_out_again(
     async with app.engine.connect() as conn:
         assert await conn.scalar(sa.text("SELECT pg_backend_pid()")) != pid
     await app.dispose()
+
+
+async def test_a_worker_whose_async_pool_has_one_connection_still_publishes(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A worker of an app with sync handlers only and 4 connections per process (what
+    `eop worker --processes 4` gives each process by default) keeps one connection in
+    its async pool. Its relay polls instead of holding that connection to LISTEN, so its
+    rounds get it, and every row is published. (It LISTENed on it: each round then
+    waited for the pool's 30 s timeout, and nothing was ever published.)"""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, db_pool_size=4, concurrency=4, batch=4)
+
+    @app.handler(stream=STREAM, subject="ORDERS.created", name="h")
+    def h(msg: eop.Message, session: Session) -> None:
+        session.execute(EFFECT, {"h": "h", "k": msg.idempotency_key, "b": msg.text()})
+        eop.outbox.add(session, OUT_SUBJECT, msg.data)
+
+    assert app.connection_shares() == (1, 3)
+    await ensure_streams(js)
+    for i in range(5):
+        await js.publish("ORDERS.created", f"o{i}".encode())
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-h"), what="input drained")
+        await wait_for(lambda: _equals(out_count(js), 5), what="5 messages published")
+        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+    await app.dispose()
