@@ -227,6 +227,8 @@ class KillSpot:
     timer_s: float = 0.0
     """0: at the point. Else a timer started there kills within this many seconds, while
     the code goes on: a crash *during* the step that follows the point."""
+    passes: int = 8
+    """An armed worker dies at one of its first this many passes."""
 
     def rule(self, nth: int) -> faults.Rule:
         """The fault rule that kills here at the ``nth`` pass."""
@@ -241,11 +243,13 @@ HANDLER_SPOTS: tuple[KillSpot, ...] = tuple(
 """The spots of a delivery, from fetch to ack: every scenario with armed workers."""
 
 RELAY_SPOTS: tuple[KillSpot, ...] = (
-    KillSpot("relay_after_publish", "relay_after_publish"),
+    # Within a leader's first rounds: a leader is rare (one at a time, a takeover waits
+    # for the lease), and each of its deaths is the hazard.
+    KillSpot("relay_after_publish", "relay_after_publish", passes=3),
     # The mark is one short transaction: a timer of up to 50 ms lands in it, or just
     # after it (a crash between the mark and the next round).
-    KillSpot("relay_during_mark", "relay_after_publish", 0.05),
-    KillSpot("relay_after_mark", "relay_after_mark"),
+    KillSpot("relay_during_mark", "relay_after_publish", 0.05, passes=3),
+    KillSpot("relay_after_mark", "relay_after_mark", passes=3),
 )
 """The outbox relay's spots: after its messages are published but not marked, during
 the mark, after it. They fire only in the worker whose relay leads, and only when
@@ -294,7 +298,7 @@ def kill_plan(
     """Only kills at ``spots``, each at one of its first passes, and at ``first_pass``
     spots at their first (a relay may lead for a few rounds only)."""
     rng = random.Random(f"eop-chaos-worker:{seed}:{incarnation}")
-    rules = tuple(spot.rule(rng.randint(1, 8)) for spot in spots)
+    rules = tuple(spot.rule(rng.randint(1, spot.passes)) for spot in spots)
     rules += tuple(spot.rule(1) for spot in first_pass)
     names = tuple(s.name for s in (*spots, *first_pass))
     return WorkerPlan(rules, rng.randrange(2**31), names)
@@ -325,7 +329,7 @@ def worker_plan(
     stall_s = round(ack_wait_s * 2.0, 2)
     if stall:
         rules.append(faults.Rule("after_claim", "stall", stall_s, probability=0.5))
-    rules += [spot.rule(rng.randint(1, 8)) for spot in spots]
+    rules += [spot.rule(rng.randint(1, spot.passes)) for spot in spots]
     extra = [
         faults.Rule(rng.choice(faults.DELIVERY_POINTS), "raise", probability=0.01),
         faults.Rule(rng.choice(("after_claim", "before_commit")), "stall", stall_s, 0.01),
