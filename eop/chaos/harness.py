@@ -475,8 +475,8 @@ class _Run:
             skips = sum(guarded[spec.name] for spec in self.specs if spec.stream == name)
             self.report.figures[f"msg-id guard in {name}"] = (
                 f"{verdict.copied_in.get(name, 0)} outbox messages stored more than once; "
-                f"{skips} deliveries skipped by its handlers' msg-id guard (as logged; a worker "
-                "killed after its ack logs none), publisher republishes included"
+                f"{skips} deliveries skipped by the guard (as logged, the publisher's "
+                "republishes included; a worker killed right after its ack logs none)"
             )
 
     def _check(self, pool: workers.WorkerPool, payloads: list[Payload]) -> None:
@@ -487,6 +487,9 @@ class _Run:
                 effects, dead = _effects(conn, target.handler, target.effects_sql)
                 self.effects_by_handler[target.handler] = effects
                 for index, stage in enumerate(target.downstream, 1):
+                    # Dead letters are keyed by msg-id: downstream, a forwarded message's
+                    # is the one its outbox row got, so one shows as unexpected, and its
+                    # message as lost. None is expected there.
                     stage_effects, stage_dead = _effects(conn, stage.handler, stage.effects_sql)
                     self.effects_by_handler[stage.handler] = stage_effects
                     r.stages[stage.handler] = checker.check_outcomes(
