@@ -21,7 +21,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from eop import faults
+from eop.chaos import schedule
 from eop.chaos.target import Payload
 from eop.pg import models
 
@@ -72,6 +72,12 @@ def check_outcomes(
         elif models.REASON_SEQUENCE_REUSED in dead:
             out.unexpected.append(f"{short(msg_id)}: quarantined as a reused sequence")
     return out
+
+
+def planned_at(payloads: Sequence[Payload], stage: int) -> list[Payload]:
+    """What stage ``stage`` of a pipeline must settle: the messages that enter there, and
+    the good ones of earlier stages (which passed them on)."""
+    return [p for p in payloads if p.stage == stage or (p.stage < stage and not p.poison)]
 
 
 def short(key: str, limit: int = 48) -> str:
@@ -143,6 +149,11 @@ class LogEvidence:
     events: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     fault_hits: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     """``point:action`` of every fault-point firing."""
+    kills: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    """Kills by :class:`~eop.chaos.schedule.KillSpot` name (point and timer)."""
+    guard_skips: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    """Deliveries skipped by the msg-id guard (a republish after the duplicate window), by
+    handler."""
     deadlocks: int = 0
     leaks: list[str] = dataclasses.field(default_factory=list)
     """Where a canary appeared (file, line number and which canary; never its value)."""
@@ -183,6 +194,11 @@ def _count_line(ev: LogEvidence, line: str, name: str) -> None:
     ev.events[event] += 1
     if event == "fault.hit":
         ev.fault_hits[f"{record.get('point')}:{record.get('action')}"] += 1
+        if record.get("action") == "kill":
+            timer_s = float(record.get("seconds") or 0.0)
+            ev.kills[schedule.spot_name(str(record.get("point")), timer_s)] += 1
+    elif event == "message.duplicate" and record.get("by") == "msg_id":
+        ev.guard_skips[str(record.get("handler"))] += 1
     elif event == "transaction.retry" and "eadlock" in str(record.get("error", "")):
         ev.deadlocks += 1
 
@@ -194,20 +210,29 @@ EVIDENCE_EVENTS = {
 }
 
 
-def evidence(ev: LogEvidence) -> dict[str, int]:
-    """The counts that show the hard races happened."""
+def evidence(
+    ev: LogEvidence, spots: Sequence[schedule.KillSpot] = schedule.HANDLER_SPOTS
+) -> dict[str, int]:
+    """The counts that show the hard races happened, with the kills at each of ``spots``."""
     found = {label: ev.events[event] for label, event in EVIDENCE_EVENTS.items()}
     found["acks given up"] = ev.events["ack.gave_up"]
     found["transactions retried"] = ev.events["transaction.retry"]
     found["deadlocks retried"] = ev.deadlocks
     found["duplicate deliveries skipped"] = ev.events["message.duplicate"]
+    found["republishes skipped by the msg-id guard"] = sum(ev.guard_skips.values())
     found["nats reconnects"] = ev.events["nats.reconnected"]
-    for point in faults.DELIVERY_POINTS:
-        found[f"kills at {point}"] = ev.fault_hits[f"{point}:kill"]
+    for spot in spots:
+        found[f"kills at {spot.name}"] = ev.kills[spot.name]
     return found
 
 
-def missing_evidence(found: Mapping[str, int]) -> list[str]:
-    """The races a full run must show but this one did not."""
-    required = [*EVIDENCE_EVENTS, *(f"kills at {p}" for p in faults.DELIVERY_POINTS)]
+def missing_evidence(
+    found: Mapping[str, int],
+    spots: Sequence[schedule.KillSpot] = schedule.HANDLER_SPOTS,
+    *,
+    races: bool = True,
+) -> list[str]:
+    """The races (unless not ``races``) and kills at ``spots`` a full run must show but this
+    one did not."""
+    required = [*(EVIDENCE_EVENTS if races else ()), *(f"kills at {s.name}" for s in spots)]
     return [label for label in required if not found.get(label)]

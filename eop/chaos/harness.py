@@ -10,6 +10,8 @@ PostgreSQL of its own, with a fault proxy in front of each; start K real
 messages while the seeded schedule injects faults; heal everything and wait
 for the consumer to drain (a liveness failure if it does not in time); stop
 the workers; check every message, the aggregate invariant and every log line.
+A pipeline target (downstream stages, a writer) is checked stage by stage, and
+its outbox against the streams the relays published to (:mod:`eop.chaos.relayed`).
 """
 
 from __future__ import annotations
@@ -43,14 +45,17 @@ from eop.chaos import (
     injector,
     proxy,
     publisher,
+    relayed,
     scenarios,
     schedule,
     workers,
 )
 from eop.chaos.report import Report
-from eop.chaos.target import Payload, Target
+from eop.chaos.target import Payload, Target, WriterResult
 from eop.chaos.workers import BatchMode
+from eop.handler import HandlerSpec
 from eop.pg import migrate, models, sql
+from eop.pg.sql import outbox as outbox_sql
 from eop.settings import Settings
 
 DATABASE = "chaos"
@@ -99,9 +104,12 @@ class Config:
         ]
         if self.scenario != "classic":
             parts.append(f"--scenario {self.scenario}")
-        if self.target.app not in (bank.target().app, "eop.chaos.hot:app"):
+        if self.target.app not in (bank.target().app, *_BUILT_IN_APPS):
             parts.append(f"--app {self.target.app} --handler {self.target.handler} ...")
         return " ".join(parts)
+
+
+_BUILT_IN_APPS = ("eop.chaos.hot:app", "eop.chaos.pipeline:app")
 
 
 @dataclasses.dataclass
@@ -193,6 +201,13 @@ class _Run:
             )
         self.spec = app.handlers[config.target.handler]
         self.stream_spec = app.stream_spec(self.spec.stream)
+        missing = [h for h in config.target.handlers if h not in app.handlers]
+        if missing:
+            raise errors.ConfigurationError(f"{config.target.app} has no handler {missing[0]!r}")
+        self.specs: list[HandlerSpec] = [app.handlers[h] for h in config.target.handlers]
+        """The target's handler first, then its downstream stages'."""
+        streams = dict.fromkeys(spec.stream for spec in self.specs)
+        self.stream_specs = [app.stream_spec(name) for name in streams]
         self.settings = Settings(
             ack_wait_s=config.ack_wait_s, max_attempts=config.max_attempts, lease_margin_s=1.0
         )
@@ -204,6 +219,11 @@ class _Run:
             scenario=config.scenario,
         )
         self.late_keys: set[str] = set()
+        self.written = WriterResult(payloads=[])
+        self.effects_by_handler: dict[str, dict[str, int]] = {}
+        """Effects per key of each of the target's handlers (for the outbox check)."""
+        self.pool_pg_port = 0
+        """The PostgreSQL proxy's port (the writer goes through it, as the workers do)."""
 
     def worker_env(self, nats_port: int, pg_port: int) -> dict[str, str]:
         c = self.config
@@ -242,6 +262,7 @@ class _Run:
         pg_proxy = proxy.FaultProxy("127.0.0.1", self.servers.pg.port, protocol="postgres")
         await nats_proxy.start()
         await pg_proxy.start()
+        self.pool_pg_port = pg_proxy.port
         pool = self._pool(nats_proxy.port, pg_proxy.port)
         nc = None
         try:
@@ -264,7 +285,8 @@ class _Run:
                 spec=self.spec,
                 settings=self.settings,
             )
-            await jetstream.ensure_stream(js, self.stream_spec, create=True)
+            for stream_spec in self.stream_specs:
+                await jetstream.ensure_stream(js, stream_spec, create=True)
             await inj.ensure_consumer()
             payloads = [
                 c.target.payloads(i, random.Random(f"{self.seed}:{i}")) for i in range(c.messages)
@@ -274,10 +296,13 @@ class _Run:
             await self._chaos(pub, pool, inj, payloads)
             await self._heal_and_drain(js, pool, inj)
             await inj.hunts.close()
-            r.figures = inj.hunts.figures
+            r.figures.update(inj.hunts.figures)
             r.final_exit_codes = list((await asyncio.to_thread(pool.stop_all)).values())
             r.stored = (await js.stream_info(self.spec.stream)).state.messages
-            self._check(pool, payloads + inj.hunts.extra)
+            everything = payloads + inj.hunts.extra + self.written.payloads
+            self._check(pool, everything)
+            if c.target.downstream or c.target.writer is not None:
+                await self._check_outbox(js)
         finally:
             if nc is not None:
                 with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
@@ -292,7 +317,7 @@ class _Run:
         c = self.config
         return workers.WorkerPool(
             app=c.target.app,
-            handler=c.target.handler,
+            handlers=c.target.handlers,
             env=self.worker_env(nats_port, pg_port),
             log_dir=self.log_dir,
             count=c.workers,
@@ -302,6 +327,8 @@ class _Run:
             batch_mode=c.batch_mode,
             slot_env=self.scenario.slot_env,
             arm=self.scenario.arm_workers,
+            kill_spots=self.scenario.kill_spots,
+            relay_spots=self.scenario.relay_spots,
         )
 
     def _publisher(self, js: JetStreamContext) -> publisher.Publisher:
@@ -353,7 +380,9 @@ class _Run:
         await asyncio.to_thread(pool.wait_started, 30.0)
         started = time.monotonic()
         try:
-            await asyncio.gather(pub.run(sends, started), inj.run(faults, started))
+            await asyncio.gather(
+                pub.run(sends, started), inj.run(faults, started), self._write(c.duration_s * 0.85)
+            )
             remaining = started + c.duration_s - time.monotonic()
             if remaining > 0:
                 await asyncio.sleep(remaining)
@@ -365,6 +394,23 @@ class _Run:
         self.report.publishes = pub.publishes
         self.report.faults = inj.counts
         self.report.timings_s["chaos"] = time.monotonic() - started
+
+    async def _write(self, spread_s: float) -> None:
+        """Run the target's writer (if any) through the PostgreSQL proxy, like a web service."""
+        writer = self.config.target.writer
+        if writer is None:
+            return
+        url = self.servers.database_url(self.pool_pg_port)
+        self.written = await writer(url, self.config.messages // 2, spread_s, self.seed)
+        w = self.written
+        self.report.figures["writer"] = (
+            f"{len(w.payloads)} orders committed once each in the app's own transactions; "
+            f"{w.retries} transactions retried, {w.found_committed} found committed on retry "
+            "(ambiguous COMMIT)"
+        )
+        self.report.invariant_problems += [
+            f"the writer could not commit order {key} by the end" for key in w.unfinished
+        ]
 
     async def _heal_and_drain(
         self, js: JetStreamContext, pool: workers.WorkerPool, inj: injector.Injector
@@ -379,15 +425,22 @@ class _Run:
         monitor = asyncio.create_task(_monitor(pool, self.report.timings_s))
         engine = sa.create_engine(self.servers.pg.url_for(DATABASE, driver="psycopg"))
 
-        def parked() -> int:
-            # A failed message waits for its retry in the database, acked in NATS.
+        def waiting() -> int:
+            # A failed message waits for its retry in the database, acked in NATS;
+            # an outbox row for its relay.
+            tables = models.tables()
             with engine.connect() as conn:
-                stmt = sql.count_parked(models.tables(), self.spec.name)
-                return int(conn.execute(stmt).scalar_one())
+                found = sum(
+                    int(conn.execute(sql.count_parked(tables, spec.name)).scalar_one())
+                    for spec in self.specs
+                )
+                if self.config.target.downstream or self.config.target.writer is not None:
+                    found += int(conn.execute(outbox_sql.summary(tables)).one()[0])
+                return found
 
         try:
             drained = await _wait_drained(
-                js, self.spec, self.config.drain_deadline_s, lambda: asyncio.to_thread(parked)
+                js, self.specs, self.config.drain_deadline_s, lambda: asyncio.to_thread(waiting)
             )
         finally:
             engine.dispose()
@@ -397,23 +450,51 @@ class _Run:
         if not drained:
             self.report.liveness = (
                 f"the consumer did not drain within {self.config.drain_deadline_s:g} s "
-                f"after healing (pending: {await _pending(js, self.spec)})"
+                f"after healing (pending: {await _pending(js, self.specs)})"
             )
         self.report.timings_s["drain"] = time.monotonic() - started
+
+    async def _check_outbox(self, js: JetStreamContext) -> None:
+        """Every outbox row against the streams it was published to (:mod:`eop.chaos.relayed`)."""
+        target = self.config.target
+        engine = sa.create_engine(self.servers.pg.url_for(DATABASE, driver="psycopg"))
+        try:
+            with engine.connect() as conn:
+                rows = relayed.read_rows(conn, target.key_header)
+        finally:
+            engine.dispose()
+        names = sorted({row.stream for row in rows if row.stream is not None})
+        streams = {name: await relayed.read_stream(js, name) for name in names}
+        effects = {
+            name: [self.effects_by_handler.get(s.name, {}) for s in self.specs if s.stream == name]
+            for name in names
+        }
+        self.report.outbox = verdict = relayed.check(rows, streams, effects)
+        guarded = self.report.logs.guard_skips
+        for name in names:
+            skips = sum(guarded[spec.name] for spec in self.specs if spec.stream == name)
+            self.report.figures[f"msg-id guard in {name}"] = (
+                f"{verdict.copied_in.get(name, 0)} outbox messages stored more than once; "
+                f"{skips} deliveries skipped by the guard (as logged, the publisher's "
+                "republishes included; a worker killed right after its ack logs none)"
+            )
 
     def _check(self, pool: workers.WorkerPool, payloads: list[Payload]) -> None:
         r, target = self.report, self.config.target
         engine = sa.create_engine(self.servers.pg.url_for(DATABASE, driver="psycopg"))
         try:
             with engine.connect() as conn:
-                effects = {str(k): int(n) for k, n in conn.execute(sa.text(target.effects_sql))}
-                dead: dict[str | None, list[str]] = {}
-                rows = conn.execute(
-                    sa.text("SELECT msg_id, reason FROM eop.dead_letters WHERE subscription = :s"),
-                    {"s": target.handler},
-                )
-                for msg_id, reason in rows:
-                    dead.setdefault(msg_id, []).append(str(reason))
+                effects, dead = _effects(conn, target.handler, target.effects_sql)
+                self.effects_by_handler[target.handler] = effects
+                for index, stage in enumerate(target.downstream, 1):
+                    # Dead letters are keyed by msg-id: downstream, a forwarded message's
+                    # is the one its outbox row got, so one shows as unexpected, and its
+                    # message as lost. None is expected there.
+                    stage_effects, stage_dead = _effects(conn, stage.handler, stage.effects_sql)
+                    self.effects_by_handler[stage.handler] = stage_effects
+                    r.stages[stage.handler] = checker.check_outcomes(
+                        checker.planned_at(payloads, index), stage_effects, stage_dead
+                    )
                 if target.invariant is not None:
                     r.invariant_problems += target.invariant(conn, payloads)
                 if target.invariant_sql:
@@ -421,7 +502,7 @@ class _Run:
                     r.invariant_problems += [f"invariant_sql row {tuple(v)}" for v in violations]
         finally:
             engine.dispose()
-        r.outcomes = checker.check_outcomes(payloads, effects, dead)
+        r.outcomes = checker.check_outcomes(checker.planned_at(payloads, 0), effects, dead)
         # Say which duplicates were republished after the server's window: it
         # tells a msg-id guard failure from a protocol one at a glance.
         r.outcomes.duplicated = [
@@ -431,13 +512,31 @@ class _Run:
             for item in r.outcomes.duplicated
         ]
         r.logs = checker.scan_logs(pool.logs(), self.servers.canaries)
-        r.evidence = checker.evidence(r.logs)
+        spots = (*self.scenario.kill_spots, *self.scenario.relay_spots)
+        r.evidence = checker.evidence(r.logs, spots)
         if self.config.require_evidence:
-            r.missing_evidence = checker.missing_evidence(r.evidence)
+            r.missing_evidence = checker.missing_evidence(
+                r.evidence, spots, races=self.scenario.evidence_races
+            )
         r.worker_exits = pool.exits
         r.incarnations = len(pool.incarnations)
         r.stops = list(pool.stops)
         r.stop_limit_s = pool.stop_limit_s
+
+
+def _effects(
+    conn: sa.Connection, handler: str, effects_sql: str
+) -> tuple[dict[str, int], dict[str | None, list[str]]]:
+    """A handler's effects per key, and its dead letters' reasons per msg-id."""
+    effects = {str(k): int(n) for k, n in conn.execute(sa.text(effects_sql))}
+    dead: dict[str | None, list[str]] = {}
+    rows = conn.execute(
+        sa.text("SELECT msg_id, reason FROM eop.dead_letters WHERE subscription = :s"),
+        {"s": handler},
+    )
+    for msg_id, reason in rows:
+        dead.setdefault(msg_id, []).append(str(reason))
+    return effects, dead
 
 
 def _count_in_logs(pool: workers.WorkerPool, needle: str) -> int:
@@ -463,25 +562,41 @@ async def _monitor(pool: workers.WorkerPool, lag: dict[str, float]) -> None:
         lag["max loop lag"] = max(lag.get("max loop lag", 0.0), late)
 
 
-async def _pending(js: JetStreamContext, spec: Any) -> str:
-    try:
+async def _pending(js: JetStreamContext, specs: list[HandlerSpec]) -> str:
+    found = []
+    for spec in specs:
+        try:
+            info = await js.consumer_info(spec.stream, spec.durable)
+        except Exception as exc:  # only for the message of a liveness failure
+            found.append(f"{spec.name}: unknown ({type(exc).__name__})")
+            continue
+        found.append(
+            f"{spec.name}: {info.num_pending} undelivered, {info.num_ack_pending} awaiting ack"
+        )
+    return "; ".join(found)
+
+
+async def _consumers_quiet(js: JetStreamContext, specs: list[HandlerSpec]) -> bool:
+    for spec in specs:
         info = await js.consumer_info(spec.stream, spec.durable)
-    except Exception as exc:  # only for the message of a liveness failure
-        return f"unknown ({type(exc).__name__})"
-    return f"{info.num_pending} undelivered, {info.num_ack_pending} awaiting ack"
+        if info.num_pending or info.num_ack_pending:
+            return False
+    return True
 
 
 async def _wait_drained(
-    js: JetStreamContext, spec: Any, deadline_s: float, parked: Callable[[], Awaitable[int]]
+    js: JetStreamContext,
+    specs: list[HandlerSpec],
+    deadline_s: float,
+    waiting: Callable[[], Awaitable[int]],
 ) -> bool:
-    """Wait until the consumer has nothing undelivered and nothing unacked, and no retry
-    waits in the database, twice in a row."""
+    """Wait until every consumer has nothing undelivered and nothing unacked, and nothing
+    waits in the database (a parked retry, an outbox row), twice in a row."""
     end = time.monotonic() + deadline_s
     streak = 0
     while time.monotonic() < end:
         try:
-            info = await js.consumer_info(spec.stream, spec.durable)
-            quiet = info.num_pending == 0 and info.num_ack_pending == 0 and await parked() == 0
+            quiet = await _consumers_quiet(js, specs) and await waiting() == 0
         except Exception:  # a liveness probe: anything but "drained" means "not yet"
             quiet = False
         streak = streak + 1 if quiet else 0

@@ -133,8 +133,14 @@ class Hunts:
 
     # -- workers
     async def worker_term(self, fault: schedule.Fault) -> bool:
-        """SIGTERM a running worker and time its stop (the pool replaces it)."""
-        inc = self.pool.started(fault.target)
+        """SIGTERM a running worker and time its stop (the pool replaces it).
+
+        The target slot's, or the next running one's: armed workers die often, and a
+        worker still starting or already stopping has no stop to time.
+        """
+        slots = len(self.pool.slots)
+        running = (self.pool.started((fault.target + k) % slots) for k in range(slots))
+        inc = next((inc for inc in running if inc is not None), None)
         if inc is None:
             return False
         self.pool.send_term(inc)

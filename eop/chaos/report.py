@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from eop.chaos import checker
+from eop.chaos import checker, relayed
 from eop.chaos.checker import LogEvidence, Outcomes
 
 
@@ -24,6 +24,10 @@ class Report:
     faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     """Harness faults by kind (skipped ones counted as ``KIND (skipped)``)."""
     outcomes: Outcomes = dataclasses.field(default_factory=Outcomes)
+    stages: dict[str, Outcomes] = dataclasses.field(default_factory=dict)
+    """The verdicts of each downstream handler of a pipeline, by name."""
+    outbox: relayed.Verdict | None = None
+    """The outbox against the streams it was published to (a pipeline)."""
     invariant_problems: list[str] = dataclasses.field(default_factory=list)
     logs: LogEvidence = dataclasses.field(default_factory=LogEvidence)
     evidence: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -65,6 +69,13 @@ class Report:
         found += [f"duplicated: {item}" for item in o.duplicated]
         found += [f"unexpected: {item}" for item in o.unexpected]
         found += [f"dead-lettered good message: {item}" for item in o.dead_lettered]
+        for name, stage in self.stages.items():
+            found += [f"{name}: lost: {key}" for key in stage.lost]
+            found += [f"{name}: duplicated: {item}" for item in stage.duplicated]
+            found += [f"{name}: unexpected: {item}" for item in stage.unexpected]
+            found += [f"{name}: dead-lettered good message: {item}" for item in stage.dead_lettered]
+        if self.outbox is not None:
+            found += self.outbox.problems
         found += [f"invariant: {item}" for item in self.invariant_problems]
         found += [f"secret leaked in a log line: {item}" for item in self.logs.leaks]
         found += [f"no evidence of {item}" for item in self.missing_evidence]
@@ -93,6 +104,8 @@ class Report:
             "duplicated": len(o.duplicated),
             "unexpected": len(o.unexpected),
             "dead_lettered_good": len(o.dead_lettered),
+            "stages": {name: _verdicts(stage) for name, stage in self.stages.items()},
+            "outbox": None if self.outbox is None else self.outbox.to_dict(),
             "scenario": self.scenario,
             "effects": o.effects,
             "good_dead_letters_by_reason": dict(o.good_dead_by_reason),
@@ -142,6 +155,30 @@ class Report:
         lines += [f"  {name}: {value}" for name, value in self.figures.items()]
         return lines
 
+    def _render_stages(self) -> list[str]:
+        """Each downstream handler's verdicts, and the outbox's, as the first handler's."""
+        lines = []
+        for name, s in self.stages.items():
+            lines.append(
+                f"  {name}: exactly once {s.exactly_once}/{s.good} good; lost {len(s.lost)}, "
+                f"duplicated {len(s.duplicated)}, unexpected {len(s.unexpected)}, "
+                f"good dead-lettered {len(s.dead_lettered)}"
+            )
+        v = self.outbox
+        if v is not None:
+            stored = ", ".join(f"{name} {n}" for name, n in v.stored.items())
+            lines.append(
+                f"  outbox: {v.rows} rows; parked {len(v.parked)}, never published "
+                f"{len(v.pending)}, missing from their stream {len(v.missing)}, two rows for "
+                f"one message {len(v.doubled)}; stored: {stored}"
+            )
+            lines.append(
+                f"  sent again after the duplicate window: {len(v.copies)} messages "
+                f"({v.extra_copies} extra copies), absorbed {v.absorbed}/{len(v.copies)} "
+                "(exactly one effect downstream)"
+            )
+        return lines
+
     def render(self) -> str:
         """The report for people."""
         o = self.outcomes
@@ -153,6 +190,7 @@ class Report:
             f"{o.poison_dead_lettered}/{o.poison}",
             f"  lost {len(o.lost)}, duplicated {len(o.duplicated)}, unexpected "
             f"{len(o.unexpected)}, good dead-lettered {len(o.dead_lettered)}",
+            *self._render_stages(),
             *self._render_scenario(),
             f"  faults: {self.fault_count} in all; injected by the harness:",
         ]
@@ -181,6 +219,17 @@ class Report:
         else:
             lines.append("  OK: every message took effect exactly once")
         return "\n".join(lines)
+
+
+def _verdicts(o: Outcomes) -> dict[str, int]:
+    return {
+        "good": o.good,
+        "exactly_once": o.exactly_once,
+        "lost": len(o.lost),
+        "duplicated": len(o.duplicated),
+        "unexpected": len(o.unexpected),
+        "dead_lettered_good": len(o.dead_lettered),
+    }
 
 
 def _counts(counter: collections.Counter[str]) -> str:

@@ -21,7 +21,13 @@ that stall or do not stop:
 - ``bad-subject``: a raw-protocol publish whose subject is not UTF-8;
 - ``poison-flood``: hundreds of always-failing messages just ahead of good
   ones (the time until the good ones are done is reported);
-- ``mixed``: the classic mix with every hunt above that fits the bank mixed in.
+- ``mixed``: the classic mix with every hunt above that fits the bank mixed in;
+- ``pipeline``: two handlers chained through the outbox (stream A, handler,
+  ``eop.outbox.add``, stream B, handler) and a writer committing orders with
+  outbox messages as a web service does, under the classic mix; the workers,
+  whose relays publish the outbox, are also killed after publishing, during
+  the mark and after it, and stream B's duplicate window is 2 s, so that the
+  relays' re-sends must be absorbed by the second handler's msg-id guard.
 
 Every scenario also SIGTERMs workers mid-run and times each stop.
 """
@@ -32,7 +38,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from eop import errors
-from eop.chaos import bank, hot, schedule
+from eop.chaos import bank, hot, pipeline, schedule
 from eop.chaos.target import Target
 
 # The hunts' own worker settings: a small attempts budget, so that an outage
@@ -94,6 +100,13 @@ class Scenario:
     arm_workers: bool = False
     """Whether workers get fault points (kills, raises, stalls, freezes). The hunts run
     unarmed, so that a stall or a dead letter is eop's, not an injected one."""
+    kill_spots: tuple[schedule.KillSpot, ...] = schedule.HANDLER_SPOTS
+    """Where armed workers die, one spot each (the least hit so far)."""
+    relay_spots: tuple[schedule.KillSpot, ...] = ()
+    """Where armed workers' relays die besides, one spot each (the least hit so far)."""
+    evidence_races: bool = True
+    """With ``require_evidence``: demand the hard races (ambiguous commits, lost ack
+    replies, overlapping deliveries) too, not only the kills at every spot."""
 
     def worker_env(self, slot: int) -> dict[str, str | None]:
         """The environment changes of the worker in ``slot``."""
@@ -197,6 +210,26 @@ SCENARIOS: dict[str, Scenario] = {
             overrides=_HUNT_PACE,
         ),
         Scenario(
+            "pipeline",
+            "A -> handler -> outbox -> B -> handler, an order writer, relays killed",
+            target=pipeline.target,
+            weights={**schedule.WEIGHTS, "worker_term": 0.5},
+            # Both servers restart in every run, however short: relays and the
+            # writer lose them mid-publish, mid-mark, mid-COMMIT.
+            required=("worker_term", "nats_restart", "pg_restart"),
+            env={
+                # A takeover after a relay's death waits for its lease: 3 s, past
+                # stream B's 2 s window, so its re-sends are stored again.
+                "EOP_RELAY_LEASE_S": "3",
+                # Every row stays, to be checked against stream B after the run.
+                "EOP_OUTBOX_KEEP_S": "86400",
+            },
+            require_evidence=True,
+            arm_workers=True,
+            relay_spots=schedule.RELAY_SPOTS,
+            evidence_races=False,
+        ),
+        Scenario(
             "poison-flood",
             "always-failing messages just ahead of good ones (time to good reported)",
             weights=_AROUND,
@@ -206,7 +239,7 @@ SCENARIOS: dict[str, Scenario] = {
         ),
     )
 }
-HUNTS = tuple(name for name in SCENARIOS if name not in ("classic", "mixed"))
+HUNTS = tuple(name for name in SCENARIOS if name not in ("classic", "mixed", "pipeline"))
 """The focused scenarios, each one class of "zero times" failure."""
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal, get_args
 
 from eop import faults
@@ -218,15 +218,66 @@ def _make(
 
 
 @dataclasses.dataclass(frozen=True)
+class KillSpot:
+    """Where an armed worker SIGKILLs itself: at a fault point, or from a timer started there."""
+
+    name: str
+    """How the report names it (``kills at NAME``)."""
+    point: faults.Point
+    timer_s: float = 0.0
+    """0: at the point. Else a timer started there kills within this many seconds, while
+    the code goes on: a crash *during* the step that follows the point."""
+    passes: int = 8
+    """An armed worker dies at one of its first this many passes."""
+
+    def rule(self, nth: int) -> faults.Rule:
+        """The fault rule that kills here at the ``nth`` pass."""
+        return faults.Rule(self.point, "kill", self.timer_s, nth=nth)
+
+
+HANDLER_SPOTS: tuple[KillSpot, ...] = tuple(
+    # during_ack dies from a timer while the ack and its reply are on the wire.
+    KillSpot(point, point, 0.004 if point == "during_ack" else 0.0)
+    for point in faults.DELIVERY_POINTS
+)
+"""The spots of a delivery, from fetch to ack: every scenario with armed workers."""
+
+RELAY_SPOTS: tuple[KillSpot, ...] = (
+    # Within a leader's first rounds: a leader is rare (one at a time, a takeover waits
+    # for the lease), and each of its deaths is the hazard.
+    KillSpot("relay_after_publish", "relay_after_publish", passes=3),
+    # The mark is one short transaction: a timer of up to 50 ms lands in it, or just
+    # after it (a crash between the mark and the next round).
+    KillSpot("relay_during_mark", "relay_after_publish", 0.05, passes=3),
+    KillSpot("relay_after_mark", "relay_after_mark", passes=3),
+)
+"""The outbox relay's spots: after its messages are published but not marked, during
+the mark, after it. They fire only in the worker whose relay leads, and only when
+there are rows to publish (the ``pipeline`` scenario)."""
+
+
+def spot_name(point: str, timer_s: float) -> str:
+    """The spot a ``fault.hit`` kill line names (its point and timer), else the point."""
+    for spot in (*HANDLER_SPOTS, *RELAY_SPOTS):
+        if spot.point == point and spot.timer_s == timer_s:
+            return spot.name
+    return point
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkerPlan:
     """The fault points armed in one worker incarnation."""
 
     rules: tuple[faults.Rule, ...]
     seed: int
+    spots: tuple[str, ...] = ()
+    """The names of the kill spots armed (it dies at the first one it passes)."""
+    staller: bool = False
+    """It holds claims past AckWait (:func:`worker_plan`)."""
 
     @property
     def kill_point(self) -> faults.Point | None:
-        """The point this incarnation is planned to die at, if any."""
+        """The point this incarnation is planned to die at first, if any."""
         return next((r.point for r in self.rules if r.action == "kill"), None)
 
     def env(self) -> dict[str, str]:
@@ -237,10 +288,20 @@ class WorkerPlan:
         return {faults.FAULTS_VAR: spec, faults.SEED_VAR: str(self.seed)}
 
 
-def kill_plan(seed: int, incarnation: int, point: faults.Point) -> WorkerPlan:
-    """Only a kill at ``point``, at one of its first passes."""
+def kill_plan(
+    seed: int,
+    incarnation: int,
+    spots: Sequence[KillSpot],
+    *,
+    first_pass: Sequence[KillSpot] = (),
+) -> WorkerPlan:
+    """Only kills at ``spots``, each at one of its first passes, and at ``first_pass``
+    spots at their first (a relay may lead for a few rounds only)."""
     rng = random.Random(f"eop-chaos-worker:{seed}:{incarnation}")
-    return WorkerPlan((_kill_rule(rng, point),), rng.randrange(2**31))
+    rules = tuple(spot.rule(rng.randint(1, spot.passes)) for spot in spots)
+    rules += tuple(spot.rule(1) for spot in first_pass)
+    names = tuple(s.name for s in (*spots, *first_pass))
+    return WorkerPlan(rules, rng.randrange(2**31), names)
 
 
 def stall_plan(seed: int, incarnation: int, ack_wait_s: float) -> WorkerPlan:
@@ -250,29 +311,30 @@ def stall_plan(seed: int, incarnation: int, ack_wait_s: float) -> WorkerPlan:
     return WorkerPlan(rules, seed + incarnation)
 
 
-def _kill_rule(rng: random.Random, point: faults.Point) -> faults.Rule:
-    # during_ack dies from a timer while the ack and its reply are on the wire.
-    delay = 0.004 if point == "during_ack" else 0.0
-    return faults.Rule(point, "kill", delay, nth=rng.randint(1, 8))
-
-
 def worker_plan(
-    seed: int, incarnation: int, kill_point: faults.Point | None, *, ack_wait_s: float
+    seed: int,
+    incarnation: int,
+    spots: Sequence[KillSpot],
+    *,
+    ack_wait_s: float,
+    stall: bool = False,
 ) -> WorkerPlan:
-    """Arm one kill at ``kill_point`` (at a random pass), plus rare raises and stalls."""
+    """Arm a kill at each of ``spots`` (at a random pass), plus rare raises and stalls.
+
+    With ``stall`` it is a staller: half its claims are held past AckWait and past
+    the lock timeout of the redeliveries that wait on them (overlapping deliveries).
+    """
     rng = random.Random(f"eop-chaos-worker:{seed}:{incarnation}")
     rules: list[faults.Rule] = []
     stall_s = round(ack_wait_s * 2.0, 2)
-    if kill_point is None:
-        # A staller: it holds claims past AckWait and past the lock timeout of
-        # the redeliveries that wait on them (overlapping deliveries).
+    if stall:
         rules.append(faults.Rule("after_claim", "stall", stall_s, probability=0.5))
-    else:
-        rules.append(_kill_rule(rng, kill_point))
+    rules += [spot.rule(rng.randint(1, spot.passes)) for spot in spots]
     extra = [
         faults.Rule(rng.choice(faults.DELIVERY_POINTS), "raise", probability=0.01),
         faults.Rule(rng.choice(("after_claim", "before_commit")), "stall", stall_s, 0.01),
         faults.Rule("mid_handler", "freeze", stall_s, 0.001),
     ]
-    rules += [r for r in extra if r.point != kill_point]
-    return WorkerPlan(tuple(rules), rng.randrange(2**31))
+    killing = {spot.point for spot in spots}
+    rules += [r for r in extra if r.point not in killing]
+    return WorkerPlan(tuple(rules), rng.randrange(2**31), tuple(s.name for s in spots), stall)

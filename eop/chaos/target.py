@@ -19,13 +19,19 @@ accounts). To check your own handler the same way, describe it with a
 ``effects_sql`` returns one row per logical message key and the number of
 effects it has; a correct handler shows 1 for every key the harness
 published and nothing else.
+
+A pipeline (handlers that publish to each other through ``eop.outbox``) lists
+its later handlers as ``downstream`` :class:`Stage` s: every good message
+must then take effect once in each stage from the one it enters at
+(:attr:`Payload.stage`). A ``writer`` adds messages the way a web service
+does: committed in the app's own transactions with ``eop.outbox.add``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from eop import app as app_mod
@@ -47,6 +53,10 @@ class Payload:
     data: bytes
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     poison: bool = False
+    stage: int = 0
+    """The stage it enters at: 0 is the target's handler, 1 its first ``downstream``
+    stage... It must take effect once in that stage and every later one (a poison
+    one: a dead letter in that stage, and nothing later)."""
 
 
 PayloadFactory = Callable[[int, random.Random], Payload]
@@ -63,6 +73,34 @@ GoodFactory = Callable[[str, random.Random], Payload]
 
 FailingFactory = Callable[[str], Payload]
 """Makes a message with the given key that fails on every delivery (poison)."""
+
+Writer = Callable[[str, int, float, int], Awaitable["WriterResult"]]
+"""``(async database URL, count, spread_s, seed)``: commits ``count`` logical messages
+over ``spread_s`` seconds, each in a transaction of its own with ``eop.outbox.add``,
+retrying through faults until each is known to be committed exactly once."""
+
+
+@dataclasses.dataclass
+class WriterResult:
+    """What a :data:`Writer` committed, and what it met on the way."""
+
+    payloads: list[Payload]
+    """The logical messages committed, each exactly once."""
+    retries: int = 0
+    """Transactions tried again after a failure (of the database, the network, a timeout)."""
+    found_committed: int = 0
+    """Retries that found their transaction committed after all (an ambiguous COMMIT)."""
+    unfinished: list[str] = dataclasses.field(default_factory=list)
+    """Keys it could not commit by the end (a failure of the run)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A handler downstream of the target's, run by the same workers."""
+
+    handler: str
+    effects_sql: str
+    """``SELECT key, count`` of this handler's effects per logical message key."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +129,19 @@ class Target:
     lock_sql: str | None = None
     """Locks rows every handler run updates, in the injector's transaction
     (``lock-timeouts``)."""
+    downstream: tuple[Stage, ...] = ()
+    """Later handlers of a pipeline (the workers run them too)."""
+    writer: Writer | None = None
+    """Commits messages in the app's own transactions during the chaos phase, half as
+    many as the harness publishes."""
+    key_header: str | None = None
+    """The header that carries the logical message's key in every outbox message: ties a
+    message the relay sent twice to its effects downstream."""
+
+    @property
+    def handlers(self) -> tuple[str, ...]:
+        """The target's handler and its downstream ones: what the workers run."""
+        return (self.handler, *(stage.handler for stage in self.downstream))
 
 
 def load_callable(path: str) -> Callable[..., Any]:

@@ -5,6 +5,13 @@ that dies (SIGKILLed by the harness or by its own fault point, or exiting at
 start because a server is down) is replaced by a new one, armed with the next
 :class:`~eop.chaos.schedule.WorkerPlan`. Each incarnation logs JSON lines to a
 file of its own.
+
+Armed incarnations die at a kill spot (:class:`~eop.chaos.schedule.KillSpot`):
+always the one that has fired least so far, so all get hit early. A scenario
+with ``relay_spots`` arms one of those too in every incarnation: only the
+worker whose relay leads passes them, and it must not be the one that never
+dies. Each slot keeps the same relay spot (given enough slots): the lease
+passes from a dead leader to another slot, so each takeover tries another spot.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -44,13 +52,13 @@ class Incarnation:
 
 
 class WorkerPool:
-    """``count`` worker slots running ``app``'s ``handler`` with ``env``."""
+    """``count`` worker slots running ``app``'s ``handlers`` with ``env``."""
 
     def __init__(
         self,
         *,
         app: str,
-        handler: str,
+        handlers: Sequence[str],
         env: Mapping[str, str],
         log_dir: Path,
         count: int,
@@ -60,8 +68,14 @@ class WorkerPool:
         batch_mode: BatchMode = "mixed",
         slot_env: Callable[[int], Mapping[str, str | None]] | None = None,
         arm: bool = True,
+        kill_spots: Sequence[schedule.KillSpot] = schedule.HANDLER_SPOTS,
+        relay_spots: Sequence[schedule.KillSpot] = (),
     ) -> None:
-        self.app, self.handler = app, handler
+        self.app, self.handlers = app, list(handlers)
+        self.kill_spots = tuple(kill_spots)
+        """Armed workers die at one of these (all but the stallers)."""
+        self.relay_spots = tuple(relay_spots)
+        """And at one of these (every armed worker, stallers included)."""
         self.env = dict(env)
         self.slot_env = slot_env
         """Per-slot environment changes (None values unset a variable)."""
@@ -75,7 +89,8 @@ class WorkerPool:
         self.batch_mode = batch_mode
         self.arming = arm
         """Whether new incarnations get fault points (off once the run heals)."""
-        self.top_up: list[faults.Point] = []
+        self.top_up: list[schedule.KillSpot] = []
+        self.relay_top_up = False
         self.stall_top_up = False
         self.slots: list[Incarnation | None] = [None] * count
         self.incarnations: list[Incarnation] = []
@@ -88,27 +103,50 @@ class WorkerPool:
         for slot in range(len(self.slots)):
             self._spawn(slot)
 
-    def _next_kill_point(self, slot: int, number: int) -> faults.Point | None:
-        # The first slot hosts stallers (schedule.worker_plan): with one always
-        # there, every calm spell sees a claim held past AckWait. The others die
-        # at the fault point that has fired least so far: all get hit early.
-        if slot == 0 and len(self.slots) > 1:
+    def _least_fired(
+        self, spots: Sequence[schedule.KillSpot], number: int
+    ) -> schedule.KillSpot | None:
+        if not spots:
             return None
-        fewest = min(self.kills_fired[p] for p in faults.DELIVERY_POINTS)
-        choices = [p for p in faults.DELIVERY_POINTS if self.kills_fired[p] == fewest]
+        fewest = min(self.kills_fired[s.name] for s in spots)
+        choices = [s for s in spots if self.kills_fired[s.name] == fewest]
         return choices[number % len(choices)]
+
+    def _next_spots(self, slot: int, number: int) -> tuple[list[schedule.KillSpot], bool]:
+        """The kill spots of a new armed incarnation, and whether it is a staller."""
+        # The first slot hosts stallers (schedule.worker_plan): with one always
+        # there, every calm spell sees a claim held past AckWait.
+        stall = slot == 0 and len(self.slots) > 1
+        spots = [] if stall else [self._least_fired(self.kill_spots, number)]
+        # Every one may lead the relay, stallers too: the leader must die at times.
+        if self.relay_spots and len(self.slots) >= len(self.relay_spots):
+            spots.append(self.relay_spots[slot % len(self.relay_spots)])
+        else:
+            spots.append(self._least_fired(self.relay_spots, number))
+        return [s for s in spots if s is not None], stall
+
+    def _unfired_relay_spot(self, slot: int) -> list[schedule.KillSpot]:
+        # Spread over the slots: whichever takes the lease next carries one.
+        unfired = [s for s in self.relay_spots if not self.kills_fired[s.name]]
+        return [unfired[slot % len(unfired)]] if unfired else []
 
     def _spawn(self, slot: int) -> Incarnation:
         number = len(self.incarnations)
         plan = schedule.WorkerPlan((), 0)
         if self.arming:
-            point = self._next_kill_point(slot, number)
-            plan = schedule.worker_plan(self.seed, number, point, ack_wait_s=self.ack_wait_s)
+            spots, stall = self._next_spots(slot, number)
+            plan = schedule.worker_plan(
+                self.seed, number, spots, ack_wait_s=self.ack_wait_s, stall=stall
+            )
         elif self.stall_top_up:
             self.stall_top_up = False
             plan = schedule.stall_plan(self.seed, number, self.ack_wait_s)
-        elif self.top_up:
-            plan = schedule.kill_plan(self.seed, number, self.top_up.pop(0))
+        elif self.top_up or (self.relay_top_up and self._unfired_relay_spot(slot)):
+            # The relay spots go to every drain worker until they fire: only the
+            # one that takes the lease can.
+            relay = self._unfired_relay_spot(slot) if self.relay_top_up else []
+            plan = schedule.kill_plan(self.seed, number, self.top_up[:1], first_pass=relay)
+            del self.top_up[:1]
         log = self.log_dir / f"worker-{number:04d}.log"
         env = dict(self.env)
         env.pop(faults.FAULTS_VAR, None)
@@ -124,11 +162,13 @@ class WorkerPool:
                 env.pop(name, None)
             else:
                 env[name] = value
-        if plan.rules and plan.kill_point is None:
+        if plan.staller:
             # A staller holds twice the claims: more overlaps per calm spell.
             env["EOP_CONCURRENCY"] = str(2 * int(env.get("EOP_CONCURRENCY", "4")))
         # One process per worker: the harness kills and stops worker processes by PID.
-        argv = [sys.executable, "-m", "eop", "worker", self.app, "--handler", self.handler]
+        argv = [sys.executable, "-m", "eop", "worker", self.app]
+        for handler in self.handlers:
+            argv += ["--handler", handler]
         argv += ["--processes", "1"]
         with log.open("wb") as out:
             proc = subprocess.Popen(
@@ -150,9 +190,15 @@ class WorkerPool:
         return True
 
     def pause(self, slot: int) -> Incarnation | None:
-        """SIGSTOP the worker in ``slot``; returns it, to :meth:`resume` later."""
+        """SIGSTOP the worker in ``slot``; returns it, to :meth:`resume` later.
+
+        Not one that is stopping: a frozen process cannot exit, and its timed stop
+        would count the pause as the worker's own stall.
+        """
         inc = self.slots[slot]
-        if inc is None or inc.stopped or inc.proc.poll() is not None:
+        if inc is None or inc.stopped or inc.terminated_at is not None:
+            return None
+        if inc.proc.poll() is not None:
             return None
         inc.stopped = True
         with contextlib.suppress(ProcessLookupError):
@@ -189,8 +235,9 @@ class WorkerPool:
             self.exits["killed_by_harness"] += 1
         elif code == -signal.SIGKILL:
             self.exits["killed_at_fault_point"] += 1
-            if inc.plan.kill_point is not None:
-                self.kills_fired[inc.plan.kill_point] += 1
+            spot = _killed_at(inc)
+            if spot is not None:
+                self.kills_fired[spot] += 1
         else:
             self.exits[f"exit_{code}"] += 1
 
@@ -220,15 +267,16 @@ class WorkerPool:
     def replace_all(self, *, stall: bool = False) -> None:
         """Stop every worker gracefully (SIGTERM) and start unarmed ones (the heal step).
 
-        A fault point that no worker died at yet gets one last worker armed
-        to die there early in the drain, where the backlog passes every point;
-        with ``stall``, one more holds its first claims past AckWait.
+        A kill spot that no worker died at yet gets one last worker armed
+        to die there early in the drain, where the backlog passes every point
+        (a relay spot: every drain worker, until one dies there); with
+        ``stall``, one more holds its first claims past AckWait.
         """
         armed, self.arming = self.arming, False
         # Top-ups only complete an armed run's evidence; an unarmed run stays unarmed.
-        self.top_up = (
-            [p for p in faults.DELIVERY_POINTS if not self.kills_fired[p]] if armed else []
-        )
+        unfired = [s for s in self.kill_spots if not self.kills_fired[s.name]]
+        self.top_up = unfired if armed else []
+        self.relay_top_up = armed
         self.stall_top_up = stall and armed
         self.resume_all()
         self._stop(self.running(), "heal", None)
@@ -332,6 +380,28 @@ class WorkerPool:
 def _injected_delay_s(plan: schedule.WorkerPlan) -> float:
     """The longest stall or freeze the plan may put in the way of a stop: the harness's own."""
     return max((r.seconds for r in plan.rules if r.action in ("stall", "freeze")), default=0.0)
+
+
+def _killed_at(inc: Incarnation, tail_bytes: int = 256 * 1024) -> str | None:
+    """The kill spot ``inc`` died at: its last ``fault.hit`` kill line (a timer's kill
+    lets a few more lines through)."""
+    try:
+        with inc.log.open("rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - tail_bytes))
+            lines = log.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if '"fault.hit"' not in line or '"kill"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("action") == "kill":
+            return schedule.spot_name(str(record.get("point")), float(record.get("seconds") or 0))
+    return None
 
 
 def _starting(inc: Incarnation) -> bool:

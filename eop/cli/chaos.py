@@ -38,7 +38,8 @@ _OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
         "scenario",
         str,
         "classic",
-        "classic, mixed (classic plus the never-zero-times hunts) or one hunt: "
+        "classic, mixed (classic plus the never-zero-times hunts), pipeline (two handlers "
+        "chained through the outbox, relays killed) or one hunt: "
         "sync-hot-rows, transfers, pg-outage, read-only, lock-timeouts, long-msg-id, "
         "bad-subject, poison-flood (see RELIABILITY.md)",
     ),

@@ -42,6 +42,7 @@ import sqlalchemy as sa
 import tenacity
 from nats.aio.client import Client as NATS
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.pool import QueuePool
 
 from eop import errors, faults, log, outgoing, retry
 from eop.message import MSG_ID_HEADER
@@ -83,6 +84,8 @@ class _Round:
     refused: list[tuple[_Row, str, str]] = dataclasses.field(default_factory=list)
     """Rows to count an attempt for (then park at the limit): row, reason, error."""
     unanswered: int = 0
+    unsent: int = 0
+    """Rows not sent: NATS was not connected."""
 
     def park(self, row: _Row, reason: str, error: str) -> None:
         self.parked.setdefault(reason, []).append((row.id, error))
@@ -237,7 +240,8 @@ class Relay:
     # -- LISTEN
 
     async def _listen(self) -> None:
-        """LISTEN on the outbox's channel while leading (asyncpg only; else rounds poll)."""
+        """LISTEN on the outbox's channel while leading (asyncpg only, and only with a
+        connection to spare for the rounds; else rounds poll)."""
         listener = self._listener
         if listener is not None:
             raw = await listener.get_raw_connection()
@@ -245,7 +249,7 @@ class Relay:
             if driver is not None and not driver.is_closed():
                 return
             await self._close_listener()
-        if self.engine.dialect.driver != "asyncpg":
+        if self.engine.dialect.driver != "asyncpg" or not _spares_a_connection(self.engine):
             return
         conn = await failures.connected(self.engine.connect())
         try:
@@ -255,6 +259,11 @@ class Relay:
                 models.outbox_channel(self.settings.schema), self._notified
             )
         except BaseException:
+            # add_listener fails outside SQLAlchemy (a pooled connection that died
+            # with a restart), which would hand the same connection out again: with
+            # the lease renewed on a live one, the relay failed every round for ever.
+            with contextlib.suppress(Exception):
+                await conn.invalidate()
             await conn.close()
             raise
         self._listener = conn
@@ -288,6 +297,11 @@ class Relay:
         await self._mark_unmarked()
         await faults.point("relay_after_mark")
         await self._settle_refusals(result)
+        if result.unsent:
+            raise errors.NatsUnavailable(
+                f"{result.unsent} of {len(rows)} outbox messages not sent: NATS is not "
+                "connected; sending them once it is"
+            )
         if result.unanswered:
             raise errors.NatsUnavailable(
                 f"{result.unanswered} of {len(rows)} outbox messages got no PubAck within "
@@ -326,6 +340,17 @@ class Relay:
                     models.PARK_TOO_LARGE,
                     f"{size} bytes, above the server's max_payload of {limit}",
                 )
+                continue
+            refusal = _unframeable(row.subject, headers)
+            if refusal is not None:
+                result.park(row, *refusal)
+                continue
+            if not self.nc.is_connected:
+                # nats-py would buffer it until it reconnects and, its buffer full, refuse
+                # it (as it does a row _unframeable catches) only after taking one of
+                # publish_async's slots, for good: with all spent, the relay would wait
+                # for ever. A later round sends it.
+                result.unsent += 1
                 continue
             try:
                 future = await self._js.publish_async(row.subject, row.payload, headers=headers)
@@ -486,6 +511,38 @@ class Relay:
         async with self.engine.connect() as conn:
             row = (await conn.execute(sql.summary(self.tables))).one()
         self.observer.outbox_backlog(int(row[0]), float(row[1] or 0.0), int(row[2]))
+
+
+def _spares_a_connection(engine: AsyncEngine) -> bool:
+    """Whether the pool keeps a connection for the rounds while one LISTENs.
+
+    A worker of sync handlers only may have one async connection (4 per process,
+    as ``--processes 4`` gives by default): held to LISTEN, every round waited
+    for the pool's timeout and nothing was published.
+    """
+    pool = engine.pool
+    if isinstance(pool, QueuePool):
+        return pool.size() + max(int(getattr(pool, "_max_overflow", 0)), 0) >= 2
+    return True  # no bound (NullPool...), or not one eop can size up
+
+
+def _unframeable(subject: str, headers: dict[str, str]) -> tuple[str, str] | None:
+    """Why NATS cannot carry a row as it is (park reason and error), else None.
+
+    What eop.outbox.add refuses: rows written otherwise (plain SQL, another
+    version) may hold anything, and nats-py refuses a bad subject or header
+    only after it took a slot of publish_async that it never gives back.
+    """
+    try:
+        outgoing.check_subject(subject)
+    except errors.UnpublishableMessage as exc:
+        return models.PARK_REFUSED, str(exc)[:500]
+    try:
+        for name, value in headers.items():
+            outgoing.check_header(name, value)
+    except errors.UnpublishableMessage as exc:
+        return models.PARK_BAD_HEADER, str(exc)[:500]
+    return None
 
 
 def _retrying() -> tenacity.AsyncRetrying:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -398,4 +399,114 @@ async def test_a_writer_can_leave_notify_out_and_its_rows_are_still_polled(
             eop.outbox.add(session, OUT_SUBJECT, b"quiet")
         await wait_for(lambda: _equals(out_count(js), 1), what="published by polling")
         assert relay.notifications == 0
+
+
+_RAW_ROW = sa.text(
+    "INSERT INTO eop.outbox (msg_id, subject, headers, payload) VALUES (:m, :s, :h, :p)"
+).bindparams(sa.bindparam("h", type_=sa.LargeBinary), sa.bindparam("p", type_=sa.LargeBinary))
+
+
+async def test_rows_nats_cannot_frame_are_parked_and_the_rows_after_them_still_go_out(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Rows not written by eop.outbox.add (plain SQL, another version) that NATS cannot
+    frame are parked: a header name it refuses (bad_header), more of them than one round
+    holds, and a subject with a space (refused). The rows after them are still published.
+    (nats-py refused them after taking one of publish_async's outbox_batch slots, never
+    given back: once they were spent, the relay waited for a slot for ever; and the
+    refused subject failed every round, holding back the whole outbox.)"""
+    app = make_app(database_url, nats_url, outbox_batch=2)
+    await ensure_streams(js)
+    async with engine.begin() as conn:
+        bad = json.dumps({"Bad Name": "x"}).encode()
+        for i in range(3):
+            await conn.execute(_RAW_ROW, {"m": f"bad-{i}", "s": OUT_SUBJECT, "h": bad, "p": b"?"})
+        row = {"m": "spaced", "s": "SHIPMENTS.a b", "h": b"{}", "p": b"?"}
+        await conn.execute(_RAW_ROW, row)
+    async with app.sessionmaker() as session, session.begin():
+        eop.outbox.add(session, OUT_SUBJECT, b"good")
+    async with relaying(app, nats_url) as relay:
+        await wait_for(lambda: _equals(out_count(js), 1), what="the good row published")
+        await wait_for(lambda: _equals(outbox_rows(engine, "parked_at IS NOT NULL"), 4))
+        assert relay.parked == 4
+    stored = [data for _, _, data in await out_messages(js)]
+    assert stored == [b"good"]
+    assert await outbox_rows(engine, "park_reason = 'bad_header'") == 3
+    assert await outbox_rows(engine, "park_reason = 'refused'") == 1
+    await app.dispose()
+
+
+async def test_a_nats_outage_with_more_pending_than_the_reconnect_buffer_does_not_wedge_the_relay(
+    database_url: str, nats_server: Any, js: Any, engine: AsyncEngine
+) -> None:
+    """Rows larger in all than nats-py's reconnect buffer (2 MB) wait while NATS is down:
+    the relay's rounds fail and are tried again without counting or parking anything,
+    and every row is published and marked once NATS is back. (nats-py refuses a publish
+    once that buffer is full after it took one of publish_async's slots, and never gives
+    it back: a few rounds into the outage the relay waited for a slot for ever.)"""
+    app = make_app(database_url, nats_server.url, outbox_batch=2, publish_timeout_s=0.5)
+    await ensure_streams(js)
+    async with relaying(app, nats_server.url) as relay:
+        await wait_for(lambda: _true(relay.leading), what="the relay leads")
+        await asyncio.to_thread(nats_server.stop)
+        # Added while it leads (its NOTIFY wakes it): it tries them during the outage.
+        async with app.sessionmaker() as session, session.begin():
+            for i in range(4):
+                eop.outbox.add(session, OUT_SUBJECT, bytes([65 + i]) * 700_000)
+        await asyncio.sleep(4)
+        await asyncio.to_thread(nats_server.start)
+        await wait_for(
+            lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0), 60, "all marked"
+        )
+        assert relay.parked == 0
+    assert await outbox_rows(engine, "parked_at IS NOT NULL") == 0
+    await app.dispose()
+
+
+async def test_a_connection_that_fails_to_listen_is_not_handed_out_again(
+    database_url: str, nats_url: str, nc: Any, engine: AsyncEngine
+) -> None:
+    """A pooled connection whose backend is gone (PostgreSQL restarted) fails the relay's
+    LISTEN outside SQLAlchemy, which would hand the same dead connection out again: a
+    relay that renewed its lease on a live connection and LISTENed on the dead one failed
+    every round for ever. The relay drops it: the pool's next connection is a live one.
+    (The alternation depends on timing; this pins its cause.)"""
+    app = make_app(database_url, nats_url)
+    relay = Relay(app.engine, nc, app.settings)
+    async with app.engine.connect() as conn:
+        pid = await conn.scalar(sa.text("SELECT pg_backend_pid()"))
+    async with engine.connect() as admin:
+        await admin.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    await asyncio.sleep(0.5)  # the idle connection sees its socket closed
+    with pytest.raises(Exception, match="closed"):
+        await relay._listen()
+    async with app.engine.connect() as conn:
+        assert await conn.scalar(sa.text("SELECT pg_backend_pid()")) != pid
+    await app.dispose()
+
+
+async def test_a_worker_whose_async_pool_has_one_connection_still_publishes(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A worker of an app with sync handlers only and 4 connections per process (what
+    `eop worker --processes 4` gives each process by default) keeps one connection in
+    its async pool. Its relay polls instead of holding that connection to LISTEN, so its
+    rounds get it, and every row is published. (It LISTENed on it: each round then
+    waited for the pool's 30 s timeout, and nothing was ever published.)"""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, db_pool_size=4, concurrency=4, batch=4)
+
+    @app.handler(stream=STREAM, subject="ORDERS.created", name="h")
+    def h(msg: eop.Message, session: Session) -> None:
+        session.execute(EFFECT, {"h": "h", "k": msg.idempotency_key, "b": msg.text()})
+        eop.outbox.add(session, OUT_SUBJECT, msg.data)
+
+    assert app.connection_shares() == (1, 3)
+    await ensure_streams(js)
+    for i in range(5):
+        await js.publish("ORDERS.created", f"o{i}".encode())
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-h"), what="input drained")
+        await wait_for(lambda: _equals(out_count(js), 5), what="5 messages published")
+        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
     await app.dispose()

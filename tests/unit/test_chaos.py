@@ -85,10 +85,34 @@ def test_outages_of_one_server_never_overlap() -> None:
 
 def test_worker_plan_arms_its_kill_point_and_renders_to_env() -> None:
     """A worker plan kills at the chosen point and arms through EOP_FAULTS."""
-    plan = schedule.worker_plan(3, 0, "after_commit", ack_wait_s=4.0)
+    [after_commit] = [s for s in schedule.HANDLER_SPOTS if s.name == "after_commit"]
+    plan = schedule.worker_plan(3, 0, [after_commit], ack_wait_s=4.0)
     assert plan.kill_point == "after_commit"
+    assert plan.spots == ("after_commit",)
     parsed = faults.parse(plan.env()[faults.FAULTS_VAR])
     assert parsed == list(plan.rules)
+
+
+def test_relay_kill_spots_are_told_apart_by_their_timer() -> None:
+    """A staller of the pipeline also dies at a relay spot; a kill from a timer started at
+    relay_after_publish (during the mark) is counted apart from one at the point itself,
+    and the classic evidence never asks for relay kills (the bank has no outbox)."""
+    during_mark = schedule.RELAY_SPOTS[1]
+    plan = schedule.worker_plan(3, 1, [during_mark], ack_wait_s=4.0, stall=True)
+    assert plan.staller
+    assert plan.spots == ("relay_during_mark",)
+    assert "relay_after_publish=kill:0.05#" in plan.env()[faults.FAULTS_VAR]
+    assert schedule.spot_name("relay_after_publish", 0.05) == "relay_during_mark"
+    assert schedule.spot_name("relay_after_publish", 0.0) == "relay_after_publish"
+    assert schedule.spot_name("during_ack", 0.004) == "during_ack"
+    ev = checker.LogEvidence()
+    ev.kills.update({"relay_during_mark": 2, "after_ack": 1})
+    assert not any("relay" in label for label in checker.missing_evidence(checker.evidence(ev)))
+    spots = (*schedule.HANDLER_SPOTS, *schedule.RELAY_SPOTS)
+    missing = checker.missing_evidence(checker.evidence(ev, spots), spots, races=False)
+    assert "kills at relay_after_mark" in missing
+    assert "kills at relay_during_mark" not in missing
+    assert "ambiguous commits" not in missing
 
 
 def test_consumer_is_recreated_at_most_once_a_minute() -> None:
@@ -144,6 +168,8 @@ def test_log_scan_counts_events_and_finds_canaries_without_printing_them(tmp_pat
     log = tmp_path / "worker-0000.log"
     lines = [
         {"event": "fault.hit", "point": "after_ack", "action": "kill"},
+        {"event": "fault.hit", "point": "relay_after_publish", "action": "kill", "seconds": 0.05},
+        {"event": "message.duplicate", "by": "msg_id", "handler": "h2"},
         {"event": "commit.ambiguous"},
         {"event": "message.processed", "note": "sekrit-value"},
     ]
@@ -151,7 +177,9 @@ def test_log_scan_counts_events_and_finds_canaries_without_printing_them(tmp_pat
     ev = checker.scan_logs([log], {"db password": "sekrit-value"})
     assert ev.fault_hits["after_ack:kill"] == 1
     assert ev.events["commit.ambiguous"] == 1
-    assert ev.leaks == ["worker-0000.log:3: db password"]
+    assert ev.leaks == ["worker-0000.log:5: db password"]
+    assert ev.kills == {"after_ack": 1, "relay_during_mark": 1}
+    assert ev.guard_skips == {"h2": 1}
     found = checker.evidence(ev)
     assert found["kills at after_ack"] == 1
     assert "kills at after_fetch" in checker.missing_evidence(found)
@@ -192,7 +220,7 @@ def test_the_final_stop_waits_for_a_new_worker_to_install_its_handlers(tmp_path:
     from eop.chaos import workers
 
     pool = workers.WorkerPool(
-        app="x:app", handler="h", env={}, log_dir=tmp_path, count=1, seed=1, ack_wait_s=4.0
+        app="x:app", handlers=["h"], env={}, log_dir=tmp_path, count=1, seed=1, ack_wait_s=4.0
     )
     log = tmp_path / "worker-0000.log"
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_STARTER, str(log)])
@@ -267,7 +295,7 @@ def test_a_worker_that_ignores_sigterm_is_timed_and_killed(tmp_path: Path) -> No
 
     pool = workers.WorkerPool(
         app="x:app",
-        handler="h",
+        handlers=["h"],
         env={"EOP_SHUTDOWN_GRACE_S": "0"},
         log_dir=tmp_path,
         count=1,
@@ -342,3 +370,96 @@ def test_a_long_msg_id_is_shortened_in_report_lines() -> None:
     key = "L" + "x" * 4999
     out = checker.check_outcomes([Payload(key, b"{}")], {}, {})
     assert out.lost == [f"L{'x' * 19}...{'x' * 12} (5000 chars)"]
+
+
+def test_each_stage_of_a_pipeline_settles_what_enters_it_and_the_good_ones_before() -> None:
+    """A message entering at stage 0 must take effect in both stages, a poison one only be
+    dead-lettered in the first; one entering at stage 1 (an order sent straight to B)
+    takes effect in the second only."""
+    a, poison = Payload("a", b"{}"), Payload("p", b"x", poison=True)
+    b = Payload("b", b"{}", stage=1)
+    assert checker.planned_at([a, poison, b], 0) == [a, poison]
+    assert checker.planned_at([a, poison, b], 1) == [a, b]
+    second = checker.check_outcomes(checker.planned_at([a, poison, b], 1), {"a": 1, "p": 1}, {})
+    assert second.lost == ["b"]
+    assert second.unexpected == ["1 effects of unknown key 'p'"]
+
+
+def test_the_outbox_check_counts_copies_and_names_what_went_wrong() -> None:
+    """Every row must be published, in its stream at its sequence; copies sent again are
+    counted and absorbed when their key has one effect downstream; a parked, pending,
+    missing or doubled row, or a copy that took effect twice, is a problem."""
+    from eop.chaos import relayed
+
+    def row(i: int, key: str, seq: int | None, **kw: object) -> relayed.Row:
+        fields: dict[str, object] = {
+            "id": i,
+            "msg_id": f"m{i}",
+            "subject": "b.new",
+            "key": key,
+            "published": seq is not None,
+            "parked": None,
+            "stream": "B" if seq is not None else None,
+            "stream_seq": seq,
+        }
+        fields.update(kw)
+        return relayed.Row(**fields)  # type: ignore[arg-type]
+
+    rows = [
+        row(1, "k1", 1),
+        row(2, "k2", 2),
+        row(3, "k3", 3),
+        row(4, "k4", None),
+        row(5, "k5", None, parked="no_stream"),
+        row(6, "k6", 9),
+        row(7, "k1", 4),
+    ]
+    stored = [relayed.Stored(n, m) for n, m in [(1, "m1"), (2, "m2"), (3, "m3"), (4, "m7")]]
+    stored += [relayed.Stored(5, "m2"), relayed.Stored(6, "m3"), relayed.Stored(7, "m3")]
+    v = relayed.check(rows, {"B": stored}, {"B": [{"k1": 1, "k2": 1, "k3": 2}]})
+    assert (v.rows, v.published, v.absorbed, v.extra_copies) == (7, 5, 1, 3)
+    assert v.copies == {"m2": 2, "m3": 3}
+    assert v.parked == ["id 5 (b.new, key k5): no_stream"]
+    assert v.pending == ["id 4 (b.new, key k4)"]
+    assert v.missing == ["id 6 (b.new, key k6) in B"]
+    assert v.doubled == ["key k1 to b.new: rows 1 and 7"]
+    assert v.not_absorbed == ["id 3 (b.new, key k3): stored 3 times, effects [2]"]
+    assert len(v.problems) == 5
+
+
+def test_a_stopping_worker_is_never_paused(tmp_path: Path) -> None:
+    """worker_stop does not SIGSTOP a worker the harness is stopping (a mid-run SIGTERM):
+    a frozen process cannot exit, and its timed stop would count the pause as a stall."""
+    from eop.chaos import workers
+
+    pool = workers.WorkerPool(
+        app="x:app", handlers=["h"], env={}, log_dir=tmp_path, count=1, seed=1, ack_wait_s=4.0
+    )
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    inc = workers.Incarnation(0, 0, proc, schedule.WorkerPlan((), 1), tmp_path / "w.log")
+    pool.incarnations.append(inc)
+    pool.slots[0] = inc
+    try:
+        pool.send_term(inc)
+        assert pool.pause(0) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_self_killed_worker_is_credited_with_the_spot_it_died_at(tmp_path: Path) -> None:
+    """A worker armed at two spots (a delivery's and the relay's) is credited with the one
+    its log says fired last, a timer's kill included (lines follow it)."""
+    from eop.chaos import workers
+
+    log = tmp_path / "worker-0000.log"
+    lines = [
+        {"event": "fault.hit", "point": "after_claim", "action": "stall", "seconds": 8},
+        {"event": "fault.hit", "point": "relay_after_publish", "action": "kill", "seconds": 0.05},
+        {"event": "outbox.published"},
+    ]
+    log.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    inc = workers.Incarnation(0, 0, proc, schedule.WorkerPlan((), 1), log)
+    assert workers._killed_at(inc) == "relay_during_mark"
