@@ -200,15 +200,19 @@ class Worker:
             # The streams only the outbox publishes to, before anything is published.
             for stream in self.app.streams.values():
                 await jetstream.ensure_stream(js, stream, create=s.create)
+            relaying: list[asyncio.Task[None]] = []
             if s.relay:
                 self.relay = relay.Relay(self.app.engine, nc, s, observer=self._observer)
-                loops.append(asyncio.create_task(self.relay.run(self._stopping)))
+                relaying.append(asyncio.create_task(self.relay.run(self._stopping)))
             self._logger.info(log.Event.WORKER_STARTED)
             self.ready.set()
             await self._stopping.wait()
             self._logger.info(log.Event.WORKER_STOPPING, inflight=len(self._inflight))
             await asyncio.gather(*loops, return_exceptions=True)
+            # The relay's last round and its lease run beside the in-flight messages'
+            # grace, not before it: a relay waiting on PostgreSQL must not eat the grace.
             await self._finish_inflight()
+            await asyncio.gather(*relaying, return_exceptions=True)
         finally:
             await self._critical.drain()
             # Not nc.drain(): it waits on the pull subscriptions' inboxes until its
