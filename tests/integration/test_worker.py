@@ -396,7 +396,10 @@ async def test_recreated_stream_is_a_new_epoch_and_processed(
     async with running(app):
         await wait_for(lambda: drained(js, "eop-epoch"), what="the consumer")
         await publish(js, "old")
-        await wait_for(lambda: drained(js, "eop-epoch"), what="the old message")
+        # Its effect, not the consumer's counts: right after a publish they may not
+        # count the message yet, and the stream would be deleted under it.
+        await wait_for(lambda: _has_effect(bed_engine, "old"), what="the old message")
+        await wait_for(lambda: drained(js, "eop-epoch"), what="the old message's ack")
         await js.delete_stream(STREAM)
         await wait_for(
             lambda: drained(js, "eop-epoch"), what="the worker to recreate it", timeout_s=30
@@ -406,6 +409,10 @@ async def test_recreated_stream_is_a_new_epoch_and_processed(
     assert await effects_by_body(bed_engine) == {"old": 1, "new": 1}
     epochs = await scalar(bed_engine, "SELECT count(DISTINCT stream_epoch) FROM eop.inbox")
     assert epochs == 2
+
+
+async def _has_effect(engine: AsyncEngine, body: str) -> bool:
+    return (await effects_by_body(engine)).get(body) == 1
 
 
 async def test_reused_sequence_with_another_fingerprint_is_quarantined(
