@@ -1,1 +1,1 @@
-"""Operating eop: dead letters, the audit, status."""
+"""Operating eop: dead letters, the audit, status, the outbox (and the tables they print)."""

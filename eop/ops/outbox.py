@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from eop.app import App
+from eop.ops import tables
 from eop.pg import models
 from eop.pg.sql import outbox as sql
 
@@ -148,10 +149,7 @@ def format_table(rows: Sequence[dict[str, Any]], *, error_width: int = 90) -> st
     cells = [[title for title, _ in _TABLE]]
     for row in rows:
         cells.append([_cell(key, row, error_width) for _, key in _TABLE])
-    widths = [max(len(line[i]) for line in cells) for i in range(len(_TABLE))]
-    return "\n".join(
-        "  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in cells
-    )
+    return "\n".join(tables.aligned(cells))
 
 
 def _cell(key: str, row: dict[str, Any], error_width: int) -> str:
@@ -163,10 +161,4 @@ def _cell(key: str, row: dict[str, Any], error_width: int) -> str:
         return "pending"
     if key == "last_error" and row["published_at"] is not None:
         return ""  # a refusal it got over
-    value = row.get(key)
-    if isinstance(value, datetime.datetime):
-        return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-    text = " ".join(str(value).split()) if value is not None else ""
-    if len(text) > error_width:
-        text = text[: error_width - 1] + "…"
-    return text
+    return tables.text(row.get(key), error_width)

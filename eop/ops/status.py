@@ -20,6 +20,7 @@ from eop import errors
 from eop.app import App, select_handlers
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
+from eop.ops import tables
 from eop.pg import migrate, models, sql
 
 #: Share of max_ack_pending from which the window is reported as nearly full.
@@ -171,11 +172,7 @@ def format_table(statuses: Sequence[HandlerStatus]) -> str:
     cells = [[title for title, _ in _COLUMNS]]
     for s in statuses:
         cells.append([_cell(key, s) for _, key in _COLUMNS])
-    widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
-    lines = [
-        "  ".join(value.ljust(width) for value, width in zip(line, widths, strict=True)).rstrip()
-        for line in cells
-    ]
+    lines = tables.aligned(cells)
     for s in statuses:
         lines.extend(f"{s.handler}: {w}" for w in s.warnings)
         lines.extend(f"{s.handler}: ERROR: {p}" for p in s.problems)
@@ -197,5 +194,5 @@ def _cell(key: str, s: HandlerStatus) -> str:
     if value is None:
         return "-" if key == "last_processed_at" else "?"
     if isinstance(value, datetime.datetime):
-        return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        return tables.utc(value)
     return str(value)

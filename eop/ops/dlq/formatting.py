@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from eop import redaction
+from eop.ops import tables
 from eop.ops.dlq import state
 
 _TABLE_COLUMNS = (
@@ -28,23 +29,13 @@ def format_table(rows: Sequence[Mapping[str, Any]], *, error_width: int = 40) ->
     cells = [[title for title, _ in _TABLE_COLUMNS]]
     for row in rows:
         cells.append([_cell(key, row, error_width) for _, key in _TABLE_COLUMNS])
-    widths = [max(len(line[i]) for line in cells) for i in range(len(_TABLE_COLUMNS))]
-    return "\n".join(
-        "  ".join(value.ljust(width) for value, width in zip(line, widths, strict=True)).rstrip()
-        for line in cells
-    )
+    return "\n".join(tables.aligned(cells))
 
 
 def _cell(key: str, row: Mapping[str, Any], error_width: int) -> str:
     if key == "replay":
         return state.replay_state(row)
-    value = row.get(key)
-    if isinstance(value, datetime.datetime):
-        return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-    text = " ".join(str(value).split()) if value is not None else ""
-    if key == "error" and len(text) > error_width:
-        text = text[: error_width - 1] + "…"
-    return text
+    return tables.text(row.get(key), error_width if key == "error" else None)
 
 
 def to_json(row: Mapping[str, Any]) -> dict[str, Any]:
