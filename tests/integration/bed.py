@@ -82,6 +82,11 @@ async def wait_for(
     raise AssertionError(f"timed out waiting for {what}")
 
 
+async def equals(awaitable: Awaitable[Any], expected: int) -> bool:
+    """Whether ``awaitable`` comes to ``expected`` (a :func:`wait_for` predicate's body)."""
+    return bool(await awaitable == expected)
+
+
 async def drained(
     js: Any, durable: str, stream: str = STREAM, *, engine: AsyncEngine | None = None
 ) -> bool:

@@ -8,7 +8,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.quickstart import app as quickstart
 
-from .bed import bed_settings, drained, running, scalar, wait_for
+from .bed import bed_settings, drained, equals, running, scalar, wait_for
 
 
 async def test_quickstart_bills_and_audits_every_order_once(
@@ -53,7 +53,7 @@ async def test_outbox_example_ships_every_order_posted_to_the_endpoint_once(
             again = await client.post("/orders", json={"id": "o-3", "total_cents": 3})
             assert again.status_code == 409
         await wait_for(
-            lambda: _equals(scalar(engine, "SELECT count(*) FROM shipments"), 20),
+            lambda: equals(scalar(engine, "SELECT count(*) FROM shipments"), 20),
             what="20 shipments",
         )
         await wait_for(lambda: drained(js, "eop-reserve"), what="reserve")
@@ -63,7 +63,3 @@ async def test_outbox_example_ships_every_order_posted_to_the_endpoint_once(
     assert await scalar(engine, "SELECT count(DISTINCT order_id) FROM shipments") == 20
     assert await scalar(engine, "SELECT count(*) FROM shipments") == 20
     assert await scalar(engine, "SELECT count(*) FROM eop.outbox WHERE published_at IS NULL") == 0
-
-
-async def _equals(awaitable: Any, expected: int) -> bool:
-    return bool(await awaitable == expected)

@@ -22,7 +22,16 @@ from sqlalchemy.orm import Session
 import eop
 from eop.protocol.relay import Relay
 
-from .bed import STREAM, bed_settings, create_effects_table, drained, running, scalar, wait_for
+from .bed import (
+    STREAM,
+    bed_settings,
+    create_effects_table,
+    drained,
+    equals,
+    running,
+    scalar,
+    wait_for,
+)
 
 OUT_STREAM = "SHIPMENTS"
 OUT_SUBJECT = "SHIPMENTS.requested"
@@ -128,8 +137,8 @@ async def test_a_handler_publishes_through_the_outbox_once_per_message(
         await js.publish("ORDERS.created", body.encode())
     async with running(app) as worker:
         await wait_for(lambda: drained(js, "eop-h"), what="input drained")
-        await wait_for(lambda: _equals(out_count(js), 60), what="60 messages published")
-        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        await wait_for(lambda: equals(out_count(js), 60), what="60 messages published")
+        await wait_for(lambda: equals(outbox_rows(engine, "published_at IS NULL"), 0))
         assert worker.relay is not None
         assert worker.relay.published == 60
     stored = await out_messages(js)
@@ -138,10 +147,6 @@ async def test_a_handler_publishes_through_the_outbox_once_per_message(
     assert sorted(msg_id for _, msg_id, _ in stored) == sorted(msg_ids.values())
     seqs = await _seqs_by_row(engine)
     assert sorted(seqs) == [seq for seq, _, _ in stored]
-
-
-async def _equals(awaitable: Any, expected: int) -> bool:
-    return bool(await awaitable == expected)
 
 
 async def _msg_ids_by_row(engine: AsyncEngine) -> dict[int, str]:
@@ -170,7 +175,7 @@ async def test_a_declared_stream_only_the_outbox_publishes_to_is_created_by_the_
     await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
     await js.publish("ORDERS.created", b"one")
     async with running(app):
-        await wait_for(lambda: _equals(out_count(js), 1), what="published to the new stream")
+        await wait_for(lambda: equals(out_count(js), 1), what="published to the new stream")
     assert await outbox_rows(engine, "parked_at IS NOT NULL") == 0
 
 
@@ -193,7 +198,7 @@ async def test_a_failing_handler_in_a_batch_leaves_no_outbox_row_and_its_neighbo
         await js.publish("ORDERS.created", body.encode())
     async with running(app):
         await wait_for(lambda: drained(js, "eop-h"), what="input drained")
-        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NOT NULL"), 4))
+        await wait_for(lambda: equals(outbox_rows(engine, "published_at IS NOT NULL"), 4))
     assert await outbox_rows(engine) == 4
     stored = sorted(data.decode() for _, _, data in await out_messages(js))
     assert stored == ["a", "b", "c", "d"]
@@ -222,8 +227,8 @@ async def test_the_apps_own_async_session_publishes_on_commit_only(
     async with app.sessionmaker() as session, session.begin():
         eop.outbox.add(session, OUT_SUBJECT, b"with-begin")
     async with relaying(app, nats_url):
-        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
-        await wait_for(lambda: _equals(out_count(js), 4))
+        await wait_for(lambda: equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        await wait_for(lambda: equals(out_count(js), 4))
     stored = [data.decode() for _, _, data in await out_messages(js)]
     assert stored == ["kept-1", "released-savepoint", "kept-2", "with-begin"]
     await app.dispose()
@@ -247,7 +252,7 @@ async def test_a_sync_session_and_a_schema_given_by_name_write_at_once(
     finally:
         sync_engine.dispose()
     async with relaying(app, nats_url):
-        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        await wait_for(lambda: equals(outbox_rows(engine, "published_at IS NULL"), 0))
     stored = [data.decode() for _, _, data in await out_messages(js)]
     assert stored == ["sync-0", "sync-1", "sync-2"]
     await app.dispose()
@@ -265,7 +270,7 @@ async def test_a_commit_wakes_the_relay_through_notify(
         await asyncio.sleep(0.5)  # its first round (and LISTEN) are done
         async with app.sessionmaker() as session, session.begin():
             eop.outbox.add(session, OUT_SUBJECT, b"wake up")
-        await wait_for(lambda: _equals(out_count(js), 1), what="published")
+        await wait_for(lambda: equals(out_count(js), 1), what="published")
         assert relay.notifications >= 1
     await app.dispose()
 
@@ -289,12 +294,12 @@ async def test_two_relays_publish_every_row_once_in_id_order(
 
     async with relaying(app, nats_url) as first, relaying(app, nats_url) as second:
         await add(300, "a")
-        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        await wait_for(lambda: equals(outbox_rows(engine, "published_at IS NULL"), 0))
         assert (first.published == 0) != (second.published == 0)
         leader = first if first.published else second
     async with relaying(app, nats_url) as third:
         await add(50, "b")
-        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        await wait_for(lambda: equals(outbox_rows(engine, "published_at IS NULL"), 0))
         assert third.published == 50
     stored = [data.decode() for _, _, data in await out_messages(js)]
     assert stored == [f"a{i:04d}" for i in range(300)] + [f"b{i:04d}" for i in range(50)]
@@ -335,7 +340,7 @@ async def test_a_subject_no_stream_holds_is_parked_then_retried_by_the_operator(
     from eop.ops import outbox as ops
 
     async with relaying(app, nats_url) as relay:
-        await wait_for(lambda: _equals(outbox_rows(engine, "parked_at IS NOT NULL"), 1), 60)
+        await wait_for(lambda: equals(outbox_rows(engine, "parked_at IS NOT NULL"), 1), 60)
         assert relay.parked == 1
         assert await out_count(js) == 1
         (row,) = await ops.Outbox(app).rows("parked")
@@ -345,7 +350,7 @@ async def test_a_subject_no_stream_holds_is_parked_then_retried_by_the_operator(
         await js.add_stream(name="NOWHERE", subjects=["NOWHERE.>"])
         assert await ops.Outbox(app).retry(ids=[row["id"]]) == [row["id"]]
         relay.wake()
-        await wait_for(lambda: _equals(out_count(js, "NOWHERE"), 1), what="retried row sent")
+        await wait_for(lambda: equals(out_count(js, "NOWHERE"), 1), what="retried row sent")
     await app.dispose()
 
 
@@ -360,8 +365,8 @@ async def test_published_rows_are_deleted_after_outbox_keep_s(
         for i in range(20):
             eop.outbox.add(session, OUT_SUBJECT, f"p{i}")
     async with relaying(app, nats_url):
-        await wait_for(lambda: _equals(out_count(js), 20))
-        await wait_for(lambda: _equals(outbox_rows(engine), 0), what="purged", timeout_s=30)
+        await wait_for(lambda: equals(out_count(js), 20))
+        await wait_for(lambda: equals(outbox_rows(engine), 0), what="purged", timeout_s=30)
     await app.dispose()
 
 
@@ -377,7 +382,7 @@ async def test_headers_and_msg_ids_reach_the_stream_as_given(
         again = eop.outbox.add(session, OUT_SUBJECT, b"1", headers={"Nats-Msg-Id": "order-1"})
     assert first == again == "order-1"
     async with relaying(app, nats_url):
-        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        await wait_for(lambda: equals(outbox_rows(engine, "published_at IS NULL"), 0))
     stored = await js.get_msg(OUT_STREAM, 1)
     assert stored.headers == {"K": "v", "Nats-Msg-Id": "order-1"}
     assert await out_count(js) == 1
@@ -397,7 +402,7 @@ async def test_a_writer_can_leave_notify_out_and_its_rows_are_still_polled(
         async with app.sessionmaker() as session, session.begin():
             await session.execute(sa.text("SET LOCAL eop.outbox_notify = off"))
             eop.outbox.add(session, OUT_SUBJECT, b"quiet")
-        await wait_for(lambda: _equals(out_count(js), 1), what="published by polling")
+        await wait_for(lambda: equals(out_count(js), 1), what="published by polling")
         assert relay.notifications == 0
 
 
@@ -426,8 +431,8 @@ async def test_rows_nats_cannot_frame_are_parked_and_the_rows_after_them_still_g
     async with app.sessionmaker() as session, session.begin():
         eop.outbox.add(session, OUT_SUBJECT, b"good")
     async with relaying(app, nats_url) as relay:
-        await wait_for(lambda: _equals(out_count(js), 1), what="the good row published")
-        await wait_for(lambda: _equals(outbox_rows(engine, "parked_at IS NOT NULL"), 4))
+        await wait_for(lambda: equals(out_count(js), 1), what="the good row published")
+        await wait_for(lambda: equals(outbox_rows(engine, "parked_at IS NOT NULL"), 4))
         assert relay.parked == 4
     stored = [data for _, _, data in await out_messages(js)]
     assert stored == [b"good"]
@@ -456,7 +461,7 @@ async def test_a_nats_outage_with_more_pending_than_the_reconnect_buffer_does_no
         await asyncio.sleep(4)
         await asyncio.to_thread(nats_server.start)
         await wait_for(
-            lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0), 60, "all marked"
+            lambda: equals(outbox_rows(engine, "published_at IS NULL"), 0), 60, "all marked"
         )
         assert relay.parked == 0
     assert await outbox_rows(engine, "parked_at IS NOT NULL") == 0
@@ -507,6 +512,6 @@ async def test_a_worker_whose_async_pool_has_one_connection_still_publishes(
         await js.publish("ORDERS.created", f"o{i}".encode())
     async with running(app):
         await wait_for(lambda: drained(js, "eop-h"), what="input drained")
-        await wait_for(lambda: _equals(out_count(js), 5), what="5 messages published")
-        await wait_for(lambda: _equals(outbox_rows(engine, "published_at IS NULL"), 0))
+        await wait_for(lambda: equals(out_count(js), 5), what="5 messages published")
+        await wait_for(lambda: equals(outbox_rows(engine, "published_at IS NULL"), 0))
     await app.dispose()

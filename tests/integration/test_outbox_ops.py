@@ -17,7 +17,7 @@ import eop
 from eop import embedded
 from eop.pg import migrate
 
-from .bed import wait_for
+from .bed import equals, wait_for
 from .test_cli import ROOT, eop_env
 from .test_cli import eop as run_eop
 from .test_outbox import OUT_STREAM, OUT_SUBJECT, make_app, out_count, outbox_rows, relaying
@@ -45,10 +45,6 @@ async def _metric(port: int, line: str) -> bool:
         return False
 
 
-async def _equals(awaitable: Any, expected: int) -> bool:
-    return bool(await awaitable == expected)
-
-
 async def test_eop_relay_publishes_and_stops_on_sigterm_with_status_0(
     database_url: str, nats_url: str, js: Any, tmp_path: Path
 ) -> None:
@@ -70,8 +66,8 @@ async def test_eop_relay_publishes_and_stops_on_sigterm_with_status_0(
     assert backlog["oldest_s"] >= 0
     proc = start_relay(env, tmp_path / "relay.log")
     try:
-        await wait_for(lambda: _equals(out_count(js), 25), timeout_s=60, what="25 published")
-        await wait_for(lambda: _equals(outbox_rows(app.engine, "published_at IS NULL"), 0))
+        await wait_for(lambda: equals(out_count(js), 25), timeout_s=60, what="25 published")
+        await wait_for(lambda: equals(outbox_rows(app.engine, "published_at IS NULL"), 0))
         during = json.loads(run_eop("outbox", "status", "--json", env=env).stdout)
         assert during["pending"] == 0
         assert during["relay"] is not None
@@ -101,7 +97,7 @@ async def test_outbox_commands_list_retry_and_purge_parked_rows(
         eop.outbox.add(session, "LATER.a", b"secret-payload-1")
         eop.outbox.add(session, "LATER.b", b"secret-payload-2")
     async with relaying(app, nats_url):
-        await wait_for(lambda: _equals(outbox_rows(app.engine, "parked_at IS NOT NULL"), 2), 60)
+        await wait_for(lambda: equals(outbox_rows(app.engine, "parked_at IS NOT NULL"), 2), 60)
     env = eop_env(database_url, nats_url)
     listing = run_eop("outbox", "list", env=env)
     assert listing.returncode == 0, listing.stderr
@@ -127,7 +123,7 @@ async def test_outbox_commands_list_retry_and_purge_parked_rows(
     purged = run_eop("outbox", "purge", "--all", "--yes", env=env)
     assert purged.stdout.strip() == "purged 1 parked row"
     async with relaying(app, nats_url):
-        await wait_for(lambda: _equals(out_count(js, "LATER"), 1), what="the retried row")
+        await wait_for(lambda: equals(out_count(js, "LATER"), 1), what="the retried row")
     assert await outbox_rows(app.engine) == 1
     await app.dispose()
 
@@ -155,18 +151,18 @@ async def test_the_relay_rides_out_nats_and_postgres_restarts_without_loss_or_pa
 
     async with relaying(app, nats_server.url) as relay:
         await add("before", 10)
-        await wait_for(lambda: _equals(out_count(js), 10), what="first rows")
+        await wait_for(lambda: equals(out_count(js), 10), what="first rows")
         await asyncio.to_thread(nats_server.stop)
         await add("nats-down", 10)
         await asyncio.sleep(2)
         await asyncio.to_thread(nats_server.start)
-        await wait_for(lambda: _equals(_count_on(nats_server), 20), 60, "rows after NATS")
+        await wait_for(lambda: equals(_count_on(nats_server), 20), 60, "rows after NATS")
         await asyncio.to_thread(pg.stop)
         await asyncio.sleep(2)
         await asyncio.to_thread(pg.start)
         await add("pg-back", 10)
-        await wait_for(lambda: _equals(_count_on(nats_server), 30), 60, "rows after PG")
-        await wait_for(lambda: _equals(outbox_rows(app.engine, "published_at IS NULL"), 0), 60)
+        await wait_for(lambda: equals(_count_on(nats_server), 30), 60, "rows after PG")
+        await wait_for(lambda: equals(outbox_rows(app.engine, "published_at IS NULL"), 0), 60)
         assert relay.parked == 0
     assert await outbox_rows(app.engine, "parked_at IS NOT NULL") == 0
     await writer.dispose()
