@@ -7,8 +7,9 @@ run it. It creates (or reuses) a virtualenv, installs the project into it with
 then runs the command inside that virtualenv.
 
     python3 run.py demo [ARGS]    the demo: embedded NATS + PostgreSQL, crashes, duplicates
-    python3 run.py test [ARGS]    ruff check, ruff format --check, mypy, pytest [ARGS]
+    python3 run.py test [ARGS]    ruff check, ruff format --check, mypy, the docs, pytest [ARGS]
     python3 run.py lint           ruff check, ruff format --check, mypy
+    python3 run.py docs [ARGS]    build the docs site strictly into site/ (`docs serve`: live)
     python3 run.py pytest [ARGS]  only pytest [ARGS]
     python3 run.py fmt            ruff format and ruff check --fix
     python3 run.py bench [ARGS]   the benchmark (eop bench)
@@ -50,8 +51,10 @@ usage: python3 run.py [--reinstall] COMMAND [ARGS...]
 
 commands:
   demo [ARGS]    run the demo (eop demo): embedded NATS and PostgreSQL, crashing workers
-  test [ARGS]    ruff check, ruff format --check, mypy, then pytest with ARGS
+  test [ARGS]    ruff check, ruff format --check, mypy, the docs build, then pytest with ARGS
   lint           ruff check, ruff format --check, mypy
+  docs [ARGS]    build the docs site into site/ (mkdocs build --strict); with ARGS,
+                 run mkdocs ARGS instead, e.g. `docs serve` for a live preview
   pytest [ARGS]  only pytest with ARGS (quicker while iterating)
   fmt            ruff format, then ruff check --fix
   bench [ARGS]   run the benchmark (eop bench)
@@ -145,6 +148,9 @@ class Venv:
         env["VIRTUAL_ENV"] = str(self.path)
         env["PATH"] = os.pathsep.join([str(self.bin), env.get("PATH", "")])
         env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+        # mkdocs-material prints a banner about MkDocs 2.0 on every build; this is
+        # its documented switch. The docs extra pins mkdocs<2 (material requires it).
+        env.setdefault("NO_MKDOCS_2_WARNING", "1")
         return env
 
     def ensure(self, *, force_install: bool = False) -> None:
@@ -308,13 +314,18 @@ def lint_steps(venv: Venv) -> list[tuple[str, list[str | Path]]]:
     ]
 
 
+def docs_step(venv: Venv) -> tuple[str, list[str | Path]]:
+    # --strict: a broken link, anchor or API reference fails the build (mkdocs.yml).
+    return "mkdocs build --strict", [venv.tool("mkdocs"), "build", "--strict"]
+
+
 def pytest_step(venv: Venv, args: list[str]) -> tuple[str, list[str | Path]]:
     # `python -m pytest` puts the repository on sys.path, so tests can import examples/.
     return " ".join(["pytest", *args]), [venv.python, "-m", "pytest", *args]
 
 
 def cmd_test(venv: Venv, args: list[str]) -> int:
-    return run_steps(venv, [*lint_steps(venv), pytest_step(venv, args)])
+    return run_steps(venv, [*lint_steps(venv), docs_step(venv), pytest_step(venv, args)])
 
 
 def cmd_pytest(venv: Venv, args: list[str]) -> int:
@@ -336,6 +347,12 @@ def cmd_fmt(venv: Venv, args: list[str]) -> int:
             ("ruff check --fix .", [ruff, "check", "--fix", "."]),
         ],
     )
+
+
+def cmd_docs(venv: Venv, args: list[str]) -> int:
+    if not args:
+        return run_steps(venv, [docs_step(venv)])
+    return venv.exec([venv.tool("mkdocs"), *args])
 
 
 def cmd_demo(venv: Venv, args: list[str]) -> int:
@@ -363,6 +380,7 @@ COMMANDS = {
     "lint": cmd_lint,
     "pytest": cmd_pytest,
     "fmt": cmd_fmt,
+    "docs": cmd_docs,
     "bench": cmd_bench,
     "eop": cmd_eop,
     "install": cmd_install,

@@ -9,7 +9,7 @@
 The message is stored in eop's ``outbox`` table in the caller's transaction;
 the relay that ``eop worker`` runs (or ``eop relay``) publishes it after the
 COMMIT, with a ``Nats-Msg-Id`` fixed when it was added. In a handler, pass
-its session or its :class:`eop.Writes`. See the README's "Outbox" section.
+its session or its :class:`eop.Writes`. See docs/outbox.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The outbox: rows added in a transaction are published once it commits, never if it does not.
 
-Against real JetStream and PostgreSQL: the handler styles of the README
+Against real JetStream and PostgreSQL: the handler styles of docs/outbox.md
 (async session, sync Session, eop.Writes, batch), the app's own sessions
 outside handlers, the relay's lease, parking, and the operators' commands.
 """
