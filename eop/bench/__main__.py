@@ -1,17 +1,29 @@
-"""``python -m eop.bench KIND ...``: a child process of the bench (:mod:`eop.bench.loops`)."""
+"""``python -m eop.bench KIND ...``: a child process of the bench.
+
+KIND is ``a``, ``h`` or ``b`` (:mod:`eop.bench.baselines`), ``fan N KIND ...``
+(N copies of one of them), ``publish`` or ``relay-polling`` (:mod:`eop.bench.loops`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 
-from eop.bench import loops
+from eop.bench import baselines, loops
 from eop.runtime import eventloop
 
-if sys.argv[1] == "publish":
+kind, args = sys.argv[1], sys.argv[2:]
+if kind == "publish":
     # On uvloop when installed, as the relay it is the ceiling of.
-    eventloop.run(loops.publish(*sys.argv[2:8]))
-elif sys.argv[1] == "relay-polling":
-    sys.exit(eventloop.run(loops.polling_relay(*sys.argv[2:4])))
+    eventloop.run(loops.publish(*args[:6]))
+elif kind == "relay-polling":
+    sys.exit(eventloop.run(loops.polling_relay(*args[:2])))
+elif kind == "fan":
+    sys.exit(baselines.fan_out(int(args[0]), args[1:]))
+elif kind == "a":
+    # uvloop when installed, as eop's workers: the lean loop is the client's best.
+    eventloop.run(baselines.lean(*args[:4]))
+elif kind == "h":
+    eventloop.run(baselines.handwritten(*args[:4]))
 else:
-    asyncio.run(loops.consume(*sys.argv[1:7]))
+    asyncio.run(baselines.naive_loop(*args[:4]))

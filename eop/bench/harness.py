@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shlex
 import signal
@@ -25,6 +26,7 @@ _DDL = (
     "CREATE TABLE bench_effects (variant text NOT NULL, seq bigint NOT NULL,"
     " stored_at timestamptz NOT NULL)",
     "CREATE TABLE bench_naive_inbox (stream text, seq bigint, PRIMARY KEY (stream, seq))",
+    "CREATE TABLE bench_hand_inbox (stream text, seq bigint, PRIMARY KEY (stream, seq))",
 )
 _POINTS = sa.text(
     "SELECT seq, extract(epoch FROM stored_at)::float8,"
@@ -182,6 +184,7 @@ class Bench:
         self.payload = b"x" * options.payload_bytes
         self.engine: AsyncEngine = create_async_engine(database_url)
         self.js: JetStreamContext | None = None
+        self.nc: NATS | None = None
 
     @property
     def stream(self) -> JetStreamContext:
@@ -196,7 +199,7 @@ class Bench:
 
         from eop.broker import jetstream
 
-        self.js = nc.jetstream()
+        self.nc, self.js = nc, nc.jetstream()
         async with self.engine.begin() as conn:
             for ddl in _DDL:
                 await conn.execute(sa.text(ddl))
@@ -212,6 +215,34 @@ class Bench:
                 )
                 await self.js.add_consumer(run.stream, config)
 
+    async def warm(self, run: runs.Run, child: Child, waiting: int) -> None:
+        """Wait until the run's consumer has ``waiting`` pull requests waiting: its
+        processes have started, connected and asked for messages."""
+        import nats.js.errors
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                info = await self.stream.consumer_info(run.stream, run.durable)
+                if int(info.num_waiting or 0) >= waiting:
+                    return
+            except nats.js.errors.NotFoundError:  # an eop worker creates it as it starts
+                pass
+            child.check()
+            if time.monotonic() > deadline:
+                raise errors.EopError(f"({run.key}) not ready after 120 s: {child.tail()}")
+            await asyncio.sleep(0.1)
+
+    async def pause(self, run: runs.Run, paused: bool) -> None:
+        """Pause the run's consumer (the server delivers nothing) or resume it."""
+        if self.nc is None:
+            raise RuntimeError("Bench.start() first")
+        body = {"pause_until": "2999-01-01T00:00:00Z"} if paused else {}
+        subject = f"$JS.API.CONSUMER.PAUSE.{run.stream}.{run.durable}"
+        reply = json.loads((await self.nc.request(subject, json.dumps(body).encode(), 5.0)).data)
+        if "error" in reply:
+            raise errors.EopError(f"({run.key}) pause {paused}: {reply['error']}")
+
     def cpu(self, child: Child | None = None) -> Cpu:
         """CPU seconds so far of ``child`` (and its children) and of the two servers."""
         stats = _proc_stats()
@@ -225,9 +256,13 @@ class Bench:
     def command(self, run: runs.Run, extra: Sequence[str] = ()) -> list[str]:
         """The argv of a run's consumer process."""
         if not run.handler:
-            out = str(self.tmp / f"{run.key}.records")
-            child = [run.key, self.nats_url, self.database_url, run.stream, run.durable, out]
-            return [sys.executable, "-m", "eop.bench", *child]
+            child = [run.loop, self.nats_url]
+            if run.loop == "a":
+                child += [run.stream, run.durable, str(self.tmp / f"{run.key}.records")]
+            else:
+                child += [self.database_url, run.stream, run.durable]
+            fan = ["fan", str(run.processes)] if run.processes > 1 else []
+            return [sys.executable, "-m", "eop.bench", *fan, *child]
         urls = ["--database-url", self.database_url, "--nats-url", self.nats_url]
         worker = ["worker", "eop.bench:app", "--handler", run.handler, *urls, *extra]
         return [sys.executable, "-m", "eop", *worker]
@@ -308,9 +343,9 @@ class Bench:
 
     async def points(self, run: runs.Run, first: int, last: int) -> list[tuple[int, float, float]]:
         """(sequence, stored at, done at) of the run's messages ``first`` to ``last``."""
-        if run.key == "a":
-            lines = (self.tmp / "a.records").read_text().splitlines()
-            rows: Any = (line.split() for line in lines)
+        if run.loop == "a":  # one file per process
+            files = sorted(self.tmp.glob(f"{run.key}.records*"))
+            rows: Any = (line.split() for f in files for line in f.read_text().splitlines())
         else:
             async with self.engine.connect() as conn:
                 params = {"v": run.handler or run.durable, "lo": first, "hi": last}

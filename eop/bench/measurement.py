@@ -35,6 +35,8 @@ class Result:
     p99_ms: float
     effects: int | None
     """Effect rows of the run ((a): None); exactly-once means one per message."""
+    processes: int
+    """Consumer processes: a baseline's own count, or the eop worker's."""
 
 
 @dataclasses.dataclass
@@ -64,11 +66,21 @@ class Sample(NamedTuple):
 async def measure(
     bench: harness.Bench, run: runs.Run, messages: int, extra: Sequence[str] = ()
 ) -> Result:
-    """Throughput while draining a backlog of ``messages``, then latency at a steady load."""
-    await bench.publish(run, messages)
+    """Throughput while draining a backlog of ``messages``, then latency at a steady load.
+
+    Start-up is excluded: the consumer's processes start first, and once each
+    has a pull request waiting, its consumer is paused, the backlog published
+    and the consumer resumed: every process drains it warm, from the start.
+    """
     argv = bench.command(run, extra)
+    processes = _processes(run, extra)
     child = harness.Child(argv, bench.tmp / f"{run.key}.log")
     try:
+        # (a) keeps two pull requests waiting per process, (h) one per batch in flight.
+        await bench.warm(run, child, processes * (2 if run.loop in ("a", "h") else 1))
+        await bench.pause(run, True)
+        await bench.publish(run, messages)
+        await bench.pause(run, False)
         drained = await bench.drain(run, child, messages, f"({run.key}) {run.label}")
         load = max(1.0, bench.options.latency_load * drained.rate)
         sent, paced = await bench.publish_paced(run, load, bench.options.latency_s)
@@ -91,8 +103,17 @@ async def measure(
         latency_rate=paced,
         p50_ms=percentile(latencies, 0.50) * 1000,
         p99_ms=percentile(latencies, 0.99) * 1000,
-        effects=None if run.key == "a" else len(points),
+        effects=None if run.loop == "a" else len(points),
+        processes=processes,
     )
+
+
+def _processes(run: runs.Run, extra: Sequence[str]) -> int:
+    """How many consumer processes the run had: ``--processes N`` of an eop worker wins."""
+    flags = [*run.args.split(), *extra]
+    if run.handler and "--processes" in flags:
+        return int(flags[flags.index("--processes") + 1])
+    return run.processes if not run.handler else runs.PROCESSES
 
 
 async def measure_big(bench: harness.Bench, total: int) -> BigResult:

@@ -33,35 +33,71 @@ def run(options: runs.Options) -> dict[str, Any]:
         results, section, big = asyncio.run(
             _run_all(options, nats_server.url, pg.url, Path(tmp), pids)
         )
-    rate = {r.key: r.rate for r in results}
-    rate.update({r.key: r.rate for r in section.rows} if section else {})
+    rates = {r.key: r.rate for r in section.rows} if section else {}
     machine["load_average_end"] = round(os.getloadavg()[0], 2)
     return {
         "options": dataclasses.asdict(options),
         "machine": machine,
         "runs": [dataclasses.asdict(r) for r in results],
-        "ratios": {
-            name: rate[x] / rate[y] if rate[y] else 0.0
-            for name, x, y in _RATIOS
-            if x in rate and y in rate
-        },
+        "ratios": {**ratios(results), **_relay_ratios(rates)},
         "relay": dataclasses.asdict(section) if section else None,
         "big": dataclasses.asdict(big) if big else None,
         "seconds": round(time.monotonic() - started, 1),
     }
 
 
-_RATIOS = (
-    ("c/a", "c", "a"),
-    ("c/b", "c", "b"),
-    ("d/a", "d", "a"),
-    ("e/a", "e", "a"),
-    ("e/b", "e", "b"),
-    ("f/a", "f", "a"),
-    ("f/b", "f", "b"),
-    ("r/rw", "r", "rw"),
-    ("r/rp", "r", "rp"),
-)
+STYLES = (("o", "c"), ("s", "c"), ("k", "c"), ("o1", "c1"), ("s1", "c1"), ("k1", "c1"))
+"""Handler styles beside eop.Writes, at the same process count."""
+
+
+def ratios(results: list[measurement.Result]) -> dict[str, float]:
+    """Each eop run beside the baselines of its own process count, and the styles beside
+    eop.Writes.
+
+    ``X/lean`` and ``X/hand``: X's rate over the lean raw loop's and the
+    hand-written consumer's with as many processes as X had; ``X cpu/lean``:
+    X's CPU per message over the lean loop's. Also ``c/h`` (eop's default
+    process count against one hand-written process, as users compare) and
+    ``c/b`` (the naive loop).
+    """
+    by_key = {r.key: r for r in results}
+    out: dict[str, float] = {}
+
+    def put(name: str, x: float | None, y: float | None) -> None:
+        if x is not None and y:
+            out[name] = x / y
+
+    for r in results:
+        if r.key in ("a", "an", "b", "h", "hn"):
+            continue
+        lean = next(
+            (b for b in results if b.key in ("a", "an") and b.processes == r.processes), None
+        )
+        hand = next(
+            (b for b in results if b.key in ("h", "hn") and b.processes == r.processes), None
+        )
+        if lean is not None:
+            put(f"{r.key}/lean", r.rate, lean.rate)
+            put(f"{r.key} cpu/lean", r.cpu_us, lean.cpu_us)
+        if hand is not None:
+            put(f"{r.key}/hand", r.rate, hand.rate)
+    for x, y in STYLES:
+        if x in by_key and y in by_key:
+            put(f"{x}/{y}", by_key[x].rate, by_key[y].rate)
+    for y in ("h", "b"):
+        if "c" in by_key and y in by_key:
+            put(f"c/{y}", by_key["c"].rate, by_key[y].rate)
+    if "c" in by_key and "h" in by_key:
+        put("c p99/h p99", by_key["c"].p99_ms, by_key["h"].p99_ms)
+    return out
+
+
+def _relay_ratios(rate: dict[str, float]) -> dict[str, float]:
+    return {
+        name: rate[x] / rate[y]
+        for name, x, y in (("r/rw", "r", "rw"), ("r/rp", "r", "rp"))
+        if x in rate and y in rate and rate[y]
+    }
 
 
 async def _run_all(
@@ -78,15 +114,16 @@ async def _run_all(
     try:
         await bench.start(nc)
         results = []
+        chosen = runs.chosen(options.runs)
         for run_ in runs.RUNS:
-            if run_.key not in options.runs:
+            if run_.key not in chosen:
                 continue
             count = options.naive_messages if run_.key == "b" else options.messages
             extra = shlex.split(run_.args)
             if run_.key == "d":
                 extra += shlex.split(options.tuned)
             results.append(await measurement.measure(bench, run_, count, extra))
-        section = await relay.measure(bench) if "r" in options.runs else None
+        section = await relay.measure(bench) if "r" in chosen else None
         big = await measurement.measure_big(bench, options.big_messages) if options.big else None
         return results, section, big
     finally:

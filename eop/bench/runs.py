@@ -3,28 +3,48 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import eop
-from eop import errors
+from eop import errors, handler
 from eop import settings as settings_mod
+from eop.runtime import supervisor
 
 INSERT = sa.text("INSERT INTO bench_effects (variant, seq, stored_at) VALUES (:v, :s, :t)")
 """The handler work of every database run (the naive loop's too)."""
-SELECTABLE = "abcdefr"
-"""What ``--runs`` chooses from: the runs (a) to (f), and r, the relay's rows."""
 WINDOW = 10_000  # the --big run's windows: messages 10,001-20,000 and the last 10,000
+PROCESSES = supervisor.process_count(0)
+"""An ``eop worker``'s default process count here: the baselines' many-process rows use it."""
 
 # Default settings, never the environment's: the bench passes the servers' URLs as
 # `eop worker` flags, and a caller's EOP_* variables must not tune the default run.
 app = eop.App(settings=settings_mod.Settings())
 
 
+class _Base(DeclarativeBase):
+    pass
+
+
+class Effect(_Base):
+    """A row of ``bench_effects`` as a user's ORM model (the table itself has no key)."""
+
+    __tablename__ = "bench_effects"
+    variant: Mapped[str] = mapped_column(sa.Text, primary_key=True)
+    seq: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True)
+    stored_at: Mapped[datetime.datetime] = mapped_column(sa.DateTime(timezone=True))
+
+
 def _row(msg: eop.Message) -> dict[str, Any]:
     return {"v": msg.subscription, "s": msg.seq, "t": msg.timestamp}
+
+
+def _effect(msg: eop.Message) -> Effect:
+    return Effect(variant=msg.subscription, seq=msg.seq, stored_at=msg.timestamp)
 
 
 async def record(msg: eop.Message, writes: eop.Writes) -> None:
@@ -42,6 +62,16 @@ async def record_batch(msgs: list[eop.Message], session: AsyncSession) -> None:
     await session.execute(INSERT, [_row(m) for m in msgs])
 
 
+async def record_orm(msg: eop.Message, session: AsyncSession) -> None:
+    """The same row through the ORM, as the README's quickstart writes: ``session.add``."""
+    session.add(_effect(msg))
+
+
+def record_sync(msg: eop.Message, session: Session) -> None:
+    """The same row through the ORM in a sync handler (eop runs it in a thread)."""
+    session.add(_effect(msg))
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One measured consumer: its stream, its durable consumer, its eop handler if any."""
@@ -53,6 +83,10 @@ class Run:
     handler: str = ""
     args: str = ""
     """Flags of its ``eop worker`` beyond the servers' URLs (the tuned run adds --tuned's)."""
+    loop: str = ""
+    """For a baseline (no handler): ``a``, ``h`` or ``b`` of :mod:`eop.bench.baselines`."""
+    processes: int = 1
+    """A baseline's processes; an eop run's come from its flags (``processes``)."""
 
     @property
     def subject(self) -> str:
@@ -60,21 +94,40 @@ class Run:
         return self.stream.lower().replace("_", ".")
 
 
+_N = PROCESSES
+_ONE = "--processes 1"
 RUNS = (
-    Run("a", "raw at-least-once (fetch + ack)", "BENCH_A", "bench-raw"),
-    Run("b", "naive exactly-once", "BENCH_B", "bench-naive"),
-    Run("c", "eop default", "BENCH_C", "eop-bench-default", "bench-default"),
+    Run("a", "lean raw at-least-once", "BENCH_A", "bench-raw", loop="a"),
+    Run("an", f"lean raw, {_N} processes", "BENCH_AN", "bench-raw-n", loop="a", processes=_N),
+    Run("b", "naive exactly-once", "BENCH_B", "bench-naive", loop="b"),
+    Run("h", "hand-written exactly-once", "BENCH_H", "bench-hand", loop="h"),
+    Run("hn", f"hand-written, {_N} processes", "BENCH_HN", "bench-hand-n", loop="h", processes=_N),
+    Run("c", "eop default, eop.Writes", "BENCH_C", "eop-bench-default", "bench-default"),
+    Run("c1", "eop.Writes, one process", "BENCH_C1", "eop-bench-one", "bench-one", _ONE),
+    Run("o", "eop default, async ORM", "BENCH_O", "eop-bench-orm", "bench-orm"),
+    Run("o1", "async ORM, one process", "BENCH_O1", "eop-bench-orm-one", "bench-orm-one", _ONE),
+    Run("s", "eop default, sync ORM", "BENCH_S", "eop-bench-sync", "bench-sync"),
+    Run("s1", "sync ORM, one process", "BENCH_S1", "eop-bench-sync-one", "bench-sync-one", _ONE),
+    Run("k", "eop default, batch handler", "BENCH_K", "eop-bench-batch", "bench-batch"),
+    Run("k1", "batch handler, one process", "BENCH_K1", "eop-bench-batch-1", "bench-batch-1", _ONE),
     Run("d", "eop tuned (batch handler)", "BENCH_D", "eop-bench-tuned", "bench-tuned"),
     Run("e", "eop default, session.execute", "BENCH_E", "eop-bench-direct", "bench-direct"),
-    Run(
-        "f",
-        "eop default, one process",
-        "BENCH_F",
-        "eop-bench-one",
-        "bench-one",
-        args="--processes 1",
-    ),
 )
+"""Every run but the relay's, in the order measured."""
+SELECTABLE = (*(run.key for run in RUNS), "r")
+"""What ``--runs`` chooses from: the runs above, and r, the relay's rows."""
+_HANDLERS: dict[str, handler.HandlerFunc] = {
+    "c": record,
+    "c1": record,
+    "o": record_orm,
+    "o1": record_orm,
+    "s": record_sync,
+    "s1": record_sync,
+    "k": record_batch,
+    "k1": record_batch,
+    "d": record_batch,
+    "e": record_direct,
+}
 BIG = Run("big", "eop default, long run", "BENCH_BIG", "eop-bench-big", "bench-big")
 RELAY = Run("r", "eop relay", "BENCH_R", "eop-bench-relayed", "bench-relayed")
 """The relay's stream, and the eop worker (rw) that consumes what the relay published."""
@@ -86,17 +139,21 @@ RELAY_LATENCY = (
 """The streams of the commit-to-PubAck runs (their durables only read the stream back)."""
 for _run in (*RUNS, BIG, RELAY, RAW_PUBLISH, *RELAY_LATENCY):
     app.stream(_run.stream, subjects=[_run.subject])
+_BY_KEY = {run.key: run for run in RUNS}
 for _run, _func in (
-    (RUNS[2], record),
-    (RUNS[3], record_batch),
-    (RUNS[4], record_direct),
-    (RUNS[5], record),
+    *((_BY_KEY[key], func) for key, func in _HANDLERS.items()),
     (BIG, record),
     (RELAY, record),
 ):
     app.handler(
         stream=_run.stream, subject=_run.subject, name=_run.handler, batch=_func is record_batch
     )(_func)
+
+
+def chosen(runs: str) -> list[str]:
+    """The keys of a ``--runs`` value: comma-separated keys, or ``all``."""
+    keys = [key.strip() for key in runs.split(",") if key.strip()]
+    return list(SELECTABLE) if keys == ["all"] else keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +169,8 @@ class Options:
     big: bool = False
     big_messages: int = 1_010_000
     fsync: bool = True
-    runs: str = "abcdefr"
-    """The runs to measure: letters of (a) to (f), and r for the relay's rows."""
+    runs: str = "all"
+    """The runs to measure: their keys, comma-separated (r: the relay's rows), or ``all``."""
     relay_messages: int = 20_000
     relay_payload_bytes: int = 256
     relay_rate: float = 200.0
@@ -124,9 +181,11 @@ class Options:
         counts = (self.messages, self.naive_messages, self.payload_bytes)
         if min(*counts, self.relay_messages, self.relay_payload_bytes) < 1:
             raise errors.ConfigurationError("message counts and payload-bytes must be at least 1")
-        if set(self.runs) - set(SELECTABLE) or not self.runs.strip():
+        keys = chosen(self.runs)
+        if not keys or set(keys) - set(SELECTABLE):
             raise errors.ConfigurationError(
-                f"runs must be letters of {SELECTABLE!r} (r: the relay's rows), not {self.runs!r}"
+                f"runs must be 'all' or keys of {','.join(SELECTABLE)} separated by commas "
+                f"(r: the relay's rows), not {self.runs!r}"
             )
         if not (self.relay_rate > 0 and self.relay_latency_s > 0):
             raise errors.ConfigurationError("relay-rate and relay-latency-s must be above 0")

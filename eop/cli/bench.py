@@ -12,7 +12,7 @@ from typing import Any
 from eop.cli import options
 
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
-    ("messages", int, "backlog of each of the runs (a), (c) to (f)"),
+    ("messages", int, "backlog of each run but the naive one (b)"),
     ("naive-messages", int, "backlog of the naive run (b), which is slow"),
     ("payload-bytes", int, "size of every message's payload"),
     ("latency-s", float, "length of each run's steady-load latency phase"),
@@ -21,7 +21,7 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("big", bool, "also the long run: --big-messages through eop default (minutes)"),
     ("big-messages", int, "messages of the long run (rates at 10k-20k and the last 10k)"),
     ("fsync", bool, "PostgreSQL with fsync on, as in production"),
-    ("runs", str, "which runs: letters of a to f, and r for the outbox relay's rows"),
+    ("runs", str, "which runs: 'all', or keys separated by commas (r: the relay's rows)"),
     ("relay-messages", int, "outbox rows of the relay's throughput run (r), and of (rw), (rp)"),
     ("relay-payload-bytes", int, "size of each outbox row's payload"),
     ("relay-rate", float, "rows/s, one per transaction, of the commit-to-PubAck runs (rl), (rn)"),
@@ -29,7 +29,7 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
-HELP = "measure eop beside a raw and a naive loop, on embedded servers"
+HELP = "measure eop beside a lean raw loop and a hand-written consumer, on embedded servers"
 
 
 def add_command(sub: options.Subparsers) -> None:

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from eop import bench, errors
-from eop.bench import harness, measurement, runs
+from eop.bench import harness, measurement, report, runner, runs
 
 
 def test_throughput_starts_after_the_first_completion() -> None:
@@ -98,9 +98,62 @@ def test_tree_cpu_counts_a_running_process_and_nothing_for_an_absent_one() -> No
     assert harness.tree_cpu_s(None) is None
 
 
-def test_runs_are_chosen_by_letter() -> None:
-    """--runs takes letters of a to f and r; anything else, or nothing, is refused."""
-    assert runs.Options(runs="cr").runs == "cr"
-    for bad in ("x", "", " "):
+def test_runs_are_chosen_by_key() -> None:
+    """--runs takes 'all' or run keys separated by commas (r: the relay's rows);
+    an unknown key, or nothing, is refused."""
+    assert runs.chosen(runs.Options(runs="c,r").runs) == ["c", "r"]
+    assert runs.chosen("all") == list(runs.SELECTABLE)
+    assert "hn" in runs.SELECTABLE
+    for bad in ("x", "", " ", "c,zz", ","):
         with pytest.raises(errors.ConfigurationError):
             runs.Options(runs=bad)
+
+
+def _result(key: str, rate: float, processes: int, cpu_us: float) -> measurement.Result:
+    return measurement.Result(
+        key=key,
+        label=key,
+        command="",
+        messages=1,
+        rate=rate,
+        cpu_us=cpu_us,
+        nats_us=None,
+        pg_us=None,
+        latency_messages=0,
+        latency_rate=0.0,
+        p50_ms=1.0,
+        p99_ms=2.0 if key == "c" else 4.0,
+        effects=None,
+        processes=processes,
+    )
+
+
+def test_each_eop_run_is_compared_with_baselines_of_its_own_process_count() -> None:
+    """eop with 2 processes is divided by the 2-process lean and hand-written rows, eop in
+    one process by the 1-process ones; styles are set beside eop.Writes; c/h and the p99
+    ratio compare eop default with one hand-written process."""
+    results = [
+        _result("a", 100.0, 1, 5.0),
+        _result("an", 200.0, 2, 6.0),
+        _result("h", 10.0, 1, 50.0),
+        _result("hn", 20.0, 2, 55.0),
+        _result("c", 40.0, 2, 24.0),
+        _result("c1", 25.0, 1, 20.0),
+        _result("o", 30.0, 2, 30.0),
+    ]
+    ratios = runner.ratios(results)
+    assert ratios["c/lean"] == pytest.approx(0.2)
+    assert ratios["c/hand"] == pytest.approx(2.0)
+    assert ratios["c cpu/lean"] == pytest.approx(4.0)
+    assert ratios["c1/lean"] == pytest.approx(0.25)
+    assert ratios["c1/hand"] == pytest.approx(2.5)
+    assert ratios["o/c"] == pytest.approx(0.75)
+    assert ratios["c/h"] == pytest.approx(4.0)
+    assert ratios["c p99/h p99"] == pytest.approx(0.5)
+    assert "a/lean" not in ratios
+
+
+def test_report_says_which_targets_are_met_and_which_missed() -> None:
+    """A target line per ratio measured: met, or MISSED."""
+    assert report._target("o/c", 0.75, ">=", 0.8).endswith("MISSED")
+    assert report._target("c cpu/lean", 3.5, "<=", 4.0).endswith("met")

@@ -1,0 +1,217 @@
+"""The consumers eop is measured against: what a user could write instead of eop.
+
+(a) the leanest at-least-once loop nats-py allows: a callback subscription on
+an inbox of its own, pull requests of 256 kept two deep, a plain ``+ACK``
+published per message, the message's metadata parsed only after the
+measurement, on uvloop when installed. No database: it is the client's
+ceiling, what eop's worker cost is compared with.
+
+(h) a competent hand-written exactly-once consumer: fetch 64, one transaction
+per batch on asyncpg (a multi-row claim, then the handler's INSERT for each
+claimed message in one pipelined executemany), COMMIT, then every ``ack_sync``
+of the batch at once; as many batches in flight per process as eop's default
+``concurrency / batch`` (128 / 64 = 2), each on a subscription and a connection
+of its own.
+
+(b) exactly-once written plainly: per message one transaction through an
+SQLAlchemy session (claim, INSERT), then one sequential ``ack_sync``.
+
+Each runs until SIGTERM and then writes, per message it completed, its stream
+sequence, its stream timestamp and when it was completed (for (b) and (h) the
+effect rows in the database say the same, and are what is read). ``fan_out``
+runs N of one of them as child processes, for the rows measured with eop's
+process count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+
+from eop.bench import runs
+
+LEAN_PULL = 256
+"""Messages per pull request of (a); two requests' worth are kept outstanding."""
+HAND_BATCH = 64
+"""Messages per fetch (and per transaction) of (h) and (b), as eop's default ``batch``."""
+HAND_IN_FLIGHT = 2
+"""Batches in flight per process of (h): eop's default ``concurrency / batch``."""
+
+_NAIVE_CLAIM = sa.text(
+    "INSERT INTO bench_naive_inbox (stream, seq) VALUES (:st, :s) "
+    "ON CONFLICT DO NOTHING RETURNING seq"
+)
+_HAND_CLAIM = (
+    "INSERT INTO bench_hand_inbox (stream, seq) SELECT $1, unnest($2::bigint[]) "
+    "ON CONFLICT DO NOTHING RETURNING seq"
+)
+_HAND_INSERT = "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)"
+
+
+def _stop_on_sigterm() -> asyncio.Event:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    return stop
+
+
+async def lean(nats_url: str, stream: str, durable: str, out: str) -> None:
+    """(a): consume with plain acks until SIGTERM, as lean as nats-py allows."""
+    import nats
+
+    stop = _stop_on_sigterm()
+    nc = await nats.connect(nats_url)
+    inbox = nc.new_inbox()
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+    request = json.dumps({"batch": LEAN_PULL, "expires": 1_000_000_000}).encode()
+    done: list[tuple[str, float]] = []
+    asked = [0, time.monotonic()]  # messages asked for and not yet come; last arrival
+
+    async def top_up() -> None:
+        while asked[0] < LEAN_PULL:
+            asked[0] += LEAN_PULL
+            await nc.publish(next_subject, request, reply=inbox)
+
+    async def on_message(msg: Any) -> None:
+        reply = msg.reply
+        if reply:  # a delivery: its reply subject is its ack subject
+            await nc.publish(reply, b"+ACK")
+            done.append((reply, time.time()))
+            asked[0] -= 1
+            asked[1] = time.monotonic()
+        else:  # a status (408: a request expired): what it still had is not coming
+            left = (msg.headers or {}).get("Nats-Pending-Messages")
+            asked[0] -= int(left) if left else LEAN_PULL
+        asked[0] = max(asked[0], 0)
+        await top_up()
+
+    await nc.subscribe(inbox, cb=on_message)
+    await top_up()
+    while not stop.is_set():
+        await asyncio.sleep(0.5)
+        if time.monotonic() - asked[1] > 2.0:  # nothing for a while: ask afresh
+            asked[0] = 0
+            await top_up()
+    await nc.flush()
+    _write_records(out, ((seq, stamp, at) for seq, stamp, at in _parsed(done)))
+    await nc.close()
+
+
+def _parsed(done: Sequence[tuple[str, float]]) -> Any:
+    """(stream sequence, stream timestamp s, completed at) from each ack subject.
+
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>``, or
+    with a domain and an account hash after ``$JS.ACK`` (12 tokens).
+    """
+    for reply, at in done:
+        tokens = reply.split(".")
+        shift = 0 if len(tokens) == 9 else 2
+        yield int(tokens[5 + shift]), int(tokens[7 + shift]) / 1e9, at
+
+
+def _write_records(out: str, records: Any) -> None:
+    with open(out, "w") as file:
+        for seq, stamp, at in records:
+            file.write(f"{seq} {stamp} {at}\n")
+
+
+async def handwritten(nats_url: str, database_url: str, stream: str, durable: str) -> None:
+    """(h): batched exactly-once on asyncpg, until SIGTERM."""
+    import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
+    import nats
+    import nats.errors
+
+    stop = _stop_on_sigterm()
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    dsn = sa.make_url(database_url).set(drivername="postgresql")
+    pool = await asyncpg.create_pool(
+        dsn.render_as_string(hide_password=False),
+        min_size=HAND_IN_FLIGHT,
+        max_size=HAND_IN_FLIGHT,
+    )
+
+    async def batches() -> None:
+        sub = await js.pull_subscribe_bind(durable=durable, stream=stream)
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(HAND_BATCH, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            metas = [m.metadata for m in msgs]
+            async with pool.acquire() as conn, conn.transaction():
+                seqs = [meta.sequence.stream for meta in metas]
+                claimed = {row[0] for row in await conn.fetch(_HAND_CLAIM, stream, seqs)}
+                rows = [
+                    (durable, meta.sequence.stream, meta.timestamp)
+                    for meta in metas
+                    if meta.sequence.stream in claimed
+                ]
+                if rows:
+                    await conn.executemany(_HAND_INSERT, rows)
+            await asyncio.gather(*(m.ack_sync(timeout=5.0) for m in msgs))
+
+    await asyncio.gather(*(batches() for _ in range(HAND_IN_FLIGHT)))
+    await nc.close()
+    await pool.close()
+
+
+async def naive_loop(nats_url: str, database_url: str, stream: str, durable: str) -> None:
+    """(b): the naive exactly-once loop, until SIGTERM."""
+    import nats
+    import nats.errors
+
+    stop = _stop_on_sigterm()
+    nc = await nats.connect(nats_url)
+    sub = await nc.jetstream().pull_subscribe_bind(durable=durable, stream=stream)
+    engine = create_async_engine(database_url, pool_size=1)
+    while not stop.is_set():
+        try:
+            msgs = await sub.fetch(HAND_BATCH, timeout=1.0)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            continue
+        await naive(engine, stream, durable, msgs)
+    await nc.close()
+    await engine.dispose()
+
+
+async def naive(engine: AsyncEngine, stream: str, variant: str, msgs: list[Any]) -> None:
+    """Exactly-once written plainly: per message one transaction, then one ``ack_sync``."""
+    for msg in msgs:
+        meta = msg.metadata
+        seq = meta.sequence.stream
+        # A session, as eop hands its handlers: the same INSERT through the same API.
+        async with AsyncSession(engine) as session, session.begin():
+            claimed = await session.execute(_NAIVE_CLAIM, {"st": stream, "s": seq})
+            if claimed.first() is not None:
+                await session.execute(runs.INSERT, {"v": variant, "s": seq, "t": meta.timestamp})
+        await msg.ack_sync(timeout=5.0)
+
+
+def fan_out(count: int, argv: Sequence[str]) -> int:
+    """Run ``count`` copies of the child ``argv`` (``KIND ...``), SIGTERM passed on to each.
+
+    A copy's output file, if it has one (the last argument of (a)), gets the
+    copy's number as a suffix.
+    """
+    children = []
+    for i in range(count):
+        args = [*argv[:-1], f"{argv[-1]}.{i}"] if argv[0] == "a" else list(argv)
+        children.append(subprocess.Popen([sys.executable, "-m", "eop.bench", *args]))
+
+    def pass_on(signum: int, _frame: object) -> None:
+        for child in children:
+            if child.poll() is None:
+                os.kill(child.pid, signum)
+
+    signal.signal(signal.SIGTERM, pass_on)
+    return max(child.wait() for child in children)
