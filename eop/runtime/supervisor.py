@@ -129,7 +129,9 @@ def supervise(argvs: Sequence[Sequence[str]], stop_deadline_s: float | None = No
     0 when every child exited 0 (after a SIGTERM or SIGINT passed on to them);
     otherwise the status of the first child that exited by itself, or else the
     first non-zero status of a stopped child (128 + the signal number for a
-    child killed by a signal). Once stopping, children still running
+    child killed by a signal, except by the SIGTERM or SIGINT passed on: a child
+    still importing when the stop came dies of it, having taken no message,
+    which is a stop as asked, not a failure). Once stopping, children still running
     ``stop_deadline_s`` later (their own deadline has passed: they should have
     ended themselves) are killed with SIGKILL.
     """
@@ -165,12 +167,16 @@ def supervise(argvs: Sequence[Sequence[str]], stop_deadline_s: float | None = No
                 stop.begin()
                 stop.first_failure = code or 1
                 _signal_all(running.values(), signal.SIGTERM)
-            elif code != 0 and stop.first_failure is None:
+            elif code != 0 and stop.first_failure is None and returncode not in _STOP_DEATHS:
                 stop.first_failure = code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return stop.first_failure or 0
+
+
+_STOP_DEATHS = (-signal.SIGTERM, -signal.SIGINT)
+"""Return codes of a child killed by the stop signal the supervisor passed on."""
 
 
 class _Stop:
