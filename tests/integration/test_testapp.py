@@ -39,7 +39,9 @@ async def test_orm_handlers_commit_their_rows_and_the_outbox_in_the_database(
         delivered = await t.deliver("ORDERS.created", {"id": "o-1"}, msg_id="o-1")
         again = await t.redeliver(delivered)
         republished = await t.deliver("ORDERS.created", {"id": "o-1"}, msg_id="o-1")
-    assert delivered.processed and again.duplicate and republished.duplicate
+    assert delivered.processed
+    assert again.duplicate
+    assert republished.duplicate
     assert await invoices(tables) == [("audit", "o-1"), ("billing", "o-1")]
     [sent] = delivered["billing"].outbox
     assert (sent.subject, sent.data) == ("INVOICES.created", b'{"order": "o-1"}')
@@ -56,7 +58,8 @@ async def test_failures_are_parked_in_the_database_then_dead_lettered(tables: As
         parked = await scalar(tables, "SELECT count(*) FROM eop.retries WHERE parked")
         later = await t.settle()
         [dead] = await t.dead_letters()
-    assert first.retried and parked == 1
+    assert first.retried
+    assert parked == 1
     assert [r.outcome for r in later] == [Outcome.RETRY, Outcome.DEAD_LETTERED]
     assert [r.message.num_delivered for r in later] == [2, 3]
     assert (dead.reason, dead.subscription, dead.payload) == (
@@ -75,7 +78,7 @@ async def test_a_handler_error_on_the_database_is_raised_with_its_cause(
     async with testing.TestApp(orm_app(), database=tables) as t:
         async with tables.begin() as conn:
             await conn.execute(sa.text("ALTER TABLE invoices ADD CHECK (order_id <> 'bad')"))
-        with pytest.raises(testing.HandlerFailed, match="IntegrityError|CheckViolation"):
+        with pytest.raises(testing.HandlerFailed, match=r"IntegrityError|CheckViolation"):
             await t.deliver("ORDERS.created", {"id": "bad"}, handler="audit")
 
 
@@ -85,7 +88,8 @@ async def test_writes_handlers_run_their_statements_in_the_database(tables: Asyn
     async with testing.TestApp(writes_app(), database=tables) as t:
         paid = await t.deliver("ORDERS.paid", {"id": "o-1"})
         shipped = await t.deliver("ORDERS.shipped", {"id": "o-2"})
-    assert paid.processed and shipped.processed
+    assert paid.processed
+    assert shipped.processed
     assert await invoices(tables) == [("paid", "o-1"), ("shipped", "o-2")]
     assert [m.subject for m in paid.outbox] == ["RECEIPTS.sent"]
 
@@ -111,7 +115,9 @@ async def test_typed_and_ordered_handlers_on_the_database(tables: AsyncEngine) -
     async with testing.TestApp(ordered_app(), database=tables) as t:
         first = await t.deliver("ORDERS.x", {"id": "o-2"})
         [again] = await t.retry()
-    assert typed.processed and first.retried and again.processed
+    assert typed.processed
+    assert first.retried
+    assert again.processed
     assert await invoices(tables) == [("ordered", "o-2"), ("typed_one", "o-1:1")]
 
 

@@ -35,7 +35,8 @@ async def test_redelivery_of_the_same_message_is_skipped_as_a_duplicate() -> Non
     async with testing.TestApp(orm_app()) as t:
         first = await t.deliver("ORDERS.created", {"id": "o-1"}, handler="billing")
         again = await t.redeliver(first)
-    assert first.processed and again.duplicate
+    assert first.processed
+    assert again.duplicate
     assert again.message.seq == first.message.seq
     assert again.message.num_delivered == 2
     assert invoices(t) == [("billing", "o-1")]
@@ -47,7 +48,8 @@ async def test_a_republished_msg_id_is_skipped_as_a_duplicate() -> None:
     async with testing.TestApp(orm_app()) as t:
         first = await t.deliver("ORDERS.created", {"id": "o-1"}, msg_id="o-1", handler="billing")
         again = await t.deliver("ORDERS.created", {"id": "o-1"}, msg_id="o-1", handler="billing")
-    assert first.processed and again.duplicate
+    assert first.processed
+    assert again.duplicate
     assert again.message.seq == first.message.seq + 1
     assert again.message.msg_id == "o-1"
     assert invoices(t) == [("billing", "o-1")]
@@ -72,7 +74,8 @@ async def test_retries_run_until_attempts_are_exhausted_then_dead_letter() -> No
         first = await t.deliver("ORDERS.created", {"id": "o-1", "fail": True}, handler="billing")
         later = await t.settle()
         [dead] = await t.dead_letters()
-    assert first.retried and isinstance(first.error, RuntimeError)
+    assert first.retried
+    assert isinstance(first.error, RuntimeError)
     assert [r.outcome for r in later] == [Outcome.RETRY, Outcome.DEAD_LETTERED]
     assert later[-1].reason == "attempts_exhausted"
     assert (dead.reason, dead.stream_seq, dead.subscription) == ("attempts_exhausted", 1, "billing")
@@ -83,9 +86,12 @@ async def test_retries_run_until_attempts_are_exhausted_then_dead_letter() -> No
 async def test_reject_dead_letters_at_once_and_is_not_raised() -> None:
     """eop.Reject is the handler's intent: dead-lettered on the first delivery, no raise."""
     async with testing.TestApp(orm_app()) as t:
-        delivered = await t.deliver("ORDERS.created", {"id": "o-1", "reject": True}, handler="billing")
+        delivered = await t.deliver(
+            "ORDERS.created", {"id": "o-1", "reject": True}, handler="billing"
+        )
         dead = await t.dead_letters()
-    assert delivered.dead_lettered and delivered.reason == "rejected"
+    assert delivered.dead_lettered
+    assert delivered.reason == "rejected"
     assert isinstance(delivered.error, eop.Reject)
     assert [d.reason for d in dead] == ["rejected"]
 
@@ -104,7 +110,8 @@ async def test_writes_handlers_record_their_statements_and_outbox() -> None:
     async with testing.TestApp(app) as t:
         paid = await t.deliver("ORDERS.paid", {"id": "o-1"})
         shipped = await t.deliver("ORDERS.shipped", {"id": "o-1"})
-    assert paid.processed and shipped.processed
+    assert paid.processed
+    assert shipped.processed
     assert [params for _, params in t.statements] == [
         {"order_id": "o-1", "handler": "paid"},
         {"order_id": "o-1", "handler": "shipped"},
@@ -161,7 +168,8 @@ async def test_typed_payloads_are_decoded_and_bad_ones_dead_lettered() -> None:
         first = await t.deliver("ORDERS.typed", Order(id="o-1", amount_cents=5))
         second = await t.deliver("ORDERS.typed", {"id": "o-2", "amount_cents": 7})
         bad = await t.deliver("ORDERS.typed", {"id": "o-3"})
-    assert first.processed and second.processed
+    assert first.processed
+    assert second.processed
     assert invoices(t) == [("typed_one", "o-1:1"), ("typed_one", "o-2:2")]
     assert (bad.outcome, bad.reason) == (Outcome.DEAD_LETTERED, "undecodable")
 
@@ -179,7 +187,8 @@ async def test_an_ordered_handler_is_retried_by_redelivery() -> None:
     async with testing.TestApp(ordered_app()) as t:
         first = await t.deliver("ORDERS.x", {"id": "o-1"})
         [again] = await t.retry()
-    assert first.retried and again.processed
+    assert first.retried
+    assert again.processed
     assert again.message.num_delivered == 2
     assert invoices(t) == [("ordered", "o-1")]
 
