@@ -12,8 +12,8 @@ fails them.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from eop import embedded, errors
-from eop.pg import migrate
+from eop.testing import servers
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
     from nats.js import JetStreamContext
     from sqlalchemy.ext.asyncio import AsyncEngine
+
+# pytester: the tests of eop's pytest plugin run pytest on a user's test file.
+pytest_plugins = ["pytester"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
 INTEGRATION_DIR = Path(__file__).parent / "integration"
@@ -49,56 +52,35 @@ def unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
-def unique_name(prefix: str) -> str:
-    """A database name no other test or session uses, even on a shared server."""
-    return f"{prefix}_{uuid.uuid4().hex[:12]}"
-
-
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[embedded.PostgresCluster]:
     """The session's PostgreSQL: a throwaway server, or EOP_TEST_DATABASE_URL's."""
-    url = os.environ.get("EOP_TEST_DATABASE_URL")
-    if url:
-        cluster = embedded.PostgresCluster(url)
+    with contextlib.ExitStack() as stack:
+        try:
+            cluster = stack.enter_context(servers.postgres())
+        except errors.ServerBinaryNotFound as exc:
+            unavailable(str(exc))
         yield cluster
-        cluster.close()
-        return
-    try:
-        server = embedded.PostgresServer()
-    except errors.ServerBinaryNotFound as exc:
-        unavailable(str(exc))
-    with server:
-        yield server
 
 
 @pytest.fixture(scope="session")
 def template_database(postgres: embedded.PostgresCluster) -> Iterator[str]:
     """Name of a database migrated to head once per session, cloned by each test."""
-    name = unique_name("eop_test_template")
-    postgres.create_database(name, template="template0")
-    migrate.upgrade(postgres.url_for(name))
-    yield name
-    postgres.drop_database(name)
+    with servers.template_database(postgres) as name:
+        yield name
 
 
 @pytest.fixture
 def database_url(postgres: embedded.PostgresCluster, template_database: str) -> Iterator[str]:
     """asyncpg URL of a fresh database with eop's tables at head, dropped after the test."""
-    name = unique_name("eop_test")
-    # Copying files beats WAL-logging each block for a small template, on
-    # our own fsync-less server; a shared server keeps its default.
-    own = isinstance(postgres, embedded.PostgresServer)
-    url = postgres.create_database(
-        name, template=template_database, strategy="file_copy" if own else None
-    )
-    yield url
-    postgres.drop_database(name)
+    with servers.database_copy(postgres, template_database) as url:
+        yield url
 
 
 @pytest.fixture
 def empty_database_url(postgres: embedded.PostgresCluster) -> Iterator[str]:
     """asyncpg URL of a fresh database without eop's tables, dropped after the test."""
-    name = unique_name("eop_test_empty")
+    name = servers.unique_name("eop_test_empty")
     url = postgres.create_database(name, template="template0")
     yield url
     postgres.drop_database(name)
