@@ -68,7 +68,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("eop_app", "the eop.App the eop_app fixture imports, as module:attribute")
 
 
-def _unavailable(reason: str) -> NoReturn:
+def unavailable(reason: str) -> NoReturn:
     """Skip for want of a server binary; under CI=true, fail instead."""
     if os.environ.get("CI", "").lower() in ("true", "1"):
         pytest.fail(f"{reason} (CI=true: missing servers fail the run)", pytrace=False)
@@ -88,7 +88,7 @@ def eop_postgres() -> Iterator[embedded.PostgresCluster]:
         try:
             cluster = stack.enter_context(servers.postgres())
         except errors.ServerBinaryNotFound as exc:
-            _unavailable(str(exc))
+            unavailable(str(exc))
         yield cluster
 
 
@@ -175,7 +175,7 @@ def eop_nats_server() -> Iterator[embedded.NatsServer]:
     try:
         server = embedded.NatsServer()
     except errors.ServerBinaryNotFound as exc:
-        _unavailable(str(exc))
+        unavailable(str(exc))
     with server:
         yield server
 

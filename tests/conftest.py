@@ -5,6 +5,9 @@
   clone of it per test.
 - NATS: one nats-server per test, on a free port with a temporary store.
 
+Both come from eop's pytest plugin (``pytest_eop``, the fixtures users get);
+the names here are the bed's own, kept for its tests.
+
 Tests under ``tests/integration`` get the ``integration`` marker. A missing
 server binary skips the tests that need it, except under ``CI=true`` where it
 fails them.
@@ -12,10 +15,9 @@ fails them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import nats
 import pytest
@@ -23,6 +25,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from eop import embedded, errors
 from eop.testing import servers
+from pytest_eop import unavailable
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator
@@ -45,36 +48,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
-def unavailable(reason: str) -> NoReturn:
-    """Skip for want of a server binary; in CI, fail instead."""
-    if IN_CI:
-        pytest.fail(f"{reason} (CI=true: missing servers fail the run)", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
-def postgres() -> Iterator[embedded.PostgresCluster]:
+def postgres(eop_postgres: embedded.PostgresCluster) -> embedded.PostgresCluster:
     """The session's PostgreSQL: a throwaway server, or EOP_TEST_DATABASE_URL's."""
-    with contextlib.ExitStack() as stack:
-        try:
-            cluster = stack.enter_context(servers.postgres())
-        except errors.ServerBinaryNotFound as exc:
-            unavailable(str(exc))
-        yield cluster
+    return eop_postgres
 
 
 @pytest.fixture(scope="session")
-def template_database(postgres: embedded.PostgresCluster) -> Iterator[str]:
+def template_database(eop_template_database: str) -> str:
     """Name of a database migrated to head once per session, cloned by each test."""
-    with servers.template_database(postgres) as name:
-        yield name
+    return eop_template_database
 
 
 @pytest.fixture
-def database_url(postgres: embedded.PostgresCluster, template_database: str) -> Iterator[str]:
+def database_url(eop_database_url: str) -> str:
     """asyncpg URL of a fresh database with eop's tables at head, dropped after the test."""
-    with servers.database_copy(postgres, template_database) as url:
-        yield url
+    return eop_database_url
 
 
 @pytest.fixture
@@ -114,14 +103,9 @@ def make_postgres_server() -> Iterator[Callable[..., embedded.PostgresServer]]:
 
 
 @pytest.fixture
-def nats_server() -> Iterator[embedded.NatsServer]:
+def nats_server(eop_nats_server: embedded.NatsServer) -> embedded.NatsServer:
     """A nats-server with JetStream for this test alone, with a temporary file store."""
-    try:
-        server = embedded.NatsServer()
-    except errors.ServerBinaryNotFound as exc:
-        unavailable(str(exc))
-    with server:
-        yield server
+    return eop_nats_server
 
 
 @pytest.fixture
