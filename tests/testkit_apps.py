@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pydantic
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -104,6 +105,24 @@ def typed_app() -> eop.App:
     @app.handler(stream="ORDERS", subject="ORDERS.typed", name="typed_one")
     async def save(order: Order, session: AsyncSession, msg: eop.Message) -> None:
         session.add(Invoice(order_id=f"{order.id}:{msg.seq}", handler="typed_one"))
+
+    return app
+
+
+class Line(pydantic.BaseModel):
+    """A typed payload validated by pydantic."""
+
+    sku: str
+    quantity: int
+
+
+def pydantic_app(seen: list[Line]) -> eop.App:
+    """A handler typed with a pydantic model; what it got goes to ``seen``."""
+    app = eop.App()
+
+    @app.handler(stream="ORDERS", subject="ORDERS.line", name="lines")
+    async def lines(line: Line, session: AsyncSession) -> None:
+        seen.append(line)
 
     return app
 

@@ -198,7 +198,7 @@ class TestApp:
             subject,
             [data],
             headers=headers,
-            msg_id=msg_id,
+            msg_ids=[msg_id],
             handler=handler,
             raise_errors=raise_errors,
         )
@@ -210,11 +210,13 @@ class TestApp:
         items: Sequence[Any],
         *,
         headers: Mapping[str, str] | None = None,
-        msg_id: str | None = None,
+        msg_ids: Sequence[str | None] | None = None,
         handler: str | None = None,
         raise_errors: bool | None = None,
     ) -> list[Delivered]:
         """Store one message per item and deliver them as one fetched batch to each handler.
+
+        ``msg_ids``, when given, holds each item's ``Nats-Msg-Id`` (or None).
 
         A batch runs as a worker runs it: one transaction for all (unless
         ``batch_transactions`` is off), a batch handler called once with the
@@ -223,9 +225,9 @@ class TestApp:
         """
         specs = self._matching(subject, handler)
         body = [payload_bytes(item) for item in items]
-        extra = dict(headers or {})
-        if msg_id is not None:
-            extra["Nats-Msg-Id"] = msg_id
+        ids = list(msg_ids) if msg_ids is not None else [None] * len(body)
+        if len(ids) != len(body):
+            raise ValueError(f"{len(ids)} msg_ids for {len(body)} items")
         first = {stream: self._next_seqs(stream, len(body)) for stream in {s.stream for s in specs}}
         now = datetime.datetime.now(datetime.timezone.utc)
         per_handler: list[list[Result]] = []
@@ -236,7 +238,7 @@ class TestApp:
                     subject=subject,
                     stream=spec.stream,
                     seq=first[spec.stream] + i,
-                    headers=dict(extra) or None,
+                    headers=_headers(headers, ids[i]),
                     consumer=spec.durable,
                     timestamp=now,
                 )
@@ -433,6 +435,13 @@ def _as_database(database: Database) -> str | AsyncEngine:
     if isinstance(database, sa.URL):
         return database.render_as_string(hide_password=False)
     return database
+
+
+def _headers(headers: Mapping[str, str] | None, msg_id: str | None) -> dict[str, str] | None:
+    merged = dict(headers or {})
+    if msg_id is not None:
+        merged["Nats-Msg-Id"] = msg_id
+    return merged or None
 
 
 def _again(msg: message.Message, spec: HandlerSpec) -> FakeDelivery:

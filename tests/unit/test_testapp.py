@@ -8,7 +8,17 @@ import eop
 from eop import testing
 from eop.testing import Outcome
 
-from ..testkit_apps import Invoice, Order, batch_app, ordered_app, orm_app, typed_app, writes_app
+from ..testkit_apps import (
+    Invoice,
+    Line,
+    Order,
+    batch_app,
+    ordered_app,
+    orm_app,
+    pydantic_app,
+    typed_app,
+    writes_app,
+)
 
 
 def invoices(t: testing.TestApp) -> list[tuple[str, str]]:
@@ -217,3 +227,27 @@ async def test_a_delivery_that_never_settles_raises_delivery_stalled() -> None:
     async with testing.TestApp(app, store=store, timeout_s=0.5) as t:
         with pytest.raises(testing.DeliveryStalled, match="did not settle"):
             await t.deliver("ORDERS.created", {"id": "o-1"}, handler="billing")
+
+
+async def test_a_pydantic_payload_is_sent_as_json_and_decoded_for_the_handler() -> None:
+    """A pydantic model given to deliver is encoded as JSON; the handler typed with it gets
+    it decoded; one missing a field is dead-lettered as undecodable."""
+    seen: list[Line] = []
+    app = pydantic_app(seen)
+    async with testing.TestApp(app) as t:
+        good = await t.deliver("ORDERS.line", Line(sku="a-1", quantity=2))
+        bad = await t.deliver("ORDERS.line", {"sku": "a-2"})
+    assert good.processed
+    assert seen == [Line(sku="a-1", quantity=2)]
+    assert (bad.outcome, bad.reason) == (Outcome.DEAD_LETTERED, "undecodable")
+
+
+async def test_a_batch_with_msg_ids_skips_the_republished_one() -> None:
+    """deliver_batch's msg_ids: an item whose Nats-Msg-Id was processed before is skipped."""
+    async with testing.TestApp(batch_app()) as t:
+        await t.deliver("ORDERS.bulk", {"id": "a"}, msg_id="a")
+        delivered = await t.deliver_batch(
+            "ORDERS.bulk", [{"id": "a"}, {"id": "b"}], msg_ids=["a", "b"]
+        )
+    assert [d.outcome for d in delivered] == [Outcome.DUPLICATE, Outcome.PROCESSED]
+    assert sorted(invoices(t)) == [("bulk", "a"), ("bulk", "b")]
