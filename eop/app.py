@@ -161,6 +161,20 @@ class App:
         clone.settings = self.settings.replace(**changes)
         return clone
 
+    def with_database(self, database: str | AsyncEngine, *, schema: str | None = None) -> App:
+        """A copy of this app on another database: the same handlers and streams, its own pools.
+
+        ``database`` is a URL or an ``AsyncEngine``; the copy's sync handlers get
+        a psycopg engine on the same URL. The test kit runs an app's handlers
+        on a test database this way.
+        """
+        engine = database if isinstance(database, AsyncEngine) else None
+        url = None if engine is not None else str(database)
+        clone = App(database_url=url, engine=engine, settings=self.settings, schema=schema)
+        clone._handlers = self._handlers
+        clone._streams = self._streams
+        return clone
+
     def connection_shares(self) -> tuple[int, int]:
         """How the pools eop makes share ``settings.db_connections()``: (async, sync).
 

@@ -130,3 +130,14 @@ class UnpublishableMessage(EopError):
 
 class PayloadTooLarge(UnpublishableMessage):
     """A message is larger than the NATS server accepts (its max_payload)."""
+
+
+# --- The test kit (`eop.testing`) ---
+
+
+class HandlerFailed(EopError):
+    """A handler raised an unexpected error on a test delivery (its cause is the error)."""
+
+
+class DeliveryStalled(EopError):
+    """A test delivery did not settle in time: the database kept failing, or the handler hung."""

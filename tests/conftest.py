@@ -5,6 +5,9 @@
   clone of it per test.
 - NATS: one nats-server per test, on a free port with a temporary store.
 
+Both come from eop's pytest plugin (``pytest_eop``, the fixtures users get);
+the names here are the bed's own, kept for its tests.
+
 Tests under ``tests/integration`` get the ``integration`` marker. A missing
 server binary skips the tests that need it, except under ``CI=true`` where it
 fails them.
@@ -13,16 +16,16 @@ fails them.
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import nats
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from eop import embedded, errors
-from eop.pg import migrate
+from eop.testing import servers
+from pytest_eop import unavailable
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator
@@ -30,6 +33,9 @@ if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
     from nats.js import JetStreamContext
     from sqlalchemy.ext.asyncio import AsyncEngine
+
+# pytester: the tests of eop's pytest plugin run pytest on a user's test file.
+pytest_plugins = ["pytester"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
 INTEGRATION_DIR = Path(__file__).parent / "integration"
@@ -42,63 +48,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
-def unavailable(reason: str) -> NoReturn:
-    """Skip for want of a server binary; in CI, fail instead."""
-    if IN_CI:
-        pytest.fail(f"{reason} (CI=true: missing servers fail the run)", pytrace=False)
-    pytest.skip(reason)
-
-
-def unique_name(prefix: str) -> str:
-    """A database name no other test or session uses, even on a shared server."""
-    return f"{prefix}_{uuid.uuid4().hex[:12]}"
-
-
 @pytest.fixture(scope="session")
-def postgres() -> Iterator[embedded.PostgresCluster]:
+def postgres(eop_postgres: embedded.PostgresCluster) -> embedded.PostgresCluster:
     """The session's PostgreSQL: a throwaway server, or EOP_TEST_DATABASE_URL's."""
-    url = os.environ.get("EOP_TEST_DATABASE_URL")
-    if url:
-        cluster = embedded.PostgresCluster(url)
-        yield cluster
-        cluster.close()
-        return
-    try:
-        server = embedded.PostgresServer()
-    except errors.ServerBinaryNotFound as exc:
-        unavailable(str(exc))
-    with server:
-        yield server
+    return eop_postgres
 
 
 @pytest.fixture(scope="session")
-def template_database(postgres: embedded.PostgresCluster) -> Iterator[str]:
+def template_database(eop_template_database: str) -> str:
     """Name of a database migrated to head once per session, cloned by each test."""
-    name = unique_name("eop_test_template")
-    postgres.create_database(name, template="template0")
-    migrate.upgrade(postgres.url_for(name))
-    yield name
-    postgres.drop_database(name)
+    return eop_template_database
 
 
 @pytest.fixture
-def database_url(postgres: embedded.PostgresCluster, template_database: str) -> Iterator[str]:
+def database_url(eop_database_url: str) -> str:
     """asyncpg URL of a fresh database with eop's tables at head, dropped after the test."""
-    name = unique_name("eop_test")
-    # Copying files beats WAL-logging each block for a small template, on
-    # our own fsync-less server; a shared server keeps its default.
-    own = isinstance(postgres, embedded.PostgresServer)
-    url = postgres.create_database(
-        name, template=template_database, strategy="file_copy" if own else None
-    )
-    yield url
-    postgres.drop_database(name)
+    return eop_database_url
 
 
 @pytest.fixture
 def empty_database_url(postgres: embedded.PostgresCluster) -> Iterator[str]:
     """asyncpg URL of a fresh database without eop's tables, dropped after the test."""
-    name = unique_name("eop_test_empty")
+    name = servers.unique_name("eop_test_empty")
     url = postgres.create_database(name, template="template0")
     yield url
     postgres.drop_database(name)
@@ -132,14 +103,9 @@ def make_postgres_server() -> Iterator[Callable[..., embedded.PostgresServer]]:
 
 
 @pytest.fixture
-def nats_server() -> Iterator[embedded.NatsServer]:
+def nats_server(eop_nats_server: embedded.NatsServer) -> embedded.NatsServer:
     """A nats-server with JetStream for this test alone, with a temporary file store."""
-    try:
-        server = embedded.NatsServer()
-    except errors.ServerBinaryNotFound as exc:
-        unavailable(str(exc))
-    with server:
-        yield server
+    return eop_nats_server
 
 
 @pytest.fixture

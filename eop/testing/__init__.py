@@ -1,5 +1,17 @@
-"""Fakes for testing handlers, and eop itself, without NATS or PostgreSQL.
+"""The test kit: run your handlers through eop's protocol in your tests.
 
+One line, with the inbox in memory or in your test database (see
+:mod:`eop.testing.app` and docs/testing.md)::
+
+    async with eop.testing.TestApp(app) as t:  # or TestApp(app, database=engine)
+        delivered = await t.deliver("ORDERS.created", {"id": 1}, msg_id="order-1")
+        assert delivered.processed
+        assert (await t.redeliver(delivered)).duplicate
+
+With pytest, the ``eop`` plugin (installed with eop) adds fixtures: throwaway
+servers, a migrated database per test, ``eop_test_app``.
+
+Below it, the fakes for testing handlers, and eop itself, without NATS or PostgreSQL.
 Like procrastinate's ``testing`` module or dramatiq's stub broker, these run
 the real protocol (:class:`eop.protocol.processor.Processor`) against in-memory stand-ins
 that keep the semantics that matter and can be told to fail::
@@ -33,31 +45,44 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from eop.errors import DeliveryStalled, HandlerFailed
 from eop.pg.inbox import DeadLetter as DeadLetter
 from eop.pg.inbox import Existing as Existing
+from eop.testing.app import TestApp
 from eop.testing.deliveries import DEFAULT_TIMESTAMP as DEFAULT_TIMESTAMP
 from eop.testing.deliveries import FakeDelivery, FakeMetadata, SequencePair
 from eop.testing.deliveries import Operation as Operation
 from eop.testing.epochs import FakeEpochs
 from eop.testing.failures import ErrorSpec as ErrorSpec
 from eop.testing.failures import LockNotAvailable
+from eop.testing.results import Delivered, Result
 from eop.testing.rows import DeadLetterRow, InboxKey, InboxRow
 from eop.testing.rows import inbox_key as inbox_key
-from eop.testing.store import FakeSession, MemoryStore, MemoryTransaction
+from eop.testing.session import FakeSession, FakeWrites
+from eop.testing.store import MemoryStore, MemoryTransaction
 
 # `X as X`: names importable since eop.testing was one module, outside `__all__`.
-from eop.types import Delivery
+from eop.types import Delivery, Outcome
 
 if TYPE_CHECKING:
     from eop.pg import inbox
     from eop.protocol import processor
 
 __all__ = [
+    # the test kit
+    "TestApp",
+    "Delivered",
+    "Result",
+    "Outcome",
+    "HandlerFailed",
+    "DeliveryStalled",
+    # the fakes
     "DeadLetterRow",
     "FakeDelivery",
     "FakeEpochs",
     "FakeMetadata",
     "FakeSession",
+    "FakeWrites",
     "InboxKey",
     "InboxRow",
     "LockNotAvailable",

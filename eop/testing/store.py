@@ -10,17 +10,17 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-import json
-from collections.abc import AsyncIterator, Generator, Iterable, Mapping
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from eop import errors
 from eop.outgoing import Outgoing
-from eop.pg import models, outbox
+from eop.pg import models
 from eop.pg.failures import INFRASTRUCTURE, classify
 from eop.pg.inbox import DeadLetter, Existing
 from eop.testing.failures import Ambiguous, ErrorSpec, Failures, LockNotAvailable, instantiate
 from eop.testing.rows import DeadLetterRow, InboxKey, InboxRow, inbox_key
+from eop.testing.session import FakeSession, FakeWrites, Statement
 
 if TYPE_CHECKING:
     from eop.handler import HandlerSpec
@@ -57,6 +57,8 @@ class MemoryStore:
         """What handlers ``add()``-ed to their session, for committed transactions only."""
         self.outbox: list[Outgoing] = []
         """What handlers added to the outbox (``eop.outbox.add``), committed transactions only."""
+        self.statements: list[Statement] = []
+        """What ``eop.Writes`` handlers queued (statement, parameters), committed only."""
         self.attempts: dict[InboxKey, int] = {}
         """Committed handler failures per message key (dropped once it has its outcome)."""
         self.parked: set[InboxKey] = set()
@@ -215,63 +217,6 @@ class MemoryStore:
         self._msg_id_claims = {
             k: holder for k, holder in self._msg_id_claims.items() if holder is not tx
         }
-
-
-class FakeSession:
-    """The session a handler gets from :class:`MemoryStore`: it records ``add()`` calls.
-
-    What is added becomes :attr:`MemoryStore.effects` when the transaction
-    commits, and is discarded when it rolls back.
-    """
-
-    def __init__(self) -> None:
-        self.added: list[object] = []
-        """Objects added in this transaction, in order."""
-        self.flushes = 0
-        """``flush()`` calls."""
-        self.outbox: list[Outgoing] = []
-        """Messages ``eop.outbox.add``-ed in this transaction, in order."""
-        self.info: dict[str, object] = {outbox.WRITES_KEY: _OutboxRecorder(self.outbox)}
-        """As a session's ``info``: where ``eop.outbox.add`` finds this transaction's queue."""
-
-    def add(self, instance: object) -> None:
-        """Record ``instance`` as a write of this transaction."""
-        self.added.append(instance)
-
-    def add_all(self, instances: Iterable[object]) -> None:
-        """Record each of ``instances``."""
-        self.added.extend(instances)
-
-    def flush(self) -> _Done:
-        """Do nothing, as ``session.flush()`` or ``await session.flush()``."""
-        self.flushes += 1
-        return _Done()
-
-
-class _OutboxRecorder:
-    """Takes the rows ``eop.outbox.add`` queues, as the messages they stand for."""
-
-    def __init__(self, messages: list[Outgoing]) -> None:
-        self.messages = messages
-
-    def add(self, statement: object, params: Mapping[str, Any] | None = None) -> None:
-        """Record the outbox row ``params`` as a message."""
-        row = dict(params or {})
-        self.messages.append(
-            Outgoing(
-                subject=row["subject"],
-                data=row["payload"],
-                headers=json.loads(row["headers"]),
-                msg_id=row["msg_id"],
-            )
-        )
-
-
-class _Done:
-    """An awaitable that is already done."""
-
-    def __await__(self) -> Generator[None, None, None]:
-        yield from ()
 
 
 class MemoryTransaction:
@@ -435,7 +380,8 @@ class MemoryTransaction:
         self._check_open()
         arg, extra = self.spec.arguments(messages)
         func: Any = self.spec.func  # given a fake session
-        result = func(arg, self.session, **extra)
+        second = FakeWrites(self.session) if self.spec.takes_writes else self.session
+        result = func(arg, second, **extra)
         if inspect.isawaitable(result):
             await result
         if flush:
@@ -459,6 +405,7 @@ class MemoryTransaction:
         self._check_open()
         savepoint = len(self.session.added)
         sent = len(self.session.outbox)
+        queued = len(self.session.statements)
         try:
             await self.run_many(messages)
         except Exception as exc:
@@ -466,6 +413,7 @@ class MemoryTransaction:
                 raise
             del self.session.added[savepoint:]
             del self.session.outbox[sent:]
+            del self.session.statements[queued:]
             return exc
         return None
 
@@ -519,6 +467,7 @@ class MemoryTransaction:
                 store.parked.add(key)
         store.effects.extend(self.session.added)
         store.outbox.extend(self.session.outbox)
+        store.statements.extend(self.session.statements)
         store.commits += 1
         self.committed = True
         self._end()
@@ -529,6 +478,7 @@ class MemoryTransaction:
         if not self.committed:
             self.session.added.clear()
             self.session.outbox.clear()
+            self.session.statements.clear()
         self._rows.clear()
         self._dead_letters.clear()
         if not self.committed:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from eop import embedded
 from examples.quickstart import app as quickstart
 
 from .bed import bed_settings, drained, equals, running, scalar, wait_for
+
+EXAMPLE_TESTS = Path(quickstart.__file__).parent / "test_handlers.py"
 
 
 async def test_quickstart_bills_and_audits_every_order_once(
@@ -63,3 +68,15 @@ async def test_outbox_example_ships_every_order_posted_to_the_endpoint_once(
     assert await scalar(engine, "SELECT count(DISTINCT order_id) FROM shipments") == 20
     assert await scalar(engine, "SELECT count(*) FROM shipments") == 20
     assert await scalar(engine, "SELECT count(*) FROM eop.outbox WHERE published_at IS NULL") == 0
+
+
+def test_the_quickstart_handler_tests_pass_as_a_user_runs_them(
+    pytester: pytest.Pytester, postgres: embedded.PostgresCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/quickstart/test_handlers.py, run by pytest in a fresh process outside the
+    repository (eop's pytest plugin loaded from its entry point, no conftest): every test
+    passes, in memory and on the plugin's database."""
+    monkeypatch.setenv("EOP_TEST_DATABASE_URL", postgres.url)
+    pytester.makepyfile(test_handlers=EXAMPLE_TESTS.read_text())
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(passed=4)

@@ -214,3 +214,13 @@ def unpark(t: models.Tables, conditions: Sequence[sa.ColumnElement[bool]]) -> sa
 def delete_rows(t: models.Tables, conditions: Sequence[sa.ColumnElement[bool]]) -> Any:
     """Delete rows (``eop outbox purge``), returning their ids."""
     return sa.delete(t.outbox).where(*conditions).returning(t.outbox.c.id)
+
+
+def rows_after(t: models.Tables, after_id: int) -> sa.Select[Any]:
+    """Rows with an id above ``after_id``, in id order: what transactions added since."""
+    c = t.outbox.c
+    return (
+        sa.select(c.id, c.msg_id, c.subject, c.headers, c.payload)
+        .where(c.id > after_id)
+        .order_by(c.id)
+    )

@@ -1,0 +1,253 @@
+"""eop.testing.TestApp on the in-memory fakes: every handler style, every outcome."""
+
+from __future__ import annotations
+
+import pytest
+
+import eop
+from eop import testing
+from eop.testing import Outcome
+
+from ..testkit_apps import (
+    Invoice,
+    Line,
+    Order,
+    batch_app,
+    ordered_app,
+    orm_app,
+    pydantic_app,
+    typed_app,
+    writes_app,
+)
+
+
+def invoices(t: testing.TestApp) -> list[tuple[str, str]]:
+    """(handler, order id) of the invoices the committed transactions added."""
+    return [(e.handler, e.order_id) for e in t.effects if isinstance(e, Invoice)]
+
+
+async def test_async_and_sync_session_handlers_both_process_one_delivery() -> None:
+    """One message on a subject two handlers take: each processes it, each write commits,
+    and the async handler's outbox message is captured on its result."""
+    async with testing.TestApp(orm_app()) as t:
+        delivered = await t.deliver("ORDERS.created", {"id": "o-1"})
+    assert delivered.outcomes == {"billing": Outcome.PROCESSED, "audit": Outcome.PROCESSED}
+    assert delivered.processed
+    assert sorted(invoices(t)) == [("audit", "o-1"), ("billing", "o-1")]
+    [sent] = delivered["billing"].outbox
+    assert (sent.subject, sent.data) == ("INVOICES.created", b'{"order": "o-1"}')
+    assert t.outbox == [sent]
+    assert delivered["audit"].outbox == ()
+
+
+async def test_redelivery_of_the_same_message_is_skipped_as_a_duplicate() -> None:
+    """The same stream sequence delivered again (a lost ack) is acked without running."""
+    async with testing.TestApp(orm_app()) as t:
+        first = await t.deliver("ORDERS.created", {"id": "o-1"}, handler="billing")
+        again = await t.redeliver(first)
+    assert first.processed
+    assert again.duplicate
+    assert again.message.seq == first.message.seq
+    assert again.message.num_delivered == 2
+    assert invoices(t) == [("billing", "o-1")]
+    assert len(t.outbox) == 1
+
+
+async def test_a_republished_msg_id_is_skipped_as_a_duplicate() -> None:
+    """The same Nats-Msg-Id under a new sequence (after the server's window) is skipped."""
+    async with testing.TestApp(orm_app()) as t:
+        first = await t.deliver("ORDERS.created", {"id": "o-1"}, msg_id="o-1", handler="billing")
+        again = await t.deliver("ORDERS.created", {"id": "o-1"}, msg_id="o-1", handler="billing")
+    assert first.processed
+    assert again.duplicate
+    assert again.message.seq == first.message.seq + 1
+    assert again.message.msg_id == "o-1"
+    assert invoices(t) == [("billing", "o-1")]
+
+
+async def test_a_handler_error_is_raised_after_the_message_was_parked() -> None:
+    """An unexpected handler error fails the test at its cause: HandlerFailed from it,
+    the message parked for its retry, nothing committed."""
+    async with testing.TestApp(orm_app()) as t:
+        with pytest.raises(testing.HandlerFailed, match="payment service is down") as info:
+            await t.deliver("ORDERS.created", {"id": "o-1", "fail": True}, handler="billing")
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert [r.outcome for r in t.results] == [Outcome.RETRY]
+        assert invoices(t) == []
+        assert t.outbox == []
+
+
+async def test_retries_run_until_attempts_are_exhausted_then_dead_letter() -> None:
+    """With raise_errors=False a failing message is retried (settle) up to max_attempts,
+    then dead-lettered with its reason and error."""
+    async with testing.TestApp(orm_app(), raise_errors=False) as t:
+        first = await t.deliver("ORDERS.created", {"id": "o-1", "fail": True}, handler="billing")
+        later = await t.settle()
+        [dead] = await t.dead_letters()
+    assert first.retried
+    assert isinstance(first.error, RuntimeError)
+    assert [r.outcome for r in later] == [Outcome.RETRY, Outcome.DEAD_LETTERED]
+    assert later[-1].reason == "attempts_exhausted"
+    assert (dead.reason, dead.stream_seq, dead.subscription) == ("attempts_exhausted", 1, "billing")
+    assert "payment service is down" in dead.error
+    assert invoices(t) == []
+
+
+async def test_reject_dead_letters_at_once_and_is_not_raised() -> None:
+    """eop.Reject is the handler's intent: dead-lettered on the first delivery, no raise."""
+    async with testing.TestApp(orm_app()) as t:
+        delivered = await t.deliver(
+            "ORDERS.created", {"id": "o-1", "reject": True}, handler="billing"
+        )
+        dead = await t.dead_letters()
+    assert delivered.dead_lettered
+    assert delivered.reason == "rejected"
+    assert isinstance(delivered.error, eop.Reject)
+    assert [d.reason for d in dead] == ["rejected"]
+
+
+async def test_garbage_is_dead_lettered_as_undecodable() -> None:
+    """A payload that is not JSON: msg.json() raises, the message is dead-lettered at once."""
+    async with testing.TestApp(orm_app()) as t:
+        delivered = await t.deliver("ORDERS.created", b"\x00 not json", handler="audit")
+    assert (delivered.outcome, delivered.reason) == (Outcome.DEAD_LETTERED, "undecodable")
+
+
+async def test_writes_handlers_record_their_statements_and_outbox() -> None:
+    """eop.Writes handlers, async and sync: their queued statements are committed
+    (t.statements), and eop.outbox.add(writes, ...) is captured as an outbox message."""
+    app = writes_app()
+    async with testing.TestApp(app) as t:
+        paid = await t.deliver("ORDERS.paid", {"id": "o-1"})
+        shipped = await t.deliver("ORDERS.shipped", {"id": "o-1"})
+    assert paid.processed
+    assert shipped.processed
+    assert [params for _, params in t.statements] == [
+        {"order_id": "o-1", "handler": "paid"},
+        {"order_id": "o-1", "handler": "shipped"},
+    ]
+    assert [m.subject for m in paid.outbox] == ["RECEIPTS.sent"]
+
+
+async def test_a_writes_handler_is_refused_what_eop_writes_refuses() -> None:
+    """FakeWrites checks statements as eop.Writes does: a SELECT fails the handler."""
+    import sqlalchemy as sa
+
+    app = eop.App()
+
+    @app.handler(stream="S", subject="s", name="reads")
+    async def reads(msg: eop.Message, writes: eop.Writes) -> None:
+        writes.add(sa.select(sa.literal(1)))
+
+    async with testing.TestApp(app) as t:
+        with pytest.raises(testing.HandlerFailed, match="INSERT, UPDATE or DELETE"):
+            await t.deliver("s", b"{}")
+
+
+async def test_a_session_handler_running_sql_is_told_to_use_a_database() -> None:
+    """The fake session runs no SQL: the error says to test such a handler on a database."""
+    import sqlalchemy as sa
+
+    app = eop.App()
+
+    @app.handler(stream="S", subject="s", name="sql")
+    async def sql(msg: eop.Message, session: object) -> None:
+        await session.execute(sa.text("SELECT 1"))  # type: ignore[attr-defined]
+
+    async with testing.TestApp(app) as t:
+        with pytest.raises(testing.HandlerFailed, match=r"TestApp\(app, database=\.\.\.\)"):
+            await t.deliver("s", b"{}")
+
+
+async def test_a_batch_runs_in_one_transaction_and_a_failing_message_alone_retries() -> None:
+    """deliver_batch: the batch handler gets the list; one failing message is retried
+    on its own (savepoints), the others commit."""
+    async with testing.TestApp(batch_app(), raise_errors=False) as t:
+        delivered = await t.deliver_batch(
+            "ORDERS.bulk", [{"id": "a"}, {"id": "b", "fail": True}, {"id": "c"}]
+        )
+    assert [d.outcome for d in delivered] == [Outcome.PROCESSED, Outcome.RETRY, Outcome.PROCESSED]
+    assert isinstance(delivered[1].error, RuntimeError)
+    assert sorted(invoices(t)) == [("bulk", "a"), ("bulk", "c")]
+
+
+async def test_typed_payloads_are_decoded_and_bad_ones_dead_lettered() -> None:
+    """A dataclass payload (given as a dataclass or a dict) reaches the handler decoded,
+    with the message; a payload that does not fit is dead-lettered as undecodable."""
+    async with testing.TestApp(typed_app()) as t:
+        first = await t.deliver("ORDERS.typed", Order(id="o-1", amount_cents=5))
+        second = await t.deliver("ORDERS.typed", {"id": "o-2", "amount_cents": 7})
+        bad = await t.deliver("ORDERS.typed", {"id": "o-3"})
+    assert first.processed
+    assert second.processed
+    assert invoices(t) == [("typed_one", "o-1:1"), ("typed_one", "o-2:2")]
+    assert (bad.outcome, bad.reason) == (Outcome.DEAD_LETTERED, "undecodable")
+
+
+async def test_typed_batch_writes_handler_gets_the_list_of_payloads() -> None:
+    """A sync batch handler taking list[Order] and eop.Writes: one statement per order."""
+    async with testing.TestApp(batch_app()) as t:
+        delivered = await t.deliver_batch("ORDERS.typed", [Order("a", 1), Order("b", 2)])
+    assert all(d.processed for d in delivered)
+    assert [p["order_id"] for _, p in t.statements] == ["a", "b"]
+
+
+async def test_an_ordered_handler_is_retried_by_redelivery() -> None:
+    """order_by handlers are not parked: the failure is nak'ed and retry() redelivers it."""
+    async with testing.TestApp(ordered_app()) as t:
+        first = await t.deliver("ORDERS.x", {"id": "o-1"})
+        [again] = await t.retry()
+    assert first.retried
+    assert again.processed
+    assert again.message.num_delivered == 2
+    assert invoices(t) == [("ordered", "o-1")]
+
+
+async def test_a_subject_no_handler_takes_is_a_clear_error() -> None:
+    """Delivering on a subject no handler matches names the handlers there are."""
+    async with testing.TestApp(orm_app()) as t:
+        with pytest.raises(eop.ConfigurationError, match=r"billing \(ORDERS.created on ORDERS\)"):
+            await t.deliver("ORDERS.deleted", b"{}")
+
+
+async def test_one_result_shortcuts_refuse_when_several_handlers_got_it() -> None:
+    """delivered.outcome with two handlers says to pick one, instead of guessing."""
+    async with testing.TestApp(orm_app()) as t:
+        delivered = await t.deliver("ORDERS.created", {"id": "o-1"})
+    with pytest.raises(LookupError, match="pick one"):
+        _ = delivered.outcome
+    assert delivered["audit"].processed
+
+
+async def test_a_delivery_that_never_settles_raises_delivery_stalled() -> None:
+    """A database that keeps failing does not hang the test: DeliveryStalled after timeout_s,
+    the message handed back (nak) as a stopping worker would."""
+    store = testing.MemoryStore().fail_transactions(times=10_000)
+    app = orm_app().with_settings(backoff_base_s=0.01, backoff_max_s=0.01)
+    async with testing.TestApp(app, store=store, timeout_s=0.5) as t:
+        with pytest.raises(testing.DeliveryStalled, match="did not settle"):
+            await t.deliver("ORDERS.created", {"id": "o-1"}, handler="billing")
+
+
+async def test_a_pydantic_payload_is_sent_as_json_and_decoded_for_the_handler() -> None:
+    """A pydantic model given to deliver is encoded as JSON; the handler typed with it gets
+    it decoded; one missing a field is dead-lettered as undecodable."""
+    seen: list[Line] = []
+    app = pydantic_app(seen)
+    async with testing.TestApp(app) as t:
+        good = await t.deliver("ORDERS.line", Line(sku="a-1", quantity=2))
+        bad = await t.deliver("ORDERS.line", {"sku": "a-2"})
+    assert good.processed
+    assert seen == [Line(sku="a-1", quantity=2)]
+    assert (bad.outcome, bad.reason) == (Outcome.DEAD_LETTERED, "undecodable")
+
+
+async def test_a_batch_with_msg_ids_skips_the_republished_one() -> None:
+    """deliver_batch's msg_ids: an item whose Nats-Msg-Id was processed before is skipped."""
+    async with testing.TestApp(batch_app()) as t:
+        await t.deliver("ORDERS.bulk", {"id": "a"}, msg_id="a")
+        delivered = await t.deliver_batch(
+            "ORDERS.bulk", [{"id": "a"}, {"id": "b"}], msg_ids=["a", "b"]
+        )
+    assert [d.outcome for d in delivered] == [Outcome.DUPLICATE, Outcome.PROCESSED]
+    assert sorted(invoices(t)) == [("bulk", "a"), ("bulk", "b")]
