@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 
+from eop.contrib.django import get_app
+from eop.ops import dlq
 from eop.runtime.worker import Worker
 from tests.integration.bed import drained, running, wait_for
 
@@ -26,8 +28,6 @@ pytestmark = pytest.mark.timeout(180)
 @contextlib.asynccontextmanager
 async def worker(nats_url: str, *handlers: str, **overrides: Any) -> AsyncIterator[Worker]:
     """A worker of the project's app (settings.EOP, Django's database) on ``handlers``."""
-    from eop.contrib.django import get_app
-
     app = get_app({"nats_url": nats_url, "concurrency": 8, "batch": 8, **overrides})
     async with running(app, handlers=handlers) as w:
         yield w
@@ -88,8 +88,16 @@ async def test_sync_orm_handler_writes_once_in_the_claims_transaction_and_a_pois
     assert await effects("sync") == {str(i): 1 for i in range(60)}
     assert await rows("SELECT DISTINCT saw_claim FROM shop_effect") == [(True,)]
     assert await balance("hot") == 60
-    dead = await rows("SELECT subscription, reason FROM eop.dead_letters")
-    assert dead == [("sync_effects", "attempts_exhausted")]
+    dead = await rows("SELECT id, subscription, reason FROM eop.dead_letters")
+    assert [d[1:] for d in dead] == [("sync_effects", "attempts_exhausted")]
+    # `eop dlq replay --rerun` runs the handler on Django's connection too (the dead
+    # letter's JSON headers read back through Django's cursor): it fails again, rolled back.
+    result = await dlq.Replayer(get_app()).replay(dead[0][0], mode="rerun")
+    assert (result.status, result.detail) == (
+        "failed",
+        "ValueError: poison: this message always fails",
+    )
+    assert await effects("sync") == {str(i): 1 for i in range(60)}
 
 
 async def test_async_orm_handler_runs_on_the_lanes_connection_with_its_outbox_row(

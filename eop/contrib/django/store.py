@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import json
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
     from eop.pg.inbox import Transaction
 
 T = TypeVar("T")
+
+# PostgreSQL's type oids of json and jsonb.
+_JSON_OIDS = (114, 3802)
 
 
 class Lane:
@@ -227,7 +231,17 @@ class DjangoTransaction(statements.Statements):
         text, params = sql.for_psycopg(stmt)
         with self._connection().cursor() as cursor:
             cursor.execute(text, params)
-            return [tuple(row) for row in cursor.fetchall()] if cursor.description else []
+            if not cursor.description:
+                return []
+            # Django has psycopg load json and jsonb as text (its JSONField decodes
+            # them itself): decode them as a SQLAlchemy session would have.
+            decoded = [i for i, c in enumerate(cursor.description) if c.type_code in _JSON_OIDS]
+            rows = [list(row) for row in cursor.fetchall()]
+        for row in rows:
+            for i in decoded:
+                if isinstance(row[i], str):
+                    row[i] = json.loads(row[i])
+        return [tuple(row) for row in rows]
 
     def _call(self, messages: list[Message]) -> None:
         from asgiref.sync import async_to_sync

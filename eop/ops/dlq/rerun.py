@@ -12,11 +12,21 @@ from eop.pg import models, sql, statements
 
 if TYPE_CHECKING:
     from eop.app import App
+    from eop.pg.store import PostgresStore
 
 
 async def rerun(app: App, dead_letter_id: int, *, again: bool = False) -> state.ReplayResult:
     """Run the handler on the stored message, in one transaction with the bookkeeping."""
     store = app.make_store()
+    try:
+        return await _rerun(store, app, dead_letter_id, again)
+    finally:
+        store.close()  # its sync threads (and their connections) with it
+
+
+async def _rerun(
+    store: PostgresStore, app: App, dead_letter_id: int, again: bool
+) -> state.ReplayResult:
     tables = models.tables(app.settings.schema)
     # The row's subscription is not known before reading it; any spec of
     # the right kind opens the transaction, the real one is checked below.
