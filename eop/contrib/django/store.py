@@ -220,8 +220,9 @@ class DjangoTransaction(statements.Statements):
             connection.close_at = None
         # What Django does between requests: drop a connection that failed or aged out.
         connection.close_if_unusable_or_obsolete()
-        self._atomic = transaction.atomic(using=self.alias)
-        self._atomic.__enter__()
+        atomic = transaction.atomic(using=self.alias)
+        atomic.__enter__()  # connects (a failure leaves no block to leave)
+        self._atomic = atomic
         s = self._store.app.settings
         self._run_sql(
             sql.set_local_timeouts(int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000))
