@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.bed import wait_for
+from tests.integration.bed import drained, wait_for
 
 from .conftest import HERE, libpq_url
 from .test_handlers import accounts, balance, effects, rows, settled
@@ -144,3 +144,59 @@ async def test_eop_worker_stops_on_sigterm_with_a_message_in_flight(
     assert await asyncio.to_thread(proc.wait, 30) == 0, log.read_text()[-3000:]
     assert await effects("slow") == {"slow": 1}
     assert await rows("SELECT count(*) FROM eop.dead_letters") == [(0,)]
+
+
+def pg_rows(asyncpg_url: str, sql: str) -> list[tuple[Any, ...]]:
+    """Rows of ``sql`` on a database of a server of the test's own (psycopg, autocommit)."""
+    import psycopg
+
+    with psycopg.connect(libpq_url(asyncpg_url), autocommit=True) as conn:
+        return [tuple(row) for row in conn.execute(sql).fetchall()]
+
+
+async def test_eop_worker_rides_out_a_postgres_crash_without_losing_or_dead_lettering(
+    make_postgres_server: Any, nats_url: str, js: Any, tmp_path: Path
+) -> None:
+    """PostgreSQL SIGKILLed under ``manage.py eop_worker`` and started again: the lanes'
+    broken Django connections are replaced, every message takes effect once, none is
+    dead-lettered, the worker keeps running and then stops on SIGTERM."""
+    pg = make_postgres_server()
+    url = pg.create_database("djoutage")
+    env = manage_env(url, nats_url, DJPROJECT_DELAY_S="0.02")
+    migrated = await asyncio.to_thread(manage, "migrate", "--verbosity", "0", env=env)
+    assert migrated.returncode == 0, migrated.stderr
+    await asyncio.to_thread(
+        pg_rows, url, "INSERT INTO shop_account (name, balance) VALUES ('hot', 0) RETURNING id"
+    )
+    log = tmp_path / "worker.log"
+    proc = start_worker(env, log, "--handler", "slow", "--concurrency", "8", "--batch", "4")
+    try:
+        await wait_for(lambda: consuming(js), timeout_s=60, what="the worker's consumer")
+        for i in range(150):
+            await js.publish("dj.slow", json.dumps({"key": str(i)}).encode())
+
+        async def some_done() -> bool:
+            found = await asyncio.to_thread(pg_rows, url, "SELECT count(*) FROM shop_effect")
+            return bool(found[0][0] >= 30)
+
+        await wait_for(some_done, timeout_s=60, what="the worker to be busy")
+        await asyncio.to_thread(pg.kill)
+        await asyncio.sleep(1.0)  # an outage, not a blip
+        await asyncio.to_thread(pg.start)
+        await wait_for(lambda: drained(js, "eop-slow", "DJ"), timeout_s=120, what="all messages")
+        assert proc.poll() is None, log.read_text()[-3000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 40)
+    assert code == 0, log.read_text()[-3000:]
+    retried = log.read_text().count('"event": "transaction.retry"')
+    print(f"\n[django pg crash] transactions retried across the outage: {retried}")
+    by_key = await asyncio.to_thread(
+        pg_rows, url, "SELECT key, count(*) FROM shop_effect GROUP BY key"
+    )
+    assert dict(by_key) == {str(i): 1 for i in range(150)}
+    assert await asyncio.to_thread(
+        pg_rows, url, "SELECT balance FROM shop_account WHERE name = 'hot'"
+    ) == [(150,)]
+    assert await asyncio.to_thread(pg_rows, url, "SELECT count(*) FROM eop.dead_letters") == [(0,)]
+    assert await asyncio.to_thread(pg_rows, url, "SELECT count(*) FROM eop.retries") == [(0,)]
