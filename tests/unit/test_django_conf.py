@@ -76,3 +76,55 @@ def test_manage_py_eop_puts_the_projects_app_where_a_command_takes_one(
 ) -> None:
     """Commands whose first argument is MODULE:APP get the project's; the others use EOP_APP."""
     assert cli.argv_for(given) == expected
+
+
+def test_settings_eop_keys_are_eops_settings_by_their_env_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``settings.EOP`` takes eop's settings by their EOP_* names without the prefix; APP
+    and DATABASE are its own; any other key is an error naming the known ones."""
+    monkeypatch.setattr(
+        conf, "eop_dict", lambda: {"APP": "x:app", "DATABASE": "default", "MAX_ATTEMPTS": 3}
+    )
+    assert conf.eop_values() == {"max_attempts": 3}
+    monkeypatch.setattr(conf, "eop_dict", lambda: {"MAX_ATEMPTS": 3})
+    with pytest.raises(errors.ConfigurationError, match=r"unknown key 'MAX_ATEMPTS'.*MAX_ATTEMPTS"):
+        conf.eop_values()
+    monkeypatch.setattr(conf, "eop_dict", lambda: {"DATABASE_URL": "postgresql://x/y"})
+    with pytest.raises(errors.ConfigurationError, match="comes from DATABASES"):
+        conf.eop_values()
+
+
+def test_for_psycopg_binds_values_as_a_session_on_psycopg_would() -> None:
+    """eop's statements compiled for a bare psycopg cursor: ``%(name)s`` placeholders, every
+    value bound, a JSONB value wrapped for psycopg (Django's cursor has no SQLAlchemy)."""
+    from psycopg.types.json import Jsonb
+
+    from eop.pg import models, sql
+    from eop.pg.sql import outbox as outbox_sql
+
+    tables = models.tables("custom")
+    row = {
+        "subscription": "h",
+        "stream": "S",
+        "stream_epoch": "e",
+        "stream_seq": 7,
+        "fingerprint": b"f",
+        "msg_id": None,
+        "subject": "S.a",
+        "headers": {"k": "v"},
+        "payload": b"\x00p",
+        "reason": "rejected",
+        "error": "boom",
+        "traceback": None,
+        "delivery_count": 1,
+    }
+    text, values = sql.for_psycopg(sql.insert_dead_letter(tables, row))
+    assert "custom.dead_letters" in text
+    assert "%(headers)s" in text
+    assert isinstance(values["headers"], Jsonb)
+    assert values["payload"] == b"\x00p"
+    outbox_row = {"msg_id": "m", "subject": "S.a", "headers": b"{}", "payload": b"x"}
+    text, values = sql.for_psycopg(outbox_sql.insert(tables), outbox_row)
+    assert text.startswith('INSERT INTO "custom".outbox')
+    assert values == outbox_row

@@ -15,7 +15,10 @@ class EopConfig(AppConfig):
 
     def ready(self) -> None:
         """Send ``eop.outbox.add(connection, ...)`` rows to the schema of ``settings.EOP``."""
+        from eop import settings
         from eop.contrib.django import conf
         from eop.pg import outbox
 
-        outbox.configure_default(outbox.Context.of(conf.settings()))
+        # Not the database: a project starts (and checks settings.EOP) without reaching it.
+        configured = settings.Settings.from_env(overrides=conf.eop_values())
+        outbox.configure_default(outbox.Context.of(configured))

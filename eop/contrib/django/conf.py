@@ -108,6 +108,20 @@ def settings(
     """
     from django.db import connections
 
+    values = {**eop_values(), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    if database is None:
+        name = alias()
+        if name not in connections.databases:
+            raise errors.ConfigurationError(
+                f'settings.EOP["DATABASE"] is {name!r}, which DATABASES does not define'
+            )
+        database = connections.databases[name]
+    url = database_url(database).render_as_string(hide_password=False)
+    return settings_mod.Settings.from_env(overrides={**values, "database_url": url})
+
+
+def eop_values() -> dict[str, object]:
+    """The eop settings of ``settings.EOP``, by field name; an unknown key is an error."""
     fields = {f.name for f in dataclasses.fields(settings_mod.Settings)}
     values: dict[str, object] = {}
     for key, value in eop_dict().items():
@@ -121,10 +135,7 @@ def settings(
                 "comes from DATABASES"
             )
         values[name] = value
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    entry = database if database is not None else connections.databases[alias()]
-    url = database_url(entry).render_as_string(hide_password=False)
-    return settings_mod.Settings.from_env(overrides={**values, "database_url": url})
+    return values
 
 
 def app_path() -> str:

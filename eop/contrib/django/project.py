@@ -44,6 +44,12 @@ def get_app(overrides: Mapping[str, object] | None = None) -> App:
     setup()
     path = conf.app_path()
     app = App.from_path(path)
+    for spec in app.handlers.values():
+        if spec.takes_writes:
+            raise errors.ConfigurationError(
+                f"handler {spec.name!r} takes eop.Writes, which Django handlers do not get: "
+                "write with the ORM (the second argument is Django's connection)"
+            )
     alias = conf.alias()
     configured = app.with_store(lambda a: DjangoStore(a, alias), threaded=True)
     # The whole settings object: Django's database, not whatever the module's App() read.

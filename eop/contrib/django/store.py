@@ -126,6 +126,7 @@ class DjangoStore(PostgresStore):
     """
 
     def __init__(self, app: Database, alias: str) -> None:
+        """Refuse handlers taking :class:`eop.Writes`: the ORM writes as it is called."""
         super().__init__(app)
         self.alias = alias
         self._lanes = Lanes(app.sync_transactions())
@@ -136,11 +137,6 @@ class DjangoStore(PostgresStore):
 
     @contextlib.asynccontextmanager
     async def _open_django(self, spec: HandlerSpec) -> AsyncIterator[DjangoTransaction]:
-        if spec.takes_writes:
-            raise errors.ConfigurationError(
-                f"handler {spec.name!r} takes eop.Writes, which Django handlers do not get: "
-                "write with the ORM (its second argument is Django's connection)"
-            )
         lane = await self._lanes.take()
         tx = DjangoTransaction(self, spec, lane)
         try:
