@@ -126,7 +126,8 @@ class DjangoStore(PostgresStore):
     """
 
     def __init__(self, app: Database, alias: str) -> None:
-        """Refuse handlers taking :class:`eop.Writes`: the ORM writes as it is called."""
+        """The store of ``app``: its handlers' transactions on the connection of
+        ``DATABASES[alias]``, as many at once as the app's share for threads."""
         super().__init__(app)
         self.alias = alias
         self._lanes = Lanes(app.sync_transactions())
