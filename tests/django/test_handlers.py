@@ -169,3 +169,16 @@ async def test_outbox_in_a_view_commits_with_the_views_transaction_and_is_consum
         await wait_for(lambda: settled(js, "eop-orders"), timeout_s=60, what="drained")
     assert await effects("orders") == {"o1": 1, "o3": 1}
     assert await rows("SELECT DISTINCT saw_claim FROM shop_effect") == [(True,)]
+
+
+def test_eops_engines_cannot_be_pointed_away_from_djangos_database(project: str) -> None:
+    """A database_url (a --database-url flag) naming another database than DATABASES is
+    refused: the claims and eop's bookkeeping would each see half of the inbox."""
+    from eop import errors
+    from eop.contrib.django.store import DjangoStore
+
+    app = get_app()
+    DjangoStore(app, "default").close()  # Django's own: accepted
+    elsewhere = app.with_settings(database_url="postgresql+asyncpg://postgres@127.0.0.1:1/other")
+    with pytest.raises(errors.ConfigurationError, match=r"is not DATABASES\['default'\]"):
+        elsewhere.make_store()

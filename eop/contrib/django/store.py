@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psycopg
 import sqlalchemy as sa
 
-from eop import errors
+from eop import errors, redaction
 from eop.pg import failures, sql, statements, transactions
 from eop.pg.store import Database, PostgresStore
 
@@ -131,6 +131,7 @@ class DjangoStore(PostgresStore):
         ``DATABASES[alias]``, as many at once as the app's share for threads."""
         super().__init__(app)
         self.alias = alias
+        _check_same_database(app.settings.database_url, alias)
         self._lanes = Lanes(app.sync_transactions())
 
     def transaction(self, spec: HandlerSpec) -> contextlib.AbstractAsyncContextManager[Transaction]:
@@ -156,6 +157,26 @@ class DjangoStore(PostgresStore):
         """Take no more steps; close each lane's connection once its step ends."""
         for lane in self._lanes.all:
             lane.close(self.alias)
+
+
+def _check_same_database(url: str, alias: str) -> None:
+    """eop's engines must reach the database the lanes write to: the claim on one and the
+    bookkeeping (compaction, parked retries, the check after an ambiguous COMMIT) on
+    another would each see half of the inbox."""
+    from django.db import connections
+
+    from eop.contrib.django import conf
+
+    def where(u: sa.URL) -> tuple[object, ...]:
+        return (u.host or u.query.get("host"), u.port or 5432, u.database, u.username)
+
+    django_url = conf.database_url(connections.databases[alias])
+    if where(sa.make_url(url)) != where(django_url):
+        raise errors.ConfigurationError(
+            f"eop's database_url ({redaction.redact_url(url)}) is not DATABASES[{alias!r}] "
+            f"({redaction.redact_url(django_url.render_as_string(hide_password=False))}): "
+            "with Django, leave database_url unset (no EOP_DATABASE_URL, no --database-url)"
+        )
 
 
 class _RollingBack(Exception):
