@@ -200,3 +200,22 @@ async def test_eop_worker_rides_out_a_postgres_crash_without_losing_or_dead_lett
     ) == [(150,)]
     assert await asyncio.to_thread(pg_rows, url, "SELECT count(*) FROM eop.dead_letters") == [(0,)]
     assert await asyncio.to_thread(pg_rows, url, "SELECT count(*) FROM eop.retries") == [(0,)]
+
+
+def test_call_command_eop_runs_eops_command_line_in_process(
+    project: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``call_command("eop", "db", "current")`` (the command's handle(), not manage.py's
+    argv path) prints the revision eop's Django migration left."""
+    from django.core.management import call_command
+
+    from eop.pg import migrate
+
+    saved = dict(os.environ)
+    try:
+        call_command("eop", "db", "current")
+    finally:
+        # The command exports settings.EOP to the environment (for its child processes).
+        os.environ.clear()
+        os.environ.update(saved)
+    assert capsys.readouterr().out.strip() == migrate.head()
