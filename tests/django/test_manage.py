@@ -219,3 +219,40 @@ def test_call_command_eop_runs_eops_command_line_in_process(
         os.environ.clear()
         os.environ.update(saved)
     assert capsys.readouterr().out.strip() == migrate.head()
+
+
+async def test_sigterm_ends_a_worker_whose_orm_handler_hangs_and_the_message_comes_back_once(
+    project: str, nats_url: str, js: Any, tmp_path: Path
+) -> None:
+    """A handler stuck in its lane past the grace period: SIGTERM still ends the process
+    (status 3: the lane's thread abandoned), its transaction never commits, and the next
+    worker applies the message exactly once."""
+    from eop.runtime import shutdown
+
+    await accounts("hot")
+    log = tmp_path / "worker.log"
+    stuck = start_worker(
+        manage_env(project, nats_url, DJPROJECT_DELAY_S="600"),
+        log,
+        *("--handler", "slow", "--shutdown-grace-s", "2"),
+    )
+    await wait_for(lambda: consuming(js), timeout_s=60, what="the worker's consumer")
+    await js.publish("dj.slow", json.dumps({"key": "stuck"}).encode())
+
+    async def in_flight() -> bool:
+        return bool((await js.consumer_info("DJ", "eop-slow")).num_ack_pending)
+
+    await wait_for(in_flight, timeout_s=30, what="the message in flight")
+    stuck.send_signal(signal.SIGTERM)
+    # A liveness bound far above the stop deadline (grace 2 + ack_give_up 10 + 5 s).
+    assert await asyncio.to_thread(stuck.wait, 60) == shutdown.EXIT_FORCED
+    assert await effects("slow") == {}
+    again = start_worker(manage_env(project, nats_url), log, "--handler", "slow")
+    try:
+        await wait_for(lambda: settled(js, "eop-slow"), timeout_s=60, what="the redelivery")
+    finally:
+        again.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(again.wait, 40) == 0
+    assert await effects("slow") == {"stuck": 1}
+    assert await balance("hot") == 1
+    assert await rows("SELECT count(*) FROM eop.dead_letters") == [(0,)]
