@@ -4,7 +4,7 @@ Django keeps one connection per thread. So each transaction takes a *lane*,
 a thread of its own holding one Django connection, for its whole life: every
 step (the claim, the handler, eop's bookkeeping, COMMIT) runs there, inside
 one ``transaction.atomic()`` block, eop's statements (:mod:`eop.pg.sql`)
-through Django's cursor. A sync handler is called in the lane; an async one
+through a cursor of Django's connection. A sync handler is called in the lane; an async one
 through ``async_to_sync`` from the lane, so that the ORM's async methods
 (``sync_to_async`` with ``thread_sensitive=True``) run back in the lane, on
 its connection, in its transaction.
@@ -21,7 +21,6 @@ import concurrent.futures
 import contextlib
 import contextvars
 import json
-import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -86,7 +85,6 @@ class Lanes:
         self.all = [Lane(i) for i in range(size)]
         self._free: asyncio.Queue[Lane] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()
 
     async def take(self) -> Lane:
         """A free lane: wait until a transaction gives one back."""
@@ -252,8 +250,8 @@ class DjangoTransaction(statements.Statements):
         connection = self._connection()
         connection.ensure_connection()
         # Django's own cursors bind client-side unless OPTIONS says otherwise: a batch's
-        # claim (nine arrays) would be quoted into its text, re-planned every time, at a
-        # third of the throughput. A plain psycopg cursor on Django's connection binds
+        # claim (nine arrays) would be quoted into its text and planned anew each
+        # time. A plain psycopg cursor on Django's connection binds
         # server-side (and prepares, as the connection's prepare_threshold allows); the
         # wrapper keeps Django's error translation and its errors_occurred flag.
         with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
