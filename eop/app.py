@@ -17,6 +17,7 @@ from eop import errors
 from eop import handler as handler_mod
 from eop import settings as settings_mod
 from eop.pg import engines, outbox
+from eop.pg.store import PostgresStore
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -65,6 +66,8 @@ class App:
         self._sync_sessionmaker = sync_sessionmaker
         self._handlers: dict[str, handler_mod.HandlerSpec] = {}
         self._streams: dict[str, handler_mod.StreamSpec] = {}
+        self._store_factory: Callable[[App], PostgresStore] = PostgresStore
+        self._threaded_store = False
 
     def handler(
         self,
@@ -175,6 +178,23 @@ class App:
         clone._streams = self._streams
         return clone
 
+    def with_store(self, factory: Callable[[App], PostgresStore], *, threaded: bool = False) -> App:
+        """A copy of this app whose workers open handler transactions on ``factory(app)``.
+
+        :mod:`eop.contrib.django` gives one that runs them on Django's connections;
+        eop's own bookkeeping stays on the app's engine. ``threaded``: every
+        handler's transaction holds a connection in a thread of the store's, as
+        sync handlers' do (:meth:`connection_shares` counts them so).
+        """
+        clone = self.with_settings()
+        clone._store_factory = factory
+        clone._threaded_store = threaded
+        return clone
+
+    def make_store(self) -> PostgresStore:
+        """The store a worker of this app opens its handlers' transactions with."""
+        return self._store_factory(self)
+
     def connection_shares(self) -> tuple[int, int]:
         """How the pools eop makes share ``settings.db_connections()``: (async, sync).
 
@@ -186,7 +206,9 @@ class App:
         the check after an ambiguous COMMIT) and the sync pool the rest.
         """
         total = self.settings.db_connections()
-        kinds = {spec.is_async for spec in self._handlers.values()}
+        kinds = (
+            {False} if self._threaded_store else {spec.is_async for spec in self._handlers.values()}
+        )
         if False not in kinds:
             return total, 0
         if total < 2:

@@ -84,6 +84,12 @@ class AmbiguousCommit(EopError):
     """The connection was lost during COMMIT: the transaction's outcome is unknown."""
 
 
+class TransactionAborted(EopError):
+    """The handler's transaction can only roll back: a database error inside it was
+    caught without rolling back to a savepoint (in Django: outside an inner
+    ``transaction.atomic()``). It counts as the handler's failure."""
+
+
 class ClaimTimeout(EopError):
     """Another delivery of the same message holds its inbox key: not starting the handler."""
 

@@ -8,9 +8,9 @@
 Both come from eop's pytest plugin (``pytest_eop``, the fixtures users get);
 the names here are the bed's own, kept for its tests.
 
-Tests under ``tests/integration`` get the ``integration`` marker. A missing
-server binary skips the tests that need it, except under ``CI=true`` where it
-fails them.
+Tests under ``tests/integration`` and ``tests/django`` get the ``integration``
+marker. A missing server binary skips the tests that need it, except under
+``CI=true`` where it fails them.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ if TYPE_CHECKING:
 pytest_plugins = ["pytester"]
 
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1")
-INTEGRATION_DIR = Path(__file__).parent / "integration"
+INTEGRATION_DIRS = (Path(__file__).parent / "integration", Path(__file__).parent / "django")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test under tests/integration as `integration`."""
+    """Mark every test under tests/integration and tests/django as `integration`."""
     for item in items:
-        if INTEGRATION_DIR in item.path.parents:
+        if any(d in item.path.parents for d in INTEGRATION_DIRS):
             item.add_marker(pytest.mark.integration)
 
 

@@ -10,7 +10,10 @@ written depends on what the caller holds:
 - a sync ``Session``: inserted at once, in its transaction;
 - an ``AsyncSession``: inserted when the session commits (``add`` cannot
   await), and dropped when the transaction (or the savepoint) it was added
-  in is rolled back.
+  in is rolled back;
+- a DB-API connection on psycopg (:class:`Cursors`: Django's
+  ``django.db.connection``, a ``psycopg.Connection``): inserted at once,
+  through one of its cursors, in its open transaction.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import sqlalchemy as sa
 from sqlalchemy import orm
@@ -27,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from eop import errors, outgoing, settings, writes
 from eop.pg import models
+from eop.pg import sql as sql_text
 from eop.pg.sql import outbox as sql
 
 if TYPE_CHECKING:
@@ -53,15 +57,37 @@ class Context:
         return cls(models.tables(s.schema), s.outbox_max_payload)
 
 
+_configured: list[Context] = []
+
+
+def configure_default(context: Context) -> None:
+    """Where rows added through a session or connection eop did not make go, in this process.
+
+    Without it, the process's ``EOP_SCHEMA`` and ``EOP_OUTBOX_MAX_PAYLOAD``;
+    :mod:`eop.contrib.django` sets it from Django's settings.
+    """
+    _configured[:] = [context]
+
+
 @functools.cache
-def _default_context() -> Context:
-    # A session eop did not make: the process's EOP_SCHEMA and EOP_OUTBOX_MAX_PAYLOAD,
-    # read once.
+def _env_context() -> Context:
+    # Read once: a process's environment does not change under it.
     return Context.of(settings.Settings.from_env())
 
 
+def _default_context() -> Context:
+    return _configured[0] if _configured else _env_context()
+
+
+class Cursors(Protocol):
+    """A DB-API connection on psycopg: what ``add`` needs of one (``cursor()``)."""
+
+    def cursor(self) -> Any:
+        """A cursor (a context manager) whose ``execute`` takes ``%(name)s`` parameters."""
+
+
 def add(
-    target: orm.Session | AsyncSession | writes.Writes,
+    target: orm.Session | AsyncSession | writes.Writes | Cursors,
     subject: str,
     data: bytes | str,
     *,
@@ -79,7 +105,8 @@ def add(
     ``EOP_SCHEMA``, else ``eop``). A bad subject, header or size raises
     :class:`eop.UnpublishableMessage` here, before anything is written.
     """
-    info = target.info if isinstance(target, writes.Writes) else _info(target)
+    connection = _connection(target)
+    info = target.info if isinstance(target, writes.Writes) else _info(target, connection)
     queue: RowQueue | None = target if isinstance(target, writes.Writes) else info.get(WRITES_KEY)
     context = info.get(CONTEXT_KEY) or _default_context()
     if schema is not None and schema != context.tables.schema:
@@ -100,7 +127,20 @@ def add(
         _queue_until_commit(target.sync_session, statement, row)
     elif isinstance(target, orm.Session):
         target.execute(statement, row)
+    elif connection is not None:
+        text, values = sql_text.for_psycopg(statement, row)
+        with connection.cursor() as cursor:
+            cursor.execute(text, values)
     return message.msg_id
+
+
+def _connection(target: object) -> Cursors | None:
+    """``target`` when it is a DB-API connection rather than a session or a write queue."""
+    if isinstance(target, (orm.Session, AsyncSession, writes.Writes)):
+        return None
+    if isinstance(getattr(target, "info", None), dict):
+        return None  # the test kit's fake sessions
+    return cast("Cursors", target) if callable(getattr(target, "cursor", None)) else None
 
 
 class RowQueue(Protocol):
@@ -110,7 +150,9 @@ class RowQueue(Protocol):
         """Queue ``statement`` with ``params`` for the transaction."""
 
 
-def _info(session: object) -> dict[str, Any]:
+def _info(session: object, connection: Cursors | None = None) -> dict[str, Any]:
+    if connection is not None:
+        return {}  # no queue: the row goes in at once
     info = getattr(session, "info", None)
     # eop's handler sessions (and the test kit's fakes) carry their queue in info.
     if isinstance(session, (orm.Session, AsyncSession)) or (
@@ -118,7 +160,8 @@ def _info(session: object) -> dict[str, Any]:
     ):
         return info  # type: ignore[return-value]  # a Session's info is a dict
     raise errors.ConfigurationError(
-        "eop.outbox.add takes a SQLAlchemy Session or AsyncSession, or an eop.Writes, "
+        "eop.outbox.add takes a SQLAlchemy Session or AsyncSession, an eop.Writes, "
+        "or a psycopg DB-API connection (django.db.connection), "
         f"not {type(session).__name__}"
     )
 

@@ -165,7 +165,7 @@ class Worker:
             lambda: jetstream.connect(s, name=name, on_lost=self._nats_lost), s
         )
         self.nats = nc
-        store = PostgresStore(self.app)
+        store = self.app.make_store()
         try:
             js = nc.jetstream()
             epochs = jetstream.StreamEpochs(nc)

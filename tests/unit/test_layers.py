@@ -51,6 +51,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tools", ("eop.ops", "eop.testing", "eop.embedded", "eop._child", "eop.demo", "eop.spark")),
     ("tools", ("eop.chaos", "eop.bench")),
     ("cli", ("eop.cli", "eop.__main__")),
+    ("contrib", ("eop.contrib",)),
 )
 
 #: What ``eop worker`` must never load: development tools, each a command of its own.

@@ -32,7 +32,8 @@ def test_outgoing_checks_subjects_headers_and_size_and_fixes_the_msg_id() -> Non
 
 
 def test_add_refuses_what_is_not_a_session() -> None:
-    """Anything but a Session, an AsyncSession or an eop.Writes is a clear error."""
+    """Anything but a Session, an AsyncSession, an eop.Writes or a DB-API connection
+    (something with cursor()) is a clear error."""
     with pytest.raises(eop.ConfigurationError, match="takes a SQLAlchemy Session"):
         eop.outbox.add(object(), "A.b", b"")  # type: ignore[arg-type]
 

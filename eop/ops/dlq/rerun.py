@@ -8,16 +8,25 @@ from typing import TYPE_CHECKING, Any
 
 from eop import errors, log, message
 from eop.ops.dlq import dead_letters, state
-from eop.pg import models, sql, transactions
-from eop.pg.store import PostgresStore
+from eop.pg import models, sql, statements
 
 if TYPE_CHECKING:
     from eop.app import App
+    from eop.pg.store import PostgresStore
 
 
 async def rerun(app: App, dead_letter_id: int, *, again: bool = False) -> state.ReplayResult:
     """Run the handler on the stored message, in one transaction with the bookkeeping."""
-    store = PostgresStore(app)
+    store = app.make_store()
+    try:
+        return await _rerun(store, app, dead_letter_id, again)
+    finally:
+        store.close()  # its sync threads (and their connections) with it
+
+
+async def _rerun(
+    store: PostgresStore, app: App, dead_letter_id: int, again: bool
+) -> state.ReplayResult:
     tables = models.tables(app.settings.schema)
     # The row's subscription is not known before reading it; any spec of
     # the right kind opens the transaction, the real one is checked below.
@@ -30,7 +39,7 @@ async def rerun(app: App, dead_letter_id: int, *, again: bool = False) -> state.
             f"which this app does not register (registered: {known}); pass the app that does"
         )
     async with store.transaction(spec) as tx:
-        assert isinstance(tx, transactions.SqlTransaction)
+        assert isinstance(tx, statements.Statements)
         rows = await tx.select(sql.lock_dead_letter(tables, dead_letter_id))
         if not rows:
             raise state.not_found(dead_letter_id)

@@ -1,7 +1,9 @@
 """All of eop's SQL, in one place.
 
 Statements are built with SQLAlchemy Core from :mod:`eop.pg.models`, so they
-follow the configured schema and run unchanged on async and sync sessions.
+follow the configured schema and run unchanged on async and sync sessions;
+:func:`for_psycopg` turns one into text and values for a psycopg cursor that
+no SQLAlchemy session owns (Django's, in :mod:`eop.contrib.django`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,38 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from eop.pg import models
+
+
+@functools.cache
+def _psycopg() -> sa.Dialect:
+    return psycopg_dialect.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it unannotated
+
+
+def for_psycopg(
+    stmt: sa.Executable, params: dict[str, Any] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """``stmt`` as SQL text with ``%(name)s`` placeholders and its values, ready for a
+    psycopg cursor's ``execute`` (or anything that hands both to one, as Django's does).
+
+    ``params`` supplies the values the statement leaves unbound (an outbox row).
+    The values go through the bind processing a SQLAlchemy session would give
+    them on psycopg (a JSONB column's ``dict`` wrapped as ``Jsonb``), so the
+    statement means the same on either path.
+    """
+    dialect = _psycopg()
+    assert isinstance(stmt, sa.ClauseElement), "eop's statements are SQL expressions"
+    compiled = stmt.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+    values = dict(compiled.construct_params(params) or {})
+    assert isinstance(compiled, SQLCompiler)
+    for name, bind in compiled.binds.items():
+        process = bind.type.dialect_impl(dialect).bind_processor(dialect)
+        if process is not None and name in values:
+            values[name] = process(values[name])
+    return compiled.string, values
 
 
 def _in_epoch(c: Any, subscription: str, stream: str, epoch: str) -> tuple[Any, ...]:

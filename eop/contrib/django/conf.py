@@ -1,0 +1,149 @@
+"""eop's settings from Django's: the ``EOP`` dict of settings.py and ``DATABASES[alias]``.
+
+::
+
+    EOP = {
+        "APP": "myproject.handlers:app",  # the eop.App whose handlers the worker runs
+        "DATABASE": "default",            # the DATABASES alias handlers write through
+        "NATS_URL": "nats://127.0.0.1:4222",
+        "SCHEMA": "eop",
+        # ...any other eop setting, by its EOP_* name without the prefix
+    }
+
+Precedence: ``EOP_*`` environment variables, then the ``EOP`` dict, then the
+flags of ``manage.py eop ...``. The database URL is always Django's:
+eop's own engines (its bookkeeping, the relay, migrations) reach the database
+Django's handlers write to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+
+from eop import errors
+from eop import settings as settings_mod
+
+#: The keys of ``settings.EOP`` that are not eop settings.
+OWN_KEYS = ("APP", "DATABASE")
+
+# Django's PostgreSQL backends: both talk to PostgreSQL through psycopg.
+_ENGINES = ("django.db.backends.postgresql", "django.contrib.gis.db.backends.postgis")
+
+# libpq connection parameters Django passes on from OPTIONS that change where or
+# how eop's connections go; psycopg's URL takes them all, asyncpg's the TLS ones
+# (eop.pg.engines turns those into an ssl context).
+_LIBPQ = (
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "sslcrl",
+    "connect_timeout",
+    "target_session_attrs",
+    "options",
+    "passfile",
+    "service",
+)
+_ASYNCPG = ("sslmode", "sslrootcert", "sslcert", "sslkey")
+
+
+def eop_dict() -> dict[str, Any]:
+    """``settings.EOP`` (empty when unset), checked to be a dict."""
+    from django.conf import settings
+
+    found = getattr(settings, "EOP", {})
+    if not isinstance(found, Mapping):
+        raise errors.ConfigurationError(f"settings.EOP must be a dict, not {type(found).__name__}")
+    return dict(found)
+
+
+def alias() -> str:
+    """The ``DATABASES`` alias eop's handlers and engines use (``EOP["DATABASE"]``)."""
+    return str(eop_dict().get("DATABASE", "default"))
+
+
+def database_url(
+    database: Mapping[str, Any], driver: str = "asyncpg", *, name: str | None = None
+) -> sa.URL:
+    """The SQLAlchemy URL of a ``DATABASES`` entry, for ``driver`` (asyncpg or psycopg).
+
+    ``name`` replaces the database's NAME (Django's test database). A HOST that
+    is a directory is a Unix socket: it goes in the query, as libpq reads it.
+    """
+    engine = database.get("ENGINE", "")
+    if engine not in _ENGINES:
+        raise errors.ConfigurationError(
+            f"eop needs a PostgreSQL database; DATABASES has ENGINE {engine!r}"
+        )
+    options = dict(database.get("OPTIONS") or {})
+    kept = _LIBPQ if driver == "psycopg" else _ASYNCPG
+    query = {key: str(options[key]) for key in kept if key in options}
+    host = str(database.get("HOST") or "") or None
+    if host is not None and host.startswith("/"):
+        query["host"] = host
+        host = None
+    port = database.get("PORT")
+    return sa.URL.create(
+        f"postgresql+{driver}",
+        username=str(database.get("USER") or "") or None,
+        password=str(database.get("PASSWORD") or "") or None,
+        host=host,
+        port=int(port) if port not in (None, "") else None,
+        database=name or str(database.get("NAME") or "") or None,
+        query=query,
+    )
+
+
+def settings(
+    overrides: Mapping[str, object] | None = None, *, database: Mapping[str, Any] | None = None
+) -> settings_mod.Settings:
+    """eop's Settings: the environment's, then ``settings.EOP``'s, then ``overrides``.
+
+    The database URL is the one of ``database`` (default: ``DATABASES`` of
+    :func:`alias`), whatever the other sources say.
+    """
+    from django.db import connections
+
+    values = {**eop_values(), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    if database is None:
+        name = alias()
+        if name not in connections.databases:
+            raise errors.ConfigurationError(
+                f'settings.EOP["DATABASE"] is {name!r}, which DATABASES does not define'
+            )
+        database = connections.databases[name]
+    url = database_url(database).render_as_string(hide_password=False)
+    return settings_mod.Settings.from_env(overrides={**values, "database_url": url})
+
+
+def eop_values() -> dict[str, object]:
+    """The eop settings of ``settings.EOP``, by field name; an unknown key is an error."""
+    fields = {f.name for f in dataclasses.fields(settings_mod.Settings)}
+    values: dict[str, object] = {}
+    for key, value in eop_dict().items():
+        if key in OWN_KEYS:
+            continue
+        name = key.lower()
+        if name not in fields or name == "database_url":
+            known = ", ".join(sorted(OWN_KEYS + tuple(f.upper() for f in fields)))
+            raise errors.ConfigurationError(
+                f"settings.EOP has an unknown key {key!r} (known: {known}); the database "
+                "comes from DATABASES"
+            )
+        values[name] = value
+    return values
+
+
+def app_path() -> str:
+    """``EOP["APP"]``: where the eop.App with the project's handlers is."""
+    path = eop_dict().get("APP")
+    if not isinstance(path, str) or ":" not in path:
+        raise errors.ConfigurationError(
+            'settings.EOP["APP"] must name the eop.App of your handlers, e.g. '
+            '"myproject.handlers:app"'
+        )
+    return path

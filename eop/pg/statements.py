@@ -1,0 +1,216 @@
+"""The protocol's statements in one inbox transaction, whatever runs them.
+
+:class:`Statements` implements the bookkeeping half of
+:class:`eop.pg.inbox.Transaction` (the claim, the look-ups, the dead letters,
+the retries' counts) with eop's statements (:mod:`eop.pg.sql`) over two
+primitives, :meth:`Statements._rows` and :meth:`Statements._execute`; a
+subclass says how a statement reaches the database (a SQLAlchemy session in
+:mod:`eop.pg.transactions`, Django's connection in :mod:`eop.contrib.django`)
+and how the handler runs.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from eop import message as message_mod
+from eop import redaction
+from eop.pg import models, sql
+from eop.pg.inbox import DeadLetter, Existing
+
+if TYPE_CHECKING:
+    from eop.handler import HandlerSpec
+    from eop.message import Message
+
+
+class Statements(abc.ABC):
+    """The protocol's statements over a connection a subclass provides."""
+
+    def __init__(self, tables: models.Tables, spec: HandlerSpec) -> None:
+        self.tables = tables
+        self.spec = spec
+        self.committed = False
+
+    @abc.abstractmethod
+    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]: ...
+
+    @abc.abstractmethod
+    async def _execute(self, stmt: sa.Executable) -> None: ...
+
+    async def select(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
+        """The rows of one of eop's own statements (:mod:`eop.pg.sql`), run in this transaction."""
+        return await self._rows(stmt)
+
+    @abc.abstractmethod
+    async def run(self, message: Message, *, flush: bool = True) -> None:
+        """Run the handler inside this transaction.
+
+        With ``flush=False`` the handler's queued writes (:class:`eop.Writes`)
+        and pending ORM objects stay queued, to be sent with the rest of the
+        batch's by :meth:`flush`.
+        """
+
+    @abc.abstractmethod
+    async def flush(self) -> None:
+        """Send the handlers' queued writes, then their pending ORM objects."""
+
+    @abc.abstractmethod
+    async def commit(self) -> None:
+        """COMMIT; :class:`eop.AmbiguousCommit` when the connection drops during it."""
+
+    @abc.abstractmethod
+    async def rollback(self) -> None:
+        """ROLLBACK (never raises)."""
+
+    @abc.abstractmethod
+    async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:
+        """Run a batch handler on ``messages`` inside this transaction."""
+
+    @abc.abstractmethod
+    async def run_isolated(self, messages: list[Message]) -> Exception | None:
+        """Run the handler on ``messages`` inside a savepoint; its error, rolled back, or None.
+
+        Failures of the database (:data:`INFRASTRUCTURE`: conflicts, lock and
+        statement timeouts, a lost connection) are raised, not returned: they
+        are no handler's failure, and the transaction is retried whole.
+        """
+
+    async def claim(self, message: Message, outcome: str) -> bool:
+        """Insert the inbox row; False when the key or the msg-id is taken, or below the
+        watermark."""
+        return bool(await self.claim_many([message], outcome))
+
+    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
+        """Claim a batch in one statement; returns the claimed stream sequences.
+
+        The messages of one batch share a subscription and a stream, so the
+        sequence identifies each one.
+        """
+        rows = [self.claim_row(m, outcome) for m in messages]
+        return {int(row[0]) for row in await self._rows(sql.claim(self.tables, rows))}
+
+    def claim_row(self, m: Message, outcome: str) -> dict[str, Any]:
+        """The inbox row that claims ``m`` with ``outcome``."""
+        return {
+            "subscription": m.subscription,
+            "stream": m.stream,
+            "stream_epoch": m.stream_epoch,
+            "stream_seq": m.seq,
+            "fingerprint": m.fingerprint,
+            "msg_id": m.msg_id if self.spec.msg_id_guard else None,
+            "subject": m.subject,
+            "outcome": outcome,
+            "delivery_count": m.num_delivered,
+        }
+
+    async def unclaim(self, message: Message) -> None:
+        """Drop this transaction's claim of ``message`` (its handler failed in a batch)."""
+        await self._rows(
+            sql.unclaim(
+                self.tables, message.subscription, message.stream, message.stream_epoch, message.seq
+            )
+        )
+
+    async def find(self, message: Message) -> Existing | None:
+        """What the inbox holds under the message's key, else under its msg-id."""
+        rows = await self._rows(
+            sql.find_by_key(
+                self.tables,
+                message.subscription,
+                message.stream,
+                message.stream_epoch,
+                message.seq,
+            )
+        )
+        if rows:
+            return Existing(by="key", fingerprint=rows[0][0], outcome=rows[0][1])
+        if message.msg_id is not None and self.spec.msg_id_guard:
+            rows = await self._rows(
+                sql.find_by_msg_id(self.tables, message.subscription, message.msg_id)
+            )
+            if rows:
+                return Existing(by="msg_id", fingerprint=None, outcome=rows[0][3])
+        rows = await self._rows(
+            sql.watermark(self.tables, message.subscription, message.stream, message.stream_epoch)
+        )
+        if rows and message.seq <= rows[0][0]:
+            # Compacted: its outcome committed before the consumer's ack floor passed it.
+            return Existing(by="watermark", fingerprint=None, outcome=models.OUTCOME_PROCESSED)
+        return None
+
+    async def has_dead_letter(self, message: Message) -> bool:
+        """Whether a dead letter for this message (key and fingerprint) is recorded."""
+        stmt = sql.find_dead_letter(
+            self.tables,
+            message.subscription,
+            message.stream,
+            message.stream_epoch,
+            message.seq,
+            message.fingerprint,
+        )
+        return bool(await self._rows(stmt))
+
+    async def count_failure(
+        self, message: Message, error: str, *, parked: bool, due_in_s: float
+    ) -> int:
+        """Add one handler failure to the message's count, keeping the message; the new count."""
+        row = {
+            "subscription": message.subscription,
+            "stream": message.stream,
+            "stream_epoch": message.stream_epoch,
+            "stream_seq": message.seq,
+            "last_error": message_mod.pg_text(error),
+            "parked": parked,
+            "due_in_s": due_in_s,
+            "subject": message.subject,
+            # The handler needs the headers as they were (secrets included) on its
+            # retry; JSON in bytea keeps any character, NUL too.
+            "headers": json.dumps(dict(message.headers)).encode(),
+            "payload": message.data,
+            "stored_at": message.timestamp,
+        }
+        rows = await self._rows(sql.count_failure(self.tables, row))
+        return int(rows[0][0])
+
+    async def forget_failures(self, message: Message) -> None:
+        """Drop the message's failure count and parked copy (it has its outcome)."""
+        await self._execute(sql.forget_failures(self.tables, *_key(message)))
+
+    async def reschedule(self, message: Message, due_in_s: float) -> None:
+        """Run a parked message again ``due_in_s`` from now."""
+        await self._execute(sql.reschedule(self.tables, *_key(message), due_in_s))
+
+    async def lock_run(self, message: Message, runs: int) -> bool:
+        """Lock a parked message for its run number ``runs``; False if another run took it."""
+        return bool(await self._rows(sql.lock_run(self.tables, *_key(message), runs)))
+
+    async def settle_retrying(self, message: Message, outcome: str) -> bool:
+        """Give a retrying message its outcome; False when it is not retrying (any more)."""
+        return bool(await self._rows(sql.settle_retrying(self.tables, *_key(message), outcome)))
+
+    async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
+        """Record the dead letter: reason, error, headers without secrets, payload."""
+        row = {
+            "subscription": message.subscription,
+            "stream": message.stream,
+            "stream_epoch": message.stream_epoch,
+            "stream_seq": message.seq,
+            "fingerprint": message.fingerprint,
+            "msg_id": message.msg_id,
+            "subject": message.subject,
+            "headers": json.loads(json.dumps(redaction.redact_headers(message.headers))),
+            "payload": message.data,
+            "reason": dead.reason,
+            "error": dead.error,
+            "traceback": dead.traceback,
+            "delivery_count": message.num_delivered,
+        }
+        await self._rows(sql.insert_dead_letter(self.tables, row))
+
+
+def _key(message: Message) -> tuple[str, str, str, int]:
+    return (message.subscription, message.stream, message.stream_epoch, message.seq)

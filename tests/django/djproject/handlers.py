@@ -1,0 +1,78 @@
+"""The project's eop handlers: the Django ORM inside the transaction that claims the message."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db.models import F
+from djproject.shop.models import Account, Effect
+
+import eop
+import eop.contrib.django
+
+app = eop.App()
+app.stream("DJ", subjects=["dj.>"])
+
+
+def saw_claim(connection: Any, message: eop.Message) -> bool:
+    """Whether this transaction sees the message's inbox row, not committed yet."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM eop.inbox WHERE subscription = %s AND stream = %s "
+            "AND stream_seq = %s",
+            [message.subscription, message.stream, message.seq],
+        )
+        return bool(cursor.fetchone()[0] == 1)
+
+
+def _key(message: eop.Message) -> str:
+    return str(json.loads(message.data)["key"])
+
+
+@app.handler(stream="DJ", subject="dj.sync", name="sync_effects")
+def sync_effects(message: eop.Message, connection: Any) -> None:
+    """One Effect, and the shared counter up by one."""
+    Effect.objects.create(
+        key=_key(message), handler="sync", saw_claim=saw_claim(connection, message)
+    )
+    Account.objects.filter(name="hot").update(balance=F("balance") + 1)
+    if json.loads(message.data).get("poison"):
+        raise ValueError("poison: this message always fails")
+
+
+@app.handler(stream="DJ", subject="dj.async", name="async_effects")
+async def async_effects(message: eop.Message, connection: Any) -> None:
+    """The same through Django's async ORM; and a message on through the outbox."""
+    seen = await sync_to_async(saw_claim)(connection, message)
+    await Effect.objects.acreate(key=_key(message), handler="async", saw_claim=seen)
+    await Account.objects.filter(name="hot").aupdate(balance=F("balance") + 1)
+    await eop.contrib.django.aadd("dj.forwarded", json.dumps({"key": _key(message)}))
+
+
+@app.handler(stream="DJ", subject="dj.crossing", name="crossing")
+def crossing(message: eop.Message, connection: Any) -> None:
+    """Two hot rows, locked in an order that depends on the message: deadlocks."""
+    first, second = ("a", "b") if int(_key(message)) % 2 else ("b", "a")
+    Account.objects.filter(name=first).update(balance=F("balance") + 1)
+    Account.objects.filter(name=second).update(balance=F("balance") + 1)
+    Effect.objects.create(key=_key(message), handler="crossing", saw_claim=True)
+
+
+@app.handler(stream="DJ", subject="dj.orders", name="orders")
+def orders(message: eop.Message, connection: Any) -> None:
+    """The view's outbox messages, consumed once."""
+    Effect.objects.create(
+        key=_key(message), handler="orders", saw_claim=saw_claim(connection, message)
+    )
+
+
+@app.handler(stream="DJ", subject="dj.slow", name="slow")
+def slow(message: eop.Message, connection: Any) -> None:
+    """An Effect and the counter, slowly enough that a SIGKILL lands mid-batch."""
+    Effect.objects.create(key=_key(message), handler="slow", saw_claim=True)
+    Account.objects.filter(name="hot").update(balance=F("balance") + 1)
+    time.sleep(float(os.environ.get("DJPROJECT_DELAY_S", "0")))
