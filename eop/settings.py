@@ -16,7 +16,7 @@ from eop import access, errors, redaction
 
 LogFormat = Literal["console", "json"]
 LogLevel = Literal["debug", "info", "warning", "error"]
-DbPooler = Literal["auto", "none", "session", "transaction"]
+DbPooler = Literal["auto", "none", "session", "transaction", "transaction_prepared"]
 
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -54,11 +54,13 @@ class Settings:
     )
     db_pooler: DbPooler = _field(
         "auto",
-        "What stands between eop and PostgreSQL: ``transaction`` (a transaction-mode pooler "
-        "such as PgBouncer's pool_mode=transaction: no prepared statement outlives a "
-        "transaction, no LISTEN, the relay polls), ``session`` (a session-mode pooler) or "
-        "``none``, both as a direct connection; ``auto`` treats any pooler it detects (the "
-        "connection's backend pid is not PostgreSQL's) as ``transaction``.",
+        "What stands between eop and PostgreSQL (docs/pgbouncer.md): ``transaction``, a "
+        "transaction-mode pooler (PgBouncer's pool_mode=transaction): no prepared statement "
+        "outlives its transaction and the relay polls instead of LISTEN; "
+        "``transaction_prepared``, one that keeps prepared statements (PgBouncer 1.21+ with "
+        "max_prepared_statements): the relay polls; ``session`` (a session-mode pooler) and "
+        "``none``: as a direct connection; ``auto``: ``transaction`` if the first connection "
+        "shows a pooler (its backend pid is not PostgreSQL's), else ``none``.",
     )
     batch: int = _field(64, "Messages fetched per pull request (and per transaction).")
     batch_transactions: bool = _field(

@@ -105,13 +105,14 @@ def uncached(driver: str) -> dict[str, Any]:
 def for_pooler(engine: sa.Engine, pooler: settings_mod.DbPooler) -> sa.Engine:
     """Make ``engine`` (an ``AsyncEngine``'s ``sync_engine`` for an async one) fit ``pooler``.
 
-    ``transaction``: every connection is :func:`uncached`. ``none`` and
-    ``session``: as it is. ``auto``: the engine's first connection is opened
+    ``transaction``: every connection is :func:`uncached`. ``none``,
+    ``session`` and ``transaction_prepared`` (a pooler that keeps prepared
+    statements itself): as it is. ``auto``: the engine's first connection is opened
     uncached and asked whether a pooler stands in between
     (:func:`behind_pooler`); if one does, it and all later connections stay
     uncached, else it is closed and connections are made as they are.
     """
-    if pooler in ("none", "session"):
+    if pooler in ("none", "session", "transaction_prepared"):
         return engine
     sa.event.listen(engine, "do_connect", _Connector(pooler == "transaction" or None).connect)
     return engine
@@ -178,7 +179,7 @@ async def transaction_pooled(conn: AsyncConnection, pooler: settings_mod.DbPoole
     """
     if pooler == "auto":
         return await behind_pooler(conn)
-    return pooler == "transaction"
+    return pooler in ("transaction", "transaction_prepared")
 
 
 async def behind_pooler(conn: AsyncConnection) -> bool:

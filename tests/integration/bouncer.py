@@ -25,8 +25,8 @@ Mode = Literal["session", "transaction"]
 
 
 def binary() -> str | None:
-    """The pgbouncer on PATH (or in /usr/sbin, where Debian puts it), else None."""
-    found = shutil.which("pgbouncer")
+    """``$EOP_TEST_PGBOUNCER``, else the pgbouncer on PATH (or in /usr/sbin), else None."""
+    found = os.environ.get("EOP_TEST_PGBOUNCER") or shutil.which("pgbouncer")
     if found is None and os.access("/usr/sbin/pgbouncer", os.X_OK):
         found = "/usr/sbin/pgbouncer"
     return found
@@ -37,6 +37,12 @@ def version(path: str) -> tuple[int, ...]:
     out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False).stdout
     found = re.search(r"PgBouncer (\d+)\.(\d+)", out)
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def no_prepared_statements(path: str) -> dict[str, str]:
+    """The settings that turn off PgBouncer's own prepared statements (on by default
+    from 1.22; 1.18 has none and knows no such setting)."""
+    return {"max_prepared_statements": "0"} if version(path) >= (1, 21) else {}
 
 
 class PgBouncer:

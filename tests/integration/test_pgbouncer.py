@@ -11,9 +11,7 @@ dead-lettered or parked, and the worker must stop on SIGTERM (no stall).
 from __future__ import annotations
 
 import dataclasses
-import signal
 import subprocess
-import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,7 +26,7 @@ from tests.conftest import unavailable
 
 from . import bouncer
 from .bed import EFFECTS_DDL, publish, scalar, wait_for
-from .test_cli import ROOT, consumer_exists, eop, eop_env
+from .test_cli import Workers, consumer_exists, eop, eop_env
 
 APP = "tests.integration.pooledapp:app"
 MESSAGES = 150
@@ -108,21 +106,14 @@ async def _pipeline(
         assert "eop tables at" in done.stdout
     async with direct.begin() as conn:
         await conn.execute(sa.text(EFFECTS_DDL))
-    log_path = tmp_path / "worker.log"
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "eop", "worker", APP],
-            env=env,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    workers = Workers(env, tmp_path, APP)
+    proc = workers.start()
     try:
         for durable in ("eop-created", "eop-shipped"):
             await wait_for(
                 lambda d=durable: consumer_exists(js, d),  # type: ignore[misc]
                 timeout_s=60,
-                what=f"the worker's consumer {durable}; its log:\n{log_path.read_text()[-3000:]}",
+                what=f"the worker's consumer {durable}; its log:\n{workers.logs()[-3000:]}",
             )
         with _Sampler(pgb, database) as sampler:
             for i in range(MESSAGES):
@@ -130,19 +121,18 @@ async def _pipeline(
             await wait_for(
                 lambda: _effects_reach(direct, 2 * MESSAGES),
                 timeout_s=180,
-                what=f"both effects of every message; worker log:\n{log_path.read_text()[-3000:]}",
+                what=f"both effects of every message; worker log:\n{workers.logs()[-3000:]}",
             )
         for command in (("status", APP), ("dlq", "list"), ("outbox", "list")):
             done = eop(*command, env=env)
             assert done.returncode == 0, (command, done.stderr)
             assert "Traceback" not in done.stderr
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
+        assert workers.stop_all() == [0]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    log = log_path.read_text()
+    log = workers.logs()
     counts = await _counts(direct)
     assert counts == {"created": [1] * MESSAGES, "shipped": [1] * MESSAGES}
     assert await scalar(direct, "SELECT count(*) FROM eop.dead_letters") == 0
@@ -180,7 +170,13 @@ async def test_transaction_mode_is_detected_and_every_command_processes_each_mes
     """PgBouncer in transaction mode without prepared-statement support, db_pooler=auto:
     eop finds the pooler, turns statement caching off on every engine (worker async and
     sync, relay, migrations, ops commands) and polls instead of LISTEN; each message once."""
-    with bouncer.PgBouncer(pgbouncer_path, postgres, "transaction", pool_size=3) as pgb:
+    with bouncer.PgBouncer(
+        pgbouncer_path,
+        postgres,
+        "transaction",
+        pool_size=3,
+        settings=bouncer.no_prepared_statements(pgbouncer_path),
+    ) as pgb:
         run = await _pipeline(pgb, database, direct, js, nats_url, tmp_path)
     assert '"event": "db.pooler_found"' in run.log
     assert '"event": "relay.polling"' in run.log
@@ -226,7 +222,8 @@ async def test_transaction_mode_with_max_prepared_statements_keeps_statement_cac
     tmp_path: Path,
 ) -> None:
     """PgBouncer 1.21+ with max_prepared_statements tracks protocol-level prepared
-    statements itself: db_pooler=none (statement caches on) works unchanged through it."""
+    statements itself: db_pooler=transaction_prepared keeps the statement caches on, and
+    the relay polls; each message once."""
     found = bouncer.version(pgbouncer_path)
     if found < (1, 21):
         # Not unavailable(): no Debian bookworm source has 1.21+ (see docs/pgbouncer.md).
@@ -248,7 +245,13 @@ def test_a_pooler_set_as_none_in_front_of_transaction_mode_is_one_clear_error(
     """db_pooler=none through a transaction-mode PgBouncer: prepared statements collide,
     and `eop db upgrade` says so in one `eop: error:` line naming EOP_DB_POOLER, never a
     traceback (the issue's "succeeds once, fails the next time")."""
-    with bouncer.PgBouncer(pgbouncer_path, postgres, "transaction", pool_size=1) as pgb:
+    with bouncer.PgBouncer(
+        pgbouncer_path,
+        postgres,
+        "transaction",
+        pool_size=1,
+        settings=bouncer.no_prepared_statements(pgbouncer_path),
+    ) as pgb:
         env = eop_env(pgb.url_for(database), nats_url, EOP_DB_POOLER="none")
         runs = [eop("db", "upgrade", env=env) for _ in range(3)]
     failed = [run for run in runs if run.returncode != 0]

@@ -57,6 +57,10 @@ def wrapped(orig: BaseException, *, invalidated: bool = False) -> sa_exc.DBAPIEr
         ("25006", DbFailure.BUSY),  # read_only_sql_transaction
         ("53300", DbFailure.BUSY),  # too_many_connections
         ("53100", DbFailure.BUSY),  # disk_full
+        # A transaction-mode pooler lost or doubled a prepared statement (db_pooler
+        # set wrong): the infrastructure's fault, never an attempt of the handler.
+        ("42P05", DbFailure.BUSY),  # duplicate_prepared_statement
+        ("26000", DbFailure.BUSY),  # invalid_sql_statement_name
     ],
 )
 def test_classify_reads_the_sqlstate(sqlstate: str, expected: DbFailure) -> None:
