@@ -67,6 +67,16 @@ def test_classify_reads_the_sqlstate(sqlstate: str, expected: DbFailure) -> None
     assert failures.classify(DriverError(sqlstate)) is expected
 
 
+@pytest.mark.parametrize(
+    ("sqlstate", "expected"), [("42P05", True), ("26000", True), ("23505", False)]
+)
+def test_pooler_mismatch_names_the_prepared_statement_errors_of_a_transaction_pooler(
+    sqlstate: str, expected: bool
+) -> None:
+    """What `eop db ...` and the worker's start-up check turn into the EOP_DB_POOLER advice."""
+    assert failures.pooler_mismatch(wrapped(DriverError(sqlstate))) is expected
+
+
 class OperationalError(Exception):
     """psycopg's error for a connection that could not be made: no SQLSTATE."""
 
