@@ -132,14 +132,12 @@ class _Connector:
             # Concurrent first connections may each probe: the answer is the same.
             conn = dialect.connect(*cargs, **{**cparams, **safe})
             try:
-                found = _probe(conn)
+                self.pooled = _probe(conn)
             except BaseException:
                 conn.close()
                 raise
-            if found:
+            if self.pooled:
                 log.get_logger().info(log.Event.DB_POOLER_FOUND, statement_cache="off")
-            self.pooled = found
-            if found:
                 return conn
             conn.close()
         if self.pooled:

@@ -32,12 +32,11 @@ from eop import errors
 from eop.pg import failures, models
 
 if TYPE_CHECKING:
-    from eop.settings import DbPooler
-
-if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from eop.settings import DbPooler
 
 DEFAULT_SCHEMA = "eop"
 

@@ -178,7 +178,8 @@ async def test_transaction_mode_is_detected_and_every_command_processes_each_mes
         settings=bouncer.no_prepared_statements(pgbouncer_path),
     ) as pgb:
         run = await _pipeline(pgb, database, direct, js, nats_url, tmp_path)
-    assert '"event": "db.pooler_found"' in run.log
+    # Both of the worker's engines found it: the async one and the sync one (psycopg).
+    assert run.log.count('"event": "db.pooler_found"') >= 2
     assert '"event": "relay.polling"' in run.log
 
 
