@@ -3,7 +3,7 @@
 Each test starts its own PgBouncer in front of the session's PostgreSQL and
 runs the real `eop db upgrade` (twice), `eop worker` (an async handler that
 adds to the outbox, the relay, a sync handler that records what the relay
-published), `eop status`, `eop dlq list` and `eop outbox list` through it.
+published), `eop status`, `eop dlq list`, `eop outbox list` and `eop audit` through it.
 Every message must change the database exactly once, none may be
 dead-lettered or parked, and the worker must stop on SIGTERM (no stall).
 """
@@ -97,9 +97,8 @@ async def _pipeline(
     **extra: str,
 ) -> Run:
     """Migrate, run a worker and the ops commands through ``pgb``; check every count."""
-    env = eop_env(
-        pgb.url_for(database), nats_url, EOP_CONCURRENCY="8", EOP_OUTBOX_POLL_S="0.2", **extra
-    )
+    env = eop_env(pgb.url_for(database), nats_url)
+    env.update(EOP_CONCURRENCY="8", EOP_OUTBOX_POLL_S="0.2", **extra)
     upgrades = [eop("db", "upgrade", env=env), eop("db", "upgrade", env=env)]
     for done in upgrades:
         assert done.returncode == 0, done.stderr
@@ -123,7 +122,7 @@ async def _pipeline(
                 timeout_s=180,
                 what=f"both effects of every message; worker log:\n{workers.logs()[-3000:]}",
             )
-        for command in (("status", APP), ("dlq", "list"), ("outbox", "list")):
+        for command in (("status", APP), ("dlq", "list"), ("outbox", "list"), ("audit", APP)):
             done = eop(*command, env=env)
             assert done.returncode == 0, (command, done.stderr)
             assert "Traceback" not in done.stderr
@@ -183,6 +182,15 @@ async def test_transaction_mode_is_detected_and_every_command_processes_each_mes
     assert '"event": "relay.polling"' in run.log
 
 
+@pytest.mark.parametrize(
+    ("processes", "pool_size", "bound"),
+    [
+        # One process, EOP_DB_POOL_SIZE=4: 2 async and 2 sync connections.
+        ("1", "4", 4),
+        # Two processes, automatic: each max(4, min(concurrency 8, 16) // 2) = 4.
+        ("2", "", 8),
+    ],
+)
 async def test_session_mode_keeps_a_worker_within_its_connection_bound(
     pgbouncer_path: str,
     postgres: embedded.PostgresCluster,
@@ -191,11 +199,15 @@ async def test_session_mode_keeps_a_worker_within_its_connection_bound(
     js: Any,
     nats_url: str,
     tmp_path: Path,
+    processes: str,
+    pool_size: str,
+    bound: int,
 ) -> None:
-    """PgBouncer in session mode, db_pooler=session: one worker process with async and sync
-    handlers and the relay never holds more than db_pool_size (4) client connections, so a
-    pool of 4 for the worker (plus 2 for the commands) serves it without a stall."""
-    bound = 4
+    """PgBouncer in session mode, db_pooler=session: an `eop worker` with async and sync
+    handlers and the relay never holds more client connections than processes
+    times db_connections, so a pool of that size (plus 2 for the commands) serves it without a
+    stall."""
+    extra = {"EOP_DB_POOL_SIZE": pool_size} if pool_size else {}
     with bouncer.PgBouncer(pgbouncer_path, postgres, "session", pool_size=bound + 2) as pgb:
         run = await _pipeline(
             pgb,
@@ -205,7 +217,8 @@ async def test_session_mode_keeps_a_worker_within_its_connection_bound(
             nats_url,
             tmp_path,
             EOP_DB_POOLER="session",
-            EOP_DB_POOL_SIZE=str(bound),
+            EOP_PROCESSES=processes,
+            **extra,
         )
     assert 0 < run.peak_clients <= bound
     # A session pooler keeps a client's server connection: LISTEN works, nothing was probed.
