@@ -34,6 +34,7 @@ if sys.version_info < (3, 10):  # noqa: UP036  # run.py may be started by any py
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Sequence
@@ -324,11 +325,36 @@ def pytest_step(venv: Venv, args: list[str]) -> tuple[str, list[str | Path]]:
     return " ".join(["pytest", *args]), [venv.python, "-m", "pytest", *args]
 
 
+def ensure_system_tools() -> None:
+    """Install the servers the tests need and no wheel ships (PgBouncer), where we can.
+
+    Only as root with apt-get (Debian, Ubuntu, CI's machine); elsewhere the
+    tests that need them skip, and fail under CI=true. Quiet unless it fails.
+    """
+    if shutil.which("pgbouncer") or os.access("/usr/sbin/pgbouncer", os.X_OK):
+        return
+    if WINDOWS or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "pgbouncer"]
+    print("installing pgbouncer (apt-get) for the PgBouncer tests", flush=True)
+    for attempt in ([], [["apt-get", "update", "-q"]]):
+        for command in [*attempt, install]:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                break
+        else:
+            return
+    print(f"could not install pgbouncer: {done.stderr.strip()[-500:]}", file=sys.stderr)
+
+
 def cmd_test(venv: Venv, args: list[str]) -> int:
+    ensure_system_tools()
     return run_steps(venv, [*lint_steps(venv), docs_step(venv), pytest_step(venv, args)])
 
 
 def cmd_pytest(venv: Venv, args: list[str]) -> int:
+    ensure_system_tools()
     return run_steps(venv, [pytest_step(venv, args)])
 
 

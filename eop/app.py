@@ -275,6 +275,7 @@ class App:
                 # for engines eop is given).
                 hide_parameters=True,
             )
+            engines.for_pooler(self._engine.sync_engine, self.settings.db_pooler)
         return self._engine
 
     @property
@@ -296,12 +297,15 @@ class App:
         if self._sync_sessionmaker is None:
             self._sync_sessionmaker = orm.sessionmaker(
                 # From the settings' URL: the engine's lost the TLS parameters libpq reads.
-                sa.create_engine(
-                    engines.named_url(sync_url(sa.make_url(self.settings.database_url))),
-                    pool_size=self.sync_transactions(),
-                    max_overflow=0,
-                    pool_pre_ping=True,
-                    hide_parameters=True,  # as the async engine's
+                engines.for_pooler(
+                    sa.create_engine(
+                        engines.named_url(sync_url(sa.make_url(self.settings.database_url))),
+                        pool_size=self.sync_transactions(),
+                        max_overflow=0,
+                        pool_pre_ping=True,
+                        hide_parameters=True,  # as the async engine's
+                    ),
+                    self.settings.db_pooler,
                 ),
                 expire_on_commit=False,
                 info=self._outbox_info(),

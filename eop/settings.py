@@ -16,6 +16,7 @@ from eop import access, errors, redaction
 
 LogFormat = Literal["console", "json"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+DbPooler = Literal["auto", "none", "session", "transaction", "transaction_prepared"]
 
 DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -50,6 +51,16 @@ class Settings:
         "included, never more (0: min(concurrency, 16), shared out among the processes, at least "
         "4 each). With sync handlers, the sync pool gets half (or all but 1-2 when every "
         "handler is sync) and as many threads; pools passed to App are not counted.",
+    )
+    db_pooler: DbPooler = _field(
+        "auto",
+        "What stands between eop and PostgreSQL (docs/pgbouncer.md): ``transaction``, a "
+        "transaction-mode pooler (PgBouncer's pool_mode=transaction): no prepared statement "
+        "outlives its transaction and the relay polls instead of LISTEN; "
+        "``transaction_prepared``, one that keeps prepared statements (PgBouncer 1.21+ with "
+        "max_prepared_statements): the relay polls; ``session`` (a session-mode pooler) and "
+        "``none``: as a direct connection; ``auto``: ``transaction`` if the first connection "
+        "shows a pooler (its backend pid is not PostgreSQL's), else ``none``.",
     )
     batch: int = _field(64, "Messages fetched per pull request (and per transaction).")
     batch_transactions: bool = _field(
@@ -217,14 +228,15 @@ class Settings:
                     f"{field.name} must be a finite, non-negative number of seconds"
                 )
         self._check_leases()
-        if self.log_format not in get_args(LogFormat):
-            raise errors.ConfigurationError(
-                f"log_format must be one of {get_args(LogFormat)}, not {self.log_format!r}"
-            )
-        if self.log_level not in get_args(LogLevel):
-            raise errors.ConfigurationError(
-                f"log_level must be one of {get_args(LogLevel)}, not {self.log_level!r}"
-            )
+        for name, choices in (
+            ("db_pooler", DbPooler),
+            ("log_format", LogFormat),
+            ("log_level", LogLevel),
+        ):
+            if getattr(self, name) not in get_args(choices):
+                raise errors.ConfigurationError(
+                    f"{name} must be one of {get_args(choices)}, not {getattr(self, name)!r}"
+                )
         if not self.schema.isidentifier():
             raise errors.ConfigurationError(f"schema must be an identifier, not {self.schema!r}")
         self.nats_access.check()

@@ -85,10 +85,16 @@ def prepare_schema(connection: sa.Connection) -> None:
         connection.execute(sa.text(f"CREATE SCHEMA {quoted}"))
 
 
+#: The ``db_pooler`` setting (eop.settings): through a transaction-mode pooler,
+#: no prepared statement may outlive its transaction (docs/pgbouncer.md).
+pooler = config.attributes.get("eop_db_pooler", "auto")
+
+
 async def run_async_migrations(url: sa.URL) -> None:
     """Run on a fresh async engine, through its sync facade."""
     url, connect_args = engines.asyncpg_url(url)
     engine = create_async_engine(url, poolclass=NullPool, connect_args=connect_args)
+    engines.for_pooler(engine.sync_engine, pooler)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(run_migrations)
@@ -122,7 +128,7 @@ def run_migrations_online() -> None:
     if url.get_dialect().is_async:
         run_coroutine(run_async_migrations(url))
         return
-    engine = sa.create_engine(url, poolclass=NullPool)
+    engine = engines.for_pooler(sa.create_engine(url, poolclass=NullPool), pooler)
     try:
         with engine.connect() as sync_connection:
             run_migrations(sync_connection)

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from eop import errors
 from eop import settings as settings_mod
@@ -38,10 +38,10 @@ NATS_AUTH_FIELDS = (
 )
 
 #: The settings of the commands that read the database only.
-DB_FIELDS = ("database_url", "schema")
+DB_FIELDS = ("database_url", "schema", "db_pooler")
 
 #: The settings of the commands that read the database and the stream.
-SERVER_FIELDS = ("database_url", "nats_url", "schema")
+SERVER_FIELDS = ("database_url", "nats_url", "schema", "db_pooler")
 
 
 def env_list(var: str) -> list[str]:
@@ -119,6 +119,8 @@ def add_setting(
     """A flag for a Settings field; its help names the env var and the default."""
     field = {f.name: f for f in dataclasses.fields(settings_mod.Settings)}[name]
     hint = get_type_hints(settings_mod.Settings)[name]
+    if choices is None and get_origin(hint) is Literal:
+        choices = get_args(hint)
     flag = "--" + name.replace("_", "-")
     help_text = (
         f"{field.metadata['help']} [env: {settings_mod.env_var(name)}; default: {field.default}]"

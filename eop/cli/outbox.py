@@ -15,6 +15,7 @@ RELAY_FIELDS = (
     "database_url",
     "nats_url",
     "schema",
+    "db_pooler",
     "outbox_batch",
     "outbox_poll_s",
     "outbox_keep_s",

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 SINK_FIELDS = (
     "database_url",
     "schema",
+    "db_pooler",
     "batch",
     "max_attempts",
     "backoff_base_s",
@@ -43,6 +44,7 @@ _FLAG_FIELDS = (
     "database_url",
     "nats_url",
     "schema",
+    "db_pooler",
     "batch",
     "max_attempts",
     "lock_timeout_s",

@@ -14,6 +14,7 @@ WORKER_FIELDS = (
     "processes",
     "concurrency",
     "db_pool_size",
+    "db_pooler",
     "batch",
     "batch_transactions",
     "fetch_timeout_s",
@@ -148,16 +149,19 @@ def _cmd_db(args: argparse.Namespace) -> int:
 
     settings = options.db_app(args, options.DB_FIELDS).settings
     url, schema = settings.database_url, settings.schema
+    pooler = settings.db_pooler
     if args.action == "upgrade":
-        migrate.upgrade(url, schema=schema, revision=args.revision)
-        print(f"eop tables at {migrate.current(url, schema=schema)} in schema {schema!r}")
+        migrate.upgrade(url, schema=schema, revision=args.revision, pooler=pooler)
+        found = migrate.current(url, schema=schema, pooler=pooler)
+        print(f"eop tables at {found} in schema {schema!r}")
     elif args.action == "downgrade":
-        migrate.downgrade(url, schema=schema, revision=args.revision)
-        print(f"eop tables at {migrate.current(url, schema=schema) or 'base'} in schema {schema!r}")
+        migrate.downgrade(url, schema=schema, revision=args.revision, pooler=pooler)
+        found = migrate.current(url, schema=schema, pooler=pooler)
+        print(f"eop tables at {found or 'base'} in schema {schema!r}")
     elif args.action == "current":
-        print(migrate.current(url, schema=schema) or "base (not migrated)")
+        print(migrate.current(url, schema=schema, pooler=pooler) or "base (not migrated)")
     else:
-        migrate.check(url, schema=schema)
+        migrate.check(url, schema=schema, pooler=pooler)
         print("eop tables are up to date")
     return 0
 

@@ -1,20 +1,26 @@
-"""Engines for eop's database URL: libpq's TLS parameters for asyncpg too.
+"""Engines for eop's database URL: libpq's TLS parameters for asyncpg too, and poolers.
 
 :func:`asyncpg_url` lets a database URL carry libpq's TLS parameters
 (``sslmode``, ``sslrootcert``, ``sslcert``, ``sslkey``) for both drivers:
 psycopg (libpq) reads them as they are, asyncpg gets an ``ssl`` context made
-from them.
+from them. :func:`for_pooler` fits an engine to the ``db_pooler`` setting
+(PgBouncer in transaction mode, see docs/pgbouncer.md).
 """
 
 from __future__ import annotations
 
 import os
 import ssl
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from eop import errors
+from eop import errors, log
+from eop import settings as settings_mod
+from eop.pg import sql
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
 
 _LIBPQ_TLS = ("sslmode", "sslrootcert", "sslcert", "sslkey")
 _VERIFYING = ("require", "verify-ca", "verify-full")
@@ -77,3 +83,109 @@ def named_url(url: sa.URL) -> sa.URL:
     if "application_name" in url.query:
         return url
     return url.update_query_dict({"application_name": APPLICATION_NAME})
+
+
+# -- connection poolers (docs/pgbouncer.md)
+
+#: What a transaction-mode pooler needs from each driver: no prepared statement
+#: that outlives its transaction. asyncpg then prepares unnamed statements
+#: (re-parsed with each execution, so never found missing on another server
+#: connection), SQLAlchemy keeps none of them; psycopg never prepares.
+_UNCACHED: dict[str, dict[str, Any]] = {
+    "asyncpg": {"statement_cache_size": 0, "prepared_statement_cache_size": 0},
+    "psycopg": {"prepare_threshold": None},
+}
+
+
+def uncached(driver: str) -> dict[str, Any]:
+    """The connect arguments that make ``driver`` safe behind a transaction-mode pooler."""
+    return dict(_UNCACHED.get(driver, {}))
+
+
+def for_pooler(engine: sa.Engine, pooler: settings_mod.DbPooler) -> sa.Engine:
+    """Make ``engine`` (an ``AsyncEngine``'s ``sync_engine`` for an async one) fit ``pooler``.
+
+    ``transaction``: every connection is :func:`uncached`. ``none``,
+    ``session`` and ``transaction_prepared`` (a pooler that keeps prepared
+    statements itself): as it is. ``auto``: the engine's first connection is opened
+    uncached and asked whether a pooler stands in between
+    (:func:`behind_pooler`); if one does, it and all later connections stay
+    uncached, else it is closed and connections are made as they are.
+    """
+    if pooler in ("none", "session", "transaction_prepared"):
+        return engine
+    sa.event.listen(engine, "do_connect", _Connector(pooler == "transaction" or None).connect)
+    return engine
+
+
+class _Connector:
+    """The ``do_connect`` hook of :func:`for_pooler`: remembers what ``auto`` found."""
+
+    def __init__(self, pooled: bool | None) -> None:
+        self.pooled = pooled
+
+    def connect(
+        self, dialect: sa.Dialect, record: object, cargs: list[Any], cparams: dict[str, Any]
+    ) -> Any:
+        safe = uncached(str(dialect.driver))
+        if self.pooled is None and safe:
+            # Concurrent first connections may each probe: the answer is the same.
+            conn = dialect.connect(*cargs, **{**cparams, **safe})
+            try:
+                self.pooled = _probe(conn)
+            except BaseException:
+                conn.close()
+                raise
+            if self.pooled:
+                log.get_logger().info(log.Event.DB_POOLER_FOUND, statement_cache="off")
+                return conn
+            conn.close()
+        if self.pooled:
+            cparams.update(safe)
+        return None  # SQLAlchemy connects with cparams
+
+
+def _probe(conn: Any) -> bool:
+    """Whether the DBAPI connection ``conn`` reaches PostgreSQL through a pooler."""
+    cursor = conn.cursor()
+    try:
+        cursor.execute(sql.BACKEND_PID)
+        row = cursor.fetchone()
+    finally:
+        cursor.close()
+    conn.rollback()
+    protocol_pid = _protocol_pid(conn)
+    return protocol_pid is not None and int(row[0]) != protocol_pid
+
+
+def _protocol_pid(conn: Any) -> int | None:
+    """The pid the server announced when the connection opened (BackendKeyData)."""
+    driver = getattr(conn, "driver_connection", conn)
+    get_server_pid = getattr(driver, "get_server_pid", None)  # asyncpg
+    if get_server_pid is not None:
+        return int(get_server_pid())
+    info = getattr(driver, "info", None)  # psycopg
+    pid = getattr(info, "backend_pid", None)
+    return int(pid) if pid is not None else None
+
+
+async def transaction_pooled(conn: AsyncConnection, pooler: settings_mod.DbPooler) -> bool:
+    """Whether ``conn`` is to be used as through a transaction-mode pooler.
+
+    ``pooler`` (the ``db_pooler`` setting) decides, except ``auto``, which
+    asks the connection (:func:`behind_pooler`): any pooler found counts.
+    """
+    if pooler == "auto":
+        return await behind_pooler(conn)
+    return pooler in ("transaction", "transaction_prepared")
+
+
+async def behind_pooler(conn: AsyncConnection) -> bool:
+    """Whether ``conn`` reaches PostgreSQL through a pooler (its transaction is rolled back)."""
+    try:
+        pid = (await conn.execute(sql.backend_pid())).scalar_one()
+    finally:
+        await conn.rollback()
+    raw = await conn.get_raw_connection()
+    protocol_pid = _protocol_pid(raw.dbapi_connection)
+    return protocol_pid is not None and int(pid) != protocol_pid

@@ -41,6 +41,10 @@ _CONFLICT_STATES = {"40001", "40P01"}
 # standby, or default_transaction_read_only); class 53: insufficient resources
 # (too many connections, disk full, out of memory); 55006: object in use.
 _BUSY_STATES = {"57014", "25006", "55006"}
+# 42P05 / 26000: a prepared statement already exists / does not exist: what a
+# transaction-mode pooler does to a connection that caches statements
+# (db_pooler set to none or session in front of one). Never a handler's fault.
+_POOLER_STATES = {"42P05", "26000"}
 # 57P01-57P03: the server is shutting down or terminated the backend;
 # class 08: connection exceptions.
 _CONNECTION_STATES = {"57P01", "57P02", "57P03"}
@@ -75,7 +79,9 @@ def classify(exc: BaseException) -> DbFailure:
             return DbFailure.LOCK_TIMEOUT
         if state is not None and (state in _CONNECTION_STATES or state.startswith("08")):
             return DbFailure.CONNECTION
-        if state is not None and (state in _BUSY_STATES or state.startswith("53")):
+        if state is not None and (
+            state in _BUSY_STATES or state in _POOLER_STATES or state.startswith("53")
+        ):
             return DbFailure.BUSY
         if isinstance(current, sa_exc.TimeoutError):
             # QueuePool's "QueuePool limit ... reached, connection timed out".
@@ -131,6 +137,19 @@ def refuses_values(exc: BaseException) -> bool:
         if (state is not None and state[:2] in _REFUSED_CLASSES) or isinstance(
             current, UnicodeError
         ):
+            return True
+        nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
+        current = nxt or current.__cause__ or current.__context__
+    return False
+
+
+def pooler_mismatch(exc: BaseException) -> bool:
+    """Whether ``exc`` is a prepared statement lost or doubled by a transaction-mode pooler."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _sqlstate(current) in _POOLER_STATES:
             return True
         nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
         current = nxt or current.__cause__ or current.__context__

@@ -47,7 +47,7 @@ from sqlalchemy.pool import QueuePool
 from eop import errors, faults, log, outgoing, retry
 from eop.message import MSG_ID_HEADER
 from eop.observe.observer import NOOP, Observer
-from eop.pg import failures, models
+from eop.pg import engines, failures, models
 from eop.pg.sql import outbox as sql
 from eop.settings import Settings
 
@@ -124,6 +124,8 @@ class Relay:
         self._renew_at = 0.0
         self._housekeeping_at = 0.0
         self._listener: AsyncConnection | None = None
+        self._polls_only = False
+        """Set once a transaction-mode pooler was found: no LISTEN, rounds poll."""
         self._logger = log.get_logger(relay=self.holder)
 
     @property
@@ -249,10 +251,21 @@ class Relay:
             if driver is not None and not driver.is_closed():
                 return
             await self._close_listener()
-        if self.engine.dialect.driver != "asyncpg" or not _spares_a_connection(self.engine):
+        if (
+            self.engine.dialect.driver != "asyncpg"
+            or self._polls_only
+            or not _spares_a_connection(self.engine)
+        ):
             return
         conn = await failures.connected(self.engine.connect())
         try:
+            # Through a transaction-mode pooler the server connection serves
+            # other clients after each transaction: a LISTEN would hear for them.
+            if await engines.transaction_pooled(conn, self.settings.db_pooler):
+                self._polls_only = True
+                self._logger.info(log.Event.RELAY_POLLING, poll_s=self.settings.outbox_poll_s)
+                await conn.close()
+                return
             raw = await conn.get_raw_connection()
             listening: Any = raw.driver_connection
             await listening.add_listener(

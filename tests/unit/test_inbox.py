@@ -57,10 +57,24 @@ def wrapped(orig: BaseException, *, invalidated: bool = False) -> sa_exc.DBAPIEr
         ("25006", DbFailure.BUSY),  # read_only_sql_transaction
         ("53300", DbFailure.BUSY),  # too_many_connections
         ("53100", DbFailure.BUSY),  # disk_full
+        # A transaction-mode pooler lost or doubled a prepared statement (db_pooler
+        # set wrong): the infrastructure's fault, never an attempt of the handler.
+        ("42P05", DbFailure.BUSY),  # duplicate_prepared_statement
+        ("26000", DbFailure.BUSY),  # invalid_sql_statement_name
     ],
 )
 def test_classify_reads_the_sqlstate(sqlstate: str, expected: DbFailure) -> None:
     assert failures.classify(DriverError(sqlstate)) is expected
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "expected"), [("42P05", True), ("26000", True), ("23505", False)]
+)
+def test_pooler_mismatch_names_the_prepared_statement_errors_of_a_transaction_pooler(
+    sqlstate: str, expected: bool
+) -> None:
+    """What `eop db ...` and the worker's start-up check turn into the EOP_DB_POOLER advice."""
+    assert failures.pooler_mismatch(wrapped(DriverError(sqlstate))) is expected
 
 
 class OperationalError(Exception):

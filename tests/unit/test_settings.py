@@ -111,6 +111,7 @@ def test_zero_durations_are_allowed() -> None:
     [
         ("log_format", "xml"),
         ("log_level", "verbose"),
+        ("db_pooler", "pgbouncer"),
         ("schema", "eop; DROP TABLE x"),
         ("schema", ""),
     ],
@@ -166,3 +167,16 @@ def test_an_invalid_value_from_the_environment_names_the_variable() -> None:
 def test_a_lease_margin_not_below_ack_wait_is_rejected(ack_wait_s: float) -> None:
     with pytest.raises(errors.ConfigurationError, match="lease_margin_s"):
         Settings(ack_wait_s=ack_wait_s)
+
+
+def test_db_pooler_defaults_to_auto_and_reads_each_choice_from_the_environment() -> None:
+    """EOP_DB_POOLER takes each of its choices; auto is the default."""
+    assert Settings().db_pooler == "auto"
+    for choice in ("auto", "none", "session", "transaction", "transaction_prepared"):
+        assert Settings.from_env({"EOP_DB_POOLER": choice}).db_pooler == choice
+
+
+def test_a_bad_db_pooler_names_the_variable_and_the_choices() -> None:
+    with pytest.raises(errors.ConfigurationError, match="EOP_DB_POOLER") as caught:
+        Settings.from_env({"EOP_DB_POOLER": "pgbouncer"})
+    assert "'transaction'" in str(caught.value)

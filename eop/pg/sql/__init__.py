@@ -69,6 +69,17 @@ def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.Te
     ).bindparams(lock=f"{lock_timeout_ms}ms", stmt=f"{statement_timeout_ms}ms")
 
 
+#: The backend's process id, as PostgreSQL knows it. A pooler answers the
+#: protocol's BackendKeyData with a pid of its own (it routes cancel requests),
+#: so a difference between the two reveals one (:mod:`eop.pg.engines`).
+BACKEND_PID = "SELECT pg_backend_pid()"
+
+
+def backend_pid() -> sa.TextClause:
+    """:data:`BACKEND_PID` as a statement."""
+    return sa.text(BACKEND_PID)
+
+
 # The SHA-256 of a msg-id's UTF-8 bytes. convert_to is only STABLE, so this
 # cannot be an index expression: the claim stores it in inbox.msg_id_digest.
 _DIGEST_SQL = "sha256(convert_to({}, 'UTF8'))"

@@ -1,0 +1,115 @@
+"""How eop fits its engines to a connection pooler (``db_pooler``), without a server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from eop.pg import engines
+
+
+class _Info:
+    def __init__(self, pid: int) -> None:
+        self.backend_pid = pid
+
+
+class _Cursor:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def execute(self, statement: str) -> None:
+        assert statement == "SELECT pg_backend_pid()"
+
+    def fetchone(self) -> tuple[int]:
+        return (self.pid,)
+
+    def close(self) -> None:
+        pass
+
+
+class FakePsycopg:
+    """A DBAPI connection whose BackendKeyData pid (``info``) and SQL pid may differ."""
+
+    def __init__(self, protocol_pid: int, sql_pid: int) -> None:
+        self.info = _Info(protocol_pid)
+        self.sql_pid = sql_pid
+        self.closed = False
+
+    def cursor(self) -> _Cursor:
+        return _Cursor(self.sql_pid)
+
+    def rollback(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeDialect:
+    driver = "psycopg"
+
+    def __init__(self, protocol_pid: int, sql_pid: int) -> None:
+        self.pids = (protocol_pid, sql_pid)
+        self.made: list[tuple[dict[str, Any], FakePsycopg]] = []
+
+    def connect(self, *_: Any, **cparams: Any) -> FakePsycopg:
+        conn = FakePsycopg(*self.pids)
+        self.made.append((cparams, conn))
+        return conn
+
+
+def _hook(pooler: str) -> Any:
+    engine = engines.for_pooler(sa.create_engine("postgresql+psycopg://u@h/db"), pooler)  # type: ignore[arg-type]  # each choice in turn
+    hooks = list(engine.dialect.dispatch.do_connect)
+    return hooks[0] if hooks else None
+
+
+def test_uncached_turns_statement_caches_off_for_both_drivers() -> None:
+    """asyncpg: no statement cache (unnamed statements), no SQLAlchemy cache; psycopg: never
+    prepares. An unknown driver gets nothing."""
+    assert engines.uncached("asyncpg") == {
+        "statement_cache_size": 0,
+        "prepared_statement_cache_size": 0,
+    }
+    assert engines.uncached("psycopg") == {"prepare_threshold": None}
+    assert engines.uncached("pg8000") == {}
+
+
+@pytest.mark.parametrize("pooler", ["none", "session", "transaction_prepared"])
+def test_poolers_that_keep_prepared_statements_leave_the_engine_as_it_is(pooler: str) -> None:
+    assert _hook(pooler) is None
+
+
+def test_transaction_makes_every_connection_uncached() -> None:
+    hook = _hook("transaction")
+    cparams: dict[str, Any] = {"host": "h"}
+    assert hook(FakeDialect(1, 1), None, [], cparams) is None
+    assert cparams == {"host": "h", "prepare_threshold": None}
+
+
+def test_auto_keeps_the_probe_connection_when_the_pids_differ() -> None:
+    """Behind a pooler the BackendKeyData pid is the pooler's own: the first connection
+    stays (uncached), and so are all later ones, without probing again."""
+    hook = _hook("auto")
+    dialect = FakeDialect(protocol_pid=-12345, sql_pid=4242)
+    first = hook(dialect, None, [], {"host": "h"})
+    assert first is dialect.made[0][1]
+    assert dialect.made[0][0]["prepare_threshold"] is None
+    later: dict[str, Any] = {"host": "h"}
+    assert hook(dialect, None, [], later) is None
+    assert later["prepare_threshold"] is None
+    assert len(dialect.made) == 1
+
+
+def test_auto_closes_the_probe_and_connects_as_is_when_the_pids_match() -> None:
+    """Straight to PostgreSQL: the probe is closed, connections keep their caches."""
+    hook = _hook("auto")
+    dialect = FakeDialect(protocol_pid=4242, sql_pid=4242)
+    cparams: dict[str, Any] = {"host": "h"}
+    assert hook(dialect, None, [], cparams) is None
+    assert dialect.made[0][1].closed
+    assert cparams == {"host": "h"}
+    assert hook(dialect, None, [], cparams) is None
+    assert len(dialect.made) == 1
