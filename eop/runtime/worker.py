@@ -1,8 +1,9 @@
 """The worker: pulls each handler's durable consumer and runs the protocol.
 
 Several worker processes may share one durable consumer. A stop (SIGTERM,
-SIGINT) stops fetching, lets in-flight messages finish within the grace
-period, and never cuts between a COMMIT and its ack.
+SIGINT, or a host's :meth:`~eop.runtime.hosting.Hosted.shutdown`) stops
+fetching, lets in-flight messages finish within the grace period, and never
+cuts between a COMMIT and its ack.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from eop.observe import observer as observe
 from eop.pg import migrate, retries
 from eop.pg.store import PostgresStore
 from eop.protocol import batch, compaction, ordering, processor, relay
-from eop.runtime import shutdown, startup, telemetry
+from eop.runtime import hosting, shutdown, startup, telemetry
 from eop.types import Delivery, Outcome
 
 # The waits after failed fetches (counted from 1): 0.2 s, doubling up to 5 s.
@@ -38,10 +39,14 @@ _FETCH_RETRY_FIRST_S = 0.2
 _FETCH_RETRY_MAX_S = 5.0
 
 
-class Worker:
+class Worker(hosting.Hosted):
     """Runs the handlers of an :class:`eop.App` until stopped.
 
     ``handlers`` restricts the worker to some handler names (default: all).
+    ``eop worker`` runs one per process. Inside another application's event
+    loop (a FastAPI lifespan), ``async with eop.Worker(app).running(): ...``
+    runs one as a task of that loop, installing no signal handler
+    (:mod:`eop.runtime.hosting`).
     """
 
     def __init__(self, app: App, *, handlers: Iterable[str] = ()) -> None:
