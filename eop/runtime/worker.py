@@ -43,13 +43,19 @@ class Worker(hosting.Hosted):
     """Runs the handlers of an :class:`eop.App` until stopped.
 
     ``handlers`` restricts the worker to some handler names (default: all).
+    ``report_to`` is for the processes of ``eop worker --processes N``: the
+    supervisor's directory, where the worker writes its metrics and readiness
+    instead of serving them (:mod:`eop.runtime.telemetry`).
+
     ``eop worker`` runs one per process. Inside another application's event
     loop (a FastAPI lifespan), ``async with eop.Worker(app).running(): ...``
     runs one as a task of that loop, installing no signal handler
     (:mod:`eop.runtime.hosting`).
     """
 
-    def __init__(self, app: App, *, handlers: Iterable[str] = ()) -> None:
+    def __init__(
+        self, app: App, *, handlers: Iterable[str] = (), report_to: str | None = None
+    ) -> None:
         self.app = app
         self.settings = app.settings
         self.specs = select_handlers(app, handlers)
@@ -78,7 +84,7 @@ class Worker(hosting.Hosted):
         self.nats: Any = None
         """The NATS connection while the worker runs."""
         self._lost: errors.NatsUnavailable | None = None
-        self.telemetry = telemetry.Telemetry(self)
+        self.telemetry = telemetry.Telemetry(self, report_to=report_to)
         """Metrics, health endpoints and tracing (see :mod:`eop.runtime.telemetry`)."""
         self._observer = self.telemetry.observer
         self.on_stop: list[Callable[[], None]] = []
@@ -535,14 +541,20 @@ def _seq(msg: Delivery) -> int:
     return int(msg.metadata.sequence.stream)
 
 
-async def run_worker(app: App, *, handlers: Iterable[str] = (), exit_hard: bool = False) -> int:
+async def run_worker(
+    app: App,
+    *,
+    handlers: Iterable[str] = (),
+    exit_hard: bool = False,
+    report_to: str | None = None,
+) -> int:
     """Run a worker with signal handlers installed; the exit status (:mod:`eop.runtime.shutdown`).
 
     With ``exit_hard`` (what ``eop worker`` does) a stop always ends the
     process: by :func:`os._exit` when a handler's thread is still running once
     the worker has stopped, or when the stop overruns its deadline.
     """
-    worker = Worker(app, handlers=handlers)
+    worker = Worker(app, handlers=handlers, report_to=report_to)
     worker.install_signal_handlers()
     if exit_hard:
         worker.on_stop.append(shutdown.Watchdog(shutdown.deadline_s(app.settings)).arm)
