@@ -34,13 +34,16 @@ import sys
 import types
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pydantic
 from typing_extensions import is_typeddict
 
 from eop import errors
 from eop.message import Message
+
+if TYPE_CHECKING:
+    # Imported when a typed handler is registered: `import eop` does not pay for it.
+    import pydantic
 
 _MAX_REPORTED = 10
 
@@ -209,6 +212,8 @@ def _decoder(target: Any, where: str) -> Callable[[Message], Any]:
             f"{where}: unsupported annotation {_name(target)}: annotate it eop.Message, "
             "a dataclass, a TypedDict or a pydantic model (a list of them with batch=True)"
         )
+    import pydantic
+
     try:
         adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(target)
     except (pydantic.PydanticUserError, NameError) as exc:
@@ -269,8 +274,11 @@ def _path(loc: tuple[int | str, ...]) -> str:
 
 def _is_pydantic(target: Any) -> bool:
     """A pydantic model or a pydantic dataclass: validated as its own config says."""
-    return isinstance(target, type) and (
-        issubclass(target, pydantic.BaseModel) or hasattr(target, "__pydantic_validator__")
+    pydantic = sys.modules.get("pydantic")  # not imported: the target is not one of its
+    return (
+        pydantic is not None
+        and isinstance(target, type)
+        and (issubclass(target, pydantic.BaseModel) or hasattr(target, "__pydantic_validator__"))
     )
 
 

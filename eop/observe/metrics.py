@@ -14,6 +14,7 @@ never become label values.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -22,13 +23,11 @@ from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import models
 
-try:
-    import prometheus_client
-    from prometheus_client import multiprocess
-except ImportError:  # the eop[metrics] extra is not installed: require() says so
-    prometheus_client = None  # type: ignore[assignment]  # checked by require()
-
 if TYPE_CHECKING:
+    # Imported when metrics are on (the eop[metrics] extra): a worker without them
+    # does not pay for the import.
+    import prometheus_client
+
     from eop.types import Delivery
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -43,14 +42,18 @@ MULTIPROCESS_DIR_VAR = "PROMETHEUS_MULTIPROC_DIR"
 
 def require() -> None:
     """:class:`eop.ConfigurationError` saying how to install prometheus_client if it is absent."""
-    if prometheus_client is None:
+    try:
+        importlib.import_module("prometheus_client")
+    except ImportError:
         raise errors.ConfigurationError(
             "metrics_port needs prometheus_client: pip install 'eop[metrics]'"
-        )
+        ) from None
 
 
 def render(registry: prometheus_client.CollectorRegistry) -> bytes:
     """``registry`` in the text exposition format."""
+    import prometheus_client
+
     return prometheus_client.generate_latest(registry)
 
 
@@ -58,6 +61,9 @@ def render_directory(path: str) -> bytes:
     """The metrics the processes wrote to ``path``: counters and histograms summed over
     every process that ran, in-flight messages over the live ones."""
     require()
+    import prometheus_client
+    from prometheus_client import multiprocess
+
     registry = prometheus_client.CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]  # unannotated upstream
     return prometheus_client.generate_latest(registry)
@@ -65,6 +71,8 @@ def render_directory(path: str) -> bytes:
 
 def process_gone(path: str, pid: int) -> None:
     """Drop a process's gauges (in flight, outbox backlog) from ``path``; its counters stay."""
+    from prometheus_client import multiprocess
+
     multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]  # unannotated upstream
 
 
@@ -111,6 +119,8 @@ class WorkerMetrics(observe.Observer):
         registry: prometheus_client.CollectorRegistry | None = None,
     ) -> None:
         require()
+        import prometheus_client
+
         # A registry per worker: two workers of one process (tests, a host) do not
         # collide, and the host's own default registry stays its own.
         r = self.registry = registry or prometheus_client.CollectorRegistry(auto_describe=True)
