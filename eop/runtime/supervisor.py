@@ -170,9 +170,9 @@ def supervise(
             if running.pop(pid, None) is None:
                 continue
             code = _exit_code(returncode)
-            logger.info(log.Event.PROCESS_EXITED, pid=pid, code=code)
             if served is not None:
-                served.gone(pid)
+                served.gone(pid)  # before the line: once it is logged, /readyz says so
+            logger.info(log.Event.PROCESS_EXITED, pid=pid, code=code)
             if not stop.started:
                 # A child ended by itself: the worker is not whole any more.
                 stop.begin()
