@@ -59,8 +59,10 @@ class Hosted:
         try:
             await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            # The host gave up while the worker was starting: it must not outlive the host.
-            await self.shutdown()
+            # The host gave up while the worker was starting: it must not outlive the
+            # host, and the host's cancellation, not the worker's error, goes on.
+            with contextlib.suppress(Exception):
+                await self.shutdown()
             raise
         finally:
             ready.cancel()

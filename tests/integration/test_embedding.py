@@ -167,3 +167,21 @@ async def test_start_raises_what_kept_the_worker_from_starting(
     with pytest.raises(eop.NatsUnavailable):
         await eop.Worker(app).start()
     assert other_tasks() <= before
+
+
+async def test_a_host_cancelled_while_the_worker_starts_leaves_no_worker_behind(
+    database_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Cancelled during start() (NATS unreachable, the worker retrying): the cancellation
+    goes on, not the worker's error, and no task of the worker is left."""
+    from eop import embedded
+
+    before = await baseline(js)
+    url = f"nats://127.0.0.1:{embedded.free_port()}"
+    app = make_app(database_url, url, startup_attempts=3)
+    starting = asyncio.create_task(eop.Worker(app).start())
+    await asyncio.sleep(0.5)  # into the start-up's retries
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(starting, 60)
+    assert other_tasks() <= before
