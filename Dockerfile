@@ -8,7 +8,7 @@ WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY eop ./eop
 COPY migrations ./migrations
-RUN pip wheel --wheel-dir /wheels .
+RUN pip wheel --wheel-dir /wheels ".[metrics]"
 
 # Runtime stage: installed from the wheels only, no sources, no build tools.
 FROM python:3.12-slim
@@ -19,7 +19,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONPATH=/app
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-index --find-links /wheels eop
+    pip install --no-index --find-links /wheels "eop[metrics]"
 RUN useradd --create-home --uid 10001 --user-group eop
 WORKDIR /app
 COPY --chown=eop:eop examples ./examples

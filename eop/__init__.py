@@ -1,11 +1,14 @@
 """eop: exactly-once processing of NATS JetStream messages into PostgreSQL.
 
 Register handlers on an :class:`App`, run ``eop db upgrade`` once and
-``eop worker module:app`` as many times as you like: every message stored in
-the stream ends in exactly one committed outcome in PostgreSQL.
+``eop worker module:app`` as many times as you like (or a :class:`Worker`
+inside your own application's event loop): every message stored in the
+stream ends in exactly one committed outcome in PostgreSQL.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from eop import outbox  # after the names it builds on: eop.outbox.add
 from eop.app import App
@@ -29,6 +32,9 @@ from eop.message import Message
 from eop.settings import Settings
 from eop.writes import Writes
 
+if TYPE_CHECKING:
+    from eop.runtime.worker import Worker
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -37,6 +43,7 @@ __all__ = [
     "Message",
     "Settings",
     "Writes",
+    "Worker",
     "publish",
     "outbox",
     # what handlers raise
@@ -56,3 +63,13 @@ __all__ = [
     "UnpublishableMessage",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The worker's modules (the protocol, the fetcher, telemetry) are imported when
+    # eop.Worker is first used, not by every `import eop` of a web view.
+    if name == "Worker":
+        from eop.runtime.worker import Worker
+
+        return Worker
+    raise AttributeError(f"module 'eop' has no attribute {name!r}")

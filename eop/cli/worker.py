@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from eop.cli import options
 
@@ -70,6 +71,8 @@ def add_worker(sub: options.Subparsers) -> None:
         "[env: EOP_HANDLERS, comma separated]",
     )
     options.add_settings(worker, WORKER_FIELDS)
+    # Set by `eop worker --processes N` for its processes (eop.runtime.gathered).
+    worker.add_argument("--metrics-dir", help=argparse.SUPPRESS)
     worker.set_defaults(command=_cmd_worker)
 
 
@@ -116,7 +119,7 @@ def add_demo(sub: options.Subparsers) -> None:
 def _cmd_worker(args: argparse.Namespace) -> int:
     from eop import faults
     from eop.app import select_handlers
-    from eop.runtime import eventloop, shutdown, supervisor, worker
+    from eop.runtime import eventloop, gathered, shutdown, supervisor, worker
 
     # Fault points stay disarmed unless a chaos run set EOP_FAULTS (eop.faults).
     faults.arm_from_env()
@@ -129,18 +132,25 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         children = supervisor.plan(
             count,
             [(s.name, s.order_by is not None) for s in specs],
-            app.settings.metrics_port,
             app.settings.db_connections(count),
         )
         if len(children) > 1:
-            return supervisor.supervise(
-                [supervisor.child_argv(args.argv, c) for c in children],
-                # The children's own deadline, then a margin for them to be reaped.
-                stop_deadline_s=shutdown.deadline_s(app.settings) + shutdown.STOP_MARGIN_S,
-            )
+            s = app.settings
+            with contextlib.ExitStack() as stack:
+                served = None
+                if s.metrics_port:
+                    served = stack.enter_context(gathered.Gathered(s.metrics_host, s.metrics_port))
+                directory = served.directory if served is not None else None
+                return supervisor.supervise(
+                    [supervisor.child_argv(args.argv, c, directory) for c in children],
+                    # The children's own deadline, then a margin for them to be reaped.
+                    stop_deadline_s=shutdown.deadline_s(s) + shutdown.STOP_MARGIN_S,
+                    served=served,
+                )
     # exit_hard: a stop always ends the process, even with a handler's thread stuck.
     return eventloop.run(
-        worker.run_worker(app, handlers=handlers, exit_hard=True), use_uvloop=app.settings.uvloop
+        worker.run_worker(app, handlers=handlers, exit_hard=True, report_to=args.metrics_dir),
+        use_uvloop=app.settings.uvloop,
     )
 
 

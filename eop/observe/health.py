@@ -1,9 +1,10 @@
 """The worker's HTTP endpoint: ``/metrics``, ``/healthz`` and ``/readyz``.
 
 A minimal HTTP/1.1 server on asyncio (one request per connection, GET and
-HEAD only), so that it needs no dependency and costs nothing when it is off.
+HEAD only), so that it costs nothing when it is off.
 
-- ``/healthz`` (liveness): answers 200 whenever the event loop runs.
+- ``/healthz`` (liveness): answers 200 whenever the event loop runs (for a
+  worker of several processes, when each of them does: :mod:`eop.observe.reports`).
 - ``/readyz`` (readiness): 200 when every subscription is bound, the worker
   is not draining, NATS is connected and PostgreSQL answered recently; else
   503. The body lists each check.
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from eop import errors
 from eop.observe import metrics
@@ -30,6 +33,13 @@ _TEXT = "text/plain; charset=utf-8"
 
 # Outcomes whose settling went through a committed (or read) transaction.
 _DB_OUTCOMES = frozenset({"processed", "duplicate", "dead_lettered", "quarantined"})
+
+
+class Checks(Protocol):
+    """What ``/readyz`` asks: each condition and whether it holds."""
+
+    async def check(self) -> dict[str, bool]:
+        """Each readiness condition and whether it holds."""
 
 
 class Readiness(observe.Observer):
@@ -97,27 +107,34 @@ class Endpoints:
         *,
         host: str,
         port: int,
-        registry: metrics.Registry | None,
-        readiness: Readiness,
+        metrics: Callable[[], bytes] | None,
+        readiness: Checks,
+        live: Callable[[], bool] | None = None,
     ) -> None:
         self.host = host
         self.port = port
         """The port asked for; the bound one once :meth:`start` returned."""
-        self.registry = registry
+        self.metrics = metrics
+        """Renders ``/metrics`` (None: no ``/metrics``)."""
         self.readiness = readiness
+        self.live = live
+        """Whether ``/healthz`` answers 200 (None: whenever the loop answers)."""
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
-        """Listen; :class:`eop.ConfigurationError` if the address cannot be bound."""
-        if not 0 <= self.port <= 65535:
-            raise errors.ConfigurationError(f"metrics_port must be 0..65535, not {self.port}")
-        try:
-            self._server = await asyncio.start_server(self._serve, self.host, self.port)
-        except OSError as exc:
-            raise errors.ConfigurationError(
-                f"cannot serve metrics on {self.host}:{self.port}: {exc.strerror or exc}"
-            ) from exc
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Listen (on ``sock`` if given, bound already by :func:`bind`).
+
+        :class:`eop.ConfigurationError` if the address cannot be bound.
+        """
+        if sock is not None:
+            self._server = await asyncio.start_server(self._serve, sock=sock)
+        else:
+            _check_port(self.port)
+            try:
+                self._server = await asyncio.start_server(self._serve, self.host, self.port)
+            except OSError as exc:
+                raise _unbindable(self.host, self.port, exc) from exc
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
@@ -166,14 +183,43 @@ class Endpoints:
         if method not in (b"GET", b"HEAD"):
             return 405, _TEXT, b"only GET and HEAD\n"
         if target == b"/healthz":
-            return 200, _TEXT, b"ok\n"
+            if self.live is None or self.live():
+                return 200, _TEXT, b"ok\n"
+            return 503, _TEXT, b"not live\n"
         if target == b"/readyz":
             checks = await self.readiness.check()
             text = "".join(f"{name} {'ok' if ok else 'fail'}\n" for name, ok in checks.items())
             return (200 if all(checks.values()) else 503), _TEXT, text.encode()
-        if target == b"/metrics" and self.registry is not None:
-            return 200, metrics.CONTENT_TYPE, self.registry.render().encode()
+        if target == b"/metrics" and self.metrics is not None:
+            return 200, metrics.CONTENT_TYPE, self.metrics()
         return 404, _TEXT, b"not found: try /metrics, /healthz, /readyz\n"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; :class:`eop.ConfigurationError` if it cannot be.
+
+    For a server whose address must be taken before it runs (the supervisor's,
+    before it starts its processes).
+    """
+    _check_port(port)
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise _unbindable(host, port, exc) from exc
+    sock.setblocking(False)
+    return sock
+
+
+def _check_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise errors.ConfigurationError(f"metrics_port must be 0..65535, not {port}")
+
+
+def _unbindable(host: str, port: int, exc: OSError) -> errors.ConfigurationError:
+    return errors.ConfigurationError(
+        f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+    )
 
 
 _REASONS = {

@@ -1,9 +1,11 @@
-"""Prometheus metrics of a worker, in the text exposition format, without dependencies.
+"""Prometheus metrics of a worker, by prometheus_client (the ``eop[metrics]`` extra).
 
-A small registry of counters, gauges and histograms (:class:`Registry`) renders
-the format Prometheus scrapes (version 0.0.4: ``# HELP``/``# TYPE`` lines,
-escaped label values, ``_bucket{le=...}``/``_sum``/``_count``).
-:class:`WorkerMetrics` is the :class:`eop.observe.observer.Observer` that feeds it.
+:class:`WorkerMetrics` is the :class:`eop.observe.observer.Observer` that feeds
+a worker's counters, gauges and histograms. One process serves its own
+(:func:`render`). The processes of one ``eop worker --processes N`` write theirs
+to the directory the supervisor names in ``PROMETHEUS_MULTIPROC_DIR``
+(prometheus_client's multiprocess mode), and the supervisor serves them all,
+summed, on its one port (:func:`render_directory`).
 
 Labels are the handler's name and its stream: both come from the app's
 registration, so their number is bounded. Subjects, message ids and payloads
@@ -12,17 +14,20 @@ never become label values.
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
+import importlib
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
+from eop import errors
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import models
 
 if TYPE_CHECKING:
+    # Imported when metrics are on (the eop[metrics] extra): a worker without them
+    # does not pay for the import.
+    import prometheus_client
+
     from eop.types import Delivery
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -31,208 +36,44 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HANDLER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ACK_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
-
-_FamilyT = TypeVar("_FamilyT", bound="_Family")
-
-
-def format_value(value: float) -> str:
-    """A sample value as Prometheus writes it: integers without a fraction, +Inf, NaN."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value == int(value) and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
+MULTIPROCESS_DIR_VAR = "PROMETHEUS_MULTIPROC_DIR"
+"""Where prometheus_client's multiprocess mode keeps each process's values."""
 
 
-def escape_label_value(value: str) -> str:
-    """Escape a label value: backslash, double quote and line feed."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def require() -> None:
+    """:class:`eop.ConfigurationError` saying how to install prometheus_client if it is absent."""
+    try:
+        importlib.import_module("prometheus_client")
+    except ImportError:
+        raise errors.ConfigurationError(
+            "metrics_port needs prometheus_client: pip install 'eop[metrics]'"
+        ) from None
 
 
-def escape_help(text: str) -> str:
-    """Escape HELP text: backslash and line feed."""
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
+def render(registry: prometheus_client.CollectorRegistry) -> bytes:
+    """``registry`` in the text exposition format."""
+    import prometheus_client
+
+    return prometheus_client.generate_latest(registry)
 
 
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{escape_label_value(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+def render_directory(path: str) -> bytes:
+    """The metrics the processes wrote to ``path``: counters and histograms summed over
+    every process that ran, in-flight messages over the live ones."""
+    require()
+    import prometheus_client
+    from prometheus_client import multiprocess
+
+    registry = prometheus_client.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]  # unannotated upstream
+    return prometheus_client.generate_latest(registry)
 
 
-class _Family:
-    """A metric family: a name, its help, its label names and one child per label values."""
+def process_gone(path: str, pid: int) -> None:
+    """Drop a process's gauges (in flight, outbox backlog) from ``path``; its counters stay."""
+    from prometheus_client import multiprocess
 
-    kind = "untyped"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help_text
-        self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], _Child] = {}
-        self._lock = threading.Lock()
-
-    def _new(self) -> _Child:
-        raise NotImplementedError
-
-    def labels(self, *values: str) -> _Child:
-        """The child of these label values (created at zero the first time)."""
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-        child = self._children.get(values)
-        if child is None:
-            with self._lock:
-                child = self._children.setdefault(values, self._new())
-        return child
-
-    def render(self) -> list[str]:
-        """The family's lines of the exposition format."""
-        lines = [f"# HELP {self.name} {escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
-        for values, child in sorted(self._children.items()):
-            lines.extend(child.samples(self.name, self.labelnames, values))
-        return lines
-
-
-class _Child:
-    def samples(self, name: str, names: Sequence[str], values: Sequence[str]) -> list[str]:
-        raise NotImplementedError
-
-
-class _Value(_Child):
-    # Counters and gauges change only on the event loop's thread: no lock.
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        """Add ``amount``."""
-        self.value += amount
-
-    def samples(self, name: str, names: Sequence[str], values: Sequence[str]) -> list[str]:
-        return [f"{name}{_labels(names, values)} {format_value(self.value)}"]
-
-
-class _GaugeValue(_Value):
-    def dec(self, amount: float = 1.0) -> None:
-        """Subtract ``amount``."""
-        self.value -= amount
-
-    def set(self, value: float) -> None:
-        """Set the value."""
-        self.value = value
-
-
-class _HistogramValue(_Child):
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        """Count one observation in the first bucket whose bound is >= ``value``."""
-        index = bisect.bisect_left(self.bounds, value)
-        # Sync handlers report from worker threads.
-        with self._lock:
-            self.counts[index] += 1
-            self.sum += value
-
-    @property
-    def count(self) -> int:
-        """Observations so far."""
-        return sum(self.counts)
-
-    def samples(self, name: str, names: Sequence[str], values: Sequence[str]) -> list[str]:
-        with self._lock:
-            counts, total = list(self.counts), self.sum
-        lines = []
-        cumulative = 0
-        for bound, n in zip((*self.bounds, math.inf), counts, strict=True):
-            cumulative += n
-            le = 'le="' + format_value(float(bound)) + '"'
-            lines.append(f"{name}_bucket{_labels(names, values, le)} {cumulative}")
-        lines.append(f"{name}_sum{_labels(names, values)} {format_value(total)}")
-        lines.append(f"{name}_count{_labels(names, values)} {cumulative}")
-        return lines
-
-
-class Counter(_Family):
-    """A value that only goes up; its name should end in ``_total``."""
-
-    kind = "counter"
-
-    def _new(self) -> _Value:
-        return _Value()
-
-    def labels(self, *values: str) -> _Value:
-        """The counter of these label values."""
-        child = super().labels(*values)
-        assert isinstance(child, _Value)
-        return child
-
-
-class Gauge(_Family):
-    """A value that goes up and down."""
-
-    kind = "gauge"
-
-    def _new(self) -> _GaugeValue:
-        return _GaugeValue()
-
-    def labels(self, *values: str) -> _GaugeValue:
-        """The gauge of these label values."""
-        child = super().labels(*values)
-        assert isinstance(child, _GaugeValue)
-        return child
-
-
-class Histogram(_Family):
-    """Observations counted in cumulative buckets, with their sum and count."""
-
-    kind = "histogram"
-
-    def __init__(
-        self, name: str, help_text: str, labelnames: Sequence[str] = (), *, buckets: Iterable[float]
-    ) -> None:
-        super().__init__(name, help_text, labelnames)
-        bounds = sorted(float(b) for b in buckets if not math.isinf(b))
-        if not bounds or len(set(bounds)) != len(bounds):
-            raise ValueError(f"{name}: buckets must be distinct, finite and at least one")
-        if "le" in self.labelnames:
-            raise ValueError(f"{name}: 'le' is reserved for the buckets")
-        self.buckets = tuple(bounds)
-
-    def _new(self) -> _HistogramValue:
-        return _HistogramValue(self.buckets)
-
-    def labels(self, *values: str) -> _HistogramValue:
-        """The histogram of these label values."""
-        child = super().labels(*values)
-        assert isinstance(child, _HistogramValue)
-        return child
-
-
-class Registry:
-    """The metric families of one worker, rendered together."""
-
-    def __init__(self) -> None:
-        self._families: dict[str, _Family] = {}
-
-    def add(self, family: _FamilyT) -> _FamilyT:
-        """Register ``family``; names are unique."""
-        if family.name in self._families:
-            raise ValueError(f"metric {family.name!r} is already registered")
-        self._families[family.name] = family
-        return family
-
-    def render(self) -> str:
-        """The whole registry in the text exposition format."""
-        lines: list[str] = []
-        for family in self._families.values():
-            lines.extend(family.render())
-        return "\n".join(lines) + "\n"
+    multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]  # unannotated upstream
 
 
 class _HandlerSeries:
@@ -250,7 +91,7 @@ class _HandlerSeries:
         self.in_flight = m.in_flight.labels(*key)
         self.handler_s = m.handler_s.labels(*key)
         self.commit_to_ack_s = m.commit_to_ack_s.labels(*key)
-        self.dead: dict[str, _Value] = {
+        self.dead: dict[str, prometheus_client.Counter] = {
             reason: m.dead_lettered.labels(*key, reason) for reason in _REASONS
         }
 
@@ -272,109 +113,122 @@ class WorkerMetrics(observe.Observer):
     quiet handler is 0 rather than absent.
     """
 
-    def __init__(self, specs: Iterable[HandlerSpec], registry: Registry | None = None) -> None:
-        r = self.registry = registry if registry is not None else Registry()
-        self.processed = r.add(
-            Counter(
-                "eop_messages_processed_total",
-                "Messages whose handler's writes were committed with their inbox row.",
-                _LABELS,
-            )
+    def __init__(
+        self,
+        specs: Iterable[HandlerSpec],
+        registry: prometheus_client.CollectorRegistry | None = None,
+    ) -> None:
+        require()
+        import prometheus_client
+
+        # A registry per worker: two workers of one process (tests, a host) do not
+        # collide, and the host's own default registry stays its own.
+        r = self.registry = registry or prometheus_client.CollectorRegistry(auto_describe=True)
+        Counter, Gauge, Histogram = (
+            prometheus_client.Counter,
+            prometheus_client.Gauge,
+            prometheus_client.Histogram,
         )
-        self.duplicate = r.add(
-            Counter(
-                "eop_messages_duplicate_total",
-                "Deliveries skipped because the inbox already held their outcome "
-                "(redeliveries, republishes caught by the msg-id guard).",
-                _LABELS,
-            )
+        self.processed = Counter(
+            "eop_messages_processed_total",
+            "Messages whose handler's writes were committed with their inbox row.",
+            _LABELS,
+            registry=r,
         )
-        self.retried = r.add(
-            Counter(
-                "eop_messages_retried_total",
-                "Deliveries nak'ed for a later redelivery (handler failure, claim timeout, "
-                "transaction retries spent).",
-                _LABELS,
-            )
+        self.duplicate = Counter(
+            "eop_messages_duplicate_total",
+            "Deliveries skipped because the inbox already held their outcome "
+            "(redeliveries, republishes caught by the msg-id guard).",
+            _LABELS,
+            registry=r,
         )
-        self.dead_lettered = r.add(
-            Counter(
-                "eop_messages_dead_lettered_total",
-                "Messages settled as a dead letter, by reason (sequence_reused: quarantined).",
-                (*_LABELS, "reason"),
-            )
+        self.retried = Counter(
+            "eop_messages_retried_total",
+            "Deliveries nak'ed for a later redelivery (handler failure, claim timeout, "
+            "transaction retries spent).",
+            _LABELS,
+            registry=r,
         )
-        self.left = r.add(
-            Counter(
-                "eop_messages_left_total",
-                "Deliveries left for redelivery without a nak (lease spent, stream gone, "
-                "commit outcome unknown).",
-                _LABELS,
-            )
+        self.dead_lettered = Counter(
+            "eop_messages_dead_lettered_total",
+            "Messages settled as a dead letter, by reason (sequence_reused: quarantined).",
+            (*_LABELS, "reason"),
+            registry=r,
         )
-        self.acks_failed = r.add(
-            Counter(
-                "eop_acks_failed_total",
-                "Confirmed acks given up after the COMMIT "
-                "(the redelivery is skipped by the inbox).",
-                _LABELS,
-            )
+        self.left = Counter(
+            "eop_messages_left_total",
+            "Deliveries left for redelivery without a nak (lease spent, stream gone, "
+            "commit outcome unknown).",
+            _LABELS,
+            registry=r,
         )
-        self.errors = r.add(
-            Counter(
-                "eop_processing_errors_total",
-                "Messages or batches whose processing failed in eop's own I/O beyond its "
-                "retries (their messages were nak'ed).",
-                _LABELS,
-            )
+        self.acks_failed = Counter(
+            "eop_acks_failed_total",
+            "Confirmed acks given up after the COMMIT (the redelivery is skipped by the inbox).",
+            _LABELS,
+            registry=r,
         )
-        self.in_flight = r.add(
-            Gauge("eop_messages_in_flight", "Messages being processed right now.", _LABELS)
+        self.errors = Counter(
+            "eop_processing_errors_total",
+            "Messages or batches whose processing failed in eop's own I/O beyond its "
+            "retries (their messages were nak'ed).",
+            _LABELS,
+            registry=r,
         )
-        self.handler_s = r.add(
-            Histogram(
-                "eop_handler_duration_seconds",
-                "Time spent in the handler function, per call (a batch handler: per batch).",
-                _LABELS,
-                buckets=HANDLER_BUCKETS_S,
-            )
+        # Summed over the processes that are alive: a dead one's messages are not in flight.
+        self.in_flight = Gauge(
+            "eop_messages_in_flight",
+            "Messages being processed right now.",
+            _LABELS,
+            registry=r,
+            multiprocess_mode="livesum",
         )
-        self.commit_to_ack_s = r.add(
-            Histogram(
-                "eop_commit_to_ack_seconds",
-                "Time from a processed message's COMMIT to its confirmed ack.",
-                _LABELS,
-                buckets=ACK_BUCKETS_S,
-            )
+        self.handler_s = Histogram(
+            "eop_handler_duration_seconds",
+            "Time spent in the handler function, per call (a batch handler: per batch).",
+            _LABELS,
+            registry=r,
+            buckets=HANDLER_BUCKETS_S,
         )
-        self.outbox_published_total = r.add(
-            Counter(
-                "eop_outbox_published_total",
-                "Outbox rows this process's relay published (PubAck received, row marked).",
-            )
-        ).labels()
-        self.outbox_parked_by_reason = r.add(
-            Counter(
-                "eop_outbox_parked_total",
-                "Outbox rows this process's relay parked, by reason (see `eop outbox list`).",
-                ("reason",),
-            )
+        self.commit_to_ack_s = Histogram(
+            "eop_commit_to_ack_seconds",
+            "Time from a processed message's COMMIT to its confirmed ack.",
+            _LABELS,
+            registry=r,
+            buckets=ACK_BUCKETS_S,
         )
-        self.outbox_pending = r.add(
-            Gauge(
-                "eop_outbox_pending",
-                "Unpublished outbox rows, as the publishing relay last counted them.",
-            )
-        ).labels()
-        self.outbox_lag_s = r.add(
-            Gauge(
-                "eop_outbox_lag_seconds",
-                "Age of the oldest unpublished outbox row, as the publishing relay last saw it.",
-            )
-        ).labels()
-        self.outbox_parked_rows = r.add(
-            Gauge("eop_outbox_parked", "Parked outbox rows, as the publishing relay last counted.")
-        ).labels()
+        self.outbox_published_total = Counter(
+            "eop_outbox_published_total",
+            "Outbox rows this worker's relay published (PubAck received, row marked).",
+            registry=r,
+        )
+        self.outbox_parked_by_reason = Counter(
+            "eop_outbox_parked_total",
+            "Outbox rows this worker's relay parked, by reason (see `eop outbox list`).",
+            ("reason",),
+            registry=r,
+        )
+        # The backlog as the publishing relay last counted it, whichever process holds
+        # the relay's lease: the most recent value of the live processes.
+        self.outbox_pending = Gauge(
+            "eop_outbox_pending",
+            "Unpublished outbox rows, as the publishing relay last counted them.",
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.outbox_lag_s = Gauge(
+            "eop_outbox_lag_seconds",
+            "Age of the oldest unpublished outbox row, as the publishing relay last saw it.",
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        # Not eop_outbox_parked: prometheus_client reserves it for eop_outbox_parked_total.
+        self.outbox_parked_rows = Gauge(
+            "eop_outbox_parked_rows",
+            "Parked outbox rows, as the publishing relay last counted.",
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
         self._series = {spec.name: _HandlerSeries(self, spec) for spec in specs}
 
     def _of(self, spec: HandlerSpec) -> _HandlerSeries:

@@ -9,9 +9,11 @@ guarantee of a worker holds for each, and JetStream spreads the messages.
 The supervisor is deliberately small:
 
 - Each child is ``eop worker`` again, with the same arguments plus
-  ``--processes 1``, its share of the worker's database connections
-  (``--db-pool-size``, unless set) and, with ``--metrics-port P``, port
-  ``P + i`` for child ``i``.
+  ``--processes 1`` and its share of the worker's database connections
+  (``--db-pool-size``, unless set).
+- With ``--metrics-port P``, the supervisor alone serves P: the children write
+  their metrics and readiness to a directory it reads
+  (:mod:`eop.runtime.gathered`), and serve nothing.
 - Handlers with ``order_by`` run in the first child only: per-key order holds
   within one process.
 - SIGTERM and SIGINT are passed on to every child. A child that exits on its
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from eop import log
+from eop.runtime import gathered
 
 MAX_AUTO_PROCESSES = 4
 """The most processes ``processes=0`` starts: each holds its own connections."""
@@ -48,7 +51,7 @@ MAX_AUTO_PROCESSES = 4
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.05
 # Flags whose value the supervisor sets per child; stripped from the arguments it passes on.
-_PER_CHILD_FLAGS = ("--processes", "--handler", "--metrics-port", "--db-pool-size")
+_PER_CHILD_FLAGS = ("--processes", "--handler", "--metrics-port", "--metrics-dir", "--db-pool-size")
 
 
 def available_cpus(cgroup_cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
@@ -77,31 +80,28 @@ class Child:
     """What one child process runs."""
 
     handlers: tuple[str, ...]
-    metrics_port: int
     db_pool_size: int
 
 
-def plan(
-    count: int, handlers: Sequence[tuple[str, bool]], metrics_port: int, db_pool_size: int
-) -> list[Child]:
+def plan(count: int, handlers: Sequence[tuple[str, bool]], db_pool_size: int) -> list[Child]:
     """The children for ``count`` processes and ``(name, ordered)`` handlers.
 
     The first child runs every handler; the others only the unordered ones
-    (none at all: then there is one child). With a metrics port, child ``i``
-    serves on ``metrics_port + i``. Each keeps ``db_pool_size`` connections.
+    (none at all: then there is one child). Each keeps ``db_pool_size`` connections.
     """
     everything = tuple(name for name, _ in handlers)
     unordered = tuple(name for name, ordered in handlers if not ordered)
     if not unordered:
         count = 1
-    ports = [metrics_port + i if metrics_port else 0 for i in range(count)]
-    return [
-        Child(everything if i == 0 else unordered, ports[i], db_pool_size) for i in range(count)
-    ]
+    return [Child(everything if i == 0 else unordered, db_pool_size) for i in range(count)]
 
 
-def child_argv(argv: Sequence[str], child: Child) -> list[str]:
-    """The ``eop`` arguments of a child: ``argv`` without its per-child flags, then the child's."""
+def child_argv(argv: Sequence[str], child: Child, metrics_dir: str | None = None) -> list[str]:
+    """The ``eop`` arguments of a child: ``argv`` without its per-child flags, then the child's.
+
+    With ``metrics_dir`` the child reports its metrics and readiness there
+    (``--metrics-dir``) and serves nothing (``--metrics-port 0``).
+    """
     kept: list[str] = []
     skip = False
     for arg in argv:
@@ -117,13 +117,18 @@ def child_argv(argv: Sequence[str], child: Child) -> list[str]:
     kept += ["--processes", "1"]
     for name in child.handlers:
         kept += ["--handler", name]
-    if child.metrics_port:
-        kept += ["--metrics-port", str(child.metrics_port)]
+    if metrics_dir is not None:
+        # 0 given, not left out: EOP_METRICS_PORT in the environment must not reach a child.
+        kept += ["--metrics-port", "0", "--metrics-dir", metrics_dir]
     kept += ["--db-pool-size", str(child.db_pool_size)]
     return kept
 
 
-def supervise(argvs: Sequence[Sequence[str]], stop_deadline_s: float | None = None) -> int:
+def supervise(
+    argvs: Sequence[Sequence[str]],
+    stop_deadline_s: float | None = None,
+    served: gathered.Gathered | None = None,
+) -> int:
     """Run one ``eop`` child per argument list until they have all exited; the exit status.
 
     0 when every child exited 0 (after a SIGTERM or SIGINT passed on to them);
@@ -133,16 +138,22 @@ def supervise(argvs: Sequence[Sequence[str]], stop_deadline_s: float | None = No
     still importing when the stop came dies of it, having taken no message,
     which is a stop as asked, not a failure). Once stopping, children still running
     ``stop_deadline_s`` later (their own deadline has passed: they should have
-    ended themselves) are killed with SIGKILL.
+    ended themselves) are killed with SIGKILL. With ``served``, the children's
+    metrics and health are served on its port until they have all exited.
     """
     logger = log.get_logger()
+    env = {**os.environ, **(served.env() if served is not None else {})}
     children = [
         subprocess.Popen(
-            [sys.executable, "-m", "eop", *argv], preexec_fn=_die_with_parent(os.getpid())
+            [sys.executable, "-m", "eop", *argv], preexec_fn=_die_with_parent(os.getpid()), env=env
         )
         for argv in argvs
     ]
     logger.info(log.Event.PROCESSES_STARTED, pids=[c.pid for c in children])
+    if served is not None:
+        for child in children:
+            served.started(child.pid)
+        served.serve()
     running = {c.pid: c for c in children}
     stop = _Stop()
 
@@ -161,6 +172,8 @@ def supervise(argvs: Sequence[Sequence[str]], stop_deadline_s: float | None = No
             if running.pop(pid, None) is None:
                 continue
             code = _exit_code(returncode)
+            if served is not None:
+                served.gone(pid)  # before the line: once it is logged, /readyz says so
             logger.info(log.Event.PROCESS_EXITED, pid=pid, code=code)
             if not stop.started:
                 # A child ended by itself: the worker is not whole any more.

@@ -2,8 +2,12 @@
 
 :class:`Telemetry` builds the worker's :class:`eop.observe.observer.Observer` from its
 settings (``metrics_port``, ``tracing``) and runs the HTTP endpoint of
-:mod:`eop.observe.health` while the worker runs. With the port at 0 and tracing off
-or OpenTelemetry absent, the observer is :data:`eop.observe.observer.NOOP` and no
+:mod:`eop.observe.health` while the worker runs. A process of a supervised
+``eop worker --processes N`` serves nothing: given ``report_to`` (the supervisor's
+directory), it writes its metrics there (prometheus_client's multiprocess mode)
+and its readiness (:mod:`eop.observe.reports`), and the supervisor serves them all
+on one port. With the port at 0, no ``report_to``, and tracing off or
+OpenTelemetry absent, the observer is :data:`eop.observe.observer.NOOP` and no
 server is started.
 """
 
@@ -18,7 +22,7 @@ from nats.aio.client import Client as NATS
 from eop import wire
 from eop.app import App
 from eop.handler import HandlerSpec
-from eop.observe import health, metrics, tracing
+from eop.observe import health, metrics, reports, tracing
 from eop.observe import observer as observe
 from eop.pg import sql
 from eop.settings import Settings
@@ -55,13 +59,14 @@ class Observed(Protocol):
 class Telemetry:
     """The observers and the HTTP endpoint of one worker."""
 
-    def __init__(self, worker: Observed) -> None:
+    def __init__(self, worker: Observed, *, report_to: str | None = None) -> None:
         self._worker = worker
         s = worker.settings
         observers: list[observe.Observer] = []
         self.metrics: metrics.WorkerMetrics | None = None
         self.endpoints: health.Endpoints | None = None
-        if s.metrics_port:
+        self.reporter: reports.Reporter | None = None
+        if s.metrics_port or report_to:
             self.metrics = metrics.WorkerMetrics(worker.specs)
             readiness = health.Readiness(
                 bound=lambda: worker.ready.is_set(),
@@ -69,26 +74,34 @@ class Telemetry:
                 nats_connected=self._nats_connected,
                 ping=self._ping,
             )
-            self.endpoints = health.Endpoints(
-                host=s.metrics_host,
-                port=s.metrics_port,
-                registry=self.metrics.registry,
-                readiness=readiness,
-            )
+            if report_to:
+                self.reporter = reports.Reporter(report_to, readiness)
+            else:
+                registry = self.metrics.registry
+                self.endpoints = health.Endpoints(
+                    host=s.metrics_host,
+                    port=s.metrics_port,
+                    metrics=lambda: metrics.render(registry),
+                    readiness=readiness,
+                )
             observers += [self.metrics, readiness]
         if s.tracing and tracing.AVAILABLE:
             observers.append(tracing.Tracing())
         self.observer = observe.combine(observers)
 
     async def start(self) -> None:
-        """Start serving ``/metrics``, ``/healthz`` and ``/readyz`` (when a port is set)."""
+        """Start serving ``/metrics``, ``/healthz`` and ``/readyz`` (or reporting them)."""
         if self.endpoints is not None:
             await self.endpoints.start()
+        if self.reporter is not None:
+            await self.reporter.start()
 
     async def close(self) -> None:
-        """Stop serving."""
+        """Stop serving (or reporting)."""
         if self.endpoints is not None:
             await self.endpoints.close()
+        if self.reporter is not None:
+            await self.reporter.close()
 
     @property
     def port(self) -> int | None:

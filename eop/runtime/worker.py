@@ -1,8 +1,9 @@
 """The worker: pulls each handler's durable consumer and runs the protocol.
 
 Several worker processes may share one durable consumer. A stop (SIGTERM,
-SIGINT) stops fetching, lets in-flight messages finish within the grace
-period, and never cuts between a COMMIT and its ack.
+SIGINT, or a host's :meth:`~eop.runtime.hosting.Hosted.shutdown`) stops
+fetching, lets in-flight messages finish within the grace period, and never
+cuts between a COMMIT and its ack.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from eop.observe import observer as observe
 from eop.pg import migrate, retries
 from eop.pg.store import PostgresStore
 from eop.protocol import batch, compaction, ordering, processor, relay
-from eop.runtime import shutdown, startup, telemetry
+from eop.runtime import hosting, shutdown, startup, telemetry
 from eop.types import Delivery, Outcome
 
 # The waits after failed fetches (counted from 1): 0.2 s, doubling up to 5 s.
@@ -38,13 +39,23 @@ _FETCH_RETRY_FIRST_S = 0.2
 _FETCH_RETRY_MAX_S = 5.0
 
 
-class Worker:
+class Worker(hosting.Hosted):
     """Runs the handlers of an :class:`eop.App` until stopped.
 
     ``handlers`` restricts the worker to some handler names (default: all).
+    ``report_to`` is for the processes of ``eop worker --processes N``: the
+    supervisor's directory, where the worker writes its metrics and readiness
+    instead of serving them (:mod:`eop.runtime.telemetry`).
+
+    ``eop worker`` runs one per process. Inside another application's event
+    loop (a FastAPI lifespan), ``async with eop.Worker(app).running(): ...``
+    runs one as a task of that loop, installing no signal handler
+    (:mod:`eop.runtime.hosting`).
     """
 
-    def __init__(self, app: App, *, handlers: Iterable[str] = ()) -> None:
+    def __init__(
+        self, app: App, *, handlers: Iterable[str] = (), report_to: str | None = None
+    ) -> None:
         self.app = app
         self.settings = app.settings
         self.specs = select_handlers(app, handlers)
@@ -73,7 +84,7 @@ class Worker:
         self.nats: Any = None
         """The NATS connection while the worker runs."""
         self._lost: errors.NatsUnavailable | None = None
-        self.telemetry = telemetry.Telemetry(self)
+        self.telemetry = telemetry.Telemetry(self, report_to=report_to)
         """Metrics, health endpoints and tracing (see :mod:`eop.runtime.telemetry`)."""
         self._observer = self.telemetry.observer
         self.on_stop: list[Callable[[], None]] = []
@@ -530,14 +541,20 @@ def _seq(msg: Delivery) -> int:
     return int(msg.metadata.sequence.stream)
 
 
-async def run_worker(app: App, *, handlers: Iterable[str] = (), exit_hard: bool = False) -> int:
+async def run_worker(
+    app: App,
+    *,
+    handlers: Iterable[str] = (),
+    exit_hard: bool = False,
+    report_to: str | None = None,
+) -> int:
     """Run a worker with signal handlers installed; the exit status (:mod:`eop.runtime.shutdown`).
 
     With ``exit_hard`` (what ``eop worker`` does) a stop always ends the
     process: by :func:`os._exit` when a handler's thread is still running once
     the worker has stopped, or when the stop overruns its deadline.
     """
-    worker = Worker(app, handlers=handlers)
+    worker = Worker(app, handlers=handlers, report_to=report_to)
     worker.install_signal_handlers()
     if exit_hard:
         worker.on_stop.append(shutdown.Watchdog(shutdown.deadline_s(app.settings)).arm)

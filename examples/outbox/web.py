@@ -1,12 +1,21 @@
 """The outbox example's endpoint: ``POST /orders`` stores the order and announces it, at once.
 
-    uvicorn examples.outbox.web:api
+    uvicorn examples.outbox.web:api              # the endpoint; `eop worker` runs the handlers
+    uvicorn examples.outbox.web:api_with_worker  # the endpoint and the handlers, one process
+
+The second runs an :class:`eop.Worker` in the application's lifespan: it starts
+with the server and, when uvicorn stops (SIGTERM, Ctrl-C), finishes the
+messages in flight before the process exits. It installs no signal handler of
+its own: uvicorn's are the process's.
 
 FastAPI is the example's choice, not one of eop's dependencies: any framework
 that gives a view an ``AsyncSession`` (or a sync ``Session``) does the same.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
 
 import sqlalchemy as sa
 from fastapi import FastAPI, HTTPException
@@ -23,9 +32,24 @@ class OrderIn(BaseModel):
     total_cents: int
 
 
-def make_api(orders: eop.App = app) -> FastAPI:
-    """The endpoint on ``orders``'s database (the example's app by default)."""
-    web = FastAPI(title="orders")
+def make_api(orders: eop.App = app, *, worker: bool = False) -> FastAPI:
+    """The endpoint on ``orders``'s database (the example's app by default).
+
+    With ``worker``, the app's handlers and its outbox relay run in the same
+    process, in the application's lifespan.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not worker:
+            yield
+            return
+        # Serving starts once the worker fetches; leaving the lifespan stops it
+        # gracefully: in-flight messages finish, every COMMIT is acked.
+        async with eop.Worker(orders).running():
+            yield
+
+    web = FastAPI(title="orders", lifespan=lifespan)
 
     @web.post("/orders", status_code=201)
     async def post_order(order: OrderIn) -> dict[str, str]:
@@ -42,3 +66,7 @@ def make_api(orders: eop.App = app) -> FastAPI:
 
 
 api = make_api()
+"""The endpoint alone (``eop worker examples.outbox.app:app`` runs the handlers)."""
+
+api_with_worker = make_api(worker=True)
+"""The endpoint, the handlers and the relay in one process."""

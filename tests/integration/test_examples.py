@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +16,7 @@ from eop import embedded
 from examples.quickstart import app as quickstart
 
 from .bed import bed_settings, drained, equals, running, scalar, wait_for
+from .test_cli import ROOT, eop_env
 
 EXAMPLE_TESTS = Path(quickstart.__file__).parent / "test_handlers.py"
 
@@ -80,3 +85,117 @@ def test_the_quickstart_handler_tests_pass_as_a_user_runs_them(
     pytester.makepyfile(test_handlers=EXAMPLE_TESTS.read_text())
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
     result.assert_outcomes(passed=4)
+def serve(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    """uvicorn serving the outbox example's endpoint with its in-process worker."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "uvicorn", "examples.outbox.web:api_with_worker"),
+                *(
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                    "--timeout-graceful-shutdown",
+                    "10",
+                ),
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def output(log: Path) -> str:
+    """What the servers printed (their worker's log lines among it)."""
+    return log.read_text(errors="replace")
+
+
+async def serving(proc: subprocess.Popen[bytes], client: Any, log: Path) -> bool:
+    """True once the server answers (after its lifespan started the worker)."""
+    if proc.poll() is not None:
+        raise AssertionError(f"uvicorn exited with {proc.returncode}:\n{output(log)[-3000:]}")
+    try:
+        return (await client.get("/openapi.json")).status_code == 200
+    except Exception:
+        return False
+
+
+async def post_orders(client: Any, prefix: str, count: int, after: asyncio.Event) -> list[str]:
+    """POST ``count`` orders one after another until the server goes; the ids it took."""
+    taken = []
+    for i in range(count):
+        try:
+            response = await client.post(
+                "/orders", json={"id": f"{prefix}-{i}", "total_cents": i}, timeout=10
+            )
+        except Exception:
+            break  # the server is stopping: the rest were never sent
+        if response.status_code != 201:
+            break
+        taken.append(f"{prefix}-{i}")
+        if i == count // 3:
+            after.set()
+    after.set()
+    return taken
+
+
+async def test_outbox_example_under_uvicorn_with_its_worker_in_the_lifespan_survives_sigterm(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """uvicorn serving the example with eop.Worker in its lifespan, SIGTERMed while orders
+    stream in: it exits 0 in bounded time (no stall), and once served again every stored
+    order has exactly one reservation and one shipment, every accepted order is stored,
+    nothing is dead-lettered and nothing is left unpublished."""
+    import httpx
+
+    from examples.outbox import app as example
+
+    async with engine.begin() as conn:
+        await conn.run_sync(example.Base.metadata.create_all)
+    env = eop_env(database_url, nats_url, EOP_SHUTDOWN_GRACE_S="10")
+    log = tmp_path / "uvicorn.log"
+    port = embedded.free_port()
+    base = f"http://127.0.0.1:{port}"
+    first = serve(env, port, log)
+    try:
+        async with httpx.AsyncClient(base_url=base) as client:
+            await wait_for(lambda: serving(first, client, log), timeout_s=60, what="uvicorn")
+            midway = asyncio.Event()
+            posting = asyncio.create_task(post_orders(client, "o", 300, midway))
+            await midway.wait()
+            first.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(first.wait, 60)
+            taken = await posting
+        # uvicorn ends by raising the signal it caught again, once it has shut down.
+        assert code in (0, -signal.SIGTERM), output(log)[-3000:]
+        assert output(log).count("worker.stopped") == 1
+        assert taken
+        second = serve(env, port, log)
+        async with httpx.AsyncClient(base_url=base) as client:
+            await wait_for(lambda: serving(second, client, log), timeout_s=60, what="uvicorn again")
+            stored = await scalar(engine, "SELECT count(*) FROM orders")
+            await wait_for(
+                lambda: equals(scalar(engine, "SELECT count(*) FROM shipments"), stored),
+                timeout_s=60,
+                what=f"{stored} shipments",
+            )
+            await wait_for(lambda: drained(js, "eop-reserve"), what="reserve")
+            await wait_for(lambda: drained(js, "eop-ship", stream="SHIPMENTS"), what="ship")
+        second.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(second.wait, 60) in (0, -signal.SIGTERM)
+        assert output(log).count("worker.stopped") == 2
+    finally:
+        for proc in (first, locals().get("second")):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert stored >= len(taken)
+    ids = "SELECT count(*) FROM orders WHERE id = ANY(:ids)"
+    assert await scalar(engine, ids, ids=taken) == len(taken)
+    for table in ("reservations", "shipments"):
+        assert await scalar(engine, f"SELECT count(*) FROM {table}") == stored
+        assert await scalar(engine, f"SELECT count(DISTINCT order_id) FROM {table}") == stored
+    assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
+    assert await scalar(engine, "SELECT count(*) FROM eop.outbox WHERE published_at IS NULL") == 0

@@ -71,8 +71,8 @@ async def test_eop_relay_publishes_and_stops_on_sigterm_with_status_0(
         during = json.loads(run_eop("outbox", "status", "--json", env=env).stdout)
         assert during["pending"] == 0
         assert during["relay"] is not None
-        await wait_for(lambda: _metric(port, "eop_outbox_published_total 25"), what="metrics")
-        await wait_for(lambda: _metric(port, "eop_outbox_pending 0"), what="backlog gauge")
+        await wait_for(lambda: _metric(port, "eop_outbox_published_total 25.0"), what="metrics")
+        await wait_for(lambda: _metric(port, "eop_outbox_pending 0.0"), what="backlog gauge")
     finally:
         proc.send_signal(signal.SIGTERM)
         status = proc.wait(timeout=60)

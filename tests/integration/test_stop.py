@@ -31,11 +31,19 @@ async def _hang_then_stop(js: Any, workers: Workers, kind: str, *args: str) -> t
     workers.env.update(EOP_SHUTDOWN_GRACE_S="2", STUCKAPP_KIND=kind)
     proc = workers.start(*args, app=STUCK_APP)
     await wait_for(lambda: consumer_exists(js, DURABLE), what="the consumer")
+    # Every process at work: one still importing would die of the SIGTERM (143)
+    # before it could stop cleanly, which is another test's matter.
+    processes = int(args[args.index("--processes") + 1]) if "--processes" in args else 1
+    await wait_for(lambda: _started(workers, processes), what="every worker process started")
     await publish(js, "stuck")
     await wait_for(lambda: _in_flight(js), what="the message in flight")
     await asyncio.sleep(0.5)  # into the handler (not a timing assertion)
     proc.send_signal(signal.SIGTERM)
     return await asyncio.to_thread(proc.wait, EXIT_WITHIN_S), proc
+
+
+async def _started(workers: Workers, processes: int) -> bool:
+    return workers.logs().count('"worker.started"') >= processes
 
 
 async def _processed_once_by_another_worker(js: Any, workers: Workers, engine: AsyncEngine) -> None:

@@ -10,8 +10,12 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from eop import embedded
+from eop.observe import reports
+
 from .bed import create_effects_table, drained, effects_by_body, publish, wait_for
 from .test_cli import Workers, consumer_exists
+from .test_telemetry import get, scrape, value
 
 
 def _started_pids(log: Path) -> list[int]:
@@ -103,3 +107,78 @@ async def test_the_worker_processes_do_not_outlive_a_killed_supervisor(
         await publish(js, f"after-{i}")
     await wait_for(lambda: drained(js, "eop-cli"), timeout_s=60, what="the new worker")
     assert await effects_by_body(engine) == {f"after-{i}": 1 for i in range(20)}
+
+
+def _metrics_dir(pid: int) -> Path:
+    """The directory the supervisor named to its process ``pid`` (its --metrics-dir)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return Path(argv[argv.index("--metrics-dir") + 1])
+
+
+async def _status(port: int, path: str) -> int:
+    try:
+        return (await get(port, path))[0]
+    except OSError:
+        return 0  # not serving
+
+
+async def test_one_port_serves_the_metrics_and_the_health_of_every_process(
+    engine: AsyncEngine, js: Any, workers: Workers, tmp_path: Path
+) -> None:
+    """--processes 2 --metrics-port P: P alone serves; its counters are the sum over both
+    processes (the messages processed); /readyz and /healthz fail while one process does not
+    answer and hold again when it does; once one is gone /readyz fails for good; the shared
+    directory is removed at the end."""
+    await create_effects_table(engine)
+    port = embedded.free_port()
+    proc = workers.start(
+        *("--processes", "2", "--metrics-port", str(port), "--concurrency", "4", "--batch", "4"),
+        env={"EOP_METRICS_HOST": "127.0.0.1"},
+    )
+    pids = await _pids(tmp_path / "worker-0.log")
+    directory = _metrics_dir(pids[0])
+    assert _metrics_dir(pids[1]) == directory
+
+    async def status_is(path: str, expected: int) -> bool:
+        return await _status(port, path) == expected
+
+    await wait_for(lambda: status_is("/readyz", 200), timeout_s=60, what="the worker ready")
+    for i in range(200):
+        await publish(js, f"m{i}")
+    await wait_for(lambda: drained(js, "eop-cli"), timeout_s=60, what="all messages")
+    samples = await scrape(port)
+    labels = {"handler": "cli", "stream": "ORDERS"}
+    assert value(samples, "eop_messages_processed_total", **labels) == 200
+    assert value(samples, "eop_commit_to_ack_seconds_count", **labels) == 200
+    assert value(samples, "eop_messages_in_flight", **labels) == 0
+    assert await _status(port + 1, "/metrics") == 0  # no per-process port any more
+
+    os.kill(pids[1], signal.SIGSTOP)  # one process stops answering
+    try:
+        await wait_for(
+            lambda: status_is("/readyz", 503),
+            timeout_s=reports.STALE_S + 30,
+            what="/readyz to fail",
+        )
+        assert "processes_answering fail" in (await get(port, "/readyz"))[1]
+        assert await _status(port, "/healthz") == 503
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    await wait_for(lambda: status_is("/readyz", 200), timeout_s=30, what="/readyz again")
+    assert await _status(port, "/healthz") == 200
+
+    os.kill(pids[1], signal.SIGKILL)  # one process gone: the worker is not ready any more
+    await wait_for(lambda: _exited(workers, pids[1]), what="the supervisor to see it exit")
+    assert await _status(port, "/readyz") in (503, 0)  # 0: the supervisor has ended already
+    assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+    assert not directory.exists()
+    assert await effects_by_body(engine) == {f"m{i}": 1 for i in range(200)}
+
+
+async def _exited(workers: Workers, pid: int) -> bool:
+    return any(
+        line.startswith("{")
+        and json.loads(line).get("event") == "processes.exited"
+        and json.loads(line).get("pid") == pid
+        for line in workers.logs().splitlines()
+    )

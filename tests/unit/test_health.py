@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
 from eop import errors
-from eop.observe import health, metrics
+from eop.observe import health, metrics, reports
 from eop.observe.observer import Settled
 from eop.types import Outcome
 
@@ -72,20 +76,20 @@ def readiness(state: State, clock: list[float]) -> health.Readiness:
 
 @pytest.fixture
 async def endpoints(readiness: health.Readiness) -> AsyncIterator[health.Endpoints]:
-    registry = metrics.Registry()
-    registry.add(metrics.Counter("demo_total", "Demo.")).labels().inc(3)
-    server = health.Endpoints(host="127.0.0.1", port=0, registry=registry, readiness=readiness)
+    server = health.Endpoints(
+        host="127.0.0.1", port=0, metrics=lambda: b"demo_total 3.0\n", readiness=readiness
+    )
     await server.start()
     yield server
     await server.close()
 
 
 async def test_metrics_are_served_in_the_text_format(endpoints: health.Endpoints) -> None:
-    """GET /metrics: 200, the exposition format's content type, the registry's text."""
+    """GET /metrics: 200, the exposition format's content type, what the renderer made."""
     status, content_type, body = await get(endpoints.port, "/metrics")
     assert status == 200
     assert content_type == metrics.CONTENT_TYPE
-    assert body == "# HELP demo_total Demo.\n# TYPE demo_total counter\ndemo_total 3\n"
+    assert body == "demo_total 3.0\n"
 
 
 async def test_healthz_answers_while_the_loop_runs(endpoints: health.Endpoints) -> None:
@@ -179,13 +183,92 @@ async def test_a_silent_client_does_not_block_the_others(endpoints: health.Endpo
 
 async def test_port_in_use_is_a_configuration_error(readiness: health.Readiness) -> None:
     """A port another process holds fails with a clear ConfigurationError."""
-    first = health.Endpoints(host="127.0.0.1", port=0, registry=None, readiness=readiness)
+    first = health.Endpoints(host="127.0.0.1", port=0, metrics=None, readiness=readiness)
     await first.start()
     try:
         second = health.Endpoints(
-            host="127.0.0.1", port=first.port, registry=None, readiness=readiness
+            host="127.0.0.1", port=first.port, metrics=None, readiness=readiness
         )
         with pytest.raises(errors.ConfigurationError, match="cannot serve metrics"):
             await second.start()
+        with pytest.raises(errors.ConfigurationError, match="cannot serve metrics"):
+            health.bind("127.0.0.1", first.port)
     finally:
         await first.close()
+
+
+async def test_healthz_follows_a_liveness_callable_when_given(
+    readiness: health.Readiness,
+) -> None:
+    """A supervisor's /healthz is 503 while one of its processes is not live."""
+    live = [True]
+    server = health.Endpoints(
+        host="127.0.0.1", port=0, metrics=None, readiness=readiness, live=lambda: live[0]
+    )
+    await server.start(sock=health.bind("127.0.0.1", 0))
+    try:
+        assert (await get(server.port, "/healthz"))[0] == 200
+        live[0] = False
+        assert (await get(server.port, "/healthz"))[0] == 503
+    finally:
+        await server.close()
+
+
+class Fixed:
+    """Readiness checks that say what they are told."""
+
+    def __init__(self, **checks: bool) -> None:
+        self.checks = checks
+
+    async def check(self) -> dict[str, bool]:
+        return dict(self.checks)
+
+
+async def test_each_process_reports_its_checks_and_the_supervisor_combines_them(
+    tmp_path: Path,
+) -> None:
+    """Ready only when every process reports every check ok; one failing check, a process
+    gone, or a process whose report went stale makes the whole worker not ready."""
+    now = [1000.0]
+    combined = reports.Combined(str(tmp_path), clock=lambda: now[0])
+    ok = Fixed(subscriptions_bound=True, not_draining=True)
+    me = reports.Reporter(str(tmp_path), ok)
+    other = os.getpid() + 1_000_000  # a second process's report, written by hand
+    combined.started(os.getpid())
+    combined.started(other)
+    assert combined.live()  # both starting: live, not ready
+    assert not all((await combined.check()).values())
+    await me.start()
+    # Reporter stamps reports with the wall clock: the test's clock follows it.
+    now[0] = time.time()
+    write_report(tmp_path, other, now[0], subscriptions_bound=True, not_draining=True)
+    checks = await combined.check()
+    assert all(checks.values()), checks
+    assert set(checks) >= {"processes_running", "processes_answering", "subscriptions_bound"}
+    write_report(tmp_path, other, now[0], subscriptions_bound=True, not_draining=False)
+    assert not (await combined.check())["not_draining"]
+    write_report(tmp_path, other, now[0], subscriptions_bound=True, not_draining=True)
+    assert all((await combined.check()).values())
+    now[0] += reports.STALE_S + 1  # nobody reported since: their loops no longer answer
+    assert not (await combined.check())["processes_answering"]
+    assert not combined.live()
+    now[0] -= reports.STALE_S + 1
+    combined.gone(other)
+    assert not (await combined.check())["processes_running"]
+    assert not combined.live()
+    await me.close()
+    assert not reports.report_path(tmp_path, os.getpid()).exists()
+
+
+def write_report(directory: Path, pid: int, at: float, **checks: bool) -> None:
+    reports.report_path(directory, pid).write_text(json.dumps({"at": at, "checks": checks}))
+
+
+def test_a_process_that_never_reports_is_live_only_for_the_start_grace(tmp_path: Path) -> None:
+    """A process hung before its first report stops counting as live after START_GRACE_S."""
+    now = [0.0]
+    combined = reports.Combined(str(tmp_path), clock=lambda: now[0])
+    combined.started(4242)
+    assert combined.live()
+    now[0] += reports.START_GRACE_S + 1
+    assert not combined.live()

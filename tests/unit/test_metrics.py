@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
+import os
+import subprocess
+import sys
 import threading
-
-import pytest
+from pathlib import Path
 
 from eop.handler import HandlerSpec
 from eop.observe import metrics
@@ -16,6 +17,8 @@ from eop.types import Outcome
 
 from .support import FAST, STREAM, MakeHarness, delivery
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def spec(name: str = "billing", stream: str = STREAM) -> HandlerSpec:
     async def handler(msg: object, session: object) -> None:
@@ -24,93 +27,20 @@ def spec(name: str = "billing", stream: str = STREAM) -> HandlerSpec:
     return HandlerSpec(func=handler, name=name, stream=stream, subject="orders.>", durable="d")
 
 
-def test_counter_renders_help_type_and_labelled_samples() -> None:
-    """A counter family: HELP and TYPE lines, then one sample per label set, sorted."""
-    r = metrics.Registry()
-    c = r.add(metrics.Counter("x_total", "Things counted.", ("handler",)))
-    c.labels("b").inc()
-    c.labels("a").inc(2.5)
-    assert r.render() == (
-        "# HELP x_total Things counted.\n"
-        "# TYPE x_total counter\n"
-        'x_total{handler="a"} 2.5\n'
-        'x_total{handler="b"} 1\n'
-    )
+def value(m: metrics.WorkerMetrics, name: str, **labels: str) -> float | None:
+    """A sample of the worker's registry, as a scrape would read it."""
+    return m.registry.get_sample_value(name, labels)
 
 
-def test_label_values_and_help_are_escaped() -> None:
-    """Label values escape backslash, double quote and newline; HELP backslash and newline."""
-    r = metrics.Registry()
-    g = r.add(metrics.Gauge("g", 'Help with \\ and\nnewline and "quotes".', ("k",)))
-    g.labels('a"b\\c\nd').set(3)
-    lines = r.render().splitlines()
-    assert lines[0] == '# HELP g Help with \\\\ and\\nnewline and "quotes".'
-    assert lines[2] == 'g{k="a\\"b\\\\c\\nd"} 3'
-
-
-def test_values_are_formatted_like_prometheus() -> None:
-    """Integers without a fraction, floats in full, +Inf/-Inf/NaN spelled as Prometheus does."""
-    assert metrics.format_value(3.0) == "3"
-    assert metrics.format_value(0.25) == "0.25"
-    assert metrics.format_value(1e-05) == "1e-05"
-    assert metrics.format_value(math.inf) == "+Inf"
-    assert metrics.format_value(-math.inf) == "-Inf"
-    assert metrics.format_value(math.nan) == "NaN"
-    assert metrics.format_value(2.0**60) == repr(2.0**60)
-
-
-def test_histogram_buckets_are_cumulative_with_inf_sum_and_count() -> None:
-    """Observations land in the first bucket whose bound is >= the value; le="+Inf" counts all."""
-    r = metrics.Registry()
-    h = r.add(metrics.Histogram("lat_seconds", "Latency.", ("handler",), buckets=(0.1, 1, 0.5)))
-    child = h.labels("a")
-    for value in (0.05, 0.1, 0.3, 0.7, 5.0):
-        child.observe(value)
-    assert r.render().splitlines()[2:] == [
-        'lat_seconds_bucket{handler="a",le="0.1"} 2',
-        'lat_seconds_bucket{handler="a",le="0.5"} 3',
-        'lat_seconds_bucket{handler="a",le="1"} 4',
-        'lat_seconds_bucket{handler="a",le="+Inf"} 5',
-        'lat_seconds_sum{handler="a"} 6.15',
-        'lat_seconds_count{handler="a"} 5',
-    ]
-
-
-def test_histogram_without_labels_renders_bare_le() -> None:
-    """A histogram without labels has only the le label on its buckets and none on sum/count."""
-    r = metrics.Registry()
-    r.add(metrics.Histogram("h", "H.", buckets=(1,))).labels().observe(2)
-    assert r.render().splitlines()[2:] == [
-        'h_bucket{le="1"} 0',
-        'h_bucket{le="+Inf"} 1',
-        "h_sum 2",
-        "h_count 1",
-    ]
-
-
-def test_histogram_rejects_bad_buckets_and_le_label() -> None:
-    """Duplicate or no buckets, and a label called le, are refused."""
-    with pytest.raises(ValueError, match="buckets"):
-        metrics.Histogram("h", "H.", buckets=(1, 1))
-    with pytest.raises(ValueError, match="buckets"):
-        metrics.Histogram("h", "H.", buckets=())
-    with pytest.raises(ValueError, match="reserved"):
-        metrics.Histogram("h", "H.", ("le",), buckets=(1,))
-
-
-def test_registry_refuses_duplicate_names_and_wrong_label_counts() -> None:
-    """Metric names are unique; a child takes exactly the family's labels."""
-    r = metrics.Registry()
-    c = r.add(metrics.Counter("c_total", "C.", ("a", "b")))
-    with pytest.raises(ValueError, match="already"):
-        r.add(metrics.Counter("c_total", "C."))
-    with pytest.raises(ValueError, match="takes labels"):
-        c.labels("only-one")
+def of(key: tuple[str, str]) -> dict[str, str]:
+    """The labels of a (handler, stream) key."""
+    return {"handler": key[0], "stream": key[1]}
 
 
 def test_histogram_observations_from_threads_are_all_counted() -> None:
     """Sync handlers report from worker threads: no observation is lost."""
-    h = metrics.Histogram("h", "H.", buckets=(1,)).labels()
+    m = metrics.WorkerMetrics([spec()])
+    h = m.handler_s.labels("billing", STREAM)
 
     def work() -> None:
         for _ in range(10_000):
@@ -121,20 +51,19 @@ def test_histogram_observations_from_threads_are_all_counted() -> None:
         t.start()
     for t in threads:
         t.join()
-    assert h.count == 40_000
+    count = "eop_handler_duration_seconds_count"
+    assert value(m, count, handler="billing", stream=STREAM) == 40_000
 
 
 def test_worker_metrics_expose_every_handler_at_zero_from_the_start() -> None:
     """Several handlers: each has its series (labels handler and stream) before any message."""
     m = metrics.WorkerMetrics([spec("billing"), spec("audit", "AUDIT")])
-    text = m.registry.render()
-    assert 'eop_messages_processed_total{handler="audit",stream="AUDIT"} 0' in text
-    assert 'eop_messages_processed_total{handler="billing",stream="ORDERS"} 0' in text
-    assert (
-        'eop_messages_dead_lettered_total{handler="billing",stream="ORDERS",reason="undecodable"} 0'
-        in text
-    )
-    assert 'eop_messages_in_flight{handler="audit",stream="AUDIT"} 0' in text
+    text = metrics.render(m.registry).decode()
+    assert value(m, "eop_messages_processed_total", handler="audit", stream="AUDIT") == 0
+    assert value(m, "eop_messages_processed_total", handler="billing", stream="ORDERS") == 0
+    dead = "eop_messages_dead_lettered_total"
+    assert value(m, dead, handler="billing", stream="ORDERS", reason="undecodable") == 0
+    assert value(m, "eop_messages_in_flight", handler="audit", stream="AUDIT") == 0
     assert "# TYPE eop_handler_duration_seconds histogram" in text
     assert "# TYPE eop_commit_to_ack_seconds histogram" in text
 
@@ -155,16 +84,17 @@ def test_worker_metrics_count_each_outcome_in_its_counter() -> None:
     m.received(s, [d, d, d])
     m.done(s, [d])
     key = ("billing", STREAM)
-    assert m.processed.labels(*key).value == 2
-    assert m.acks_failed.labels(*key).value == 1
-    assert m.duplicate.labels(*key).value == 1
-    assert m.retried.labels(*key).value == 1
-    assert m.left.labels(*key).value == 1
-    assert m.errors.labels(*key).value == 1
-    assert m.in_flight.labels(*key).value == 2
-    assert m.dead_lettered.labels(*key, "attempts_exhausted").value == 1
-    assert m.dead_lettered.labels(*key, "sequence_reused").value == 1
-    assert m.commit_to_ack_s.labels(*key).count == 2
+    assert value(m, "eop_messages_processed_total", **of(key)) == 2
+    assert value(m, "eop_acks_failed_total", **of(key)) == 1
+    assert value(m, "eop_messages_duplicate_total", **of(key)) == 1
+    assert value(m, "eop_messages_retried_total", **of(key)) == 1
+    assert value(m, "eop_messages_left_total", **of(key)) == 1
+    assert value(m, "eop_processing_errors_total", **of(key)) == 1
+    assert value(m, "eop_messages_in_flight", **of(key)) == 2
+    dead = "eop_messages_dead_lettered_total"
+    assert value(m, dead, **of(key), reason="attempts_exhausted") == 1
+    assert value(m, dead, **of(key), reason="sequence_reused") == 1
+    assert value(m, "eop_commit_to_ack_seconds_count", **of(key)) == 2
 
 
 async def test_processor_reports_outcomes_and_handler_time_to_its_observer(
@@ -185,12 +115,12 @@ async def test_processor_reports_outcomes_and_handler_time_to_its_observer(
     harness.failed_before(last, FAST.max_attempts - 1)
     await harness.handle(last)
     key = ("orders", STREAM)
-    assert m.processed.labels(*key).value == 1
-    assert m.duplicate.labels(*key).value == 1
-    assert m.retried.labels(*key).value == 1
-    assert m.dead_lettered.labels(*key, "attempts_exhausted").value == 1
-    assert m.handler_s.labels(*key).count == 3
-    assert m.commit_to_ack_s.labels(*key).count == 1
+    assert value(m, "eop_messages_processed_total", **of(key)) == 1
+    assert value(m, "eop_messages_duplicate_total", **of(key)) == 1
+    assert value(m, "eop_messages_retried_total", **of(key)) == 1
+    assert value(m, "eop_messages_dead_lettered_total", **of(key), reason="attempts_exhausted") == 1
+    assert value(m, "eop_handler_duration_seconds_count", **of(key)) == 3
+    assert value(m, "eop_commit_to_ack_seconds_count", **of(key)) == 1
 
 
 async def test_ack_given_up_after_commit_is_counted(make_harness: MakeHarness) -> None:
@@ -201,5 +131,51 @@ async def test_ack_given_up_after_commit_is_counted(make_harness: MakeHarness) -
     d = delivery()
     d.fail_acks(times=10_000)
     await harness.handle(d)
-    assert m.acks_failed.labels("orders", STREAM).value == 1
-    assert m.processed.labels("orders", STREAM).value == 1
+    assert value(m, "eop_acks_failed_total", handler="orders", stream=STREAM) == 1
+    assert value(m, "eop_messages_processed_total", handler="orders", stream=STREAM) == 1
+
+
+PROCESS = """
+import sys
+from eop.handler import HandlerSpec
+from eop.observe import metrics
+from eop.observe.observer import Settled
+from eop.types import Outcome
+from tests.unit.support import delivery
+
+async def handler(msg, session): ...
+
+s = HandlerSpec(func=handler, name="billing", stream="ORDERS", subject="o.>", durable="d")
+m = metrics.WorkerMetrics([s])
+for _ in range(int(sys.argv[1])):
+    m.outcome(Settled(s, delivery(), Outcome.PROCESSED, ack_s=0.001))
+m.received(s, [delivery()])
+"""
+
+
+def test_the_processes_of_one_worker_are_summed_from_their_shared_directory(
+    tmp_path: Path,
+) -> None:
+    """prometheus_client's multiprocess mode: two processes' counters sum on one page, and a
+    process marked gone leaves its counts but not its in-flight gauge."""
+    env = {**os.environ, metrics.MULTIPROCESS_DIR_VAR: str(tmp_path)}
+    pids = []
+    for count in (3, 4):
+        done = subprocess.run(
+            [sys.executable, "-c", PROCESS + "print(__import__('os').getpid())", str(count)],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        pids.append(int(done.stdout))
+    text = metrics.render_directory(str(tmp_path)).decode()
+    labels = '{handler="billing",stream="ORDERS"}'
+    assert f"eop_messages_processed_total{labels} 7.0" in text
+    assert f"eop_commit_to_ack_seconds_count{labels} 7.0" in text
+    assert f"eop_messages_in_flight{labels} 2.0" in text
+    metrics.process_gone(str(tmp_path), pids[0])
+    text = metrics.render_directory(str(tmp_path)).decode()
+    assert f"eop_messages_processed_total{labels} 7.0" in text
+    assert f"eop_messages_in_flight{labels} 1.0" in text

@@ -46,21 +46,21 @@ def test_process_count_zero_means_available_cpus_up_to_four() -> None:
 
 def test_ordered_handlers_run_in_the_first_process_only() -> None:
     """Per-key order holds within a process: order_by handlers are not spread out."""
-    children = supervisor.plan(3, [("a", False), ("ordered", True), ("b", False)], 9000, 5)
+    children = supervisor.plan(3, [("a", False), ("ordered", True), ("b", False)], 5)
     assert [c.handlers for c in children] == [("a", "ordered", "b"), ("a", "b"), ("a", "b")]
-    assert [c.metrics_port for c in children] == [9000, 9001, 9002]
     assert {c.db_pool_size for c in children} == {5}
 
 
-def test_only_ordered_handlers_means_one_process_and_no_metrics_port_stays_off() -> None:
-    """Nothing to spread: one child, and a metrics port of 0 stays 0."""
-    children = supervisor.plan(4, [("ordered", True)], 0, 4)
-    assert children == [Child(("ordered",), 0, 4)]
+def test_only_ordered_handlers_means_one_process() -> None:
+    """Nothing to spread: one child."""
+    children = supervisor.plan(4, [("ordered", True)], 4)
+    assert children == [Child(("ordered",), 4)]
 
 
 def test_a_child_gets_the_same_arguments_with_its_own_per_child_flags() -> None:
     """--processes, --handler, --metrics-port and --db-pool-size are replaced, in both
-    spellings; every other argument is passed on in order."""
+    spellings; every other argument is passed on in order. With the supervisor's metrics
+    directory, a child serves nothing (--metrics-port 0) and reports there."""
     argv = [
         "--log-level",
         "debug",
@@ -77,8 +77,8 @@ def test_a_child_gets_the_same_arguments_with_its_own_per_child_flags() -> None:
         "--db-pool-size",
         "3",
     ]
-    child = Child(("a",), 9001, 4)
-    assert supervisor.child_argv(argv, child) == [
+    child = Child(("a",), 4)
+    assert supervisor.child_argv(argv, child, "/tmp/eop-metrics-x") == [
         "--log-level",
         "debug",
         "worker",
@@ -90,10 +90,13 @@ def test_a_child_gets_the_same_arguments_with_its_own_per_child_flags() -> None:
         "--handler",
         "a",
         "--metrics-port",
-        "9001",
+        "0",
+        "--metrics-dir",
+        "/tmp/eop-metrics-x",
         "--db-pool-size",
         "4",
     ]
+    assert "--metrics-port" not in supervisor.child_argv(argv, child)
 
 
 def test_the_connections_are_shared_out_but_never_below_four() -> None:

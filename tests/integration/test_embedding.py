@@ -1,0 +1,187 @@
+"""eop.Worker inside a host's event loop: exactly once, a clean stop, a cancelled host."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+import eop
+
+from .bed import (
+    STREAM,
+    SUBJECT,
+    bed_settings,
+    create_effects_table,
+    drained,
+    effects_by_body,
+    publish,
+    record_effect,
+    scalar,
+    wait_for,
+)
+
+DEAD = "SELECT count(*) FROM eop.dead_letters"
+
+
+def make_app(database_url: str, nats_url: str, delay_s: float = 0.0, **changes: Any) -> eop.App:
+    """An app whose handler writes one effect per message, after ``delay_s``."""
+    app = eop.App(settings=bed_settings(database_url, nats_url, **changes))
+    app.stream(STREAM, subjects=["ORDERS.>"])
+    app.started = asyncio.Event()  # type: ignore[attr-defined]  # the test's own flag
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="embedded")
+    async def handle(msg: eop.Message, session: AsyncSession) -> None:
+        app.started.set()  # type: ignore[attr-defined]
+        await asyncio.sleep(delay_s)
+        await record_effect(session, "embedded", msg)
+
+    return app
+
+
+def other_tasks() -> set[asyncio.Task[Any]]:
+    return asyncio.all_tasks() - {asyncio.current_task()}  # type: ignore[operator]
+
+
+async def baseline(js: Any) -> set[asyncio.Task[Any]]:
+    """The tasks before the worker, the test's own NATS reply subscription's included."""
+    await js.account_info()
+    return other_tasks()
+
+
+async def test_a_worker_in_the_host_loop_processes_each_message_once_and_installs_no_signal_handler(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """`async with eop.Worker(app).running()`: ready on entry, every message once, no dead
+    letter, the host's SIGTERM handler untouched, and no task left behind on exit."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+    before = await baseline(js)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    async with eop.Worker(app).running() as worker:
+        assert worker.ready.is_set()
+        assert signal.getsignal(signal.SIGTERM) == sigterm
+        for i in range(50):
+            await publish(js, f"m{i}", msg_id=f"id-{i}")
+        await wait_for(lambda: drained(js, "eop-embedded"), what="50 messages")
+    assert await effects_by_body(engine) == {f"m{i}": 1 for i in range(50)}
+    assert await scalar(engine, DEAD) == 0
+    assert other_tasks() <= before
+
+
+async def test_leaving_the_host_finishes_the_message_in_flight_and_acks_it(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """shutdown() while a handler runs: the handler finishes, commits and acks; nothing is
+    redelivered; no task is left."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, delay_s=1.0)
+    before = await baseline(js)
+    worker = eop.Worker(app)
+    await worker.start()
+    await publish(js, "slow")
+    await asyncio.wait_for(app.started.wait(), 20)  # type: ignore[attr-defined]
+    await worker.shutdown()
+    assert worker.cancelled == 0
+    assert await effects_by_body(engine) == {"slow": 1}
+    assert await drained(js, "eop-embedded")
+    assert other_tasks() <= before
+
+
+async def test_a_cancelled_host_stops_the_worker_gracefully_then_is_cancelled(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """The host's task is cancelled while a handler runs: the worker finishes the message
+    (commit and ack), then the host's CancelledError goes on; no task is left."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, delay_s=1.0)
+    before = await baseline(js)
+
+    serving = asyncio.Event()
+
+    async def host() -> None:
+        async with eop.Worker(app).running():
+            serving.set()
+            await asyncio.Event().wait()  # serve until cancelled
+
+    task = asyncio.create_task(host())
+    await asyncio.wait_for(serving.wait(), 30)
+    await publish(js, "slow")
+    await asyncio.wait_for(app.started.wait(), 20)  # type: ignore[attr-defined]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 30)
+    assert await effects_by_body(engine) == {"slow": 1}
+    assert await drained(js, "eop-embedded")
+    assert await scalar(engine, DEAD) == 0
+    assert other_tasks() <= before
+
+
+async def test_a_host_cancelled_twice_cancels_the_handler_and_the_message_comes_back_once(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A second cancellation during the stop cancels the handler at once (its transaction
+    rolls back): the message is redelivered to the next worker and takes effect once."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, delay_s=60.0, ack_wait_s=2.0)
+    before = await baseline(js)
+
+    serving = asyncio.Event()
+
+    async def host() -> None:
+        async with eop.Worker(app).running():
+            serving.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(host())
+    await asyncio.wait_for(serving.wait(), 30)
+    await publish(js, "stuck")
+    await asyncio.wait_for(app.started.wait(), 20)  # type: ignore[attr-defined]
+    task.cancel()
+    await asyncio.sleep(0.5)  # the stop has begun and waits for the handler
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 30)
+    assert other_tasks() <= before
+    assert await effects_by_body(engine) == {}
+    again = make_app(database_url, nats_url, ack_wait_s=2.0)
+    async with eop.Worker(again).running():
+        await wait_for(lambda: drained(js, "eop-embedded"), what="the redelivery")
+    assert await effects_by_body(engine) == {"stuck": 1}
+    assert await scalar(engine, DEAD) == 0
+
+
+async def test_start_raises_what_kept_the_worker_from_starting(
+    database_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """NATS unreachable: start() raises eop.NatsUnavailable after its attempts; no task left."""
+    from eop import embedded
+
+    before = await baseline(js)
+    url = f"nats://127.0.0.1:{embedded.free_port()}"
+    app = make_app(database_url, url, startup_attempts=1)
+    with pytest.raises(eop.NatsUnavailable):
+        await eop.Worker(app).start()
+    assert other_tasks() <= before
+
+
+async def test_a_host_cancelled_while_the_worker_starts_leaves_no_worker_behind(
+    database_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Cancelled during start() (NATS unreachable, the worker retrying): the cancellation
+    goes on, not the worker's error, and no task of the worker is left."""
+    from eop import embedded
+
+    before = await baseline(js)
+    url = f"nats://127.0.0.1:{embedded.free_port()}"
+    app = make_app(database_url, url, startup_attempts=3)
+    starting = asyncio.create_task(eop.Worker(app).start())
+    await asyncio.sleep(0.5)  # into the start-up's retries
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(starting, 60)
+    assert other_tasks() <= before
