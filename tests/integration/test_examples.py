@@ -85,6 +85,8 @@ def test_the_quickstart_handler_tests_pass_as_a_user_runs_them(
     pytester.makepyfile(test_handlers=EXAMPLE_TESTS.read_text())
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
     result.assert_outcomes(passed=4)
+
+
 def serve(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
     """uvicorn serving the outbox example's endpoint with its in-process worker."""
     with log.open("ab") as out:
