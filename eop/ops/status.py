@@ -45,7 +45,7 @@ class Replica:
     """Seconds since the leader last heard from it."""
 
     def describe(self) -> str:
-        """``n2 current``, ``n3 behind by 12, seen 40 s ago``, ``n1 offline``.
+        """``n2 current``, ``n3 behind by 12, seen 40 s ago``, ``n3 not current``, ``n1 offline``.
 
         A server that crashed is not offline to its group (that takes a clean
         shutdown): it falls behind, and the leader stops hearing from it.
@@ -54,7 +54,8 @@ class Replica:
             return f"{self.name} offline"
         if not self.current:
             seen = f", seen {self.active_s:.0f} s ago" if (self.active_s or 0) >= 2 else ""
-            return f"{self.name} behind by {self.lag}{seen}"
+            state = f"behind by {self.lag}" if self.lag else "not current"
+            return f"{self.name} {state}{seen}"
         return f"{self.name} current"
 
 
