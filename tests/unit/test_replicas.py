@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import nats.errors
 import pytest
 from nats.js import api
 
@@ -82,3 +83,37 @@ def test_a_declared_replicas_count_the_stream_lacks_is_a_warning() -> None:
     [warning] = status.replicas_warnings(3, s)
     assert "nats stream edit ORDERS --replicas 3" in warning
     assert status.replicas_warnings(None, s) == status.replicas_warnings(1, s) == []
+
+
+class _SilentJetStream:
+    """account_info() times out ``silent`` times, then answers (or raises ``error``)."""
+
+    def __init__(self, silent: int, error: Exception | None = None) -> None:
+        self.silent, self.error, self.asked = silent, error, 0
+
+    def jetstream(self) -> _SilentJetStream:
+        return self
+
+    async def account_info(self) -> object:
+        self.asked += 1
+        if self.error is not None:
+            raise self.error
+        if self.asked <= self.silent:
+            raise nats.errors.TimeoutError
+        return object()
+
+
+async def test_a_silent_jetstream_is_asked_again_but_no_responders_fail_at_once() -> None:
+    """A cluster electing its meta leader is silent for seconds: connect asks up to three
+    times; a server without JetStream (no responders) fails on the first answer."""
+    electing = _SilentJetStream(silent=2)
+    await jetstream._jetstream_answers(electing)  # type: ignore[arg-type]  # a fake client
+    assert electing.asked == 3
+    lost = _SilentJetStream(silent=5)
+    with pytest.raises(nats.errors.TimeoutError):
+        await jetstream._jetstream_answers(lost)  # type: ignore[arg-type]  # a fake client
+    assert lost.asked == jetstream.JETSTREAM_TRIES
+    off = _SilentJetStream(silent=0, error=nats.errors.NoRespondersError())
+    with pytest.raises(nats.errors.NoRespondersError):
+        await jetstream._jetstream_answers(off)  # type: ignore[arg-type]  # a fake client
+    assert off.asked == 1
