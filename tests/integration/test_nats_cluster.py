@@ -164,3 +164,16 @@ async def test_replicas_on_a_single_server_are_one_clear_error(nats_url: str) ->
             await jetstream.ensure_stream(nc.jetstream(), spec, create=True)
     finally:
         await nc.close()
+
+
+async def test_a_placement_no_server_matches_is_one_clear_error(cluster: NatsCluster) -> None:
+    """placement_tags that no server of the cluster carries: the server's refusal, and
+    what the stream needs, in one ConfigurationError."""
+    nc = await nats.connect(cluster.url.split(","))
+    try:
+        spec = StreamSpec(STREAM, ("ORDERS.>",), replicas=3, placement_tags=("ssd",))
+        with pytest.raises(eop.ConfigurationError, match="matching its placement") as caught:
+            await jetstream.ensure_stream(nc.jetstream(), spec, create=True)
+        assert "placement" in str(caught.value).split("(")[0]
+    finally:
+        await nc.close()
