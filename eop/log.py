@@ -127,9 +127,15 @@ def configure(
         # One write() per line (PrintLogger writes the line and its newline
         # separately): the processes of one `eop worker` share stderr, and two
         # writes per line let their lines interleave into broken JSON.
-        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=stream) if stream else _stderr_logger,
         cache_logger_on_first_use=False,
     )
+
+
+def _stderr_logger(*_: Any) -> structlog.WriteLogger:
+    # sys.stderr as it is when a line is logged, not when configure() ran: a host
+    # application (or a test runner's capture) may swap it later and close the old one.
+    return structlog.WriteLogger(sys.stderr)
 
 
 def _stringify_enums(
