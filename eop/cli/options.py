@@ -10,8 +10,8 @@ import asyncio
 import dataclasses
 import os
 import sys
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, get_type_hints
 
 from eop import errors
 from eop import settings as settings_mod
@@ -42,6 +42,18 @@ DB_FIELDS = ("database_url", "schema")
 
 #: The settings of the commands that read the database and the stream.
 SERVER_FIELDS = ("database_url", "nats_url", "schema")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, ``eop: error: ...``.
+
+    Its subcommands' parsers are of this class too (``add_subparsers`` makes
+    them with the class of their parent).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` on one line, with where to read the usage, and exit 2."""
+        self.exit(2, f"eop: error: {message} (see `{self.prog} --help`)\n")
 
 
 def env_list(var: str) -> list[str]:
@@ -128,15 +140,27 @@ def add_setting(
             flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
         )
         return
-    kind: Any = hint if hint in (int, float) else str
     parser.add_argument(
         flag,
-        type=kind,
+        type=_flag_type(name, hint),
         default=argparse.SUPPRESS if suppress else None,
         choices=choices,
         metavar=name.upper(),
         help=help_text,
     )
+
+
+def _flag_type(name: str, hint: Any) -> Callable[[str], Any]:
+    """A flag's converter: the settings' parsing rules, refusals in argparse's terms."""
+
+    def convert(raw: str) -> Any:
+        try:
+            return settings_mod.parse_value(name, hint, raw)
+        except errors.ConfigurationError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(hint, "__name__", "value")  # argparse's fallback message
+    return convert
 
 
 def overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, object]:

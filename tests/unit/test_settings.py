@@ -92,13 +92,17 @@ def test_none_overrides_are_ignored() -> None:
 
 @pytest.mark.parametrize("name", ["concurrency", "batch", "max_attempts", "max_ack_pending"])
 def test_counts_must_be_at_least_one(name: str) -> None:
-    with pytest.raises(errors.ConfigurationError, match=f"{name} must be at least 1"):
+    with pytest.raises(
+        errors.ConfigurationError, match=rf"{name} \({env_var(name)}\) must be at least 1"
+    ):
         Settings(**{name: 0})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", DURATIONS)
 def test_durations_must_not_be_negative(name: str) -> None:
-    with pytest.raises(errors.ConfigurationError, match=f"{name} must be a finite, non-negative"):
+    with pytest.raises(
+        errors.ConfigurationError, match=rf"{name} \({env_var(name)}\) must be 0 or more"
+    ):
         Settings(**{name: -1.0})  # type: ignore[arg-type]
 
 
@@ -166,3 +170,82 @@ def test_an_invalid_value_from_the_environment_names_the_variable() -> None:
 def test_a_lease_margin_not_below_ack_wait_is_rejected(ack_wait_s: float) -> None:
     with pytest.raises(errors.ConfigurationError, match="lease_margin_s"):
         Settings(ack_wait_s=ack_wait_s)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    ["a'b", "a;b", "a b", "", "a" * 64, "Eop", "1eop", "pg_eop", 'e"op', "eop-x", "é"],
+)
+def test_a_schema_that_is_not_a_plain_lowercase_name_is_refused(schema: str) -> None:
+    """Quotes, semicolons, spaces, upper case, an empty name, a pg_ prefix or more than
+    63 bytes: refused with the variable and the rule, before any SQL is written."""
+    with pytest.raises(errors.ConfigurationError, match=r"schema \(EOP_SCHEMA\) must") as info:
+        Settings(schema=schema)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("schema", ["eop", "billing_eop", "a" * 63, "_x1"])
+def test_plain_lowercase_schema_names_are_accepted(schema: str) -> None:
+    assert Settings(schema=schema).schema == schema
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [
+        ("database_url", "mysql://u@h/db", "PostgreSQL URL"),
+        ("database_url", "not a url", "must be a URL"),
+        ("nats_url", "http://h:4222", "NATS server URLs"),
+        ("nats_url", "nats://h:99999", "NATS server URLs"),
+        ("nats_url", "nats://a:4222,,nats://b", "NATS server URLs"),
+        ("metrics_port", 70000, "at most 65535"),
+        ("metrics_port", -1, "0 or more"),
+        ("metrics_host", "two words", "IP address"),
+        ("processes", -1, "0 or more"),
+        ("ack_wait_s", float("inf"), "finite"),
+        ("concurrency", True, "whole number"),
+        ("concurrency", 2.5, "whole number"),
+        ("create", "yes", "true or false"),
+        ("log_level", "loud", "one of debug, info, warning, error"),
+        ("schema", 5, "must be text"),
+    ],
+)
+def test_every_field_is_checked_by_type_range_and_syntax(
+    field: str, value: object, rule: str
+) -> None:
+    """The generic pass over the fields: types, ranges, choices and URL syntax, each
+    refusal naming the field, its EOP_ variable and the rule."""
+    with pytest.raises(errors.ConfigurationError, match=rf"{field} \({env_var(field)}\)") as info:
+        Settings(**{field: value})  # type: ignore[arg-type]
+    assert rule in str(info.value)
+
+
+def test_a_refused_url_or_secret_is_never_echoed() -> None:
+    """The message shows a refused URL without its password, and a secret not at all."""
+    with pytest.raises(errors.ConfigurationError) as info:
+        Settings(database_url="mysql://user:hunter2@h/db")
+    assert "hunter2" not in str(info.value)
+    with pytest.raises(errors.ConfigurationError) as info:
+        Settings.from_env({"EOP_NATS_URL": "http://tok3n-secret@h"})
+    assert "tok3n-secret" not in str(info.value)
+    with pytest.raises(errors.ConfigurationError) as info:
+        Settings(nats_password=7)  # type: ignore[arg-type]
+    assert "7" not in str(info.value).split("not", 1)[-1]
+
+
+def test_a_field_added_later_is_checked_without_being_listed() -> None:
+    """The pass reads types and metadata: a new dataclass with the same helpers is
+    checked too (what the PgBouncer or any later field gets for free)."""
+    from eop import rules
+
+    @dataclasses.dataclass(frozen=True)
+    class More:
+        pool_port: int = dataclasses.field(default=6432)
+        pool_url: str = dataclasses.field(default="", metadata={"check": rules.postgres_url})
+
+        def __post_init__(self) -> None:
+            rules.check_fields(self)
+
+    with pytest.raises(errors.ConfigurationError, match=r"pool_port \(EOP_POOL_PORT\)"):
+        More(pool_port=70000)
+    with pytest.raises(errors.ConfigurationError, match=r"pool_url \(EOP_POOL_URL\)"):
+        More(pool_url="x")
