@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, get_type_hints
 
-from eop import errors
+from eop import errors, log
 from eop import settings as settings_mod
 from eop.app import App
 from eop.pg import migrate
@@ -209,6 +209,10 @@ def print_error(exc: BaseException) -> None:
     print(f"eop: error: {exc}", file=sys.stderr)
     cause = exc.__cause__
     while cause is not None:
-        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        print(f"  caused by {type(cause).__name__}: {text}"[:300], file=sys.stderr)
+        # A database error's text may quote bound values: described, not printed.
+        text = log.describe_error(cause).strip()
+        print(
+            f"  caused by {text.splitlines()[0] if text else type(cause).__name__}"[:300],
+            file=sys.stderr,
+        )
         cause = cause.__cause__
