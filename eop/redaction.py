@@ -69,7 +69,7 @@ _NAME_BEFORE = (
     r"database|role|user|view|trigger|encoding|extension|domain|collation|operator|"
     r"cursor|savepoint|statement|tablespace|parameter|publication|subscription|policy|"
     r"rule|attribute|enum|channel|portal|server|language|aggregate|conversion|"
-    r"identifier|name|module"
+    r"identifier|name|module|option|setting|configuration parameter"
 )
 _QUOTED = re.compile(
     r"(?P<before>\b(?:" + _NAME_BEFORE + r")\s+)?"

@@ -16,6 +16,7 @@ its ``EOP_*`` variable and the rule, never echoing a secret.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import ipaddress
 import math
 import re
@@ -125,6 +126,16 @@ def postgres_url(value: str) -> str | None:
         return "must be a URL such as postgresql+asyncpg://user@host:5432/database"
     if url.get_backend_name() != "postgresql":
         return "must be a PostgreSQL URL (postgresql+asyncpg://user@host:5432/database)"
+    try:
+        dialect = url.get_dialect(_is_async=True)
+    except sa_exc.NoSuchModuleError:
+        dialect = None
+    # The driver's module is only looked for, not imported: checking settings stays cheap.
+    if dialect is None or not dialect.is_async or importlib.util.find_spec(dialect.driver) is None:
+        return (
+            "must name an installed asyncio driver (postgresql+asyncpg://...; "
+            f"{url.get_driver_name()!r} is not one)"
+        )
     return None
 
 

@@ -117,7 +117,7 @@ class Endpoints:
         except OSError as exc:
             raise errors.ConfigurationError(
                 f"cannot serve metrics on {self.host}:{self.port}: {exc.strerror or exc}"
-            ) from exc
+            ) from None  # the reason is in the message: one line, not two
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:

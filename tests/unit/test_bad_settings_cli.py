@@ -46,6 +46,8 @@ BAD_ENVIRONMENT = [
     ("EOP_LOG_LEVEL", "loud", "one of debug"),
     ("EOP_DATABASE_URL", "mysql://root:pw-9c1@db/x", "PostgreSQL URL"),
     ("EOP_DATABASE_URL", "not a url", "must be a URL"),
+    ("EOP_DATABASE_URL", "postgresql+nodriver://u:pw-9c1@db/x", "installed asyncio driver"),
+    ("EOP_DATABASE_URL", "postgresql+pg8000://u:pw-9c1@db/x", "installed asyncio driver"),
     ("EOP_NATS_URL", "http://nats:4222", "NATS server URLs"),
     ("EOP_METRICS_PORT", "70000", "at most 65535"),
     ("EOP_METRICS_HOST", "two words", "IP address"),
