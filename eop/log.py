@@ -78,6 +78,7 @@ class Event(str, enum.Enum):
     OUTBOX_PURGED = "outbox.purged"
     FAULT_ARMED = "fault.armed"
     FAULT_HIT = "fault.hit"
+    LOOP_ERROR = "loop.error"
 
 
 class Action(str, enum.Enum):
@@ -117,7 +118,7 @@ def configure(
             structlog.processors.add_log_level,
             _add_pid,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
+            _format_exc_info,
             _stringify_enums,
             renderer,
         ],
@@ -128,6 +129,20 @@ def configure(
         logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def _format_exc_info(
+    _: Any, __: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    # structlog's format_exc_info prints a plain traceback: bound values and
+    # DETAIL lines included. A line logged with exc_info gets format_traceback's.
+    exc_info = event_dict.pop("exc_info", None)
+    if exc_info is True:
+        exc_info = sys.exc_info()
+    exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
+    if isinstance(exc, BaseException):
+        event_dict["exception"] = format_traceback(exc)
+    return event_dict
 
 
 def _stringify_enums(

@@ -134,3 +134,24 @@ def test_a_handlers_own_error_raised_from_a_database_error_keeps_its_text() -> N
         tb = log.format_traceback(exc)
     assert "RuntimeError: order 'A-1' refused" in tb
     assert CANARY not in tb
+
+
+def test_a_line_logged_with_exc_info_carries_the_scrubbed_traceback() -> None:
+    """A safety net: should any line be logged with exc_info, its traceback is
+    format_traceback's, not structlog's plain one."""
+    import io
+    import json
+
+    stream = io.StringIO()
+    log.configure("json", "info", stream=stream)
+    db = _statement_error(f'invalid input syntax for type integer: "{CANARY}"', {"n": CANARY})
+    try:
+        raise db
+    except sa_exc.DBAPIError:
+        log.get_logger().error("some.event", exc_info=True)
+    log.get_logger().error("other.event", exc_info=db)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert len(lines) == 2
+    for line in lines:
+        assert "DBAPIError" in line["exception"]
+        assert CANARY not in json.dumps(line)
