@@ -154,7 +154,8 @@ def nats_urls(value: str) -> str | None:
             port = parsed.port
         except ValueError:
             return rule
-        if parsed.scheme not in _NATS_SCHEMES or not parsed.hostname or port == 0:
+        host = parsed.hostname or ""
+        if parsed.scheme not in _NATS_SCHEMES or listen_address(host) is not None or port == 0:
             return f"{rule}; schemes: {', '.join(_NATS_SCHEMES)}"
     return None
 

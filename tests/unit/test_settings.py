@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_origin, get_type_hints
 
 import pytest
 
@@ -249,3 +250,37 @@ def test_a_field_added_later_is_checked_without_being_listed() -> None:
         More(pool_port=70000)
     with pytest.raises(errors.ConfigurationError, match=r"pool_url \(EOP_POOL_URL\)"):
         More(pool_url="x")
+
+
+def _bad_values(field: dataclasses.Field[object]) -> list[str]:
+    """Values of the EOP_ variable of ``field`` that its type or rules refuse."""
+    hint = get_type_hints(Settings)[field.name]
+    if hint is bool:
+        return ["maybe"]
+    if hint in (int, float):
+        return ["lots", "-1", "nan" if hint is float else "1.5"]
+    if get_origin(hint) is Literal:
+        return ["bogus"]
+    if "check" in field.metadata:
+        return ["", "has space;'"]
+    return []  # free text (a user name, a file path): checked where it is used
+
+
+EVERY_BAD_VALUE = [
+    pytest.param(field.name, raw, id=f"{field.name}={raw!r}")
+    for field in dataclasses.fields(Settings)
+    for raw in _bad_values(field)
+]
+
+
+@pytest.mark.parametrize(("name", "raw"), EVERY_BAD_VALUE)
+def test_every_field_refuses_a_bad_value_with_one_line_naming_its_variable(
+    name: str, raw: str
+) -> None:
+    """Derived from the fields themselves: a field added later is covered too."""
+    with pytest.raises(errors.ConfigurationError) as info:
+        Settings.from_env({env_var(name): raw})
+    text = str(info.value)
+    assert env_var(name) in text
+    assert "\n" not in text
+    assert " must " in text
