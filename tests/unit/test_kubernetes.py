@@ -92,10 +92,16 @@ def test_the_termination_grace_covers_the_workers_stop_deadline() -> None:
     settings = _settings()
     needed = shutdown.deadline_s(settings) + settings.fetch_timeout_s
     assert spec["terminationGracePeriodSeconds"] > needed
-    # The comment beside it shows the same sum.
+    # The manifests keep eop's defaults, so the sum written beside the grace and in
+    # docs/kubernetes.md is eop's own: a changed default shows up here.
+    defaults = Settings()
+    for name in ("shutdown_grace_s", "ack_give_up_s", "fetch_timeout_s"):
+        assert getattr(settings, name) == getattr(defaults, name), name
+    assert shutdown.STOP_MARGIN_S == 5
     text = (KUBERNETES / "worker-deployment.yaml").read_text()
     assert f"< {spec['terminationGracePeriodSeconds']}" in text
     assert f"= {needed:g}" in text
+    assert f"= {needed:g} " in (ROOT / "docs" / "kubernetes.md").read_text()
 
 
 async def test_the_probes_ask_paths_the_health_endpoint_serves_on_its_port() -> None:
