@@ -199,7 +199,9 @@ def test_chaos_command_names_its_variables_and_refuses_half_a_target(
 def test_a_bad_chaos_variable_is_one_sentence_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """EOP_CHAOS_* values follow the settings' rules; a bad one is not a traceback."""
     monkeypatch.setenv("EOP_CHAOS_WORKERS", "three")
-    with pytest.raises(SystemExit, match="EOP_CHAOS_WORKERS='three' is not a valid int"):
+    with pytest.raises(
+        SystemExit, match=r"\(EOP_CHAOS_WORKERS\) must be a whole number, not 'three'"
+    ):
         cli.build_parser("chaos")
     monkeypatch.setenv("EOP_CHAOS_WORKERS", "5")
     assert cli.build_parser("chaos").parse_args(["chaos"]).workers == 5

@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "eop.errors",
             "eop.redaction",
             "eop.access",
+            "eop.rules",
             "eop.settings",
             "eop.log",
             "eop.faults",
