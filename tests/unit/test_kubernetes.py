@@ -122,7 +122,7 @@ async def test_the_probes_ask_paths_the_health_endpoint_serves_on_its_port() -> 
     readiness = health.Readiness(
         bound=lambda: False, draining=lambda: False, nats_connected=lambda: True, ping=ping
     )
-    endpoints = health.Endpoints(host="127.0.0.1", port=0, registry=None, readiness=readiness)
+    endpoints = health.Endpoints(host="127.0.0.1", port=0, metrics=None, readiness=readiness)
     await endpoints.start()
     try:
         answers = {
