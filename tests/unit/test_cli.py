@@ -49,6 +49,7 @@ def test_every_worker_flag_help_names_its_variable(field: str) -> None:
     action = flags(worker)[flag_of(field)]
     assert action.help is not None
     assert f"[env: {env_var(field)};" in action.help
+    assert "``" not in action.help, "reST markup of the docs shown raw in --help"
 
 
 def test_every_setting_is_a_worker_flag() -> None:
