@@ -371,7 +371,7 @@ def select_handlers(app: App, names: Iterable[str]) -> list[handler_mod.HandlerS
 
 
 def import_attribute(path: str, form: str) -> object:
-    """Import ``module:attribute`` and return the attribute (``None`` when it is missing).
+    """Import ``module:attribute`` and return the attribute.
 
     ``form`` names what the user should have written, for the error message.
     """
@@ -385,4 +385,11 @@ def import_attribute(path: str, form: str) -> object:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise errors.ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
-    return getattr(module, attr, None)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        # Not "got NoneType": the user mistyped a name, say which one.
+        raise errors.ConfigurationError(
+            f"module {module_name!r} ({getattr(module, '__file__', None) or 'no file'}) "
+            f"has no attribute {attr!r}: expected {form}"
+        ) from None

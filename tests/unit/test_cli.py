@@ -169,7 +169,8 @@ def test_load_app_reports_an_attribute_that_is_not_an_app(app_module: str) -> No
 
 
 def test_load_app_reports_a_missing_attribute(app_module: str) -> None:
-    with pytest.raises(errors.ConfigurationError, match="got NoneType"):
+    """A mistyped attribute is named as missing, not reported as 'got NoneType'."""
+    with pytest.raises(errors.ConfigurationError, match="has no attribute 'nope'"):
         cli.load_app(f"{app_module}:nope")
 
 
