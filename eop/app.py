@@ -26,6 +26,7 @@ F = TypeVar("F", bound=handler_mod.HandlerFunc)
 
 # Drivers whose sync twin eop knows, for sync handlers on an async URL.
 _SYNC_DRIVER = {
+    "postgresql": "postgresql+psycopg",
     "postgresql+asyncpg": "postgresql+psycopg",
     "postgresql+psycopg": "postgresql+psycopg",
 }
@@ -278,7 +279,10 @@ class App:
         if self._engine is None:
             # libpq's TLS parameters (sslrootcert...) become asyncpg's ssl context.
             url, connect_args = engines.asyncpg_url(self.settings.database_url)
-            connect_args = engines.named(connect_args)
+            if url.get_driver_name() == "asyncpg":
+                connect_args = engines.named(connect_args)
+            else:  # psycopg takes libpq's options in the URL, not asyncpg's server_settings
+                url = engines.named_url(url)
             self._engine = create_async_engine(
                 url,
                 connect_args=connect_args,
