@@ -111,8 +111,9 @@ def eop_metadata() -> list[sa.MetaData]:
 def eop_prepare_database(eop_metadata: list[sa.MetaData]) -> Callable[[str], None]:
     """What prepares the template database after eop's migrations, given its psycopg URL.
 
-    By default: the tables of ``eop_metadata``. Override it to run your own
-    Alembic migrations instead.
+    By default: the tables of ``eop_metadata``, and first the schemas they name
+    (``MetaData(schema=...)`` or a table's ``schema=``), which ``create_all``
+    does not create. Override it to run your own Alembic migrations instead.
     """
 
     def prepare(url: str) -> None:
@@ -120,6 +121,10 @@ def eop_prepare_database(eop_metadata: list[sa.MetaData]) -> Callable[[str], Non
 
         engine = sa.create_engine(url)
         try:
+            schemas = {t.schema for m in eop_metadata for t in m.tables.values() if t.schema}
+            with engine.begin() as conn:
+                for schema in sorted(schemas):
+                    conn.execute(sa.schema.CreateSchema(schema, if_not_exists=True))
             for metadata in eop_metadata:
                 metadata.create_all(engine)
         finally:

@@ -26,6 +26,7 @@ F = TypeVar("F", bound=handler_mod.HandlerFunc)
 
 # Drivers whose sync twin eop knows, for sync handlers on an async URL.
 _SYNC_DRIVER = {
+    "postgresql": "postgresql+psycopg",
     "postgresql+asyncpg": "postgresql+psycopg",
     "postgresql+psycopg": "postgresql+psycopg",
 }
@@ -278,7 +279,10 @@ class App:
         if self._engine is None:
             # libpq's TLS parameters (sslrootcert...) become asyncpg's ssl context.
             url, connect_args = engines.asyncpg_url(self.settings.database_url)
-            connect_args = engines.named(connect_args)
+            if url.get_driver_name() == "asyncpg":
+                connect_args = engines.named(connect_args)
+            else:  # psycopg takes libpq's options in the URL, not asyncpg's server_settings
+                url = engines.named_url(url)
             self._engine = create_async_engine(
                 url,
                 connect_args=connect_args,
@@ -371,7 +375,7 @@ def select_handlers(app: App, names: Iterable[str]) -> list[handler_mod.HandlerS
 
 
 def import_attribute(path: str, form: str) -> object:
-    """Import ``module:attribute`` and return the attribute (``None`` when it is missing).
+    """Import ``module:attribute`` and return the attribute.
 
     ``form`` names what the user should have written, for the error message.
     """
@@ -385,4 +389,11 @@ def import_attribute(path: str, form: str) -> object:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise errors.ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
-    return getattr(module, attr, None)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        # Not "got NoneType": the user mistyped a name, say which one.
+        raise errors.ConfigurationError(
+            f"module {module_name!r} ({getattr(module, '__file__', None) or 'no file'}) "
+            f"has no attribute {attr!r}: expected {form}"
+        ) from None

@@ -64,7 +64,10 @@ class HandlerError(EopError):
 class Retry(HandlerError):
     """The handler asks for the message to be retried later.
 
-    ``delay_s`` overrides the backoff computed from the delivery count.
+    ``delay_s`` overrides the backoff computed from the delivery count. The
+    run still counts as one of the message's ``max_attempts``: a message
+    whose handler raises ``Retry`` on every run is dead-lettered as
+    ``attempts_exhausted``.
     """
 
     def __init__(self, message: str | None = None, *, delay_s: float | None = None) -> None:

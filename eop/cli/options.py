@@ -143,9 +143,9 @@ def add_setting(
     if choices is None and get_origin(hint) is Literal:
         choices = get_args(hint)
     flag = "--" + name.replace("_", "-")
-    help_text = (
-        f"{field.metadata['help']} [env: {settings_mod.env_var(name)}; default: {field.default}]"
-    )
+    # The help is written for the docs (reST ``literals``); a terminal shows `literals`.
+    text = field.metadata["help"].replace("``", "`")
+    help_text = f"{text} [env: {settings_mod.env_var(name)}; default: {field.default}]"
     if hint is bool:
         parser.add_argument(
             flag, action=argparse.BooleanOptionalAction, default=None, help=help_text

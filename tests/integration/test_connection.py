@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import sqlalchemy as sa
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -117,9 +118,14 @@ async def test_a_read_loop_ended_without_reconnects_allowed_closes_and_reports_i
         await nc.close()
 
 
-async def test_eops_own_connections_name_themselves_in_pg_stat_activity(database_url: str) -> None:
-    """Both of eop's engines connect as application_name 'eop', so operators can find them."""
-    app = eop.App(settings=Settings(database_url=database_url))
+@pytest.mark.parametrize("driver", ["postgresql+asyncpg", "postgresql+psycopg"])
+async def test_eops_own_connections_name_themselves_in_pg_stat_activity(
+    database_url: str, driver: str
+) -> None:
+    """Both of eop's engines connect as application_name 'eop', so operators can find them,
+    with either async driver (psycopg takes no asyncpg options)."""
+    url = sa.make_url(database_url).set(drivername=driver).render_as_string(hide_password=False)
+    app = eop.App(settings=Settings(database_url=url))
     query = sa.text("SELECT current_setting('application_name')")
     try:
         async with app.engine.connect() as conn:

@@ -15,6 +15,8 @@ import eop
 
 metadata = sa.MetaData()
 notes = sa.Table("notes", metadata, sa.Column("body", sa.Text, nullable=False))
+# A table in a schema of its own: the default eop_prepare_database creates the schema too.
+tags = sa.Table("tags", metadata, sa.Column("name", sa.Text), schema="app")
 
 app = eop.App()
 
@@ -52,6 +54,7 @@ async def count(engine, table):
 async def test_each_test_gets_a_fresh_migrated_copy(eop_engine, run):
     assert await count(eop_engine, "kit.inbox") == 0
     assert await count(eop_engine, "notes") == 0
+    assert await count(eop_engine, "app.tags") == 0
     async with eop_engine.begin() as conn:
         await conn.execute(sa.text("INSERT INTO notes VALUES ('left behind')"))
 

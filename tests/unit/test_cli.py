@@ -49,6 +49,7 @@ def test_every_worker_flag_help_names_its_variable(field: str) -> None:
     action = flags(worker)[flag_of(field)]
     assert action.help is not None
     assert f"[env: {env_var(field)};" in action.help
+    assert "``" not in action.help, "reST markup of the docs shown raw in --help"
 
 
 def test_every_setting_is_a_worker_flag() -> None:
@@ -168,7 +169,8 @@ def test_load_app_reports_an_attribute_that_is_not_an_app(app_module: str) -> No
 
 
 def test_load_app_reports_a_missing_attribute(app_module: str) -> None:
-    with pytest.raises(errors.ConfigurationError, match="got NoneType"):
+    """A mistyped attribute is named as missing, not reported as 'got NoneType'."""
+    with pytest.raises(errors.ConfigurationError, match="has no attribute 'nope'"):
         cli.load_app(f"{app_module}:nope")
 
 

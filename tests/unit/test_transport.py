@@ -304,3 +304,8 @@ async def test_a_worker_nats_gave_up_on_logs_once_and_stops() -> None:
     assert [(e["event"], e["log_level"]) for e in logs] == [("nats.auth_refused", "error")]
     assert logs[0]["refusals"] == 1
     assert "hunter2" not in str(logs)
+
+
+def test_a_bare_postgresql_url_has_a_sync_twin() -> None:
+    """postgresql:// (psycopg under SQLAlchemy 2.1) gives sync handlers psycopg too."""
+    assert sync_url(sa.make_url("postgresql://u@db/app")).drivername == "postgresql+psycopg"
