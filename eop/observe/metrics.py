@@ -144,8 +144,8 @@ class WorkerMetrics(observe.Observer):
         )
         self.retried = Counter(
             "eop_messages_retried_total",
-            "Deliveries nak'ed for a later redelivery (handler failure, claim timeout, "
-            "transaction retries spent).",
+            "Deliveries to be run again later: parked after a handler failure (or nak'ed, "
+            "with order_by), or nak'ed after a claim timeout or spent transaction retries.",
             _LABELS,
             registry=r,
         )
