@@ -16,10 +16,11 @@ from typing import Any
 import nats
 import nats.errors
 import nats.js.errors
+import tenacity
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 
-from eop import errors, log, wire
+from eop import errors, log, retry, wire
 from eop.broker import connection, fetcher
 from eop.handler import HandlerSpec, StreamSpec
 from eop.settings import Settings
@@ -157,7 +158,7 @@ class StreamEpochs:
             async with self._locks.setdefault(stream, asyncio.Lock()):
                 # Another message of the batch may have refreshed it meanwhile.
                 if stored_at is None or stored_at > self._as_of.get(stream, _EPOCH_MIN):
-                    await self.refresh(stream)
+                    await self._refresh_retried(stream)
         history = self._history[stream]
         if stored_at is None:
             return history[-1][1]
@@ -165,6 +166,35 @@ class StreamEpochs:
             if created <= stored_at:
                 return epoch
         return None
+
+    async def _refresh_retried(self, stream: str) -> None:
+        """:meth:`refresh`, asked again while nobody answers for the stream.
+
+        A replicated stream whose leader died answers nothing until its servers
+        elect another (5 to 8 s, docs/nats-cluster.md); a message waiting for
+        its epoch is better kept (its lease is checked afterwards) than failed
+        and sent back for a minute. ``JETSTREAM_TRIES`` requests of 5 s at most.
+        """
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.get_logger().info(
+                log.Event.STREAM_INFO_RETRY,
+                stream=stream,
+                attempt=state.attempt_number,
+                error=type(exc).__name__,
+            )
+
+        retrying = retry.retrying(
+            stop=tenacity.stop_after_attempt(JETSTREAM_TRIES),
+            retry=tenacity.retry_if_exception_type(errors.NatsUnavailable),
+            base_s=_EPOCH_RETRY_FIRST_S,
+            max_s=_EPOCH_RETRY_MAX_S,
+            before_sleep=before_sleep,
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self.refresh(stream)
 
     async def refresh(self, stream: str) -> str:
         """Read the stream's current epoch from the server; returns it."""
@@ -181,6 +211,8 @@ class StreamEpochs:
 
 
 _EPOCH_MIN = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+_EPOCH_RETRY_FIRST_S = 0.5
+_EPOCH_RETRY_MAX_S = 2.0
 
 
 def epoch_from_info(info: Mapping[str, Any]) -> str:

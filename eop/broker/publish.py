@@ -2,13 +2,15 @@
 
 nats-py refuses an oversized payload with a bare ``MaxPayloadError`` and
 counts the payload only, while the server counts headers too; a publish to a
-subject no stream holds times out as "no response from stream".
+subject no stream holds times out as "no response from stream", and so does
+a publish to a replicated stream while its servers elect a leader.
 :func:`publish` says what is wrong and how to fix it instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +19,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from eop import errors
+from eop.broker.jetstream import API_PREFIX
 from eop.message import MSG_ID_HEADER
 from eop.outgoing import wire_size
 
@@ -52,6 +55,12 @@ async def publish(
     try:
         return await nc.jetstream().publish(subject, data, timeout=timeout_s, headers=hdrs or None)
     except nats.js.errors.NoStreamResponseError:
+        if await _a_stream_holds(nc, subject, timeout_s):
+            # A replicated stream has no leader for a few seconds after one died.
+            raise errors.NatsUnavailable(
+                f"publish to {subject} not acknowledged: its stream has no leader (an "
+                "election under way?); publish again with the same msg_id"
+            ) from None
         raise errors.ConfigurationError(
             f"no stream answered for subject {subject}: no stream holds it (add it to a "
             "stream's subjects) or JetStream is not enabled"
@@ -73,3 +82,22 @@ async def publish(
             f"publish to {subject} not acknowledged ({type(exc).__name__}): "
             "it may or may not be stored; publish again with the same msg_id"
         ) from exc
+
+
+async def _a_stream_holds(nc: NATS, subject: str, timeout_s: float) -> bool:
+    """Whether JetStream names a stream holding ``subject``; True when it cannot tell.
+
+    Only a JetStream that answers "none" (or does not exist) makes a publish
+    without an answer a configuration error; any doubt leaves it a retry.
+    """
+    request = json.dumps({"subject": subject}).encode()
+    try:
+        reply = await nc.request(f"{API_PREFIX}.STREAM.NAMES", request, timeout=timeout_s)
+    except nats.errors.NoRespondersError:
+        return False  # JetStream is not enabled
+    except (nats.errors.Error, asyncio.TimeoutError, OSError):
+        return True
+    try:
+        return bool(json.loads(reply.data).get("streams"))
+    except (ValueError, AttributeError):
+        return True

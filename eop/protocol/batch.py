@@ -85,11 +85,12 @@ class BatchProcessor:
         """Split the batch: messages for the batch transaction, and the unusual ones."""
         items: list[_Item] = []
         others: list[Delivery] = []
-        lease_left = self.single.ack_wait_s - (self.single.clock() - received_at)
         shared = await self._shared_epoch(deliveries)
         for delivery in deliveries:
             meta = delivery.metadata
             epoch = shared or await self.single.epochs.epoch_of(meta.stream, meta.timestamp)
+            # After the epoch: reading it may have waited for a stream leader's election.
+            lease_left = self.single.ack_wait_s - (self.single.clock() - received_at)
             usual = (
                 epoch is not None
                 and lease_left >= self.settings.lease_margin_s

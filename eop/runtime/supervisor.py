@@ -174,7 +174,7 @@ def supervise(
             code = _exit_code(returncode)
             if served is not None:
                 served.gone(pid)  # before the line: once it is logged, /readyz says so
-            logger.info(log.Event.PROCESS_EXITED, pid=pid, code=code)
+            _log_exit(logger, stop, pid, code, returncode)
             if not stop.started:
                 # A child ended by itself: the worker is not whole any more.
                 stop.begin()
@@ -190,6 +190,17 @@ def supervise(
 
 _STOP_DEATHS = (-signal.SIGTERM, -signal.SIGINT)
 """Return codes of a child killed by the stop signal the supervisor passed on."""
+
+
+def _log_exit(logger: log.Logger, stop: _Stop, pid: int, code: int, returncode: int) -> None:
+    """The ``processes.exited`` line: an error when a child ended by itself (a crash, a
+    SIGKILL, the OOM killer), a warning when one failed its stop, else info."""
+    if not stop.started:
+        logger.error(log.Event.PROCESS_EXITED, pid=pid, code=code, by_itself=True)
+    elif code != 0 and returncode not in _STOP_DEATHS:
+        logger.warning(log.Event.PROCESS_EXITED, pid=pid, code=code)
+    else:
+        logger.info(log.Event.PROCESS_EXITED, pid=pid, code=code)
 
 
 class _Stop:

@@ -72,7 +72,8 @@ async def test_two_processes_share_the_consumer_and_stop_together_on_sigterm(
 async def test_a_worker_process_that_dies_stops_the_other_and_sets_the_exit_status(
     engine: AsyncEngine, js: Any, workers: Workers, tmp_path: Path
 ) -> None:
-    """SIGKILL of one process: the supervisor stops the other (SIGTERM) and exits 128 + 9."""
+    """SIGKILL of one process: the supervisor stops the other (SIGTERM), exits 128 + 9, and
+    says so at level error (an operator alerting on errors must see a crashed process)."""
     await create_effects_table(engine)
     proc = workers.start("--processes", "2")
     pids = await _pids(tmp_path / "worker-0.log")
@@ -88,6 +89,12 @@ async def test_a_worker_process_that_dies_stops_the_other_and_sets_the_exit_stat
     assert proc.wait(timeout=60) == 128 + signal.SIGKILL
     await wait_for(lambda: _all_gone(pids), what="the other worker process to exit")
     assert workers.logs().count('"worker.stopped"') == 1  # the survivor stopped cleanly
+    exits = {
+        line["pid"]: line["level"]
+        for line in map(json.loads, _json_lines(workers.logs()))
+        if line.get("event") == "processes.exited"
+    }
+    assert exits == {pids[1]: "error", pids[0]: "info"}
 
 
 async def test_the_worker_processes_do_not_outlive_a_killed_supervisor(
@@ -173,6 +180,10 @@ async def test_one_port_serves_the_metrics_and_the_health_of_every_process(
     assert proc.wait(timeout=60) == 128 + signal.SIGKILL
     assert not directory.exists()
     assert await effects_by_body(engine) == {f"m{i}": 1 for i in range(200)}
+
+
+def _json_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("{")]
 
 
 async def _exited(workers: Workers, pid: int) -> bool:

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import types
+
 import nats.errors
 import pytest
 from nats.js import api
@@ -117,3 +120,41 @@ async def test_a_silent_jetstream_is_asked_again_but_no_responders_fail_at_once(
     with pytest.raises(nats.errors.NoRespondersError):
         await jetstream._jetstream_answers(off)  # type: ignore[arg-type]  # a fake client
     assert off.asked == 1
+
+
+class _ElectingStream:
+    """A client whose STREAM.INFO gets no answer ``silent`` times, then the stream's info."""
+
+    def __init__(self, silent: int) -> None:
+        self.silent = silent
+        self.asked = 0
+
+    async def request(self, subject: str, payload: bytes, timeout: float) -> object:
+        self.asked += 1
+        if self.asked <= self.silent:
+            raise nats.errors.TimeoutError
+        info = {
+            "created": "2026-01-01T00:00:00.000000000Z",
+            "ts": "2026-01-01T01:00:00.000000000Z",
+            "config": {"metadata": {jetstream.EPOCH_METADATA_KEY: "e1"}},
+            "state": {"first_seq": 1},
+        }
+        return types.SimpleNamespace(data=json.dumps(info).encode())
+
+
+async def test_a_message_epoch_read_during_a_stream_leader_election_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While a replicated stream elects a leader its STREAM.INFO times out: the epoch a
+    delivered message needs is asked for up to JETSTREAM_TRIES times (the message is kept,
+    not failed and sent back for a minute); a stream silent for longer still fails."""
+    monkeypatch.setattr(jetstream, "_EPOCH_RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(jetstream, "_EPOCH_RETRY_MAX_S", 0.01)
+    electing = _ElectingStream(silent=jetstream.JETSTREAM_TRIES - 1)
+    epochs = jetstream.StreamEpochs(electing)  # type: ignore[arg-type]  # a fake client
+    assert await epochs.epoch_of("ORDERS", None) == "e1"
+    assert electing.asked == jetstream.JETSTREAM_TRIES
+    lost = _ElectingStream(silent=jetstream.JETSTREAM_TRIES)
+    with pytest.raises(eop.NatsUnavailable, match="cannot read stream 'ORDERS'"):
+        await jetstream.StreamEpochs(lost).epoch_of("ORDERS", None)  # type: ignore[arg-type]  # a fake client
+    assert lost.asked == jetstream.JETSTREAM_TRIES
