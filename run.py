@@ -360,16 +360,16 @@ def ensure_system_tools() -> None:
 
 
 def apt_install(packages: Sequence[str], announce: str) -> str | None:
-    """``apt-get install`` ``packages`` (after ``apt-get update`` if needed); None or the error."""
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    # Wait for another apt or dpkg (8 engineers share a machine) instead of failing.
-    install = ["apt-get", "install", "-y", "-q", "-o", "DPkg::Lock::Timeout=300", *packages]
-    check = ["dpkg-query", "-W", "-f=${db:Status-Abbrev}\\n", *packages]
-    listed = subprocess.run(check, capture_output=True, text=True, check=False)
-    if listed.returncode == 0 and listed.stdout.split("\n").count("ii ") == len(packages):
+    """``apt-get install`` those of ``packages`` that are missing (after ``apt-get update``
+    if needed); None, or the error."""
+    missing = missing_packages(packages)
+    if not missing:
         return None
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    # Wait for another apt or dpkg (several engineers may share a machine), not fail.
+    install = ["apt-get", "install", "-y", "-q", "-o", "DPkg::Lock::Timeout=300", *missing]
     print(announce, flush=True)
-    for attempt in ([], [["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=300"]]):
+    for attempt in ([], [["apt-get", "update", "-q"]]):
         for command in [*attempt, install]:
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
             if done.returncode != 0:
@@ -377,6 +377,21 @@ def apt_install(packages: Sequence[str], announce: str) -> str | None:
         else:
             return None
     return done.stderr.strip()[-500:]
+
+
+def missing_packages(packages: Sequence[str]) -> list[str]:
+    """The ``packages`` dpkg does not have installed: naming an installed one to apt-get
+    install would upgrade it (and its libraries) as a side effect."""
+    listed = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Package} ${db:Status-Abbrev}\\n", *packages],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    installed = {
+        fields[0] for fields in map(str.split, listed.stdout.splitlines()) if fields[1:] == ["ii"]
+    }
+    return [package for package in packages if package not in installed]
 
 
 # -- a PgBouncer with max_prepared_statements, built from Debian's source package
