@@ -335,22 +335,24 @@ def ensure_system_tools() -> None:
     ``max_prepared_statements`` test (``EOP_TEST_PGBOUNCER_PREPARED``), built once
     per machine from Debian's source package when the packaged one is older.
     Installs and builds only as root with apt-get (Debian, Ubuntu, CI's machine);
-    elsewhere the tests that need them skip, and fail under CI=true. Quiet unless
-    it fails.
+    elsewhere the tests that need them skip, and fail under CI=true. One line when
+    it installs or builds, one when that fails; silent otherwise.
     """
     if WINDOWS:
         return
     can_install = os.geteuid() == 0 and shutil.which("apt-get") is not None
     packaged = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
     if packaged is None and can_install:
-        error = apt_install(["pgbouncer"], "installing pgbouncer (apt-get) for the PgBouncer tests")
+        print("installing pgbouncer (apt-get) for the PgBouncer tests", flush=True)
+        error = apt_install(["pgbouncer"])
         if error:
             print(f"could not install pgbouncer: {error}", file=sys.stderr)
         packaged = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
     if os.environ.get("EOP_TEST_PGBOUNCER_PREPARED"):
         return
-    if packaged and pgbouncer_version(Path(packaged)) >= PGBOUNCER_PREPARED:
-        return  # the tests use it for max_prepared_statements too
+    for given in (os.environ.get("EOP_TEST_PGBOUNCER"), packaged):
+        if given and pgbouncer_version(Path(given)) >= PGBOUNCER_PREPARED:
+            return  # the tests use it for max_prepared_statements too
     cache = pgbouncer_cache()
     newer = cached_pgbouncer(cache)
     if newer is None and can_install:
@@ -359,7 +361,7 @@ def ensure_system_tools() -> None:
         os.environ["EOP_TEST_PGBOUNCER_PREPARED"] = str(newer)
 
 
-def apt_install(packages: Sequence[str], announce: str) -> str | None:
+def apt_install(packages: Sequence[str]) -> str | None:
     """``apt-get install`` those of ``packages`` that are missing (after ``apt-get update``
     if needed); None, or the error."""
     missing = missing_packages(packages)
@@ -368,7 +370,6 @@ def apt_install(packages: Sequence[str], announce: str) -> str | None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     # Wait for another apt or dpkg (several engineers may share a machine), not fail.
     install = ["apt-get", "install", "-y", "-q", "-o", "DPkg::Lock::Timeout=300", *missing]
-    print(announce, flush=True)
     for attempt in ([], [["apt-get", "update", "-q"]]):
         for command in [*attempt, install]:
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -376,7 +377,7 @@ def apt_install(packages: Sequence[str], announce: str) -> str | None:
                 break
         else:
             return None
-    return done.stderr.strip()[-500:]
+    return cause(done.stderr.splitlines())
 
 
 def missing_packages(packages: Sequence[str]) -> list[str]:
@@ -405,8 +406,10 @@ PGBOUNCER_SOURCES = (
     "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "
     "http://deb.debian.org/debian trixie main\n"
 )
-#: Built with the system's (bookworm's) own libraries and compiler.
+#: Built with the system's (bookworm's) own libraries and compiler; the keyring
+#: verifies trixie's index (Debian has it installed, Ubuntu has the package).
 PGBOUNCER_BUILD_DEPS = [
+    "debian-archive-keyring",
     "build-essential",
     "pkg-config",
     "libevent-dev",
@@ -444,7 +447,10 @@ def pgbouncer_cache() -> Path:
 
 
 def cached_pgbouncer(cache: Path) -> Path | None:
-    """The newest complete build of PgBouncer 1.21+ under ``cache`` (``pgbouncer-X.Y.Z``)."""
+    """The newest build of PgBouncer 1.21+ under ``cache`` (``pgbouncer-X.Y.Z``), if it runs.
+
+    One that no longer runs (its libraries removed since) is built again.
+    """
     builds = []
     for directory in cache.glob("pgbouncer-*"):
         found = re.fullmatch(r"pgbouncer-(\d+)\.(\d+)(?:\.(\d+))?", directory.name)
@@ -453,7 +459,10 @@ def cached_pgbouncer(cache: Path) -> Path | None:
             version = tuple(int(part or 0) for part in found.groups())
             if version[:2] >= PGBOUNCER_PREPARED:
                 builds.append((version, binary))
-    return max(builds)[1] if builds else None
+    if not builds:
+        return None
+    newest = max(builds)[1]
+    return newest if pgbouncer_version(newest) >= PGBOUNCER_PREPARED else None
 
 
 def build_pgbouncer(cache: Path) -> Path | None:
@@ -492,7 +501,7 @@ def locked(path: Path) -> Iterator[None]:
 
 def build_from_source(cache: Path, log: Path) -> Path:
     """``apt-get source`` pgbouncer from trixie, configure, make, install into ``cache``."""
-    error = apt_install(PGBOUNCER_BUILD_DEPS, "installing PgBouncer's build dependencies")
+    error = apt_install(PGBOUNCER_BUILD_DEPS)
     if error:
         raise BuildFailed(f"apt-get install {' '.join(PGBOUNCER_BUILD_DEPS)} failed: {error}")
     log.write_text("")
@@ -531,7 +540,8 @@ def fetch_pgbouncer_source(work: Path, log: Path) -> Path:
         ("Dir::Cache", "cache"),
     ):
         apt += ["-o", f"{option}={work / value}"]
-    logged("apt-get update (trixie's sources)", [*apt, "update"], work, log)
+    # --error-on=any: an unreachable mirror fails here, not as "no deb-src" below.
+    logged("apt-get update (trixie's sources)", [*apt, "update", "--error-on=any"], work, log)
     logged("apt-get source pgbouncer", [*apt, "source", "pgbouncer"], work / "src", log)
     unpacked = [path for path in (work / "src").glob("pgbouncer-*") if path.is_dir()]
     if len(unpacked) != 1:
@@ -544,6 +554,7 @@ def logged(title: str, command: Sequence[str], cwd: Path, log: Path) -> None:
     with log.open("a") as handle:
         handle.write(f"$ {' '.join(command)}\n")
         handle.flush()
+        start = handle.tell()
         try:
             done = subprocess.run(
                 command, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT, check=False
@@ -551,9 +562,18 @@ def logged(title: str, command: Sequence[str], cwd: Path, log: Path) -> None:
         except OSError as exc:
             raise BuildFailed(f"could not run {command[0]}: {exc}") from None
     if done.returncode != 0:
-        lines = [line for line in log.read_text().splitlines() if line.strip()]
-        last = lines[-1].strip() if lines else ""
-        raise BuildFailed(f"{title} failed (exit status {done.returncode}): {last}")
+        with log.open() as handle:
+            handle.seek(start)
+            lines = handle.readlines()
+        raise BuildFailed(f"{title} failed (exit status {done.returncode}): {cause(lines)}")
+
+
+def cause(output: Sequence[str]) -> str:
+    """The line of a failed command's output that says why: apt's first error (its
+    last one often only sums up), else the last line."""
+    lines = [line.strip() for line in output if line.strip()]
+    errors = [line for line in lines if line.startswith("E: ")]
+    return errors[0] if errors else (lines[-1] if lines else "no output")
 
 
 def cmd_test(venv: Venv, args: list[str]) -> int:
