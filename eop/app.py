@@ -123,10 +123,21 @@ class App:
         storage: handler_mod.StorageType = "file",
         duplicate_window_s: float = 120.0,
         max_age_s: float = 0.0,
+        replicas: int | None = None,
+        placement_cluster: str | None = None,
+        placement_tags: Iterable[str] = (),
     ) -> handler_mod.StreamSpec:
         """Declare a stream that workers (and ``eop relay``) create if it is missing
         (with ``create`` on), whether a handler consumes it or only the outbox
         publishes to it. An existing stream is used as it is.
+
+        ``replicas`` (1 to 5; None: the server's default, 1) is how many servers
+        of a NATS cluster keep a copy of the stream; the consumers eop creates
+        on it get as many. A stream that exists with another number is left as
+        it is, with a warning
+        (``stream.replicas_differ``): ``nats stream edit NAME --replicas N``
+        changes it. ``placement_cluster`` and ``placement_tags`` choose where
+        the server puts the replicas.
 
         Undeclared streams are created with the subjects of their handlers.
         """
@@ -136,6 +147,12 @@ class App:
             storage=storage,
             duplicate_window_s=duplicate_window_s,
             max_age_s=max_age_s,
+            replicas=replicas,
+            placement_cluster=placement_cluster,
+            # One tag given as a string is that tag, not a list of letters.
+            placement_tags=(
+                (placement_tags,) if isinstance(placement_tags, str) else tuple(placement_tags)
+            ),
         )
         self._streams[name] = spec
         return spec

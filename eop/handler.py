@@ -39,6 +39,9 @@ StorageType = Literal["file", "memory"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 
+#: The most replicas nats-server allows a stream (and a consumer).
+MAX_REPLICAS = 5
+
 
 @dataclasses.dataclass(frozen=True)
 class StreamSpec:
@@ -55,6 +58,13 @@ class StreamSpec:
     """How long the server remembers ``Nats-Msg-Id`` values to drop duplicate publishes."""
     max_age_s: float = 0.0
     """Retention by age; 0 keeps messages until limits remove them."""
+    replicas: int | None = None
+    """Copies of the stream in a NATS cluster (1 to 5); its consumers get as many.
+    None: the server's default (1) for a stream eop creates, no opinion on one that exists."""
+    placement_cluster: str | None = None
+    """The NATS cluster to place the stream in (a super-cluster's), or None for any."""
+    placement_tags: tuple[str, ...] = ()
+    """Server tags every replica's server must have (``server_tags`` in their config)."""
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -63,6 +73,20 @@ class StreamSpec:
             )
         if not self.subjects:
             raise errors.ConfigurationError(f"stream {self.name!r} needs at least one subject")
+        replicas = self.replicas
+        if replicas is None:
+            return
+        # bool is an int: replicas=True would pass for 1.
+        if isinstance(replicas, bool) or not isinstance(replicas, int):
+            raise errors.ConfigurationError(
+                f"stream {self.name!r}: replicas must be a whole number from 1 to "
+                f"{MAX_REPLICAS}, not {replicas!r}"
+            )
+        if not 1 <= replicas <= MAX_REPLICAS:
+            raise errors.ConfigurationError(
+                f"stream {self.name!r}: replicas must be from 1 to {MAX_REPLICAS} "
+                f"(nats-server's limit), not {replicas}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,12 +14,13 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from typing import Any, Protocol
 
 import structlog
 from sqlalchemy import exc as sa_exc
 
+from eop import redaction
 from eop import settings as settings_mod
 
 
@@ -59,6 +60,7 @@ class Event(str, enum.Enum):
     INBOX_COMPACTED = "inbox.compacted"
     COMPACTION_FAILED = "inbox.compaction_failed"
     STREAM_EPOCH_CHANGED = "stream.epoch_changed"
+    STREAM_REPLICAS_DIFFER = "stream.replicas_differ"
     NATS_DISCONNECTED = "nats.disconnected"
     NATS_RECONNECTED = "nats.reconnected"
     NATS_ERROR = "nats.error"
@@ -79,6 +81,7 @@ class Event(str, enum.Enum):
     DB_POOLER_FOUND = "db.pooler_found"
     FAULT_ARMED = "fault.armed"
     FAULT_HIT = "fault.hit"
+    LOOP_ERROR = "loop.error"
 
 
 class Action(str, enum.Enum):
@@ -118,7 +121,7 @@ def configure(
             structlog.processors.add_log_level,
             _add_pid,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
+            _format_exc_info,
             _stringify_enums,
             renderer,
         ],
@@ -126,9 +129,29 @@ def configure(
         # One write() per line (PrintLogger writes the line and its newline
         # separately): the processes of one `eop worker` share stderr, and two
         # writes per line let their lines interleave into broken JSON.
-        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=stream) if stream else _stderr_logger,
         cache_logger_on_first_use=False,
     )
+
+
+def _stderr_logger(*_: Any) -> structlog.WriteLogger:
+    # sys.stderr as it is when a line is logged, not when configure() ran: a host
+    # application (or a test runner's capture) may swap it later and close the old one.
+    return structlog.WriteLogger(sys.stderr)
+
+
+def _format_exc_info(
+    _: Any, __: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    # structlog's format_exc_info prints a plain traceback: bound values and
+    # DETAIL lines included. A line logged with exc_info gets format_traceback's.
+    exc_info = event_dict.pop("exc_info", None)
+    if exc_info is True:
+        exc_info = sys.exc_info()
+    exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
+    if isinstance(exc, BaseException):
+        event_dict["exception"] = format_traceback(exc)
+    return event_dict
 
 
 def _stringify_enums(
@@ -218,30 +241,38 @@ def describe_error(exc: BaseException) -> str:
     """``exc`` as ``Type: message``, for a log line or a dead letter's ``error``.
 
     A failed SQL statement's text from SQLAlchemy carries its bound values
-    (``[parameters: ...]``: payload data) and the driver's DETAIL (PostgreSQL
-    quotes the failing row or key there). Database errors are described by their
-    driver's one-line message and, for a statement, its SQL only.
+    (``[parameters: ...]``: payload data), the driver's DETAIL (PostgreSQL
+    quotes the failing row or key there), and often the refused value itself
+    (``invalid input syntax for type integer: "..."``, asyncpg's ``invalid
+    input for query argument $1: '...'``). Database errors are described by
+    their driver's one-line message with the values masked
+    (:func:`eop.redaction.scrub_values`) and, for a statement, its SQL.
     """
-    return f"{type(exc).__name__}: {_message(exc)}"
+    chain = _chain(exc)
+    values = _bound_values(chain)
+    return f"{type(exc).__name__}: {_message(exc, values, _below_database(exc, chain))}"
 
 
 def format_traceback(exc: BaseException) -> str:
-    """``exc``'s traceback, causes included, with database errors as :func:`describe_error` says.
+    """``exc``'s traceback, causes included, each database error as :func:`describe_error`
+    says, and each exception a database error was raised from (an encoder's
+    ``ValueError`` under asyncpg's ``DataError``) with its quoted values masked.
 
     A plain traceback prints a failed statement's bound values and the driver's
     DETAIL, for every SQLAlchemy and driver exception of the chain.
     """
+    chain = _chain(exc)
+    values = _bound_values(chain)
     top = traceback.TracebackException(type(exc), exc, exc.__traceback__)
     pending: list[tuple[traceback.TracebackException, BaseException]] = [(top, exc)]
     while pending:
         te, err = pending.pop()
-        text = _database_message(err)
-        if text is not None:
+        if _scrubbed(err, values, _below_database(err, chain)) is not None:
             if "_str" not in vars(te):
                 # The traceback module no longer keeps the message where we
                 # replace it: keep the description, drop the frames.
                 return describe_error(exc)
-            vars(te)["_str"] = text
+            vars(te)["_str"] = _message(err, values, _below_database(err, chain))
         # TracebackException mirrors the chain it was built from, link by link.
         if te.__cause__ is not None and err.__cause__ is not None:
             pending.append((te.__cause__, err.__cause__))
@@ -253,13 +284,58 @@ def format_traceback(exc: BaseException) -> str:
     return "".join(top.format())
 
 
-def _message(exc: BaseException) -> str:
-    text = _database_message(exc)
+def _message(exc: BaseException, values: Sequence[object] = (), below: bool = False) -> str:
+    text = _scrubbed(exc, values, below)
     return _safe_str(exc) if text is None else text
 
 
+def _scrubbed(exc: BaseException, values: Sequence[object], below: bool) -> str | None:
+    """What may be said of ``exc`` when it is a database error, or was raised
+    under one (``below``), or quotes text it could not encode; None: its own
+    text is safe to show."""
+    text = _database_message(exc)
+    if text is not None:
+        return redaction.scrub_values(text, values)
+    if below or isinstance(exc, UnicodeError):
+        return redaction.scrub_values(_safe_str(exc), values)
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it was raised from or during, each once."""
+    seen: dict[int, BaseException] = {}
+    pending = [exc]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen[id(current)] = current
+        links = [current.__cause__, current.__context__, getattr(current, "orig", None)]
+        pending.extend(e for e in links if isinstance(e, BaseException))
+        pending.extend(
+            e for e in getattr(current, "exceptions", ()) if isinstance(e, BaseException)
+        )
+    return list(seen.values())
+
+
+def _bound_values(chain: list[BaseException]) -> list[object]:
+    """The bound values of every failed statement in ``chain`` (to be masked wherever quoted)."""
+    return [e.params for e in chain if isinstance(e, sa_exc.StatementError) and e.params]
+
+
+def _below_database(exc: BaseException, chain: list[BaseException]) -> bool:
+    """Whether a database error of ``chain`` was raised from or during ``exc``."""
+    return any(
+        err is not exc
+        and _database_message(err) is not None
+        and any(link is exc for link in _chain(err))
+        for err in chain
+    )
+
+
 def _database_message(exc: BaseException) -> str | None:
-    """What may be said of a database error (None: ``exc`` is not one)."""
+    """What may be said of a database error before its values are masked (None: ``exc`` is
+    not one)."""
     if isinstance(exc, sa_exc.StatementError):
         # The driver's error line and the SQL; without the parameters, the
         # driver's DETAIL lines and the background link SQLAlchemy appends.

@@ -7,12 +7,11 @@ Every field can come from an ``EOP_*`` environment variable (see
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping
-from typing import Any, Literal, get_args, get_type_hints
+from typing import Any, Literal, get_type_hints
 
-from eop import access, errors, redaction
+from eop import access, errors, redaction, rules
 
 LogFormat = Literal["console", "json"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -22,8 +21,10 @@ DEFAULT_DATABASE_URL = "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
-def _field(default: Any, help_text: str) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help_text})
+def _field(default: Any, help_text: str, **rule: Any) -> Any:
+    """A field with its help text and the rules :func:`eop.rules.check_fields` applies
+    beyond its type: ``minimum``, ``maximum``, ``check``."""
+    return dataclasses.field(default=default, metadata={"help": help_text, **rule})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,16 +36,27 @@ class Settings:
     """
 
     database_url: str = _field(
-        DEFAULT_DATABASE_URL, "SQLAlchemy URL of the database (``postgresql+asyncpg://...``)."
+        DEFAULT_DATABASE_URL,
+        "SQLAlchemy URL of the database (``postgresql+asyncpg://...``).",
+        check=rules.postgres_url,
     )
-    nats_url: str = _field(DEFAULT_NATS_URL, "NATS server URL(s), comma separated.")
-    schema: str = _field("eop", "PostgreSQL schema that holds eop's tables.")
+    nats_url: str = _field(
+        DEFAULT_NATS_URL, "NATS server URL(s), comma separated.", check=rules.nats_urls
+    )
+    schema: str = _field(
+        "eop",
+        "PostgreSQL schema that holds eop's tables: a lowercase name (a-z, 0-9, _), "
+        "at most 63 bytes.",
+        check=rules.schema_name,
+    )
     processes: int = _field(
         0,
         "Worker processes of one ``eop worker`` (0: one per CPU the worker may use, at most "
         "4). Handlers with ``order_by`` run in the first process only.",
     )
-    concurrency: int = _field(128, "Messages in flight at the same time in one worker process.")
+    concurrency: int = _field(
+        128, "Messages in flight at the same time in one worker process.", minimum=1
+    )
     db_pool_size: int = _field(
         0,
         "The most connections one worker process opens to PostgreSQL, both of eop's pools "
@@ -62,24 +74,28 @@ class Settings:
         "``none``: as a direct connection; ``auto``: ``transaction`` if the first connection "
         "shows a pooler (its backend pid is not PostgreSQL's), else ``none``.",
     )
-    batch: int = _field(64, "Messages fetched per pull request (and per transaction).")
+    batch: int = _field(64, "Messages fetched per pull request (and per transaction).", minimum=1)
     batch_transactions: bool = _field(
         True, "One transaction (and one multi-row claim) per fetched batch, not per message."
     )
     fetch_timeout_s: float = _field(1.0, "How long one pull request waits for messages.")
     ack_wait_s: float = _field(30.0, "The consumer's AckWait: a delivery's lease.")
     max_ack_pending: int = _field(
-        1000, "The consumer's MaxAckPending (used when eop creates the consumer)."
+        1000,
+        "The consumer's MaxAckPending (used when eop creates the consumer).",
+        minimum=1,
     )
     max_attempts: int = _field(
         5,
         "Handler failures of a message before it is dead-lettered (failures of the database "
         "or NATS never count).",
+        minimum=1,
     )
     max_deliveries: int = _field(
         100,
         "Deliveries (or retry runs) of one message that end without any outcome, its worker "
         "dying in each, before it is dead-lettered as a crash loop.",
+        minimum=1,
     )
     backoff_base_s: float = _field(0.5, "First retry delay; doubles with each failure.")
     backoff_max_s: float = _field(60.0, "Upper bound of the retry delay.")
@@ -133,9 +149,12 @@ class Settings:
         1024 * 1024,
         "Largest message (payload and headers) ``eop.outbox.add`` accepts: the NATS "
         "server's max_payload (1 MiB unless raised).",
+        minimum=1,
     )
     outbox_batch: int = _field(
-        1000, "Outbox rows one relay round publishes at once (asynchronous PubAcks)."
+        1000,
+        "Outbox rows one relay round publishes at once (asynchronous PubAcks).",
+        minimum=1,
     )
     outbox_poll_s: float = _field(
         1.0, "How often the relay looks for rows when no NOTIFY woke it (LISTEN is down)."
@@ -148,6 +167,7 @@ class Settings:
         "Refused publishes to a subject (JetStream says no stream holds it) before its "
         "pending outbox rows are parked, the subject held back 1 s, doubling to 60 s, in "
         "between (about 4 minutes); NATS outages never count.",
+        minimum=1,
     )
     relay_lease_s: float = _field(
         10.0,
@@ -160,7 +180,13 @@ class Settings:
     metrics_port: int = _field(
         0, "Port of the worker's HTTP endpoint: /metrics, /healthz, /readyz (0: off)."
     )
-    metrics_host: str = _field("0.0.0.0", "Address the metrics and health endpoint listens on.")
+    metrics_host: str = _field(
+        "127.0.0.1",
+        "Address the metrics and health endpoint listens on: this machine only by default "
+        "(the endpoint has no authentication); in a container, its pod or container IP, "
+        "or 0.0.0.0.",
+        check=rules.listen_address,
+    )
     tracing: bool = _field(
         True, "An OpenTelemetry span per message, when opentelemetry-api (eop[otel]) is installed."
     )
@@ -169,11 +195,13 @@ class Settings:
         4,
         "Attempts to reach PostgreSQL and NATS when a worker starts, with backoff, "
         "before it exits with an error.",
+        minimum=1,
     )
     nats_auth_refusals: int = _field(
         3,
         "Refused authentications in a row while a running worker reconnects to NATS "
         "(credentials changed, revoked or expired) before it stops and exits with an error.",
+        minimum=1,
     )
     # Throughput.
     uvloop: bool = _field(
@@ -201,44 +229,8 @@ class Settings:
     )
 
     def __post_init__(self) -> None:
-        for name in (
-            "concurrency",
-            "batch",
-            "max_attempts",
-            "max_deliveries",
-            "max_ack_pending",
-            "startup_attempts",
-            "nats_auth_refusals",
-            "outbox_max_payload",
-            "outbox_batch",
-            "outbox_max_attempts",
-        ):
-            if getattr(self, name) < 1:
-                raise errors.ConfigurationError(f"{name} must be at least 1")
-        if self.db_pool_size < 0:
-            raise errors.ConfigurationError("db_pool_size must not be negative (0: automatic)")
-        if self.processes < 0:
-            raise errors.ConfigurationError("processes must not be negative (0: automatic)")
-        if self.compaction_after_messages < 0:
-            raise errors.ConfigurationError("compaction_after_messages must not be negative")
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name.endswith("_s") and not (math.isfinite(value) and value >= 0):
-                raise errors.ConfigurationError(
-                    f"{field.name} must be a finite, non-negative number of seconds"
-                )
+        rules.check_fields(self, SECRET_FIELDS)
         self._check_leases()
-        for name, choices in (
-            ("db_pooler", DbPooler),
-            ("log_format", LogFormat),
-            ("log_level", LogLevel),
-        ):
-            if getattr(self, name) not in get_args(choices):
-                raise errors.ConfigurationError(
-                    f"{name} must be one of {get_args(choices)}, not {getattr(self, name)!r}"
-                )
-        if not self.schema.isidentifier():
-            raise errors.ConfigurationError(f"schema must be an identifier, not {self.schema!r}")
         self.nats_access.check()
 
     def _check_leases(self) -> None:
@@ -302,7 +294,11 @@ class Settings:
             return cls(**values)  # type: ignore[arg-type]  # keys are field names, checked above
         except errors.ConfigurationError as exc:
             # Name the variables the user set, not only the fields they feed.
-            named = sorted(env_var(name) for name in from_environ if name in str(exc))
+            named = sorted(
+                env_var(name)
+                for name in from_environ
+                if name in str(exc) and env_var(name) not in str(exc)
+            )
             if not named:
                 raise
             raise errors.ConfigurationError(f"{exc} (set by {', '.join(named)})") from None
@@ -317,9 +313,7 @@ class Settings:
 SECRET_FIELDS = frozenset({"nats_password", "nats_token"})
 
 
-def env_var(field_name: str) -> str:
-    """The environment variable that sets a field: ``ack_wait_s`` -> ``EOP_ACK_WAIT_S``."""
-    return "EOP_" + field_name.upper()
+env_var = rules.env_var
 
 
 def parse_value(field_name: str, hint: object, raw: str) -> object:
@@ -329,6 +323,13 @@ def parse_value(field_name: str, hint: object, raw: str) -> object:
     parse raises :class:`eop.errors.ConfigurationError` naming the variable.
     """
     return _parse(field_name, hint, raw)
+
+
+_PARSE_RULES: dict[object, str] = {
+    bool: "must be true or false (1/true/yes/on, 0/false/no/off)",
+    int: "must be a whole number",
+    float: "must be a number",
+}
 
 
 def _parse(name: str, hint: object, raw: str) -> object:
@@ -345,7 +346,8 @@ def _parse(name: str, hint: object, raw: str) -> object:
         if hint is float:
             return float(raw)
     except ValueError:
+        shown = redaction.REDACTED if name in SECRET_FIELDS else repr(raw)
         raise errors.ConfigurationError(
-            f"{env_var(name)}={raw!r} is not a valid {getattr(hint, '__name__', hint)}"
+            f"{name} ({env_var(name)}) {_PARSE_RULES.get(hint, 'is not valid')}, not {shown}"
         ) from None
     return raw

@@ -98,15 +98,35 @@ async def connect(
     # this option on every reconnect cycle.
     nc.options["max_reconnect_attempts"] = -1
     try:
-        await nc.jetstream().account_info()
+        await _jetstream_answers(nc)
     except NATS_ERRORS as exc:
         await nc.close()
         raise errors.NatsUnavailable(
-            f"JetStream is not available at {access.where} "
-            f"(start nats-server with -js): {type(exc).__name__}"
+            f"JetStream is not available at {access.where} (start nats-server with -js; "
+            f"in a cluster, a quorum of its servers must be up): {type(exc).__name__}"
         ) from exc
     handed_over = True
     return nc
+
+
+#: How many times a silent JetStream is asked before eop gives up on it.
+JETSTREAM_TRIES = 3
+
+
+async def _jetstream_answers(nc: NATS) -> None:
+    """Ask JetStream for the account's info, a few times if it does not answer.
+
+    No responders means no JetStream: that fails at once. Silence is what a
+    cluster electing its meta leader (a server just died) looks like for a
+    few seconds: asked again, it answers.
+    """
+    for attempt in range(1, JETSTREAM_TRIES + 1):
+        try:
+            await nc.jetstream().account_info()
+            return
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            if attempt == JETSTREAM_TRIES:
+                raise
 
 
 class StreamEpochs:
@@ -203,11 +223,16 @@ def parse_time(text: str) -> datetime.datetime:
 
 
 async def ensure_stream(js: JetStreamContext, spec: StreamSpec, *, create: bool) -> None:
-    """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata)."""
+    """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata).
+
+    A stream that exists is used as it is; if it has another number of
+    replicas than ``spec`` asks for, a warning says so (changing it is the
+    operator's call: scaling down gives up copies, and every worker would race
+    to update it).
+    """
     with _translated(f"stream {spec.name!r}"):
         try:
-            await js.stream_info(spec.name)
-            return
+            info = await js.stream_info(spec.name)
         except nats.js.errors.NotFoundError:
             if not create:
                 raise errors.ConfigurationError(
@@ -215,28 +240,62 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, *, create: bool)
                     f"(--no-create, EOP_CREATE=false): create it (`nats stream add {spec.name} "
                     f"--subjects '{','.join(spec.subjects)}'`) or let eop create it"
                 ) from None
-        config = api.StreamConfig(
-            name=spec.name,
-            subjects=list(spec.subjects),
-            storage=api.StorageType.MEMORY if spec.storage == "memory" else api.StorageType.FILE,
-            duplicate_window=spec.duplicate_window_s,
-            max_age=spec.max_age_s or None,
-            metadata={EPOCH_METADATA_KEY: uuid.uuid4().hex},
-        )
+        else:
+            _check_replicas(spec, info)
+            return
         try:
-            await js.add_stream(config)
-        except nats.js.errors.BadRequestError as exc:
+            await js.add_stream(stream_config(spec))
+        except nats.js.errors.APIError as exc:
             # Another worker may have created it first, with its own epoch id;
             # if it still does not exist, the server refused it (overlapping
-            # subjects, an invalid subject, limits).
+            # subjects, an invalid subject, limits, more replicas than servers).
             try:
                 await js.stream_info(spec.name)
             except nats.js.errors.NotFoundError:
                 raise errors.ConfigurationError(
                     f"cannot create stream {spec.name!r} with subjects "
-                    f"{', '.join(spec.subjects)}: {_describe(exc)} (does another stream "
-                    "already hold these subjects? declare its name with stream= instead)"
+                    f"{', '.join(spec.subjects)}: {_describe(exc)} ({_create_hint(spec, exc)})"
                 ) from None
+
+
+def stream_config(spec: StreamSpec) -> api.StreamConfig:
+    """The configuration eop creates ``spec``'s stream with (a fresh epoch id included)."""
+    placement = None
+    if spec.placement_cluster or spec.placement_tags:
+        placement = api.Placement(
+            cluster=spec.placement_cluster, tags=list(spec.placement_tags) or None
+        )
+    return api.StreamConfig(
+        name=spec.name,
+        subjects=list(spec.subjects),
+        storage=api.StorageType.MEMORY if spec.storage == "memory" else api.StorageType.FILE,
+        duplicate_window=spec.duplicate_window_s,
+        max_age=spec.max_age_s or None,
+        num_replicas=spec.replicas,
+        placement=placement,
+        metadata={EPOCH_METADATA_KEY: uuid.uuid4().hex},
+    )
+
+
+def _create_hint(spec: StreamSpec, exc: BaseException) -> str:
+    if "replica" in _describe(exc).lower() or "placement" in _describe(exc).lower():
+        return (
+            f"a stream of {spec.replicas} replicas needs a NATS cluster with at least as many "
+            "JetStream servers (matching its placement, if any): lower replicas= or add servers"
+        )
+    return "does another stream already hold these subjects? declare its name with stream= instead"
+
+
+def _check_replicas(spec: StreamSpec, info: api.StreamInfo) -> None:
+    have = info.config.num_replicas or 1
+    if spec.replicas is not None and have != spec.replicas:
+        log.get_logger().warning(
+            log.Event.STREAM_REPLICAS_DIFFER,
+            stream=spec.name,
+            replicas=have,
+            declared=spec.replicas,
+            fix=f"nats stream edit {spec.name} --replicas {spec.replicas}",
+        )
 
 
 async def ensure_consumer(
@@ -279,6 +338,8 @@ async def ensure_consumer(
             max_deliver=-1,
             max_ack_pending=settings.max_ack_pending,
             filter_subject=spec.subject,
+            # num_replicas unset (0): the server gives the consumer its stream's replicas,
+            # so that it keeps its place when the stream's leader dies.
         )
         try:
             await js.add_consumer(spec.stream, config)

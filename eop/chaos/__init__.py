@@ -7,13 +7,27 @@ heals, drains, and checks that every message took effect exactly once. Run
 it as ``eop chaos`` or ``python -m eop.chaos``; point it at your own handler
 with a :class:`Target`. ``Config(scenario=...)`` (``--scenario``) picks one of
 :mod:`eop.chaos.scenarios`: besides the classic mix, hunts for good messages
-dead-lettered by infrastructure failures and for workers that stall.
+dead-lettered by infrastructure failures and for workers that stall;
+``scenario="cluster"`` runs three clustered nats-servers and kills the
+leaders of a replicated stream and of its consumer (:mod:`eop.chaos.cluster`).
 """
 
 from __future__ import annotations
 
-from eop.chaos.harness import Config, run
+from eop.chaos import cluster, harness, scenarios
+from eop.chaos.harness import Config
 from eop.chaos.report import Report
 from eop.chaos.target import Payload, Target
 
 __all__ = ["Config", "Payload", "Report", "Target", "run"]
+
+
+def run(config: Config) -> Report:
+    """Run a chaos test; the report says whether exactly-once held.
+
+    On one nats-server (:func:`eop.chaos.harness.run`), or on a cluster for a
+    scenario that runs one (:func:`eop.chaos.cluster.run`).
+    """
+    if scenarios.get(config.scenario).nats_nodes > 1:
+        return cluster.run(config)
+    return harness.run(config)

@@ -151,6 +151,11 @@ def make_canaries(seed: int) -> dict[str, str]:
 def run(config: Config) -> Report:
     """Run a chaos test; the report says whether exactly-once held."""
     config = with_scenario(config)
+    if scenarios.get(config.scenario).nats_nodes > 1:
+        raise errors.ConfigurationError(
+            f"scenario {config.scenario!r} runs a NATS cluster: eop.chaos.run or "
+            "eop.chaos.cluster.run, not eop.chaos.harness.run"
+        )
     seed = config.seed if config.seed is not None else random.randrange(1_000_000)
     canaries = make_canaries(seed)
     log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="eop-chaos-"))
@@ -294,7 +299,7 @@ class _Run:
             pub = self._publisher(js)
             inj.hunts = self._hunts(pool, pub)
             await self._chaos(pub, pool, inj, payloads)
-            await self._heal_and_drain(js, pool, inj)
+            await self._heal_and_drain(js, pool)
             await inj.hunts.close()
             r.figures.update(inj.hunts.figures)
             r.final_exit_codes = list((await asyncio.to_thread(pool.stop_all)).values())
@@ -412,9 +417,7 @@ class _Run:
             f"the writer could not commit order {key} by the end" for key in w.unfinished
         ]
 
-    async def _heal_and_drain(
-        self, js: JetStreamContext, pool: workers.WorkerPool, inj: injector.Injector
-    ) -> None:
+    async def _heal_and_drain(self, js: JetStreamContext, pool: workers.WorkerPool) -> None:
         started = time.monotonic()
         # Unarmed workers from here on; stopping the armed ones gracefully is
         # one more fault (SIGTERM with messages in flight).

@@ -22,6 +22,10 @@ that stall or do not stop:
 - ``poison-flood``: hundreds of always-failing messages just ahead of good
   ones (the time until the good ones are done is reported);
 - ``mixed``: the classic mix with every hunt above that fits the bank mixed in;
+- ``cluster``: three clustered nats-servers and an R3 stream; the stream's
+  leader and the consumer's leader SIGKILLed (one at a time, then restarted
+  on the same store) while the workers, connected to all three, run and the
+  publisher retries (:mod:`eop.chaos.cluster`);
 - ``pipeline``: two handlers chained through the outbox (stream A, handler,
   ``eop.outbox.add``, stream B, handler) and a writer committing orders with
   outbox messages as a web service does, under the classic mix; the workers,
@@ -107,6 +111,9 @@ class Scenario:
     evidence_races: bool = True
     """With ``require_evidence``: demand the hard races (ambiguous commits, lost ack
     replies, overlapping deliveries) too, not only the kills at every spot."""
+    nats_nodes: int = 1
+    """nats-servers: 3 runs a cluster (:mod:`eop.chaos.cluster`), whose leaders are the
+    faults; the fault mix (``weights``) is then unused."""
 
     def worker_env(self, slot: int) -> dict[str, str | None]:
         """The environment changes of the worker in ``slot``."""
@@ -230,6 +237,17 @@ SCENARIOS: dict[str, Scenario] = {
             evidence_races=False,
         ),
         Scenario(
+            "cluster",
+            "3 clustered nats-servers, an R3 stream, its and its consumer's leaders killed",
+            weights={},
+            # eop's own ack timings: an ack must outlast a leader election by itself.
+            env={"EOP_ACK_TIMEOUT_S": None, "EOP_ACK_GIVE_UP_S": None},
+            # The gap between a kill's recovery and the next kill.
+            overrides={"mean_fault_gap_s": 2.0},
+            kill_spots=(),
+            nats_nodes=3,
+        ),
+        Scenario(
             "poison-flood",
             "always-failing messages just ahead of good ones (time to good reported)",
             weights=_AROUND,
@@ -239,7 +257,7 @@ SCENARIOS: dict[str, Scenario] = {
         ),
     )
 }
-HUNTS = tuple(name for name in SCENARIOS if name not in ("classic", "mixed", "pipeline"))
+HUNTS = tuple(name for name in SCENARIOS if name not in ("classic", "mixed", "pipeline", "cluster"))
 """The focused scenarios, each one class of "zero times" failure."""
 
 

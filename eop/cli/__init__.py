@@ -81,7 +81,7 @@ def build_parser(tool: str | None = None) -> argparse.ArgumentParser:
     ``tool`` (``spark``, ``chaos`` or ``bench``) gets its full parser; the
     others are listed by name and help only.
     """
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = options.Parser(
         prog="eop",
         description="Exactly-once processing of NATS JetStream messages into PostgreSQL.",
     )

@@ -39,7 +39,8 @@ _OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
         str,
         "classic",
         "classic, mixed (classic plus the never-zero-times hunts), pipeline (two handlers "
-        "chained through the outbox, relays killed) or one hunt: "
+        "chained through the outbox, relays killed), cluster (3 nats-servers, an R3 "
+        "stream, its and its consumer's leaders killed) or one hunt: "
         "sync-hot-rows, transfers, pg-outage, read-only, lock-timeouts, long-msg-id, "
         "bad-subject, poison-flood (see RELIABILITY.md)",
     ),
@@ -99,6 +100,7 @@ def add_command(sub: options.Subparsers) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``eop chaos``; 0 when exactly-once held."""
+    from eop import chaos
     from eop.chaos import bank, harness, scenarios, target
 
     custom = (args.app, args.handler, args.effects_sql, args.payloads)
@@ -143,7 +145,7 @@ def run_command(args: argparse.Namespace) -> int:
         require_evidence=args.require_evidence,
         scenario=args.scenario,
     )
-    report = harness.run(config)
+    report = chaos.run(config)
     print(report.render(), flush=True)
     if args.json:
         Path(args.json).write_text(report.to_json() + "\n", encoding="utf-8")

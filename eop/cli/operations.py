@@ -73,7 +73,9 @@ def add_dlq(sub: options.Subparsers) -> None:
 def add_status(sub: options.Subparsers) -> None:
     """Add ``status`` to the subparsers of ``eop``."""
     status = sub.add_parser(
-        "status", help="per handler: lag, ack-pending window, redeliveries, inbox, dead letters"
+        "status",
+        help="per handler: lag, ack-pending window, redeliveries, inbox, dead letters; "
+        "replicas and leaders of its stream and consumer",
     )
     options.add_app_arguments(
         status, app_help="the eop.App, e.g. myapp:app", handler_help="only this handler"

@@ -10,10 +10,19 @@ import asyncio
 import dataclasses
 import os
 import sys
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from collections.abc import Callable, Coroutine, Sequence
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Literal,
+    NoReturn,
+    TypeVar,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
-from eop import errors
+from eop import errors, log
 from eop import settings as settings_mod
 from eop.app import App
 from eop.pg import migrate
@@ -42,6 +51,18 @@ DB_FIELDS = ("database_url", "schema", "db_pooler")
 
 #: The settings of the commands that read the database and the stream.
 SERVER_FIELDS = ("database_url", "nats_url", "schema", "db_pooler")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, ``eop: error: ...``.
+
+    Its subcommands' parsers are of this class too (``add_subparsers`` makes
+    them with the class of their parent).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``message`` on one line, with where to read the usage, and exit 2."""
+        self.exit(2, f"eop: error: {message} (see `{self.prog} --help`)\n")
 
 
 def env_list(var: str) -> list[str]:
@@ -130,15 +151,27 @@ def add_setting(
             flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
         )
         return
-    kind: Any = hint if hint in (int, float) else str
     parser.add_argument(
         flag,
-        type=kind,
+        type=_flag_type(name, hint),
         default=argparse.SUPPRESS if suppress else None,
         choices=choices,
         metavar=name.upper(),
         help=help_text,
     )
+
+
+def _flag_type(name: str, hint: Any) -> Callable[[str], Any]:
+    """A flag's converter: the settings' parsing rules, refusals in argparse's terms."""
+
+    def convert(raw: str) -> Any:
+        try:
+            return settings_mod.parse_value(name, hint, raw)
+        except errors.ConfigurationError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(hint, "__name__", "value")  # argparse's fallback message
+    return convert
 
 
 def overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, object]:
@@ -187,6 +220,10 @@ def print_error(exc: BaseException) -> None:
     print(f"eop: error: {exc}", file=sys.stderr)
     cause = exc.__cause__
     while cause is not None:
-        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        print(f"  caused by {type(cause).__name__}: {text}"[:300], file=sys.stderr)
+        # A database error's text may quote bound values: described, not printed.
+        text = log.describe_error(cause).strip()
+        print(
+            f"  caused by {text.splitlines()[0] if text else type(cause).__name__}"[:300],
+            file=sys.stderr,
+        )
         cause = cause.__cause__

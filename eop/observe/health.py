@@ -134,7 +134,9 @@ class Endpoints:
             try:
                 self._server = await asyncio.start_server(self._serve, self.host, self.port)
             except OSError as exc:
-                raise _unbindable(self.host, self.port, exc) from exc
+                raise _unbindable(
+                    self.host, self.port, exc
+                ) from None  # one line: the reason is in it
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:

@@ -3,7 +3,10 @@
 Per handler: its consumer's lag (``num_pending``), the ack-pending window
 against ``max_ack_pending`` (a full window makes the server stop handing out
 messages without any error: fetches just time out), redeliveries, the inbox
-size and watermark, and the dead letters.
+size and watermark, and the dead letters. In a NATS cluster, also its
+stream's replicas and the leaders of the stream and of the consumer, with
+the state of every other replica as the leader sees it (current, behind,
+offline).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import nats.js.errors
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
 
 from eop import errors
 from eop.app import App, select_handlers
@@ -25,6 +28,35 @@ from eop.pg import migrate, models, sql
 
 #: Share of max_ack_pending from which the window is reported as nearly full.
 NEARLY_FULL = 0.9
+
+
+@dataclasses.dataclass
+class Replica:
+    """A follower's copy of a stream or consumer, as the group's leader sees it."""
+
+    name: str
+    """The server's name."""
+    current: bool
+    """Up to date with the leader."""
+    offline: bool
+    lag: int
+    """Operations it is behind the leader."""
+    active_s: float | None
+    """Seconds since the leader last heard from it."""
+
+    def describe(self) -> str:
+        """``n2 current``, ``n3 behind by 12, seen 40 s ago``, ``n3 not current``, ``n1 offline``.
+
+        A server that crashed is not offline to its group (that takes a clean
+        shutdown): it falls behind, and the leader stops hearing from it.
+        """
+        if self.offline:
+            return f"{self.name} offline"
+        if not self.current:
+            seen = f", seen {self.active_s:.0f} s ago" if (self.active_s or 0) >= 2 else ""
+            state = f"behind by {self.lag}" if self.lag else "not current"
+            return f"{self.name} {state}{seen}"
+        return f"{self.name} current"
 
 
 @dataclasses.dataclass
@@ -51,6 +83,13 @@ class HandlerStatus:
     """Failed messages whose retry waits in the database (acked in NATS)."""
     dead_letters: int | None = None
     dead_letters_unreplayed: int | None = None
+    stream_replicas: int | None = None
+    stream_leader: str | None = None
+    """The server that leads the stream (None on a server that is not in a cluster)."""
+    stream_followers: list[Replica] = dataclasses.field(default_factory=list)
+    consumer_replicas: int | None = None
+    consumer_leader: str | None = None
+    consumer_followers: list[Replica] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     """What makes this subscription unable to work (a missing stream or consumer)."""
@@ -87,7 +126,8 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
 
     Raises :class:`eop.SchemaNotReady` when eop's tables are not migrated and
     :class:`eop.NatsUnavailable` when NATS is unreachable; a missing stream or
-    consumer is a ``problem`` of its handler's status.
+    consumer, or one that does not answer (no leader in a cluster), is a
+    ``problem`` of its handler's status.
     """
     specs = select_handlers(app, handlers)
     if not specs:
@@ -102,6 +142,8 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
             status = HandlerStatus(handler=spec.name, stream=spec.stream, consumer=spec.durable)
             await _from_nats(js, epochs, spec, status)
             await _from_database(app, spec, status)
+            declared = app.stream_spec(spec.stream).replicas
+            status.warnings.extend(replicas_warnings(declared, status))
             statuses.append(status)
         return statuses
     finally:
@@ -112,13 +154,17 @@ async def _from_nats(
     js: JetStreamContext, epochs: jetstream.StreamEpochs, spec: HandlerSpec, status: HandlerStatus
 ) -> None:
     try:
-        await js.stream_info(spec.stream)
+        stream = await js.stream_info(spec.stream)
     except nats.js.errors.NotFoundError:
         status.problems.append(f"stream {spec.stream!r} does not exist")
         return
     except jetstream.NATS_ERRORS as exc:
-        raise errors.NatsUnavailable(f"cannot read stream {spec.stream!r}: {exc!r}") from exc
+        status.problems.append(_silent(f"stream {spec.stream!r}", exc))
+        return
     status.epoch = await epochs.refresh(spec.stream)
+    status.stream_replicas = stream.config.num_replicas or 1
+    status.stream_leader, status.stream_followers = _group(stream.cluster)
+    status.warnings.extend(group_warnings(f"stream {spec.stream!r}", stream.cluster))
     try:
         info = await js.consumer_info(spec.stream, spec.durable)
     except nats.js.errors.NotFoundError:
@@ -127,6 +173,15 @@ async def _from_nats(
             "(a worker creates it when started with create on)"
         )
         return
+    except jetstream.NATS_ERRORS as exc:
+        status.problems.append(_silent(f"consumer {spec.durable!r}", exc))
+        return
+    status.consumer_leader, status.consumer_followers = _group(info.cluster)
+    # Its config says 0 when it follows its stream's: count the group's members instead
+    # (without a leader, during an election, the server lists them all as replicas).
+    members = {r.name for r in status.consumer_followers} | {status.consumer_leader}
+    status.consumer_replicas = len(members - {None}) or 1
+    status.warnings.extend(group_warnings(f"consumer {spec.durable!r}", info.cluster))
     status.num_pending = int(info.num_pending or 0)
     status.ack_pending = int(info.num_ack_pending or 0)
     status.max_ack_pending = int(info.config.max_ack_pending or 0)
@@ -136,6 +191,68 @@ async def _from_nats(
         status.ack_floor = int(info.ack_floor.stream_seq)
         status.last_ack_at = info.ack_floor.last_active
     status.warnings.extend(window_warnings(status.ack_pending, status.max_ack_pending))
+
+
+def _silent(what: str, exc: BaseException) -> str:
+    # The connection is up (collect connected): the group's leader did not answer.
+    return (
+        f"{what} did not answer ({type(exc).__name__}): in a cluster, it has no leader now "
+        "(an election is under way, or too few of its servers are up); try again"
+    )
+
+
+def _group(cluster: api.ClusterInfo | None) -> tuple[str | None, list[Replica]]:
+    """The leader and followers of a stream's or consumer's group; no leader off a cluster."""
+    if cluster is None or not cluster.name:
+        # A lone server names itself the leader, by its id: nothing to report.
+        return None, []
+    followers = [
+        Replica(
+            name=str(peer.name),
+            current=bool(peer.current),
+            offline=bool(peer.offline),
+            lag=int(peer.lag or 0),
+            # The server reports nanoseconds.
+            active_s=peer.active / 1e9 if peer.active is not None else None,
+        )
+        for peer in cluster.replicas or []
+    ]
+    return cluster.leader or None, followers
+
+
+def group_warnings(what: str, cluster: api.ClusterInfo | None) -> list[str]:
+    """Warnings about a clustered stream's or consumer's replicas: no leader, one offline
+    or behind."""
+    if cluster is None or not cluster.name:
+        return []
+    leader, followers = _group(cluster)
+    found = []
+    if leader is None:
+        found.append(
+            f"WARNING: {what} has no leader (an election is under way, or too few of its "
+            "servers are up): publishes, fetches and acks wait until it has one"
+        )
+    for peer in followers:
+        if peer.offline:
+            found.append(f"WARNING: {what}: its replica on {peer.name} is offline")
+        elif not peer.current:
+            found.append(
+                f"WARNING: {what}: its replica on {peer.name} is not current "
+                f"({peer.describe()}; down, or catching up)"
+            )
+    return found
+
+
+def replicas_warnings(declared: int | None, status: HandlerStatus) -> list[str]:
+    """A stream whose replicas differ from what the app declares (``app.stream(replicas=)``)."""
+    have = status.stream_replicas
+    if declared is None or have is None or declared == have:
+        return []
+    return [
+        f"WARNING: stream {status.stream!r} has {have} replicas, the app declares {declared}: "
+        f"eop leaves an existing stream as it is (`nats stream edit {status.stream} "
+        f"--replicas {declared}` changes it)"
+    ]
 
 
 async def _from_database(app: App, spec: HandlerSpec, status: HandlerStatus) -> None:
@@ -173,10 +290,44 @@ def format_table(statuses: Sequence[HandlerStatus]) -> str:
     for s in statuses:
         cells.append([_cell(key, s) for _, key in _COLUMNS])
     lines = tables.aligned(cells)
+    if any(s.stream_replicas is not None for s in statuses):
+        lines.append("")
+        lines.extend(_replicas_table(statuses))
     for s in statuses:
         lines.extend(f"{s.handler}: {w}" for w in s.warnings)
         lines.extend(f"{s.handler}: ERROR: {p}" for p in s.problems)
     return "\n".join(lines)
+
+
+_REPLICA_COLUMNS = (
+    "HANDLER",
+    "STREAM REPLICAS",
+    "STREAM LEADER",
+    "STREAM FOLLOWERS",
+    "CONSUMER LEADER",
+    "CONSUMER FOLLOWERS",
+)
+
+
+def _replicas_table(statuses: Sequence[HandlerStatus]) -> list[str]:
+    """Where each handler's stream and consumer live: replicas, leaders, followers' state."""
+
+    def followers(replicas: Sequence[Replica]) -> str:
+        return ", ".join(r.describe() for r in replicas) or "-"
+
+    cells = [list(_REPLICA_COLUMNS)]
+    for s in statuses:
+        cells.append(
+            [
+                s.handler,
+                "?" if s.stream_replicas is None else str(s.stream_replicas),
+                s.stream_leader or "-",
+                followers(s.stream_followers),
+                s.consumer_leader or "-",
+                followers(s.consumer_followers),
+            ]
+        )
+    return tables.aligned(cells)
 
 
 def _cell(key: str, s: HandlerStatus) -> str:

@@ -12,6 +12,8 @@ import importlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from eop import log
+
 T = TypeVar("T")
 
 
@@ -25,7 +27,14 @@ def uvloop_available() -> bool:
 
 
 def run(main: Coroutine[Any, Any, T], *, use_uvloop: bool = True) -> T:
-    """Run ``main`` to completion on a new event loop (uvloop if allowed and installed)."""
+    """Run ``main`` to completion on a new event loop (uvloop if allowed and installed).
+
+    An error the loop reports itself (a task whose exception nobody retrieved,
+    a failing callback) is logged as ``loop.error`` with :func:`eop.log.describe_error`,
+    not printed by asyncio's default handler with a plain traceback, which
+    would show a failed statement's bound values.
+    """
+    main = _reporting(main)
     if not (use_uvloop and uvloop_available()):
         return asyncio.run(main)
     uvloop: Any = importlib.import_module("uvloop")
@@ -40,3 +49,18 @@ def run(main: Coroutine[Any, Any, T], *, use_uvloop: bool = True) -> T:
         return asyncio.run(main)
     finally:
         asyncio.set_event_loop_policy(None)
+
+
+async def _reporting(main: Coroutine[Any, Any, T]) -> T:
+    asyncio.get_running_loop().set_exception_handler(_report)
+    return await main
+
+
+def _report(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    # The context's "future", "task" and "handle" are not logged: their reprs
+    # hold the exception's plain text.
+    exc = context.get("exception")
+    fields: dict[str, Any] = {"what": str(context.get("message", ""))[:200]}
+    if isinstance(exc, BaseException):
+        fields["error"] = log.describe_error(exc)[:2000]
+    log.get_logger().error(log.Event.LOOP_ERROR, **fields)

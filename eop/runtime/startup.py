@@ -45,7 +45,7 @@ async def retrying(step: Callable[[], Awaitable[T]], settings: Settings) -> T:
             attempt=state.attempt_number,
             attempts=attempts,
             retry_in_s=state.upcoming_sleep,
-            error=str(state.outcome.exception() if state.outcome else None),
+            error=_described(state.outcome.exception() if state.outcome else None),
         )
 
     retrier = retry.retrying(
@@ -61,3 +61,8 @@ async def retrying(step: Callable[[], Awaitable[T]], settings: Settings) -> T:
         with attempt:
             return await step()
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _described(exc: BaseException | None) -> str:
+    # A connection error's text, as every error eop logs: through describe_error.
+    return log.describe_error(exc) if exc is not None else "None"

@@ -150,3 +150,30 @@ def test_a_pipeline_through_the_outbox_takes_effect_once_in_each_handler() -> No
 
 
 _RELAY_SPOTS = ("relay_after_publish", "relay_during_mark", "relay_after_mark")
+
+
+@pytest.mark.timeout(240)
+def test_leaders_of_a_replicated_stream_and_its_consumer_die_and_nothing_is_lost() -> None:
+    """Three clustered nats-servers and an R3 stream; the stream's leader and the
+    consumer's leader SIGKILLed in turn (one at a time, restarted on their store) while
+    workers connected to all three run and the publisher retries with its Nats-Msg-Id:
+    every good message has exactly one effect, none is dead-lettered, nothing is lost,
+    the run drains and no worker stalls."""
+    raw_seed = os.environ.get("EOP_CHAOS_SEED")
+    config = Config(
+        scenario="cluster",
+        seed=int(raw_seed) if raw_seed else None,
+        messages=600,
+        workers=2,
+        duration_s=36,
+        drain_deadline_s=60,
+    )
+    try:
+        report = run(config)
+    except errors.ServerBinaryNotFound as exc:
+        unavailable(str(exc))
+    print(report.render())
+    assert report.ok, report.render()
+    assert report.outcomes.exactly_once == report.outcomes.good > 0
+    assert report.faults["stream_leader_kill"] >= 1, report.render()
+    assert report.faults["consumer_leader_kill"] >= 1, report.render()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import sqlalchemy as sa
 
-from tests.conftest import unique_name
+from eop.testing.servers import unique_name
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eop import cli, faults
+from eop import cli, errors, faults
 from eop.chaos import bank, checker, publisher, schedule, wire
 from eop.chaos.target import Payload
 
@@ -199,7 +199,9 @@ def test_chaos_command_names_its_variables_and_refuses_half_a_target(
 def test_a_bad_chaos_variable_is_one_sentence_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """EOP_CHAOS_* values follow the settings' rules; a bad one is not a traceback."""
     monkeypatch.setenv("EOP_CHAOS_WORKERS", "three")
-    with pytest.raises(SystemExit, match="EOP_CHAOS_WORKERS='three' is not a valid int"):
+    with pytest.raises(
+        SystemExit, match=r"\(EOP_CHAOS_WORKERS\) must be a whole number, not 'three'"
+    ):
         cli.build_parser("chaos")
     monkeypatch.setenv("EOP_CHAOS_WORKERS", "5")
     assert cli.build_parser("chaos").parse_args(["chaos"]).workers == 5
@@ -463,3 +465,29 @@ def test_a_self_killed_worker_is_credited_with_the_spot_it_died_at(tmp_path: Pat
     proc.wait()
     inc = workers.Incarnation(0, 0, proc, schedule.WorkerPlan((), 1), log)
     assert workers._killed_at(inc) == "relay_during_mark"
+
+
+def test_the_cluster_scenario_runs_three_servers_and_only_through_its_own_runner() -> None:
+    """`--scenario cluster` is no hunt; it runs 3 nats-servers without fault points, and
+    the single-server harness refuses it (one sentence) before starting anything."""
+    from eop.chaos import harness, scenarios
+
+    scenario = scenarios.get("cluster")
+    assert scenario.nats_nodes == 3
+    assert "cluster" not in scenarios.HUNTS
+    assert not scenario.arm_workers
+    with pytest.raises(errors.ConfigurationError, match="runs a NATS cluster"):
+        harness.run(harness.Config(scenario="cluster"))
+
+
+def test_leader_kill_figures_say_who_died_and_how_long_elections_took() -> None:
+    """The cluster run's figures: each kill (role, server, whether it led both), the
+    election times and the time until every server was healthy, measured not asserted."""
+    from eop.chaos.cluster import Kill, kill_figures
+
+    figures = kill_figures(
+        [Kill("stream", "n2", False, 4.0, 1.5), Kill("consumer", "n1", True, None, 2.5)]
+    )
+    assert figures["leader kills"] == "stream leader n2, consumer leader n1 (both)"
+    assert figures["new leader after a kill"] == "median 4.0 s, max 4.0 s (1 not within 30 s)"
+    assert figures["all servers healthy after a restart"] == "median 2.0 s, max 2.5 s"

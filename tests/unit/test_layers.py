@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "eop.errors",
             "eop.redaction",
             "eop.access",
+            "eop.rules",
             "eop.settings",
             "eop.log",
             "eop.faults",
@@ -48,14 +49,33 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("protocol", ("eop.protocol",)),
     ("runtime", ("eop.runtime",)),
     ("api", ("eop", "eop.outbox")),
-    ("tools", ("eop.ops", "eop.testing", "eop.embedded", "eop._child", "eop.demo", "eop.spark")),
+    (
+        "tools",
+        (
+            "eop.ops",
+            "eop.testing",
+            "eop.embedded",
+            "eop.embedded_cluster",
+            "eop._child",
+            "eop.demo",
+            "eop.spark",
+        ),
+    ),
     ("tools", ("eop.chaos", "eop.bench")),
     ("cli", ("eop.cli", "eop.__main__")),
     ("contrib", ("eop.contrib",)),
 )
 
 #: What ``eop worker`` must never load: development tools, each a command of its own.
-TOOLS = ("eop.chaos", "eop.bench", "eop.spark", "eop.demo", "eop.embedded", "eop._child")
+TOOLS = (
+    "eop.chaos",
+    "eop.bench",
+    "eop.spark",
+    "eop.demo",
+    "eop.embedded",
+    "eop.embedded_cluster",
+    "eop._child",
+)
 
 #: Pairs of packages in one layer that must not know each other.
 APART = (("eop.broker", "eop.pg"),)

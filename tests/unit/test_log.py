@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 import traceback
 
 import asyncpg
@@ -318,3 +319,18 @@ def test_each_line_names_its_process() -> None:
     finally:
         log.configure()
     assert json.loads(stream.getvalue())["pid"] == os.getpid()
+
+
+def test_default_output_is_the_stderr_of_the_moment_not_of_configure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Configured without a stream, lines go to whatever sys.stderr is when they are
+    logged: a host (or a test runner's capture) that swaps and closes stderr after
+    configure() must not make every later line raise on a closed file."""
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    log.configure("json")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    log.get_logger().info(log.Event.WORKER_STARTING)
+    assert "worker.starting" in second.getvalue()

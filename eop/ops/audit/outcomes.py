@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from eop import errors
+from eop import errors, log
 from eop.app import App
 from eop.handler import HandlerSpec
 from eop.pg import failures, models, sql
@@ -52,7 +52,7 @@ class Outcomes:
         except Exception as exc:
             if failures.unreachable(exc):
                 raise errors.DatabaseUnavailable(
-                    f"PostgreSQL failed during the audit: {exc}"
+                    f"PostgreSQL failed during the audit: {log.describe_error(exc)}"
                 ) from exc
             raise
 
