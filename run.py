@@ -31,13 +31,16 @@ if sys.version_info < (3, 10):  # noqa: UP036  # run.py may be started by any py
         f"{sys.version.split()[0]} ({sys.executable}). Run it with a newer python3."
     )
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 STARTED = time.monotonic()
@@ -326,26 +329,251 @@ def pytest_step(venv: Venv, args: list[str]) -> tuple[str, list[str | Path]]:
 
 
 def ensure_system_tools() -> None:
-    """Install the servers the tests need and no wheel ships (PgBouncer), where we can.
+    """Provide the servers the tests need and no wheel ships (PgBouncer), where we can.
 
-    Only as root with apt-get (Debian, Ubuntu, CI's machine); elsewhere the
-    tests that need them skip, and fail under CI=true. Quiet unless it fails.
+    Debian's pgbouncer package with apt-get, and a PgBouncer 1.21+ for the
+    ``max_prepared_statements`` test (``EOP_TEST_PGBOUNCER_PREPARED``), built once
+    per machine from Debian's source package when the packaged one is older.
+    Installs and builds only as root with apt-get (Debian, Ubuntu, CI's machine);
+    elsewhere the tests that need them skip, and fail under CI=true. One line when
+    it installs or builds, one when that fails; silent otherwise.
     """
-    if shutil.which("pgbouncer") or os.access("/usr/sbin/pgbouncer", os.X_OK):
+    if WINDOWS:
         return
-    if WINDOWS or os.geteuid() != 0 or shutil.which("apt-get") is None:
+    can_install = os.geteuid() == 0 and shutil.which("apt-get") is not None
+    packaged = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
+    if packaged is None and can_install:
+        print("installing pgbouncer (apt-get) for the PgBouncer tests", flush=True)
+        error = apt_install(["pgbouncer"])
+        if error:
+            print(f"could not install pgbouncer: {error}", file=sys.stderr)
+        packaged = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
+    if os.environ.get("EOP_TEST_PGBOUNCER_PREPARED"):
         return
+    for given in (os.environ.get("EOP_TEST_PGBOUNCER"), packaged):
+        if given and pgbouncer_version(Path(given)) >= PGBOUNCER_PREPARED:
+            return  # the tests use it for max_prepared_statements too
+    cache = pgbouncer_cache()
+    newer = cached_pgbouncer(cache)
+    if newer is None and can_install:
+        newer = build_pgbouncer(cache)
+    if newer is not None:
+        os.environ["EOP_TEST_PGBOUNCER_PREPARED"] = str(newer)
+
+
+def apt_install(packages: Sequence[str]) -> str | None:
+    """``apt-get install`` those of ``packages`` that are missing (after ``apt-get update``
+    if needed); None, or the error."""
+    missing = missing_packages(packages)
+    if not missing:
+        return None
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "pgbouncer"]
-    print("installing pgbouncer (apt-get) for the PgBouncer tests", flush=True)
+    # Wait for another apt or dpkg (several engineers may share a machine), not fail.
+    install = ["apt-get", "install", "-y", "-q", "-o", "DPkg::Lock::Timeout=300", *missing]
     for attempt in ([], [["apt-get", "update", "-q"]]):
         for command in [*attempt, install]:
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 break
         else:
-            return
-    print(f"could not install pgbouncer: {done.stderr.strip()[-500:]}", file=sys.stderr)
+            return None
+    return cause(done.stderr.splitlines())
+
+
+def missing_packages(packages: Sequence[str]) -> list[str]:
+    """The ``packages`` dpkg does not have installed: naming an installed one to apt-get
+    install would upgrade it (and its libraries) as a side effect."""
+    listed = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Package} ${db:Status-Abbrev}\\n", *packages],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    installed = {
+        fields[0] for fields in map(str.split, listed.stdout.splitlines()) if fields[1:] == ["ii"]
+    }
+    return [package for package in packages if package not in installed]
+
+
+# -- a PgBouncer with max_prepared_statements, built from Debian's source package
+
+#: The first release with ``max_prepared_statements``; Debian bookworm packages 1.18.
+PGBOUNCER_PREPARED = (1, 21)
+#: Where the newer source package comes from: source only (deb-src), in a list of
+#: our own given to apt-get with -o, so no binary package of trixie can ever be
+#: installed and the system's apt configuration and lists stay untouched.
+PGBOUNCER_SOURCES = (
+    "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "
+    "http://deb.debian.org/debian trixie main\n"
+)
+#: Built with the system's (bookworm's) own libraries and compiler; the keyring
+#: verifies trixie's index (Debian has it installed, Ubuntu has the package).
+PGBOUNCER_BUILD_DEPS = [
+    "debian-archive-keyring",
+    "build-essential",
+    "pkg-config",
+    "libevent-dev",
+    "libssl-dev",
+    "libc-ares-dev",
+]
+
+
+class BuildFailed(Exception):
+    """One step of the PgBouncer build failed; the message says which."""
+
+
+def pgbouncer_version(path: Path) -> tuple[int, int]:
+    """PgBouncer's version from ``pgbouncer --version`` ("PgBouncer 1.24.1"), (0, 0) if none."""
+    try:
+        out = subprocess.run(
+            [str(path), "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return (0, 0)
+    found = re.search(r"PgBouncer (\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def pgbouncer_cache() -> Path:
+    """Where built PgBouncers are kept: $XDG_CACHE_HOME/eop or ~/.cache/eop.
+
+    As root, /var/cache/eop: the tests run PgBouncer as an unprivileged account,
+    which could not reach a binary inside root's private home.
+    """
+    if os.geteuid() == 0:
+        return Path("/var/cache/eop")
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "eop"
+
+
+def cached_pgbouncer(cache: Path) -> Path | None:
+    """The newest build of PgBouncer 1.21+ under ``cache`` (``pgbouncer-X.Y.Z``), if it runs.
+
+    One that no longer runs (its libraries removed since) is built again.
+    """
+    builds = []
+    for directory in cache.glob("pgbouncer-*"):
+        found = re.fullmatch(r"pgbouncer-(\d+)\.(\d+)(?:\.(\d+))?", directory.name)
+        binary = directory / "bin" / "pgbouncer"
+        if found and os.access(binary, os.X_OK):
+            version = tuple(int(part or 0) for part in found.groups())
+            if version[:2] >= PGBOUNCER_PREPARED:
+                builds.append((version, binary))
+    if not builds:
+        return None
+    newest = max(builds)[1]
+    return newest if pgbouncer_version(newest) >= PGBOUNCER_PREPARED else None
+
+
+def build_pgbouncer(cache: Path) -> Path | None:
+    """Build PgBouncer 1.21+ into ``cache`` (once: later runs find it); None if it failed."""
+    log = cache / "pgbouncer-build.log"
+    print(
+        f"building PgBouncer 1.21+ from Debian trixie's source package into {cache} "
+        "(once per machine) for the max_prepared_statements test",
+        flush=True,
+    )
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        cache.chmod(0o755)
+        with locked(cache / "pgbouncer.lock"):
+            # Another run may have built it while this one waited for the lock.
+            return cached_pgbouncer(cache) or build_from_source(cache, log)
+    except (BuildFailed, OSError) as exc:
+        print(
+            f"could not build PgBouncer 1.21+, so the max_prepared_statements test skips "
+            f"(fails under CI=true): {exc}; full log: {log}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path``: one build at a time on a shared machine."""
+    import fcntl  # POSIX only; Windows never builds
+
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def build_from_source(cache: Path, log: Path) -> Path:
+    """``apt-get source`` pgbouncer from trixie, configure, make, install into ``cache``."""
+    error = apt_install(PGBOUNCER_BUILD_DEPS)
+    if error:
+        raise BuildFailed(f"apt-get install {' '.join(PGBOUNCER_BUILD_DEPS)} failed: {error}")
+    log.write_text("")
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
+    try:
+        source = fetch_pgbouncer_source(work, log)
+        final = cache / source.name  # pgbouncer-X.Y.Z
+        stage = work / "stage"
+        jobs = str(os.cpu_count() or 1)
+        logged("./configure", ["./configure", f"--prefix={final}"], source, log)
+        logged("make", ["make", "-j", jobs], source, log)
+        logged("make install", ["make", "install", f"DESTDIR={stage}"], source, log)
+        built = stage / final.relative_to(final.anchor)
+        for path in (built, built / "bin", built / "bin" / "pgbouncer"):
+            path.chmod(0o755)
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover
+        built.rename(final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    binary = final / "bin" / "pgbouncer"
+    if pgbouncer_version(binary) < PGBOUNCER_PREPARED:
+        raise BuildFailed(f"{binary} --version does not report PgBouncer 1.21 or newer")
+    return binary
+
+
+def fetch_pgbouncer_source(work: Path, log: Path) -> Path:
+    """Download and unpack (with Debian's patches) trixie's pgbouncer source package."""
+    (work / "sources.list").write_text(PGBOUNCER_SOURCES)
+    for directory in ("parts", "lists/partial", "cache", "src"):
+        (work / directory).mkdir(parents=True)
+    apt = ["apt-get", "-q", "-o", "APT::Sandbox::User=root"]
+    for option, value in (
+        ("Dir::Etc::SourceList", "sources.list"),
+        ("Dir::Etc::SourceParts", "parts"),
+        ("Dir::State::Lists", "lists"),
+        ("Dir::Cache", "cache"),
+    ):
+        apt += ["-o", f"{option}={work / value}"]
+    # --error-on=any: an unreachable mirror fails here, not as "no deb-src" below.
+    logged("apt-get update (trixie's sources)", [*apt, "update", "--error-on=any"], work, log)
+    logged("apt-get source pgbouncer", [*apt, "source", "pgbouncer"], work / "src", log)
+    unpacked = [path for path in (work / "src").glob("pgbouncer-*") if path.is_dir()]
+    if len(unpacked) != 1:
+        raise BuildFailed(f"apt-get source left {len(unpacked)} pgbouncer directories")
+    return unpacked[0]
+
+
+def logged(title: str, command: Sequence[str], cwd: Path, log: Path) -> None:
+    """Run ``command`` in ``cwd``, its output appended to ``log``; raise if it fails."""
+    with log.open("a") as handle:
+        handle.write(f"$ {' '.join(command)}\n")
+        handle.flush()
+        start = handle.tell()
+        try:
+            done = subprocess.run(
+                command, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT, check=False
+            )
+        except OSError as exc:
+            raise BuildFailed(f"could not run {command[0]}: {exc}") from None
+    if done.returncode != 0:
+        with log.open() as handle:
+            handle.seek(start)
+            lines = handle.readlines()
+        raise BuildFailed(f"{title} failed (exit status {done.returncode}): {cause(lines)}")
+
+
+def cause(output: Sequence[str]) -> str:
+    """The line of a failed command's output that says why: apt's first error (its
+    last one often only sums up), else the last line."""
+    lines = [line.strip() for line in output if line.strip()]
+    errors = [line for line in lines if line.startswith("E: ")]
+    return errors[0] if errors else (lines[-1] if lines else "no output")
 
 
 def cmd_test(venv: Venv, args: list[str]) -> int:

@@ -32,6 +32,20 @@ def binary() -> str | None:
     return found
 
 
+#: The first PgBouncer with ``max_prepared_statements`` (Debian bookworm packages 1.18).
+PREPARED = (1, 21)
+
+
+def prepared_binary() -> str | None:
+    """A PgBouncer 1.21+: ``$EOP_TEST_PGBOUNCER_PREPARED`` (``python3 run.py test``
+    builds one from Debian's source package when the packaged one is older), else
+    :func:`binary` when it is new enough, else None."""
+    for path in (os.environ.get("EOP_TEST_PGBOUNCER_PREPARED"), binary()):
+        if path and version(path) >= PREPARED:
+            return path
+    return None
+
+
 def version(path: str) -> tuple[int, ...]:
     """PgBouncer's version, from ``pgbouncer --version`` ("PgBouncer 1.18.0")."""
     out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False).stdout
@@ -42,7 +56,7 @@ def version(path: str) -> tuple[int, ...]:
 def no_prepared_statements(path: str) -> dict[str, str]:
     """The settings that turn off PgBouncer's own prepared statements (on by default
     from 1.22; 1.18 has none and knows no such setting)."""
-    return {"max_prepared_statements": "0"} if version(path) >= (1, 21) else {}
+    return {"max_prepared_statements": "0"} if version(path) >= PREPARED else {}
 
 
 class PgBouncer:
@@ -112,14 +126,25 @@ class PgBouncer:
 
     def clients(self, database: str) -> int:
         """Client connections to ``database`` PgBouncer holds now (its ``SHOW CLIENTS``)."""
+        return sum(1 for row in self.show("CLIENTS") if row["database"] == database)
+
+    def server_prepared_statements(self, database: str) -> int:
+        """Prepared statements PgBouncer keeps on its server connections to ``database``
+        (the ``prepared_statements`` column of ``SHOW SERVERS``, PgBouncer 1.21+)."""
+        rows = self.show("SERVERS")
+        return sum(int(row["prepared_statements"]) for row in rows if row["database"] == database)
+
+    def show(self, what: str) -> list[dict[str, str]]:
+        """The rows of the admin console's ``SHOW <what>``, column name to text value."""
         dsn = f"host={embedded.HOST} port={self.port} user=postgres dbname=pgbouncer"
         with psycopg.connect(dsn, autocommit=True) as conn:
             # The admin console speaks the simple query protocol only.
-            result = conn.pgconn.exec_(b"SHOW CLIENTS")
-            names = [result.fname(i) for i in range(result.nfields)]
-            column = names.index(b"database")
-            rows = [result.get_value(r, column) for r in range(result.ntuples)]
-        return sum(1 for value in rows if value == database.encode())
+            result = conn.pgconn.exec_(f"SHOW {what}".encode())
+            names = [(result.fname(i) or b"").decode() for i in range(result.nfields)]
+            return [
+                {name: (result.get_value(r, c) or b"").decode() for c, name in enumerate(names)}
+                for r in range(result.ntuples)
+            ]
 
     def close(self) -> None:
         """Stop PgBouncer and remove its directory."""

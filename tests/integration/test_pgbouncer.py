@@ -41,6 +41,19 @@ def pgbouncer_path() -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def prepared_pgbouncer_path() -> str:
+    """A PgBouncer 1.21+ for ``max_prepared_statements`` (`python3 run.py test` builds
+    one from Debian's source package when the installed one is older)."""
+    path = bouncer.prepared_binary()
+    if path is None:
+        unavailable(
+            "no PgBouncer 1.21+ for max_prepared_statements: set EOP_TEST_PGBOUNCER_PREPARED "
+            "(python3 run.py test builds one as root on Debian, see docs/pgbouncer.md)"
+        )
+    return path
+
+
 @pytest.fixture
 def database(empty_database_url: str) -> str:
     """The name of a fresh database without eop's tables."""
@@ -227,7 +240,7 @@ async def test_session_mode_keeps_a_worker_within_its_connection_bound(
 
 
 async def test_transaction_mode_with_max_prepared_statements_keeps_statement_caching(
-    pgbouncer_path: str,
+    prepared_pgbouncer_path: str,
     postgres: embedded.PostgresCluster,
     database: str,
     direct: AsyncEngine,
@@ -236,21 +249,24 @@ async def test_transaction_mode_with_max_prepared_statements_keeps_statement_cac
     tmp_path: Path,
 ) -> None:
     """PgBouncer 1.21+ with max_prepared_statements tracks protocol-level prepared
-    statements itself: db_pooler=transaction_prepared keeps the statement caches on, and
-    the relay polls; each message once."""
-    found = bouncer.version(pgbouncer_path)
-    if found < (1, 21):
-        # Not unavailable(): no Debian bookworm source has 1.21+ (see docs/pgbouncer.md).
-        pytest.skip(f"max_prepared_statements needs PgBouncer 1.21+, this one is {found}")
+    statements itself: db_pooler=transaction_prepared keeps the statement caches on
+    (nothing probed, no prepared-statement error), and the relay polls; each message
+    once."""
     with bouncer.PgBouncer(
-        pgbouncer_path,
+        prepared_pgbouncer_path,
         postgres,
         "transaction",
         pool_size=3,
         settings={"max_prepared_statements": "200"},
     ) as pgb:
-        run = await _pipeline(pgb, database, direct, js, nats_url, tmp_path, EOP_DB_POOLER="none")
-    assert '"event": "relay.polling"' not in run.log
+        run = await _pipeline(
+            pgb, database, direct, js, nats_url, tmp_path, EOP_DB_POOLER="transaction_prepared"
+        )
+        # The caches were on: named statements reached PgBouncer, which prepared them on
+        # its server connections (with caching off, asyncpg's are unnamed: none kept).
+        assert pgb.server_prepared_statements(database) > 0
+    assert '"event": "db.pooler_found"' not in run.log
+    assert '"event": "relay.polling"' in run.log
 
 
 def test_a_pooler_set_as_none_in_front_of_transaction_mode_is_one_clear_error(
