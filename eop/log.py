@@ -75,6 +75,7 @@ class Event(str, enum.Enum):
     OUTBOX_REFUSED = "outbox.refused"
     OUTBOX_PARKED = "outbox.parked"
     OUTBOX_PURGED = "outbox.purged"
+    SPARK_JOB_STALLED = "spark.job_stalled"
     FAULT_ARMED = "fault.armed"
     FAULT_HIT = "fault.hit"
 

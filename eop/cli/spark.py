@@ -111,6 +111,36 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "stream sequences per Spark task (and per transaction)",
         default=DEFAULT_MESSAGES_PER_PARTITION,
     )
+    _env_flag(
+        parser,
+        "--python",
+        str,
+        "the Python that Spark runs for eop, on the driver and every executor (sets "
+        "PYSPARK_PYTHON); it needs eop[spark] and, unless shipped, the app",
+        metavar="PATH",
+    )
+    var = "EOP_SPARK_PY_FILES"
+    parser.add_argument(
+        "--py-files",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a .py, .zip or .egg file the executors put on their path, such as the app's "
+        f"module (repeatable; spark.submit.pyFiles) [env: {var}, comma separated]",
+    )
+    _env_flag(
+        parser,
+        "--stall-warn-s",
+        float,
+        "warn when the job's tasks wait and none has run for this long (no executor)",
+        default=60.0,
+    )
+    _env_flag(
+        parser,
+        "--stall-timeout-s",
+        float,
+        "end the job when its tasks wait and none has run for this long (default: never)",
+    )
     var = "EOP_SPARK_CONF"
     parser.add_argument(
         "--conf",
@@ -164,6 +194,16 @@ def _conf(args: argparse.Namespace) -> dict[str, str]:
     return conf
 
 
+def py_files(args: argparse.Namespace) -> list[str]:
+    """The files ``--py-files`` (or EOP_SPARK_PY_FILES) ships, each checked to exist here."""
+    items = [i.strip() for a in args.py_files for i in a.split(",") if i.strip()]
+    items = items or options.env_list("EOP_SPARK_PY_FILES")
+    for item in items:
+        if "://" not in item and not os.path.isfile(item):
+            raise eop_errors.ConfigurationError(f"--py-files: {item!r} is not a file")
+    return items
+
+
 def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, jobs.ReadOptions]:
     from eop.spark import jobs, sink
 
@@ -192,10 +232,16 @@ def _session(args: argparse.Namespace, name: str) -> Iterator[SparkSession]:
 
     # Not getActiveSession(): that one is per thread, and a caller's session is not.
     running = SparkContext._active_spark_context
+    files = py_files(args)
+    if args.python:
+        # PySpark reads the variable, not spark.pyspark.python, unless spark-submit started it.
+        os.environ["PYSPARK_PYTHON"] = args.python
     spark = session.build(args.master, app_name=name, conf=_conf(args))
     if running is None:
-        # Spark's warnings (AQE off in streaming, native Hadoop missing) are not the user's.
+        # Spark's warnings (AQE off in streaming, native Hadoop missing) are not the user's;
+        # a stalled job is reported by eop.spark.watch instead.
         spark.sparkContext.setLogLevel("ERROR")
+    session.ship(spark, files)
     try:
         yield spark
     finally:
@@ -214,8 +260,13 @@ def _cmd_backfill(args: argparse.Namespace) -> int:
     from eop.spark import jobs
 
     _, spec, target, read = _prepare(args)
+    from eop.spark import watch
+
+    watching = watch.Watch(
+        stall_warn_s=args.stall_warn_s, stall_timeout_s=args.stall_timeout_s, out=sys.stderr
+    )
     with _session(args, f"eop-backfill-{spec.name}") as spark:
-        counts = jobs.backfill(spark, target, spec, read, progress=sys.stderr)
+        counts = jobs.backfill(spark, target, spec, read, watching=watching)
     print(f"backfill of {spec.stream} for handler {spec.name}: {counts}")
     return 0
 
