@@ -61,7 +61,7 @@ def test_python_and_py_files_are_options_with_variables(
     assert args.python == "/opt/env/bin/python"
     assert spark_cli.py_files(args) == [str(app)]
     args.py_files = [f"{app},{tmp_path / 'gone.py'}"]
-    with pytest.raises(errors.ConfigurationError, match="gone.py' is not a file"):
+    with pytest.raises(errors.ConfigurationError, match=r"gone\.py' is not a file"):
         spark_cli.py_files(args)
 
 
