@@ -101,6 +101,23 @@ class Cluster:
             self._check_alive(worker, deadline)
         return worker
 
+    def executors(self) -> list[int]:
+        """The PIDs of the executor JVMs the workers run now (Linux: read from /proc)."""
+        workers = {w.process.pid for w in self.workers}
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent in workers and b"CoarseGrainedExecutorBackend" in cmdline:
+                found.append(int(entry.name))
+        return found
+
     def stop(self) -> None:
         """Stop the workers, then the master."""
         for daemon in [*self.workers, *([self.master] if self.master else [])]:
