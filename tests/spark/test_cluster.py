@@ -221,7 +221,8 @@ def _kill_an_executor(cluster: Cluster) -> bool:
 def _user_app(user_dir: Path) -> Any:
     """The user's app, imported in the test's process for the live worker."""
     spec = importlib.util.spec_from_file_location("clusterapp", user_dir / "clusterapp.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.app
