@@ -39,7 +39,7 @@ class Watch:
     stall_timeout_s: float | None = None
     """Cancel the job when tasks wait and none has run for this long (None: never)."""
     out: IO[str] | None = None
-    """Where progress lines and the warning go (the warning is logged too)."""
+    """Where progress lines and the warning go (None: the warning is logged)."""
 
 
 @dataclasses.dataclass
@@ -57,7 +57,8 @@ def watched(spark: SparkSession, what: str, watch: Watch) -> Iterator[None]:
         yield
         return
     tag = f"eop-{uuid.uuid4().hex[:12]}"
-    spark.addTag(tag)
+    # The SparkContext's job tags: a classic session's interruptTag cancels no job.
+    spark.sparkContext.addJobTag(tag)
     stop = threading.Event()
     cancelled = threading.Event()
     thread = threading.Thread(
@@ -79,7 +80,7 @@ def watched(spark: SparkSession, what: str, watch: Watch) -> Iterator[None]:
     finally:
         stop.set()
         thread.join(timeout=5)
-        spark.removeTag(tag)
+        spark.sparkContext.removeJobTag(tag)
 
 
 def _tracker(spark: SparkSession) -> StatusTracker | None:
@@ -117,7 +118,7 @@ def _watch(
             _warn(what, idle, watch)
         if watch.stall_timeout_s is not None and idle >= watch.stall_timeout_s:
             cancelled.set()
-            spark.interruptTag(tag)
+            spark.sparkContext.cancelJobsWithTag(tag)
             return
 
 
@@ -139,6 +140,7 @@ def _warn(what: str, idle: float, watch: Watch) -> None:
     )
     if watch.stall_timeout_s is not None:
         text += f" (the job ends after {watch.stall_timeout_s:g} s of this)"
-    log.get_logger().warning(log.Event.SPARK_JOB_STALLED, what=what, idle_s=round(idle))
     if watch.out is not None:
         print(f"eop: warning: {text}", file=watch.out, flush=True)
+    else:
+        log.get_logger().warning(log.Event.SPARK_JOB_STALLED, what=what, idle_s=round(idle))

@@ -68,15 +68,16 @@ class Cluster:
         """The master's URL."""
         return f"spark://127.0.0.1:{self.port}"
 
-    def start(self) -> Cluster:
-        """Start the master and one worker; returns once the worker has registered."""
+    def start(self, workers: int = 1) -> Cluster:
+        """Start the master and ``workers`` workers; returns once the workers have registered."""
         self.master = self._daemon(
             "master",
             "org.apache.spark.deploy.master.Master",
             ["--host", "127.0.0.1", "--port", str(self.port), "--webui-port", "0"],
         )
         self._wait(self.master, "I have been elected leader")
-        self.add_worker()
+        for _ in range(workers):
+            self.add_worker()
         return self
 
     def add_worker(self) -> Daemon:

@@ -126,6 +126,30 @@ async def test_executors_without_eop_fail_the_backfill_with_one_line_naming_pysp
     assert "An exception was thrown" not in done.stderr
 
 
+async def test_a_backfill_no_executor_takes_warns_then_ends_at_the_stall_timeout(
+    tmp_path: Path, user_dir: Path, database_url: str, nats_url: str, js: Any
+) -> None:
+    """A master without workers: the job's tasks wait; eop warns, then ends it (exit 1)."""
+    await published(js, 10)
+    empty = Cluster(tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
+    try:
+        await asyncio.to_thread(empty.start, 0)
+        argv = eop_spark("backfill", "clusterapp:app", "--handler", "cluster")
+        argv += ["--master", empty.url, "--python", sys.executable]
+        argv += ["--stall-warn-s", "4", "--stall-timeout-s", "12"]
+        done = await asyncio.to_thread(run, argv, user_dir, user_env(database_url, nats_url))
+    finally:
+        await asyncio.to_thread(empty.stop)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert any(
+        line.startswith("eop: warning: ") and "none has run for" in line for line in lines
+    ), done.stderr[-3000:]
+    assert lines[-1].startswith("eop: error: ")
+    assert "no task ran for 12 s (stall timeout)" in lines[-1]
+
+
 async def test_spark_submit_without_the_app_shipped_fails_with_one_line_naming_py_files(
     cluster: Cluster, user_dir: Path, database_url: str, nats_url: str, js: Any
 ) -> None:
