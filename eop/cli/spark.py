@@ -141,6 +141,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
         float,
         "end the job when its tasks wait and none has run for this long (default: never)",
     )
+    var = "EOP_SPARK_EXECUTOR_CREDENTIALS"
+    parser.add_argument(
+        "--executor-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get(var, "").lower() in ("1", "true", "yes", "on"),
+        help="the executors read EOP_DATABASE_URL, EOP_NATS_PASSWORD and EOP_NATS_TOKEN from "
+        "their own environment: the job carries the variables' names, not the values "
+        f"[env: {var}; default: False]",
+    )
     var = "EOP_SPARK_CONF"
     parser.add_argument(
         "--conf",
@@ -211,10 +220,22 @@ def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, j
     (spec,) = select_handlers(app, [args.handler])
     s = app.settings
     options.run_with(app, _check_schema(app))
-    target = sink.Target.create(args.app, spec.name, **{f: getattr(s, f) for f in SINK_FIELDS})
+    env: dict[str, str] = {}
+    secret_env: tuple[tuple[str, str], ...] = ()
+    if args.executor_credentials:
+        env = {"database_url": "EOP_DATABASE_URL"}
+        secret_env = tuple(
+            (field, f"EOP_NATS_{field.upper()}")
+            for field in ("password", "token")
+            if getattr(s, f"nats_{field}")
+        )
+    target = sink.Target.create(
+        args.app, spec.name, env=env, **{f: getattr(s, f) for f in SINK_FIELDS}
+    )
     read = jobs.ReadOptions(
         nats_url=s.nats_url,
         nats=s.nats_access,
+        secret_env=secret_env,
         from_seq=args.from_seq,
         to_seq=getattr(args, "to_seq", None),
         per_partition=args.messages_per_partition,

@@ -38,6 +38,9 @@ class ReadOptions:
     """Streaming only."""
     nats: access.NatsAccess | None = None
     """Authentication and TLS (``nats_url`` wins over its ``url``)."""
+    secret_env: tuple[tuple[str, str], ...] = ()
+    """NATS secrets (``password``, ``token``) each process reads from the named variable
+    instead: the options and the partitions carry the name, not the value."""
 
     def options(self, spec: HandlerSpec) -> dict[str, str]:
         """The ``jetstream`` source options for ``spec``'s stream and subject."""
@@ -50,7 +53,13 @@ class ReadOptions:
             "messagesPerPartition": self.per_partition,
             "maxMessagesPerBatch": self.max_per_batch,
         }
-        auth = self.nats.spark_options() if self.nats is not None else {}
+        nats = self.nats
+        if nats is not None and self.secret_env:
+            blank: dict[str, Any] = {field: "" for field, _ in self.secret_env}
+            nats = dataclasses.replace(nats, **blank)
+        auth = nats.spark_options() if nats is not None else {}
+        for field, var in self.secret_env:
+            auth[f"nats{field.capitalize()}Env"] = var
         return {**auth, **{k: str(v) for k, v in opts.items() if v is not None}}
 
 
