@@ -293,7 +293,7 @@ def _cmd_backfill(args: argparse.Namespace) -> int:
 
 
 def _cmd_stream(args: argparse.Namespace) -> int:
-    from eop.spark import jobs
+    from eop.spark import jobs, watch
     from eop.spark.apply import Counts
 
     _, spec, target, read = _prepare(args)
@@ -319,6 +319,11 @@ def _cmd_stream(args: argparse.Namespace) -> int:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: stop.set())
-        jobs.wait(query, report=sys.stderr, stop=stop)
+        # Progress comes from the query's own reports; the watch warns and stops a stalled query.
+        watching = watch.Watch(
+            args.stall_warn_s, args.stall_timeout_s, out=sys.stderr, progress=False
+        )
+        with watch.watched(spark, f"stream of {spec.stream} for {spec.name}", watching, query.stop):
+            jobs.wait(query, report=sys.stderr, stop=stop)
     print(f"stream of {spec.stream} for handler {spec.name} stopped: {total}")
     return 0

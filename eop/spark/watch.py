@@ -17,7 +17,7 @@ import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING
 
 from eop import log
@@ -40,6 +40,8 @@ class Watch:
     """Cancel the job when tasks wait and none has run for this long (None: never)."""
     out: IO[str] | None = None
     """Where progress lines and the warning go (None: the warning is logged)."""
+    progress: bool = True
+    """Print the task counts to ``out`` as they change (a stream reports its own progress)."""
 
 
 @dataclasses.dataclass
@@ -50,8 +52,17 @@ class _Counts:
 
 
 @contextlib.contextmanager
-def watched(spark: SparkSession, what: str, watch: Watch) -> Iterator[None]:
-    """Run the block's Spark jobs under ``watch``; a stalled, cancelled job raises JobStalled."""
+def watched(
+    spark: SparkSession,
+    what: str,
+    watch: Watch,
+    end_job: Callable[[], None] | None = None,
+) -> Iterator[None]:
+    """Run the block's Spark jobs under ``watch``; a job ended for stalling raises JobStalled.
+
+    ``end_job`` ends the work at the stall timeout (a streaming query's
+    ``stop``); by default the jobs this thread starts are cancelled.
+    """
     tracker = _tracker(spark)
     if tracker is None:
         yield
@@ -59,28 +70,24 @@ def watched(spark: SparkSession, what: str, watch: Watch) -> Iterator[None]:
     tag = f"eop-{uuid.uuid4().hex[:12]}"
     # The SparkContext's job tags: a classic session's interruptTag cancels no job.
     spark.sparkContext.addJobTag(tag)
+    stall = _Stall(what, watch, end_job or (lambda: spark.sparkContext.cancelJobsWithTag(tag)))
     stop = threading.Event()
-    cancelled = threading.Event()
     thread = threading.Thread(
-        target=_watch,
-        args=(spark, tracker, what, watch, stop, cancelled, tag),
-        name="eop-spark-watch",
-        daemon=True,
+        target=stall.run, args=(tracker, stop), name="eop-spark-watch", daemon=True
     )
     thread.start()
     try:
         yield
     except Exception:
-        if cancelled.is_set():
-            raise errors.JobStalled(
-                f"{what}: no task ran for {watch.stall_timeout_s:g} s "
-                "(stall timeout): the cluster has no executor free for the job"
-            ) from None
+        if stall.ended.is_set():
+            raise stall.error() from None
         raise
     finally:
         stop.set()
         thread.join(timeout=5)
         spark.sparkContext.removeJobTag(tag)
+    if stall.ended.is_set():
+        raise stall.error()
 
 
 def _tracker(spark: SparkSession) -> StatusTracker | None:
@@ -90,36 +97,47 @@ def _tracker(spark: SparkSession) -> StatusTracker | None:
         return None
 
 
-def _watch(
-    spark: SparkSession,
-    tracker: StatusTracker,
-    what: str,
-    watch: Watch,
-    stop: threading.Event,
-    cancelled: threading.Event,
-    tag: str,
-) -> None:
-    started = last_change = time.monotonic()
-    last: _Counts | None = None
-    warned = False
-    while not stop.wait(POLL_S):
-        now = time.monotonic()
-        counts = _counts(tracker)
-        if counts != last or counts.running or not counts.total:
-            if watch.out is not None and counts.total and counts != last:
-                line = f"  {what}: {counts.done}/{counts.total} partitions done"
-                print(f"{line}, {counts.running} running ({now - started:.0f} s)", file=watch.out)
-                watch.out.flush()
-            last, last_change, warned = counts, now, False
-            continue
-        idle = now - last_change
-        if not warned and idle >= watch.stall_warn_s:
-            warned = True
-            _warn(what, idle, watch)
-        if watch.stall_timeout_s is not None and idle >= watch.stall_timeout_s:
-            cancelled.set()
-            spark.sparkContext.cancelJobsWithTag(tag)
-            return
+class _Stall:
+    """The watching thread: the last task counts, since when, and whether it ended the job."""
+
+    def __init__(self, what: str, watch: Watch, end_job: Callable[[], None]) -> None:
+        self.what = what
+        self.watch = watch
+        self.end_job = end_job
+        self.ended = threading.Event()
+
+    def error(self) -> errors.JobStalled:
+        """What the job's caller gets when the stall timeout ended it."""
+        return errors.JobStalled(
+            f"{self.what}: no task ran for {self.watch.stall_timeout_s:g} s "
+            "(stall timeout): the cluster has no executor free for the job"
+        )
+
+    def run(self, tracker: StatusTracker, stop: threading.Event, poll_s: float = POLL_S) -> None:
+        """Poll ``tracker`` until ``stop``: progress lines, the warning, the timeout."""
+        started = last_change = time.monotonic()
+        last: _Counts | None = None
+        warned = False
+        while not stop.wait(poll_s):
+            now = time.monotonic()
+            counts = _counts(tracker)
+            if counts != last or counts.running or not counts.total:
+                out = self.watch.out
+                if out is not None and self.watch.progress and counts.total and counts != last:
+                    line = f"  {self.what}: {counts.done}/{counts.total} partitions done"
+                    print(f"{line}, {counts.running} running ({now - started:.0f} s)", file=out)
+                    out.flush()
+                last, last_change, warned = counts, now, False
+                continue
+            idle = now - last_change
+            if not warned and idle >= self.watch.stall_warn_s:
+                warned = True
+                _warn(self.what, idle, self.watch)
+            timeout = self.watch.stall_timeout_s
+            if timeout is not None and idle >= timeout:
+                self.ended.set()
+                self.end_job()
+                return
 
 
 def _counts(tracker: StatusTracker) -> _Counts:
