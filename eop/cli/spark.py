@@ -278,11 +278,9 @@ async def _check_schema(app: App) -> None:
 
 
 def _cmd_backfill(args: argparse.Namespace) -> int:
-    from eop.spark import jobs
+    from eop.spark import jobs, watch
 
     _, spec, target, read = _prepare(args)
-    from eop.spark import watch
-
     watching = watch.Watch(
         stall_warn_s=args.stall_warn_s, stall_timeout_s=args.stall_timeout_s, out=sys.stderr
     )

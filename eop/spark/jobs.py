@@ -101,7 +101,7 @@ def backfill(
     what = f"backfill of {spec.stream} for {spec.name}"
     with translated(target.app), watch.watched(spark, what, watching):
         if check:
-            probe.check(spark, target.app)
+            probe.check(spark, target.app, _executor_env(target, read))
         df = spark.read.format("jetstream").options(**read.options(spec)).load()
         df = ordered(df, spec)
         return sink.apply(df, target)
@@ -125,7 +125,7 @@ def stream(
     """
     with translated(target.app):
         if check:
-            probe.check(spark, target.app)
+            probe.check(spark, target.app, _executor_env(target, read))
         df = spark.readStream.format("jetstream").options(**read.options(spec)).load()
         writer = (
             df.writeStream.foreachBatch(_OrderedSink(spec, sink.BatchSink(target, on_batch)))
@@ -137,6 +137,11 @@ def stream(
         elif trigger_s:
             writer = writer.trigger(processingTime=f"{round(trigger_s * 1000)} milliseconds")
         return writer.start()
+
+
+def _executor_env(target: sink.Target, read: ReadOptions) -> list[str]:
+    """The variables the executors read credentials from, which the probe checks."""
+    return sorted({*target.env.values(), *(var for _, var in read.secret_env)})
 
 
 class _OrderedSink:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from eop.spark import errors, failures
@@ -23,10 +24,12 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
-def check(spark: SparkSession, app: str) -> None:
+def check(spark: SparkSession, app: str, env: Sequence[str] = ()) -> None:
     """Raise ExecutorsUnready if an executor cannot import what the sink needs.
 
-    ``app`` is the ``module:attribute`` path the sink imports in the tasks.
+    ``app`` is the ``module:attribute`` path the sink imports in the tasks;
+    ``env``, the environment variables the executors must have (credentials
+    they read from their own environment).
     """
     from pyspark import cloudpickle
     from pyspark.sql import functions as F
@@ -40,7 +43,8 @@ def check(spark: SparkSession, app: str) -> None:
             # Arrow: the probe must run where pyarrow is missing.
             warnings.simplefilter("ignore", UserWarning)
             probe = F.udf(_imports, "string", useArrow=False)
-        row = spark.range(1, numPartitions=1).select(probe(F.lit(module))).first()
+        asked = json.dumps({"module": module, "env": list(env)})
+        row = spark.range(1, numPartitions=1).select(probe(F.lit(asked))).first()
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call] # as above
     if row is None:
@@ -67,16 +71,27 @@ def describe(report: dict[str, object], module: str) -> str | None:
         if failures.hint(cause, module) == failures.APP_HINT:
             return f"Spark's executors cannot import the app module {module!r}: {failures.APP_HINT}"
         return f"Spark's executors failed to import the app module {module!r}: {cause}"
+    unset = report.get("unset")
+    if unset:
+        assert isinstance(unset, list)
+        return (
+            f"Spark's executors lack the environment variables {', '.join(unset)}, which they "
+            "are to read credentials from (--executor-credentials): set them on every node"
+        )
     return None
 
 
-def _imports(module: str) -> str:
+def _imports(asked: str) -> str:
     """Runs in the executor: the modules the sink needs that fail to import, and why."""
     import importlib
     import json
+    import os
     import platform
     import sys
 
+    request = json.loads(asked)
+    module = request["module"]
+    unset = [var for var in request["env"] if var not in os.environ]
     missing = {}
     for name in ("eop", "pyarrow", module):
         if name == module and "eop" in missing:
@@ -85,5 +100,10 @@ def _imports(module: str) -> str:
             importlib.import_module(name)
         except Exception as exc:
             missing[name] = f"{type(exc).__name__}: {exc}"
-    found = {"python": sys.executable, "version": platform.python_version(), "missing": missing}
+    found = {
+        "python": sys.executable,
+        "version": platform.python_version(),
+        "missing": missing,
+        "unset": unset,
+    }
     return json.dumps(found)

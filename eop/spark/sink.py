@@ -59,11 +59,16 @@ class Target:
         # Tracebacks and logs may print it: not the database password.
         return f"Target({self.app!r}, {self.handler!r}, <{len(self.settings)} settings>)"
 
+    @property
+    def env(self) -> dict[str, str]:
+        """Setting name to the environment variable the executors read it from."""
+        names: dict[str, str] = json.loads(self.env_json)
+        return names
+
     def resolved_settings(self) -> dict[str, Any]:
         """The settings overrides, those named by ``env`` read from this process's environment."""
         overrides = self.settings
-        names: dict[str, str] = json.loads(self.env_json)
-        for field, var in names.items():
+        for field, var in self.env.items():
             value = os.environ.get(var)
             if value is None:
                 raise errors.ConfigurationError(

@@ -150,6 +150,33 @@ async def test_a_backfill_no_executor_takes_warns_then_ends_at_the_stall_timeout
     assert "no task ran for 12 s (stall timeout)" in lines[-1]
 
 
+async def test_executor_credentials_stay_off_the_cluster_and_missing_ones_fail_fast(
+    cluster: Cluster, user_dir: Path, database_url: str, nats_url: str, js: Any
+) -> None:
+    """--executor-credentials: the driver's database password (a canary) reaches no file of
+    the cluster (daemon and executor logs, work directories); executors without
+    EOP_DATABASE_URL fail the probe with the line naming it."""
+    await published(js, 10)
+    canary = "canary-pw-5d1c0e"
+    url = database_url.replace("://postgres@", f"://postgres:{canary}@")
+    assert canary in url
+    argv = eop_spark("backfill", "clusterapp:app", "--handler", "cluster", "--master", cluster.url)
+    argv += ["--python", sys.executable, "--py-files", "clusterapp.py", "--executor-credentials"]
+    done = await asyncio.to_thread(run, argv, user_dir, user_env(url, nats_url))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("eop: error: Spark's executors lack the environment variables EOP_DATABASE_URL")
+    )
+    leaked = [
+        path
+        for path in cluster.scratch.rglob("*")
+        if path.is_file() and canary.encode() in path.read_bytes()
+    ]
+    assert leaked == []
+
+
 async def test_spark_submit_without_the_app_shipped_fails_with_one_line_naming_py_files(
     cluster: Cluster, user_dir: Path, database_url: str, nats_url: str, js: Any
 ) -> None:

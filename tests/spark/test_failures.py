@@ -103,3 +103,11 @@ def test_the_probe_report_becomes_one_line_naming_the_fix() -> None:
         probe.describe(broken, "myapp") or ""
     )
     assert probe.describe({**base, "missing": {}}, "myapp") is None
+
+
+def test_executors_lacking_the_credential_variables_are_named() -> None:
+    """--executor-credentials: an executor without the variable fails the probe, naming it."""
+    report = {"python": "p", "version": "3.11", "missing": {}, "unset": ["EOP_DATABASE_URL"]}
+    line = probe.describe(report, "myapp")
+    assert line is not None
+    assert line.startswith("Spark's executors lack the environment variables EOP_DATABASE_URL")
