@@ -13,7 +13,9 @@ tables each time:
    started beforehand (its start-up reported apart), twice: the first job also
    starts Spark's Python workers; the second shows the steady state.
 
-Prints the rates.
+Prints the rates. With ``--master spark://...`` (a standalone cluster on this
+machine, see BENCHMARKS.md) the executors run this interpreter with the
+repository on their path; ``--cores-max 1`` and ``2`` give the scaling ratio.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -33,6 +37,7 @@ from eop import embedded
 from eop.pg import migrate
 
 APP = worker_throughput.APP
+ROOT = Path(__file__).resolve().parents[1]
 RESET = (
     "TRUNCATE effects, eop.inbox, eop.dead_letters, eop.watermarks",
     "CREATE TABLE IF NOT EXISTS effects (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
@@ -78,15 +83,33 @@ async def time_worker(nats_url: str, database_url: str) -> float:
         await nc.close()
 
 
+def cluster_conf(master: str, cores_max: int | None) -> dict[str, str]:
+    """Settings for a cluster on this machine: the executors import the repository's cliapp."""
+    conf = {"spark.ui.showConsoleProgress": "false"}
+    if not master.startswith("local"):
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+        conf["spark.executorEnv.PYTHONPATH"] = str(ROOT)
+        conf["spark.executorEnv.CLIAPP_HANDLER_DELAY_S"] = "0"
+        conf["spark.ui.enabled"] = "false"
+    if cores_max is not None:
+        conf["spark.cores.max"] = str(cores_max)
+    return conf
+
+
 def time_spark(
-    nats_url: str, database_url: str, master: str, per_partition: int, reset_tables: Any
+    nats_url: str,
+    database_url: str,
+    master: str,
+    per_partition: int,
+    reset_tables: Any,
+    cores_max: int | None = None,
 ) -> tuple[float, list[float]]:
     from eop.spark import jobs, session, sink
     from tests.integration import cliapp
 
     os.environ["CLIAPP_HANDLER_DELAY_S"] = "0"
     started = time.perf_counter()
-    spark = session.build(master, conf={"spark.ui.showConsoleProgress": "false"})
+    spark = session.build(master, conf=cluster_conf(master, cores_max))
     spark.sparkContext.setLogLevel("ERROR")
     startup = time.perf_counter() - started
     spec = cliapp.app.handlers["cli"]
@@ -103,7 +126,7 @@ def time_spark(
     return startup, runs
 
 
-async def main(messages: int, master: str, per_partition: int) -> None:
+async def main(messages: int, master: str, per_partition: int, cores_max: int | None) -> None:
     with embedded.NatsServer() as ns, embedded.PostgresServer() as pg:
         migrate.upgrade(pg.url)
         engine = create_async_engine(pg.url)
@@ -119,7 +142,7 @@ async def main(messages: int, master: str, per_partition: int) -> None:
             asyncio.run_coroutine_threadsafe(reset(engine), loop).result()
 
         startup_s, (cold_s, warm_s) = await asyncio.to_thread(
-            time_spark, ns.url, pg.url, master, per_partition, reset_tables
+            time_spark, ns.url, pg.url, master, per_partition, reset_tables, cores_max
         )
         spark_effects = await effects(engine)
         await engine.dispose()
@@ -139,5 +162,6 @@ if __name__ == "__main__":
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--per-partition", type=int, default=1000)
+    parser.add_argument("--cores-max", type=int, help="spark.cores.max: executor cores used")
     args = parser.parse_args()
-    asyncio.run(main(args.messages, args.master, args.per_partition))
+    asyncio.run(main(args.messages, args.master, args.per_partition, args.cores_max))

@@ -80,6 +80,7 @@ class Event(str, enum.Enum):
     OUTBOX_PARKED = "outbox.parked"
     OUTBOX_PURGED = "outbox.purged"
     DB_POOLER_FOUND = "db.pooler_found"
+    SPARK_JOB_STALLED = "spark.job_stalled"
     FAULT_ARMED = "fault.armed"
     FAULT_HIT = "fault.hit"
     LOOP_ERROR = "loop.error"

@@ -113,6 +113,45 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "stream sequences per Spark task (and per transaction)",
         default=DEFAULT_MESSAGES_PER_PARTITION,
     )
+    _env_flag(
+        parser,
+        "--python",
+        str,
+        "the Python that Spark runs for eop, on the driver and every executor (sets "
+        "PYSPARK_PYTHON); it needs eop[spark] and, unless shipped, the app",
+        metavar="PATH",
+    )
+    var = "EOP_SPARK_PY_FILES"
+    parser.add_argument(
+        "--py-files",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a .py, .zip or .egg file the executors put on their path, such as the app's "
+        f"module (repeatable; spark.submit.pyFiles) [env: {var}, comma separated]",
+    )
+    _env_flag(
+        parser,
+        "--stall-warn-s",
+        float,
+        "warn when the job's tasks wait and none has run for this long (no executor)",
+        default=60.0,
+    )
+    _env_flag(
+        parser,
+        "--stall-timeout-s",
+        float,
+        "end the job when its tasks wait and none has run for this long (default: never)",
+    )
+    var = "EOP_SPARK_EXECUTOR_CREDENTIALS"
+    parser.add_argument(
+        "--executor-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get(var, "").lower() in ("1", "true", "yes", "on"),
+        help="the executors read EOP_DATABASE_URL, EOP_NATS_PASSWORD and EOP_NATS_TOKEN from "
+        "their own environment: the job carries the variables' names, not the values "
+        f"[env: {var}; default: False]",
+    )
     var = "EOP_SPARK_CONF"
     parser.add_argument(
         "--conf",
@@ -166,6 +205,16 @@ def _conf(args: argparse.Namespace) -> dict[str, str]:
     return conf
 
 
+def py_files(args: argparse.Namespace) -> list[str]:
+    """The files ``--py-files`` (or EOP_SPARK_PY_FILES) ships, each checked to exist here."""
+    items = [i.strip() for a in args.py_files for i in a.split(",") if i.strip()]
+    items = items or options.env_list("EOP_SPARK_PY_FILES")
+    for item in items:
+        if "://" not in item and not os.path.isfile(item):
+            raise eop_errors.ConfigurationError(f"--py-files: {item!r} is not a file")
+    return items
+
+
 def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, jobs.ReadOptions]:
     from eop.spark import jobs, sink
 
@@ -173,10 +222,22 @@ def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, j
     (spec,) = select_handlers(app, [args.handler])
     s = app.settings
     options.run_with(app, _check_schema(app))
-    target = sink.Target.create(args.app, spec.name, **{f: getattr(s, f) for f in SINK_FIELDS})
+    env: dict[str, str] = {}
+    secret_env: tuple[tuple[str, str], ...] = ()
+    if args.executor_credentials:
+        env = {"database_url": "EOP_DATABASE_URL"}
+        secret_env = tuple(
+            (field, f"EOP_NATS_{field.upper()}")
+            for field in ("password", "token")
+            if getattr(s, f"nats_{field}")
+        )
+    target = sink.Target.create(
+        args.app, spec.name, env=env, **{f: getattr(s, f) for f in SINK_FIELDS}
+    )
     read = jobs.ReadOptions(
         nats_url=s.nats_url,
         nats=s.nats_access,
+        secret_env=secret_env,
         from_seq=args.from_seq,
         to_seq=getattr(args, "to_seq", None),
         per_partition=args.messages_per_partition,
@@ -194,10 +255,16 @@ def _session(args: argparse.Namespace, name: str) -> Iterator[SparkSession]:
 
     # Not getActiveSession(): that one is per thread, and a caller's session is not.
     running = SparkContext._active_spark_context
+    files = py_files(args)
+    if args.python:
+        # PySpark reads the variable, not spark.pyspark.python, unless spark-submit started it.
+        os.environ["PYSPARK_PYTHON"] = args.python
     spark = session.build(args.master, app_name=name, conf=_conf(args))
     if running is None:
-        # Spark's warnings (AQE off in streaming, native Hadoop missing) are not the user's.
+        # Spark's warnings (AQE off in streaming, native Hadoop missing) are not the user's;
+        # a stalled job is reported by eop.spark.watch instead.
         spark.sparkContext.setLogLevel("ERROR")
+    session.ship(spark, files)
     try:
         yield spark
     finally:
@@ -213,17 +280,20 @@ async def _check_schema(app: App) -> None:
 
 
 def _cmd_backfill(args: argparse.Namespace) -> int:
-    from eop.spark import jobs
+    from eop.spark import jobs, watch
 
     _, spec, target, read = _prepare(args)
+    watching = watch.Watch(
+        stall_warn_s=args.stall_warn_s, stall_timeout_s=args.stall_timeout_s, out=sys.stderr
+    )
     with _session(args, f"eop-backfill-{spec.name}") as spark:
-        counts = jobs.backfill(spark, target, spec, read, progress=sys.stderr)
+        counts = jobs.backfill(spark, target, spec, read, watching=watching)
     print(f"backfill of {spec.stream} for handler {spec.name}: {counts}")
     return 0
 
 
 def _cmd_stream(args: argparse.Namespace) -> int:
-    from eop.spark import jobs
+    from eop.spark import jobs, watch
     from eop.spark.apply import Counts
 
     _, spec, target, read = _prepare(args)
@@ -249,6 +319,11 @@ def _cmd_stream(args: argparse.Namespace) -> int:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: stop.set())
-        jobs.wait(query, report=sys.stderr, stop=stop)
+        # Progress comes from the query's own reports; the watch warns and stops a stalled query.
+        watching = watch.Watch(
+            args.stall_warn_s, args.stall_timeout_s, out=sys.stderr, progress=False
+        )
+        with watch.watched(spark, f"stream of {spec.stream} for {spec.name}", watching, query.stop):
+            jobs.wait(query, report=sys.stderr, stop=stop)
     print(f"stream of {spec.stream} for handler {spec.name} stopped: {total}")
     return 0

@@ -8,7 +8,13 @@ Importing this package does not import PySpark; the modules that need it do:
 - :mod:`eop.spark.sink`: runs a registered eop handler on the rows of each
   partition, in one transaction with the same inbox claims as the workers;
 - :mod:`eop.spark.jobs`: what ``eop spark backfill`` and ``eop spark stream`` run;
-- :mod:`eop.spark.session`: a SparkSession with a Java runtime found or provided.
+- :mod:`eop.spark.session`: a SparkSession with a Java runtime found or provided;
+- :mod:`eop.spark.probe`: before a job, whether the executors import eop, pyarrow and the app;
+- :mod:`eop.spark.failures`: a Spark failure's root cause and fix, in one line;
+- :mod:`eop.spark.watch`: progress, and a job that no executor takes warned about or ended.
+
+``python -m eop.spark`` is ``eop spark`` as a spark-submit application (see
+docs/spark-deployment.md).
 
 Install it with ``pip install 'eop[spark]'``.
 """

@@ -22,3 +22,11 @@ class StreamRecreated(errors.EopError):
 
 class SparkJobFailed(errors.EopError):
     """A Spark job failed."""
+
+
+class ExecutorsUnready(errors.ConfigurationError):
+    """Spark's executors cannot import what the sink needs (eop, pyarrow or the app)."""
+
+
+class JobStalled(errors.EopError):
+    """No task of the Spark job ran for longer than the stall timeout: no executor took it."""

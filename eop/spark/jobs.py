@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,14 +17,12 @@ from typing import IO, TYPE_CHECKING, Any
 from eop import access
 from eop import errors as eop_errors
 from eop.handler import HandlerSpec, parse_order_by
-from eop.spark import errors, sink
+from eop.spark import errors, failures, probe, sink, watch
 from eop.spark.apply import Counts
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
-
-_EOP_ERROR = re.compile(r"^\s*(eop(?:\.\w+)*\.\w+): (.+)$", re.MULTILINE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +38,9 @@ class ReadOptions:
     """Streaming only."""
     nats: access.NatsAccess | None = None
     """Authentication and TLS (``nats_url`` wins over its ``url``)."""
+    secret_env: tuple[tuple[str, str], ...] = ()
+    """NATS secrets (``password``, ``token``) each process reads from the named variable
+    instead: the options and the partitions carry the name, not the value."""
 
     def options(self, spec: HandlerSpec) -> dict[str, str]:
         """The ``jetstream`` source options for ``spec``'s stream and subject."""
@@ -53,7 +53,13 @@ class ReadOptions:
             "messagesPerPartition": self.per_partition,
             "maxMessagesPerBatch": self.max_per_batch,
         }
-        auth = self.nats.spark_options() if self.nats is not None else {}
+        nats = self.nats
+        if nats is not None and self.secret_env:
+            blank: dict[str, Any] = {field: "" for field, _ in self.secret_env}
+            nats = dataclasses.replace(nats, **blank)
+        auth = nats.spark_options() if nats is not None else {}
+        for field, var in self.secret_env:
+            auth[f"nats{field.capitalize()}Env"] = var
         return {**auth, **{k: str(v) for k, v in opts.items() if v is not None}}
 
 
@@ -82,13 +88,23 @@ def backfill(
     read: ReadOptions,
     *,
     progress: IO[str] | None = None,
+    watching: watch.Watch | None = None,
+    check: bool = True,
 ) -> Counts:
-    """Run the handler over the stream's sequences ``[from_seq, to_seq]`` (a batch job)."""
-    with translated():
+    """Run the handler over the stream's sequences ``[from_seq, to_seq]`` (a batch job).
+
+    ``check`` first probes the executors (:mod:`eop.spark.probe`); ``watching``
+    says when a job that no executor takes is warned about or ended
+    (``progress`` is the shorthand for its ``out``).
+    """
+    watching = watching or watch.Watch(out=progress)
+    what = f"backfill of {spec.stream} for {spec.name}"
+    with translated(target.app), watch.watched(spark, what, watching):
+        if check:
+            probe.check(spark, target.app, _executor_env(target, read))
         df = spark.read.format("jetstream").options(**read.options(spec)).load()
         df = ordered(df, spec)
-        with _progress(spark, progress, f"backfill of {spec.stream} for {spec.name}"):
-            return sink.apply(df, target)
+        return sink.apply(df, target)
 
 
 def stream(
@@ -101,9 +117,15 @@ def stream(
     trigger_s: float | None = None,
     available_now: bool = False,
     on_batch: Callable[[int, Counts], None] | None = None,
+    check: bool = True,
 ) -> StreamingQuery:
-    """Start the Structured Streaming query; its offsets and progress live in ``checkpoint``."""
-    with translated():
+    """Start the Structured Streaming query; its offsets and progress live in ``checkpoint``.
+
+    ``check`` first probes the executors (:mod:`eop.spark.probe`).
+    """
+    with translated(target.app):
+        if check:
+            probe.check(spark, target.app, _executor_env(target, read))
         df = spark.readStream.format("jetstream").options(**read.options(spec)).load()
         writer = (
             df.writeStream.foreachBatch(_OrderedSink(spec, sink.BatchSink(target, on_batch)))
@@ -115,6 +137,11 @@ def stream(
         elif trigger_s:
             writer = writer.trigger(processingTime=f"{round(trigger_s * 1000)} milliseconds")
         return writer.start()
+
+
+def _executor_env(target: sink.Target, read: ReadOptions) -> list[str]:
+    """The variables the executors read credentials from, which the probe checks."""
+    return sorted({*target.env.values(), *(var for _, var in read.secret_env)})
 
 
 class _OrderedSink:
@@ -174,8 +201,12 @@ def _seq(offset: Any) -> int | None:
 
 
 @contextlib.contextmanager
-def translated() -> Iterator[None]:
-    """Spark's errors as :class:`SparkJobFailed`, naming the eop error behind them, if any."""
+def translated(app: str | None = None) -> Iterator[None]:
+    """Spark's errors as :class:`SparkJobFailed`: their root cause, and the fix if eop knows it.
+
+    ``app`` (``module:attribute``) lets a missing app module be told apart
+    from a missing eop.
+    """
     try:
         yield
     except eop_errors.EopError:
@@ -183,58 +214,12 @@ def translated() -> Iterator[None]:
     except Exception as exc:
         if not _from_spark(exc):
             raise
-        raise errors.SparkJobFailed(summary(exc)) from None
-
-
-def summary(exc: BaseException) -> str:
-    """The eop error a Spark failure carries (the last one named), else its first line."""
-    text = str(exc)
-    found = _EOP_ERROR.findall(text)
-    if found:
-        name, message = found[-1]
-        return f"{message.strip()} ({name.rsplit('.', 1)[-1]})"
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return first[:500]
+        text = str(exc)
+        fix = failures.hint(text, app.partition(":")[0] if app else None)
+        line = failures.summary(exc)
+        raise errors.SparkJobFailed(f"{line}: {fix}" if fix else line) from None
 
 
 def _from_spark(exc: BaseException) -> bool:
     module = type(exc).__module__
     return module.startswith(("pyspark", "py4j"))
-
-
-@contextlib.contextmanager
-def _progress(spark: SparkSession, out: IO[str] | None, what: str) -> Iterator[None]:
-    """Print the running job's task counts every few seconds."""
-    if out is None:
-        yield
-        return
-    stop = threading.Event()
-    started = time.monotonic()
-    thread = threading.Thread(
-        target=_report_tasks, args=(spark, out, what, stop, started), daemon=True
-    )
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-
-
-def _report_tasks(
-    spark: SparkSession, out: IO[str], what: str, stop: threading.Event, started: float
-) -> None:
-    tracker = spark.sparkContext.statusTracker()
-    last = ""
-    while not stop.wait(2.0):
-        done = total = running = 0
-        for stage_id in tracker.getActiveStageIds():
-            info = tracker.getStageInfo(stage_id)
-            if info is not None:
-                done += info.numCompletedTasks
-                total += info.numTasks
-                running += info.numActiveTasks
-        line = f"  {what}: {done}/{total} partitions done, {running} running"
-        if total and line != last:
-            last = line
-            print(f"{line} ({time.monotonic() - started:.0f} s)", file=out, flush=True)

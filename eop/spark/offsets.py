@@ -9,6 +9,7 @@ split into partitions of at most ``messagesPerPartition`` sequences.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,26 @@ from eop.access import NatsAccess
 from eop.spark import errors
 
 DEFAULT_MESSAGES_PER_PARTITION = 1000
+
+
+#: The NATS secrets an option may name an environment variable for (``natsPasswordEnv``...).
+SECRET_FIELDS = ("password", "token")
+
+
+def with_secrets_from_env(
+    access: NatsAccess, secret_env: tuple[tuple[str, str], ...]
+) -> NatsAccess:
+    """``access`` with each named secret read from this process's environment variable."""
+    values: dict[str, Any] = {}
+    for field, var in secret_env:
+        value = os.environ.get(var)
+        if value is None:
+            raise eop_errors.ConfigurationError(
+                f"the jetstream source's option nats{field.capitalize()}Env names {var}, "
+                "which is not set in this process's environment (the driver, or an executor)"
+            )
+        values[field] = value
+    return dataclasses.replace(access, **values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +67,22 @@ class SourceOptions:
     ``natsTlsCaFile``, ``natsTlsCertFile``, ``natsTlsKeyFile``, ``natsTlsHostname``,
     ``natsTlsHandshakeFirst``: default the ``EOP_NATS_*`` settings."""
 
+    secret_env: tuple[tuple[str, str], ...] = ()
+    """``natsPasswordEnv``, ``natsTokenEnv``: the secret's field and the environment variable
+    that holds it where the partition is read; partitions carry the name, never the value."""
+
     @property
     def nats(self) -> NatsAccess:
         """How to reach NATS: ``nats_url`` with the authentication and TLS options."""
         return dataclasses.replace(
             self.nats_auth or NatsAccess(url=self.nats_url), url=self.nats_url
         )
+
+    @property
+    def shipped_nats(self) -> NatsAccess:
+        """:attr:`nats` as partitions carry it: the secrets named by variables left out."""
+        blank: dict[str, Any] = {field: "" for field, _ in self.secret_env}
+        return dataclasses.replace(self.nats, **blank)
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -64,6 +95,12 @@ class SourceOptions:
             )
         base = settings_mod.Settings.from_env().nats_access
         access = NatsAccess.from_spark_options(opts, base)
+        secret_env = tuple(
+            (field, opts[f"nats{field}env"])
+            for field in SECRET_FIELDS
+            if opts.get(f"nats{field}env")
+        )
+        access = with_secrets_from_env(access, secret_env)
         access.check()
         return cls(
             stream=stream,
@@ -73,6 +110,7 @@ class SourceOptions:
             start_seq=_positive(opts, "startsequence"),
             end_seq=_positive(opts, "endsequence"),
             max_per_batch=_positive(opts, "maxmessagesperbatch"),
+            secret_env=secret_env,
             per_partition=_positive(opts, "messagesperpartition") or DEFAULT_MESSAGES_PER_PARTITION,
         )
 

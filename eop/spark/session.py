@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from eop.spark import errors, java
@@ -70,6 +70,16 @@ def register(spark: SparkSession) -> None:
     from eop.spark.source import JetStreamDataSource
 
     spark.dataSource.register(JetStreamDataSource)
+
+
+def ship(spark: SparkSession, files: Sequence[str]) -> None:
+    """Put ``files`` (``.py``, ``.zip``, ``.egg``) on the executors' Python path.
+
+    What ``spark.submit.pyFiles`` does under spark-submit, for a session that
+    a plain Python process started.
+    """
+    for path in files:
+        spark.sparkContext.addPyFile(path)
 
 
 def _pyspark_session() -> type[SparkSession]:

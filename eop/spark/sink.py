@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -35,22 +36,46 @@ class Target:
 
     ``settings`` (for example ``database_url``) travel with the tasks and
     override the app's, which otherwise come from the executors' ``EOP_*``
-    environment variables.
+    environment variables. ``env`` names, per setting, the environment
+    variable an executor reads it from: the name travels, not the value (a
+    database URL with its password stays on the executors' side).
     """
 
     app: str
     handler: str
     settings_json: str = "{}"
+    env_json: str = "{}"
 
     @classmethod
-    def create(cls, app: str, handler: str, **settings: object) -> Target:
-        """A target; ``settings`` with None values are left out."""
-        kept = {k: v for k, v in settings.items() if v is not None}
-        return cls(app, handler, json.dumps(kept, sort_keys=True))
+    def create(
+        cls, app: str, handler: str, *, env: dict[str, str] | None = None, **settings: object
+    ) -> Target:
+        """A target; ``settings`` with None values, or named in ``env``, are left out."""
+        env = env or {}
+        kept = {k: v for k, v in settings.items() if v is not None and k not in env}
+        return cls(app, handler, json.dumps(kept, sort_keys=True), json.dumps(env, sort_keys=True))
 
     def __repr__(self) -> str:
         # Tracebacks and logs may print it: not the database password.
         return f"Target({self.app!r}, {self.handler!r}, <{len(self.settings)} settings>)"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Setting name to the environment variable the executors read it from."""
+        names: dict[str, str] = json.loads(self.env_json)
+        return names
+
+    def resolved_settings(self) -> dict[str, Any]:
+        """The settings overrides, those named by ``env`` read from this process's environment."""
+        overrides = self.settings
+        for field, var in self.env.items():
+            value = os.environ.get(var)
+            if value is None:
+                raise errors.ConfigurationError(
+                    f"the Spark sink reads {field} from {var}, which is not set on this executor"
+                )
+            overrides[field] = value
+        return overrides
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -141,7 +166,7 @@ def partition_for(target: Target) -> Partition:
         return found
     from eop.app import App, select_handlers
 
-    app = App.from_path(target.app).with_settings(**target.settings)
+    app = App.from_path(target.app).with_settings(**target.resolved_settings())
     (spec,) = select_handlers(app, [target.handler])
     for old in _PARTITIONS.values():
         old.close()

@@ -45,6 +45,8 @@ class RangePartition(InputPartition):
 
     seqs: SeqRange
     nats: access.NatsAccess
+    secret_env: tuple[tuple[str, str], ...] = ()
+    """Secrets the executor reads from its own environment (``natsPasswordEnv``...)."""
 
     def __repr__(self) -> str:
         # Spark prints partitions in plans and logs: no credentials there.
@@ -74,7 +76,7 @@ class JetStreamDataSource(DataSource):
 
 def _partitions(opts: SourceOptions, epoch: str, start: int, end: int) -> list[RangePartition]:
     ranges = offsets.split(opts.stream, epoch, opts.subject, start, end, opts.per_partition)
-    return [RangePartition(seqs, opts.nats) for seqs in ranges]
+    return [RangePartition(seqs, opts.shipped_nats, opts.secret_env) for seqs in ranges]
 
 
 ARROW_SCHEMA = pa.schema(
@@ -96,7 +98,8 @@ def _read(partition: InputPartition) -> Iterator[pa.RecordBatch]:
     if not isinstance(partition, RangePartition):
         # Spark reads one partition of its own making when the plan has none.
         return
-    for rows in reader.iterate(partition.nats, partition.seqs):
+    nats = offsets.with_secrets_from_env(partition.nats, partition.secret_env)
+    for rows in reader.iterate(nats, partition.seqs):
         # Arrow batches, not tuples: Spark's per-row conversion would cost more
         # than the read itself.
         yield to_arrow(rows)

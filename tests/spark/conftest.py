@@ -1,4 +1,4 @@
-"""The Spark test bed: one local[2] SparkSession for the whole test session.
+"""The Spark test bed: one local[2] SparkSession, and one standalone cluster, per test session.
 
 Without PySpark the Spark tests are skipped, except under CI=true where they
 fail (like a missing server binary: see tests/conftest.py).
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.conftest import unavailable
+from tests.spark.cluster import Cluster
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -29,3 +30,19 @@ def spark() -> Iterator[SparkSession]:
     spark.sparkContext.setLogLevel("ERROR")
     yield spark
     spark.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A Spark standalone master and worker on 127.0.0.1, started from pyspark's jars.
+
+    Its executors run the Python a job names, in work directories of their
+    own: the tests' modules are not on their path.
+    """
+    if importlib.util.find_spec("pyspark") is None:
+        unavailable("PySpark is not installed: pip install -e '.[spark]'")
+    started = Cluster(tmp_path_factory.mktemp("spark-cluster"))
+    try:
+        yield started.start()
+    finally:
+        started.stop()

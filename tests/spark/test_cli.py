@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+import eop.spark as spark_pkg
 from eop import cli, errors
 from eop.cli import spark as spark_cli
 
@@ -42,3 +47,38 @@ def test_spark_settings_are_key_value_pairs(monkeypatch: pytest.MonkeyPatch) -> 
     args.conf = ["nonsense"]
     with pytest.raises(errors.ConfigurationError, match="KEY=VALUE"):
         spark_cli._conf(args)
+
+
+def test_python_and_py_files_are_options_with_variables(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--python and --py-files (EOP_SPARK_PYTHON, EOP_SPARK_PY_FILES); a missing file is refused."""
+    app = tmp_path / "myapp.py"
+    app.write_text("")
+    monkeypatch.setenv("EOP_SPARK_PYTHON", "/opt/env/bin/python")
+    monkeypatch.setenv("EOP_SPARK_PY_FILES", f"{app}")
+    args = cli.build_parser("spark").parse_args(["spark", "backfill", "app:app", "--handler", "h"])
+    assert args.python == "/opt/env/bin/python"
+    assert spark_cli.py_files(args) == [str(app)]
+    args.py_files = [f"{app},{tmp_path / 'gone.py'}"]
+    with pytest.raises(errors.ConfigurationError, match=r"gone\.py' is not a file"):
+        spark_cli.py_files(args)
+
+
+def test_the_spark_submit_entry_point_is_in_the_package() -> None:
+    """`python -m eop.spark --path` prints a file of the installed package that runs `eop spark`."""
+    out = subprocess.run(
+        [sys.executable, "-m", "eop.spark", "--path"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    ).stdout.strip()
+    path = Path(out)
+    assert path.is_file()
+    assert path.parent == Path(spark_pkg.__file__).parent
+    helped = subprocess.run(
+        [sys.executable, str(path), "backfill", "--help"], capture_output=True, text=True, cwd="/"
+    )
+    assert helped.returncode == 0, helped.stderr
+    assert "--py-files" in helped.stdout

@@ -1,0 +1,26 @@
+"""``eop spark`` as a Spark application, for spark-submit (client and cluster deploy mode).
+
+    spark-submit --master spark://host:7077 --py-files myapp.py \\
+        "$(python -m eop.spark --path)" backfill myapp:app --handler billing
+
+The arguments are those of ``eop spark``; the master is spark-submit's.
+``python -m eop.spark --path`` prints this file's path; ``python -m eop.spark
+backfill ...`` is ``eop spark backfill ...``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    here = Path(__file__).resolve().parent
+    # Run as a script (spark-submit's way), Python puts eop/spark/ first on the path,
+    # where eop's modules would shadow top-level ones of the same name (errors, session...).
+    sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != here]
+    if sys.argv[1:] == ["--path"]:
+        print(Path(__file__).resolve())
+        sys.exit(0)
+    from eop import cli
+
+    sys.exit(cli.main(["spark", *sys.argv[1:]]))
