@@ -109,7 +109,10 @@ class Transaction(Protocol):
         """Run the handler inside this transaction.
 
         With ``flush=False`` the handler's queued writes and pending ORM objects
-        stay queued, to be sent with the rest of a batch's by :meth:`flush`.
+        stay queued, to be sent with the rest of a batch's by :meth:`flush`;
+        the call itself may wait for :meth:`flush` too (a sync transaction runs
+        a batch's handlers in one thread hop), so the handler's error may come
+        from either.
         """
 
     async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:

@@ -53,9 +53,9 @@ class PostgresStore:
         self.app = app
         self.tables = models.tables(app.settings.schema)
         s = app.settings
-        self._timeouts = sql.set_local_timeouts(
-            int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000)
-        )
+        timeouts_ms = (int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000))
+        self._timeouts = sql.set_local_timeouts(*timeouts_ms)
+        self._timeouts_text = sql.set_local_timeouts_text(*timeouts_ms)
         self._threads: SyncThreads | None = None
         self._outbox = outbox.Context(self.tables, s.outbox_max_payload)
 
@@ -67,7 +67,7 @@ class PostgresStore:
     async def _open_async(self, spec: HandlerSpec) -> AsyncIterator[AsyncTransaction]:
         async with self.app.sessionmaker() as session:
             tx = AsyncTransaction(session, self.tables, spec, self._outbox)
-            await failures.connected(tx.select(self._timeouts))
+            await failures.connected(tx.begin(self._timeouts, self._timeouts_text))
             yield tx
 
     @contextlib.asynccontextmanager
@@ -84,7 +84,7 @@ class PostgresStore:
             self.app.sync_sessionmaker(), self.tables, spec, self._threads, self._outbox
         )
         try:
-            await failures.connected(tx.select(self._timeouts))
+            await failures.connected(tx.begin(self._timeouts, self._timeouts_text))
             yield tx
         finally:
             await tx.close()

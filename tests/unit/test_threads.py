@@ -89,6 +89,58 @@ async def test_a_cancelled_step_keeps_its_permit_until_its_thread_has_closed_the
     threads.close()
 
 
+class CountingThreads(SyncThreads):
+    """SyncThreads that count the steps submitted to them."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.steps = 0
+
+    def submit(self, func: Any, *args: Any) -> Any:
+        self.steps += 1
+        return super().submit(func, *args)
+
+
+async def test_a_batchs_sync_handlers_run_in_one_thread_step_at_flush() -> None:
+    """run(flush=False) leaves a sync handler's call to flush, which runs every waiting
+    handler in order and flushes the session in one thread step, not a step per message."""
+    called: list[int] = []
+
+    def handler(msg: eop.Message, session: Any) -> None:
+        called.append(msg.seq)
+
+    spec = HandlerSpec(func=handler, name="h", stream="S", subject="s", durable="eop-h")
+    session = FakeSession()
+    session.flush = lambda: session.calls.append("flush")  # type: ignore[attr-defined]
+    threads = CountingThreads(1)
+    tx = transactions.SyncTransaction(session, models.tables(), spec, threads)  # type: ignore[arg-type]
+    messages = [
+        eop.Message(
+            subscription="h",
+            subject="s",
+            data=b"",
+            headers={},
+            stream="S",
+            stream_epoch="e",
+            seq=seq,
+            num_delivered=1,
+        )
+        for seq in (1, 2, 3)
+    ]
+    for message in messages:
+        await tx.run(message, flush=False)
+    assert called == []
+    assert threads.steps == 0
+    await tx.flush()
+    assert called == [1, 2, 3]
+    assert threads.steps == 1
+    assert session.calls == ["flush"]
+    await tx.commit()
+    assert session.calls == ["flush", "commit"]
+    await tx.close()
+    threads.close()
+
+
 def app_with(*kinds: str, **settings: Any) -> eop.App:
     app = eop.App(settings=settings_mod.Settings(**settings))
     for i, kind in enumerate(kinds):

@@ -80,6 +80,15 @@ def backend_pid() -> sa.TextClause:
     return sa.text(BACKEND_PID)
 
 
+def set_local_timeouts_text(lock_timeout_ms: int, statement_timeout_ms: int) -> str:
+    """:func:`set_local_timeouts` as plain SQL without parameters, for the asyncpg connection
+    under a session: sent as a simple query, it skips SQLAlchemy's execution path."""
+    return (
+        f"SELECT set_config('lock_timeout', '{int(lock_timeout_ms)}ms', true), "
+        f"set_config('statement_timeout', '{int(statement_timeout_ms)}ms', true)"
+    )
+
+
 # The SHA-256 of a msg-id's UTF-8 bytes. convert_to is only STABLE, so this
 # cannot be an index expression: the claim stores it in inbox.msg_id_digest.
 _DIGEST_SQL = "sha256(convert_to({}, 'UTF8'))"
