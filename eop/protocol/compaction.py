@@ -83,9 +83,10 @@ class Compactor:
 
     async def run_forever(self, interval_s: float, stopping: asyncio.Event) -> None:
         """Compact every ``interval_s``, or after :attr:`after_messages` processed messages,
-        until ``stopping`` is set; failures only log."""
+        until ``stopping`` is set (or the task is cancelled); failures only log."""
         self._interval_s = interval_s
         stop = asyncio.ensure_future(stopping.wait())
+        wake: asyncio.Future[Any] | None = None
         try:
             while not stopping.is_set():
                 wake = asyncio.ensure_future(self._wake.wait())
@@ -99,7 +100,10 @@ class Compactor:
                 self._since_round = 0
                 await self._round()
         finally:
+            # A stopping worker cancels this task, maybe in the wait: leave no waiter behind.
             stop.cancel()
+            if wake is not None:
+                wake.cancel()
 
     async def _round(self) -> None:
         await self.quietly(self.compact_once)

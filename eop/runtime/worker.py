@@ -182,6 +182,7 @@ class Worker(hosting.Hosted):
             epochs = jetstream.StreamEpochs(nc)
             acker = ack.Acker(nc)
             loops = []
+            compacting: list[asyncio.Task[None]] = []
             for spec in self.specs:
                 sub = await self._bind(nc, js, spec)
                 proc = processor.Processor(
@@ -203,7 +204,7 @@ class Worker(hosting.Hosted):
                     loops.append(asyncio.create_task(self._retry_loop(store, proc)))
                 if s.compaction_interval_s > 0:
                     self._compactors[spec.name] = compactor
-                    loops.append(
+                    compacting.append(
                         asyncio.create_task(
                             compactor.run_forever(s.compaction_interval_s, self._stopping)
                         )
@@ -219,7 +220,13 @@ class Worker(hosting.Hosted):
             self.ready.set()
             await self._stopping.wait()
             self._logger.info(log.Event.WORKER_STOPPING, inflight=len(self._inflight))
-            await asyncio.gather(*loops, return_exceptions=True)
+            # A compaction round raising the watermark waits for every open claim's
+            # transaction (they read it FOR SHARE): awaited here, it would hold the
+            # grace back for as long as the slowest handler runs. A stopping worker
+            # needs no round; a cancelled one rolls back, and the next worker's redoes it.
+            for task in compacting:
+                task.cancel()
+            await asyncio.gather(*loops, *compacting, return_exceptions=True)
             # The relay's last round and its lease run beside the in-flight messages'
             # grace, not before it: a relay waiting on PostgreSQL must not eat the grace.
             await self._finish_inflight()

@@ -155,6 +155,57 @@ async def test_a_host_cancelled_twice_cancels_the_handler_and_the_message_comes_
     assert await scalar(engine, DEAD) == 0
 
 
+LOCK_WAITS = (
+    "SELECT count(*) FROM pg_stat_activity"
+    " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+)
+
+
+async def test_the_grace_holds_while_a_compaction_round_waits_for_the_handler_in_flight(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A compaction round's watermark raise waits for the claims in flight (they read the
+    watermark FOR SHARE). A stop must not wait for that round: the handler still running
+    after shutdown_grace_s is cancelled, and the next worker applies its message once."""
+    await create_effects_table(engine)
+    changes = {"shutdown_grace_s": 1.0, "compaction_interval_s": 0.2, "ack_wait_s": 2.0}
+    app = eop.App(settings=bed_settings(database_url, nats_url, **changes))
+    app.stream(STREAM, subjects=["ORDERS.>"])
+    started = asyncio.Event()
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="embedded")
+    async def handle(msg: eop.Message, session: AsyncSession) -> None:
+        if msg.data == b"stuck":
+            started.set()
+            await asyncio.Event().wait()  # until cancelled
+        await record_effect(session, "embedded", msg)
+
+    worker = eop.Worker(app)
+    await worker.start()
+    # A message acked first puts the ack floor above 0, so that rounds raise the watermark.
+    await publish(js, "first")
+    await wait_for(lambda: _has_effect(engine, "first"), what="the first message")
+    await publish(js, "stuck")
+    await asyncio.wait_for(started.wait(), 20)
+    await wait_for(lambda: _lock_waits(engine), what="a compaction round waiting on the claim")
+    # Far above the stop's own bound (1 s of grace + the acks); without the fix it never ends.
+    await asyncio.wait_for(worker.shutdown(), 60)
+    assert worker.cancelled == 1
+    again = make_app(database_url, nats_url, **changes)
+    async with eop.Worker(again).running():
+        await wait_for(lambda: drained(js, "eop-embedded"), what="the redelivery")
+    assert await effects_by_body(engine) == {"first": 1, "stuck": 1}
+    assert await scalar(engine, DEAD) == 0
+
+
+async def _has_effect(engine: AsyncEngine, body: str) -> bool:
+    return body in await effects_by_body(engine)
+
+
+async def _lock_waits(engine: AsyncEngine) -> bool:
+    return bool(await scalar(engine, LOCK_WAITS))
+
+
 async def test_start_raises_what_kept_the_worker_from_starting(
     database_url: str, js: Any, engine: AsyncEngine
 ) -> None:
