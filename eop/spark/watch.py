@@ -93,7 +93,7 @@ def watched(
 def _tracker(spark: SparkSession) -> StatusTracker | None:
     try:
         return spark.sparkContext.statusTracker()
-    except Exception:
+    except Exception:  # a Spark Connect session has no SparkContext: the job runs unwatched
         return None
 
 
