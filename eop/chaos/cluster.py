@@ -21,9 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import random
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Literal
@@ -33,13 +31,12 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from eop import embedded, embedded_cluster, errors
+from eop import embedded_cluster, errors
 from eop.broker import jetstream
 from eop.chaos import harness, publisher, scenarios, workers
 from eop.chaos.report import Report
 from eop.chaos.target import Payload
 from eop.handler import HandlerSpec
-from eop.pg import migrate
 
 REPLICAS = 3
 Role = Literal["stream", "consumer"]
@@ -50,32 +47,14 @@ def run(config: harness.Config) -> Report:
     """Run the ``cluster`` scenario (or another with ``nats_nodes`` > 1)."""
     config = harness.with_scenario(config)
     nodes_count = scenarios.get(config.scenario).nats_nodes
-    seed = config.seed if config.seed is not None else random.randrange(1_000_000)
-    canaries = harness.make_canaries(seed)
-    log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="eop-chaos-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    nodes = embedded_cluster.NatsCluster(
-        nodes_count, args=["--user", "chaos", "--pass", canaries["nats password"]]
+    return harness.execute(
+        config,
+        lambda args: embedded_cluster.NatsCluster(nodes_count, args=args),
+        lambda nodes: nodes.servers[nodes.names[0]],
+        lambda seed, servers, log_dir, nodes: _ClusterRun(
+            config, seed, servers, log_dir, nodes
+        ).run(),
     )
-    pg = embedded.PostgresServer(settings={"deadlock_timeout": "100ms", "max_connections": "300"})
-    try:
-        nodes.start()
-        pg.start()
-        servers = harness._Servers(nodes.servers[nodes.names[0]], pg, canaries)
-        migrate.upgrade(pg.create_database(harness.DATABASE))
-        if config.target.setup is not None:
-            config.target.setup(pg.url_for(harness.DATABASE, driver="psycopg"))
-        report = asyncio.run(_ClusterRun(config, seed, servers, log_dir, nodes).run())
-    finally:
-        pg.close()
-        nodes.close()
-    report.timings_s["total"] = time.monotonic() - started
-    report.log_dir = str(log_dir)
-    if report.ok and config.log_dir is None:
-        shutil.rmtree(log_dir, ignore_errors=True)
-        report.log_dir = ""
-    return report
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,9 +26,9 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import nats
 import nats.errors
@@ -156,25 +156,54 @@ def run(config: Config) -> Report:
             f"scenario {config.scenario!r} runs a NATS cluster: eop.chaos.run or "
             "eop.chaos.cluster.run, not eop.chaos.harness.run"
         )
+    return execute(
+        config,
+        lambda args: embedded.NatsServer(args=args),
+        lambda server: server,
+        lambda seed, servers, log_dir, _: _Run(config, seed, servers, log_dir).run(),
+    )
+
+
+class _NatsProcesses(Protocol):
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+N = TypeVar("N", bound=_NatsProcesses)
+
+
+def execute(
+    config: Config,
+    nats_with: Callable[[list[str]], N],
+    first: Callable[[N], embedded.NatsServer],
+    run_on: Callable[[int, _Servers, Path, N], Coroutine[Any, Any, Report]],
+) -> Report:
+    """One chaos run of ``config`` (its scenario applied): the servers, the database, the run.
+
+    ``nats_with(args)`` makes the NATS server(s) with the chaos user's flags,
+    ``first`` names the one the checker talks to, ``run_on(seed, servers,
+    log_dir, nats)`` is the run itself. The log directory is removed after a
+    clean run unless the caller chose it.
+    """
     seed = config.seed if config.seed is not None else random.randrange(1_000_000)
     canaries = make_canaries(seed)
     log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="eop-chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    nats_server = embedded.NatsServer(args=["--user", "chaos", "--pass", canaries["nats password"]])
+    nats_processes = nats_with(["--user", "chaos", "--pass", canaries["nats password"]])
     pg = embedded.PostgresServer(settings={"deadlock_timeout": "100ms", "max_connections": "300"})
     try:
-        nats_server.start()
+        nats_processes.start()
         pg.start()
-        servers = _Servers(nats_server, pg, canaries)
-        direct_url = pg.create_database(DATABASE)
-        migrate.upgrade(direct_url)
+        servers = _Servers(first(nats_processes), pg, canaries)
+        migrate.upgrade(pg.create_database(DATABASE))
         if config.target.setup is not None:
             config.target.setup(pg.url_for(DATABASE, driver="psycopg"))
-        report = asyncio.run(_Run(config, seed, servers, log_dir).run())
+        report = asyncio.run(run_on(seed, servers, log_dir, nats_processes))
     finally:
         pg.close()
-        nats_server.close()
+        nats_processes.close()
     report.timings_s["total"] = time.monotonic() - started
     report.log_dir = str(log_dir)
     if report.ok and config.log_dir is None:
