@@ -122,12 +122,23 @@ class Hunts:
     def _hold_locks(self, lock_sql: str, seconds: float) -> None:
         url = self.pg.url_for(self.database, driver="psycopg")
         engine = sa.create_engine(url, poolclass=NullPool)
+        # Handlers lock the same rows in their own order, so taking them all can
+        # deadlock with one, and PostgreSQL may pick this side to abort: try
+        # again until the rows are held, then hold them for the whole duration.
+        give_up = time.monotonic() + max(seconds, 30.0)
         try:
-            with engine.begin() as conn:
-                conn.execute(sa.text("SET LOCAL lock_timeout = '10s'"))
-                conn.execute(sa.text(lock_sql)).all()
-                time.sleep(seconds)
-                conn.rollback()
+            while True:
+                try:
+                    with engine.begin() as conn:
+                        conn.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
+                        conn.execute(sa.text(lock_sql)).all()
+                        time.sleep(seconds)
+                        conn.rollback()
+                    return
+                except sa.exc.OperationalError:
+                    if time.monotonic() >= give_up:
+                        raise
+                    time.sleep(0.05)
         finally:
             engine.dispose()
 
