@@ -61,6 +61,7 @@ class Event(str, enum.Enum):
     COMPACTION_FAILED = "inbox.compaction_failed"
     STREAM_EPOCH_CHANGED = "stream.epoch_changed"
     STREAM_INFO_RETRY = "stream.info_retry"
+    JETSTREAM_INFO_RETRY = "jetstream.info_retry"
     STREAM_REPLICAS_DIFFER = "stream.replicas_differ"
     NATS_DISCONNECTED = "nats.disconnected"
     NATS_RECONNECTED = "nats.reconnected"

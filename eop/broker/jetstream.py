@@ -121,13 +121,25 @@ async def _jetstream_answers(nc: NATS) -> None:
     cluster electing its meta leader (a server just died) looks like for a
     few seconds: asked again, it answers.
     """
-    for attempt in range(1, JETSTREAM_TRIES + 1):
-        try:
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        log.get_logger().info(
+            log.Event.JETSTREAM_INFO_RETRY,
+            attempt=state.attempt_number,
+            error=type(exc).__name__,
+        )
+
+    retrying = retry.retrying(
+        stop=tenacity.stop_after_attempt(JETSTREAM_TRIES),
+        retry=tenacity.retry_if_exception_type((nats.errors.TimeoutError, asyncio.TimeoutError)),
+        base_s=_EPOCH_RETRY_FIRST_S,
+        max_s=_EPOCH_RETRY_MAX_S,
+        before_sleep=before_sleep,
+    )
+    async for attempt in retrying:
+        with attempt:
             await nc.jetstream().account_info()
-            return
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            if attempt == JETSTREAM_TRIES:
-                raise
 
 
 class StreamEpochs:

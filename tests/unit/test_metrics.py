@@ -179,3 +179,30 @@ def test_the_processes_of_one_worker_are_summed_from_their_shared_directory(
     text = metrics.render_directory(str(tmp_path)).decode()
     assert f"eop_messages_processed_total{labels} 7.0" in text
     assert f"eop_messages_in_flight{labels} 1.0" in text
+
+
+def test_a_killed_supervisors_metrics_directory_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    """Only directories of this host whose owner pid is gone are removed: a live
+    supervisor's, another host's (a shared /tmp) and unowned ones stay."""
+    import socket
+
+    from eop.runtime import gathered
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    owners = {
+        "eop-metrics-dead": f"{host} {dead.pid}",
+        "eop-metrics-live": f"{host} {os.getpid()}",
+        "eop-metrics-elsewhere": f"another-host {dead.pid}",
+    }
+    for name, owner in owners.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "owner").write_text(owner)
+    (tmp_path / "eop-metrics-unowned").mkdir()
+
+    removed = gathered.remove_orphans(tmp_path)
+
+    assert removed == [tmp_path / "eop-metrics-dead"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["eop-metrics-elsewhere", "eop-metrics-live", "eop-metrics-unowned"]
