@@ -74,11 +74,14 @@ class Message:
         """The payload decoded as JSON; :class:`eop.UndecodableMessage` if it is not.
 
         An undecodable payload will never decode on a retry, so eop
-        dead-letters it at once.
+        dead-letters it at once. JSON between systems is UTF-8 (RFC 8259), and
+        typed payloads (pydantic) accept nothing else: ``json.loads`` alone
+        would also take UTF-16, UTF-32 and a byte-order mark.
         """
         try:
-            return json.loads(self.data)
-        # ValueError covers JSONDecodeError and integers past Python's digit limit.
+            return json.loads(self.data.decode("utf-8"))
+        # ValueError covers UnicodeDecodeError, JSONDecodeError (a byte-order
+        # mark among them) and integers past Python's digit limit.
         except (ValueError, RecursionError) as exc:
             raise errors.UndecodableMessage(f"payload is not valid JSON: {exc}") from exc
 

@@ -104,6 +104,13 @@ def test_text_of_invalid_utf8_is_undecodable() -> None:
         dataclasses.replace(BASE, data=b"\xff").text()
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-8-sig"])
+def test_json_is_utf8_only_as_for_typed_payloads(encoding: str) -> None:
+    """UTF-16, UTF-32 and a byte-order mark are undecodable (dead-lettered), as for pydantic."""
+    with pytest.raises(eop.UndecodableMessage):
+        dataclasses.replace(BASE, data='{"id": 1}'.encode(encoding)).json()
+
+
 def test_json_of_deeply_nested_garbage_is_undecodable() -> None:
     with pytest.raises(errors.UndecodableMessage):
         dataclasses.replace(BASE, data=b"[" * 100_000).json()
