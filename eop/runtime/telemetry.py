@@ -6,7 +6,9 @@ settings (``metrics_port``, ``tracing``) and runs the HTTP endpoint of
 ``eop worker --processes N`` serves nothing: given ``report_to`` (the supervisor's
 directory), it writes its metrics there (prometheus_client's multiprocess mode)
 and its readiness (:mod:`eop.observe.reports`), and the supervisor serves them all
-on one port. With the port at 0, no ``report_to``, and tracing off or
+on one port. A worker hosted by another application may be given the host's
+prometheus_client ``registry`` instead: its metrics go there, and the host's
+``/metrics`` serves them. With the port at 0, no ``report_to``, no registry, and tracing off or
 OpenTelemetry absent, the observer is :data:`eop.observe.observer.NOOP` and no
 server is started.
 """
@@ -15,17 +17,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nats.aio.client import Client as NATS
 
-from eop import wire
+from eop import errors, wire
 from eop.app import App
 from eop.handler import HandlerSpec
 from eop.observe import health, metrics, reports, tracing
 from eop.observe import observer as observe
 from eop.pg import sql
 from eop.settings import Settings
+
+if TYPE_CHECKING:
+    import prometheus_client
 
 
 class Observed(Protocol):
@@ -59,15 +64,30 @@ class Observed(Protocol):
 class Telemetry:
     """The observers and the HTTP endpoint of one worker."""
 
-    def __init__(self, worker: Observed, *, report_to: str | None = None) -> None:
+    def __init__(
+        self,
+        worker: Observed,
+        *,
+        report_to: str | None = None,
+        registry: prometheus_client.CollectorRegistry | None = None,
+    ) -> None:
         self._worker = worker
         s = worker.settings
         observers: list[observe.Observer] = []
         self.metrics: metrics.WorkerMetrics | None = None
         self.endpoints: health.Endpoints | None = None
         self.reporter: reports.Reporter | None = None
-        if s.metrics_port or report_to:
-            self.metrics = metrics.WorkerMetrics(worker.specs)
+        if registry is not None or s.metrics_port or report_to:
+            try:
+                worker_metrics = metrics.WorkerMetrics(worker.specs, registry)
+            except ValueError as exc:  # prometheus_client: "Duplicated timeseries"
+                raise errors.ConfigurationError(
+                    "this metrics registry holds another eop worker's metrics already: "
+                    "give each worker its own registry"
+                ) from exc
+            self.metrics = worker_metrics
+            observers.append(worker_metrics)
+        if self.metrics is not None and (s.metrics_port or report_to):
             readiness = health.Readiness(
                 bound=lambda: worker.ready.is_set(),
                 draining=lambda: worker.draining,
@@ -77,14 +97,14 @@ class Telemetry:
             if report_to:
                 self.reporter = reports.Reporter(report_to, readiness)
             else:
-                registry = self.metrics.registry
+                served = self.metrics.registry
                 self.endpoints = health.Endpoints(
                     host=s.metrics_host,
                     port=s.metrics_port,
-                    metrics=lambda: metrics.render(registry),
+                    metrics=lambda: metrics.render(served),
                     readiness=readiness,
                 )
-            observers += [self.metrics, readiness]
+            observers.append(readiness)
         if s.tracing and tracing.AVAILABLE:
             observers.append(tracing.Tracing())
         self.observer = observe.combine(observers)

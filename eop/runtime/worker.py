@@ -16,7 +16,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 import nats.js.errors
@@ -34,6 +34,9 @@ from eop.protocol import batch, compaction, ordering, processor, relay
 from eop.runtime import hosting, shutdown, startup, telemetry
 from eop.types import Delivery, Outcome
 
+if TYPE_CHECKING:
+    import prometheus_client
+
 # The waits after failed fetches (counted from 1): 0.2 s, doubling up to 5 s.
 _FETCH_RETRY_FIRST_S = 0.2
 _FETCH_RETRY_MAX_S = 5.0
@@ -50,11 +53,18 @@ class Worker(hosting.Hosted):
     ``eop worker`` runs one per process. Inside another application's event
     loop (a FastAPI lifespan), ``async with eop.Worker(app).running(): ...``
     runs one as a task of that loop, installing no signal handler
-    (:mod:`eop.runtime.hosting`).
+    (:mod:`eop.runtime.hosting`). ``metrics_registry`` puts the worker's
+    metrics into the host's prometheus_client registry (its ``REGISTRY``, say),
+    so that the host's own ``/metrics`` shows them; one worker per registry.
     """
 
     def __init__(
-        self, app: App, *, handlers: Iterable[str] = (), report_to: str | None = None
+        self,
+        app: App,
+        *,
+        handlers: Iterable[str] = (),
+        report_to: str | None = None,
+        metrics_registry: prometheus_client.CollectorRegistry | None = None,
     ) -> None:
         self.app = app
         self.settings = app.settings
@@ -84,7 +94,7 @@ class Worker(hosting.Hosted):
         self.nats: Any = None
         """The NATS connection while the worker runs."""
         self._lost: errors.NatsUnavailable | None = None
-        self.telemetry = telemetry.Telemetry(self, report_to=report_to)
+        self.telemetry = telemetry.Telemetry(self, report_to=report_to, registry=metrics_registry)
         """Metrics, health endpoints and tracing (see :mod:`eop.runtime.telemetry`)."""
         self._observer = self.telemetry.observer
         self.on_stop: list[Callable[[], None]] = []

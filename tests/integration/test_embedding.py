@@ -72,6 +72,28 @@ async def test_a_worker_in_the_host_loop_processes_each_message_once_and_install
     assert other_tasks() <= before
 
 
+async def test_a_hosted_workers_metrics_go_into_the_hosts_registry(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """`eop.Worker(app, metrics_registry=r)`: the host's own /metrics (rendering r) counts
+    the worker's messages; a second worker on the same registry is refused in one line."""
+    import prometheus_client  # the metrics extra, part of the test install
+
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+    registry = prometheus_client.CollectorRegistry()
+    async with eop.Worker(app, metrics_registry=registry).running():
+        for i in range(5):
+            await publish(js, f"m{i}", msg_id=f"id-{i}")
+        await wait_for(lambda: drained(js, "eop-embedded"), what="5 messages")
+        labels = {"handler": "embedded", "stream": STREAM}
+        processed = registry.get_sample_value("eop_messages_processed_total", labels)
+        assert processed == 5
+        with pytest.raises(eop.ConfigurationError, match="its own registry"):
+            eop.Worker(app, metrics_registry=registry)
+    assert b"eop_messages_processed_total" in prometheus_client.generate_latest(registry)
+
+
 async def test_leaving_the_host_finishes_the_message_in_flight_and_acks_it(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
