@@ -18,6 +18,12 @@ reconnects, as for a lost connection.
 
 :func:`storable` turns such text into text PostgreSQL can store and JSON can
 carry.
+
+The hot path's part of the client is here too: :class:`Delivered` reads a
+delivery's JetStream metadata more cheaply than nats-py, and
+:meth:`Client.subscribe_direct` and :meth:`Client.subscribe_replies` hand
+messages (or just a reply's subject and status) over inside the read loop,
+without nats-py's queue and task hop per message.
 """
 
 from __future__ import annotations
@@ -191,7 +197,7 @@ def metadata(reply: str) -> Metadata:
     """The JetStream metadata in a delivery's reply subject.
 
     Both of the server's formats, as nats-py reads them (the same timestamp
-    to the microsecond); ``nats.js.errors.NotJSMessageError`` if ``reply``
+    to the microsecond); ``nats.errors.NotJSMessageError`` if ``reply``
     is not a JetStream ack subject.
     """
     tokens = reply.split(".")
@@ -258,10 +264,11 @@ class ReadLoopEnded(nats.errors.Error):
 class Client(nats.aio.client.Client):
     """nats-py's client, surviving protocol input that is not UTF-8; see :mod:`eop.wire`.
 
-    Three hooks into nats-py's internals, each pinned by the tests (a
-    nats-py upgrade that moves them fails there, not in production):
+    Hooks into nats-py's internals, each pinned by the tests (a nats-py
+    upgrade that moves them fails there, not in production):
     ``_build_message`` and ``_process_headers`` decode what nats-py cannot,
-    ``_read_loop`` is watched for ending while connected.
+    ``_read_loop`` is watched for ending while connected, ``_process_msg``
+    serves the direct subscriptions, ``msg_class`` builds :class:`Delivered`.
     """
 
     eop_closing = False

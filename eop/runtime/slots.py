@@ -13,45 +13,53 @@ import asyncio
 
 
 class Slots:
-    """``count`` slots shared by the worker's fetch and retry loops."""
+    """``count`` slots shared by the worker's fetch and retry loops, first come first served.
+
+    A loop that waits is served before any loop that asks later: a fetch loop
+    that gives its slots back and asks again at once must not take them from
+    the retry loop waiting for them.
+    """
 
     def __init__(self, count: int) -> None:
         self.free = count
+        # Waiting loops in order; the first stays listed, woken, until it has taken.
         self._waiters: list[asyncio.Future[None]] = []
         self._closed = False
 
     async def take(self, most: int) -> int:
-        """Wait for a free slot, then take as many as are free, up to ``most``.
-
-        0 once :meth:`close` was called (the worker stops), at once or while waiting.
-        """
-        while not self._closed and self.free == 0:
+        """Wait for a free slot (behind the loops already waiting), then take as many as
+        are free, up to ``most``; 0 once :meth:`close` was called, at once or while waiting."""
+        if self._closed:
+            return 0
+        if self.free == 0 or self._waiters:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
                 await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-        if self._closed:
-            return 0
+            except asyncio.CancelledError:
+                self._waiters.remove(waiter)
+                self._wake_next()  # its turn, if it had come, passes on
+                raise
+            self._waiters.remove(waiter)
+            if self._closed:
+                return 0
         taken = min(self.free, most)
         self.free -= taken
+        self._wake_next()
         return taken
 
     def give(self, count: int) -> None:
-        """Give ``count`` slots back; every waiting loop looks again."""
+        """Give ``count`` slots back; the first waiting loop takes them."""
         self.free += count
-        if count > 0:
-            self._wake()
+        self._wake_next()
 
     def close(self) -> None:
         """No more slots for anyone: every waiting and later :meth:`take` returns 0."""
         self._closed = True
-        self._wake()
-
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
+        for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _wake_next(self) -> None:
+        if self.free > 0 and self._waiters and not self._waiters[0].done():
+            self._waiters[0].set_result(None)
