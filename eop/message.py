@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -54,9 +55,9 @@ class Message:
         """
         return f"{self.subscription}:{self.stream}:{self.stream_epoch}:{self.seq}"
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> bytes:
-        """A hash of the subject, the payload and the msg-id.
+        """A hash of the subject, the payload and the msg-id (computed once per message).
 
         Two deliveries with the same inbox key but different fingerprints mean
         the stream sequence was reused for another message.
@@ -96,13 +97,20 @@ def from_nats(msg: Delivery, *, subscription: str, stream_epoch: str) -> Message
         meta = msg.metadata
     except Exception as exc:  # nats-py raises a bare ValueError/IndexError here
         raise errors.UndecodableMessage(f"not a JetStream message: {exc}") from exc
-    headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
-    if any(_unstorable(k) or _unstorable(v) for k, v in headers.items()):
-        headers = {wire.storable(k): wire.storable(v) for k, v in headers.items()}
-    return Message(
+    raw = msg.headers
+    headers: dict[str, str] = {}
+    if raw:
+        headers = {str(k): str(v) for k, v in raw.items()}
+        if any(_unstorable(k) or _unstorable(v) for k, v in headers.items()):
+            headers = {wire.storable(k): wire.storable(v) for k, v in headers.items()}
+    data = msg.data
+    # Filled in directly: a frozen dataclass's __init__ sets each field through
+    # object.__setattr__, and the hot path builds one Message per delivery.
+    built: Message = _new(Message)
+    built.__dict__.update(
         subscription=subscription,
         subject=wire.storable(msg.subject),
-        data=bytes(msg.data or b""),
+        data=data if type(data) is bytes else bytes(data or b""),
         headers=headers,
         stream=meta.stream,
         stream_epoch=stream_epoch,
@@ -110,6 +118,10 @@ def from_nats(msg: Delivery, *, subscription: str, stream_epoch: str) -> Message
         num_delivered=int(meta.num_delivered),
         timestamp=meta.timestamp,
     )
+    return built
+
+
+_new = object.__new__
 
 
 def undecodable(msg: Delivery) -> str | None:

@@ -18,18 +18,27 @@ reconnects, as for a lost connection.
 
 :func:`storable` turns such text into text PostgreSQL can store and JSON can
 carry.
+
+The hot path's part of the client is here too: :class:`Delivered` reads a
+delivery's JetStream metadata more cheaply than nats-py, and
+:meth:`Client.subscribe_direct` and :meth:`Client.subscribe_replies` hand
+messages (or just a reply's subject and status) over inside the read loop,
+without nats-py's queue and task hop per message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import nats.aio.client
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import api
 
 from eop import log
@@ -124,6 +133,127 @@ def _is_utf8(raw: bytes) -> bool:
     return True
 
 
+class SequencePair:
+    """A delivery's stream and consumer sequences (as nats-py's ``Msg.Metadata.SequencePair``)."""
+
+    __slots__ = ("consumer", "stream")
+
+    def __init__(self, stream: int, consumer: int) -> None:
+        self.stream = stream
+        self.consumer = consumer
+
+    def __repr__(self) -> str:
+        return f"SequencePair(stream={self.stream}, consumer={self.consumer})"
+
+
+class Metadata:
+    """The JetStream metadata of a delivery, read from its reply subject.
+
+    The attributes of nats-py's ``Msg.Metadata``, without its two frozen
+    dataclasses: those cost more to build than the rest of a delivery's
+    preparation (parsed once per message on the hot path).
+    """
+
+    __slots__ = (
+        "consumer",
+        "domain",
+        "num_delivered",
+        "num_pending",
+        "sequence",
+        "stream",
+        "timestamp",
+    )
+
+    def __init__(
+        self,
+        stream: str,
+        consumer: str,
+        sequence: SequencePair,
+        num_delivered: int,
+        num_pending: int,
+        timestamp: datetime.datetime,
+        domain: str | None = None,
+    ) -> None:
+        self.stream = stream
+        self.consumer = consumer
+        self.sequence = sequence
+        self.num_delivered = num_delivered
+        self.num_pending = num_pending
+        self.timestamp = timestamp
+        self.domain = domain
+
+    def __repr__(self) -> str:
+        return (
+            f"Metadata(stream={self.stream!r}, consumer={self.consumer!r}, "
+            f"sequence={self.sequence!r}, num_delivered={self.num_delivered})"
+        )
+
+
+_UTC = datetime.timezone.utc
+_V1_TOKENS = 9  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>
+
+
+def metadata(reply: str) -> Metadata:
+    """The JetStream metadata in a delivery's reply subject.
+
+    Both of the server's formats, as nats-py reads them (the same timestamp
+    to the microsecond); ``nats.errors.NotJSMessageError`` if ``reply``
+    is not a JetStream ack subject.
+    """
+    tokens = reply.split(".")
+    if len(tokens) == _V1_TOKENS and tokens[0] == "$JS" and tokens[1] == "ACK":
+        _, _, stream, consumer, delivered, sseq, cseq, ns, pending = tokens
+        domain = None
+    else:
+        # The rare format with a domain and an account: nats-py's own reading.
+        meta = Msg.Metadata._from_reply(reply)
+        return Metadata(
+            meta.stream,
+            meta.consumer,
+            SequencePair(meta.sequence.stream, meta.sequence.consumer),
+            meta.num_delivered,
+            meta.num_pending,
+            meta.timestamp,
+            meta.domain,
+        )
+    return Metadata(
+        stream,
+        consumer,
+        SequencePair(int(sseq), int(cseq)),
+        int(delivered),
+        int(pending),
+        datetime.datetime.fromtimestamp(int(ns) / 1_000_000_000.0, _UTC),
+        domain,
+    )
+
+
+class Delivered(Msg):
+    """nats-py's ``Msg`` with a cheaper :attr:`metadata` (:func:`metadata`), the same once read."""
+
+    @property
+    def metadata(self) -> Any:  # Any: a wire.Metadata in place of nats-py's type
+        meta = self._metadata
+        if meta is None:
+            meta = self._metadata = metadata(self.reply)  # type: ignore[assignment]  # same attributes
+        return meta
+
+
+#: A direct subscription's handler: called in the read loop, must not block or raise.
+OnMessage = Callable[[Msg], None]
+#: A reply subscription's handler: the subject and the raw header block (or None).
+OnReply = Callable[[bytes, "bytes | None"], None]
+
+_STATUS_OFFSET = len(_HEADER_LINE)
+
+
+def status_of(headers: bytes | None) -> bytes | None:
+    """The inline status code of a raw header block (``NATS/1.0 503``: b"503"), or None."""
+    if not headers:
+        return None
+    line = headers[_STATUS_OFFSET : headers.find(b"\r\n")].strip()
+    return line[:3] or None
+
+
 class ReadLoopEnded(nats.errors.Error):
     """nats-py's read loop ended while the connection was up: nothing more would be read."""
 
@@ -134,14 +264,17 @@ class ReadLoopEnded(nats.errors.Error):
 class Client(nats.aio.client.Client):
     """nats-py's client, surviving protocol input that is not UTF-8; see :mod:`eop.wire`.
 
-    Three hooks into nats-py's internals, each pinned by the tests (a
-    nats-py upgrade that moves them fails there, not in production):
+    Hooks into nats-py's internals, each pinned by the tests (a nats-py
+    upgrade that moves them fails there, not in production):
     ``_build_message`` and ``_process_headers`` decode what nats-py cannot,
-    ``_read_loop`` is watched for ending while connected.
+    ``_read_loop`` is watched for ending while connected, ``_process_msg``
+    serves the direct subscriptions, ``msg_class`` builds :class:`Delivered`.
     """
 
     eop_closing = False
     """Set once the owner closes or drains the connection: nats-py did not give up on it."""
+
+    msg_class = Delivered
 
     _eop_recovery: asyncio.Task[None] | None = None
 
@@ -172,6 +305,44 @@ class Client(nats.aio.client.Client):
             return parse_headers(bytes(headers))
         result: dict[str, str] | None = await super()._process_headers(headers)
         return result
+
+    async def subscribe_direct(self, subject: str, on_message: OnMessage) -> Subscription:
+        """Subscribe with ``on_message`` called for each message inside the read loop.
+
+        No queue, no task hop per message (nats-py's callbacks run in a task of
+        the subscription's, each message passed through an ``asyncio.Queue``).
+        The subscription is nats-py's own otherwise: it is subscribed again on
+        a reconnect and ends with ``unsubscribe()``.
+        """
+        sub = await self.subscribe(subject)
+        sub._eop_direct = on_message  # type: ignore[attr-defined]  # read in _process_msg
+        return sub
+
+    async def subscribe_replies(self, subject: str, on_reply: OnReply) -> Subscription:
+        """Like :meth:`subscribe_direct`, but ``on_reply`` gets the subject and the raw
+        header block only: no message object at all (for replies whose body says nothing)."""
+        sub = await self.subscribe(subject)
+        sub._eop_reply = on_reply  # type: ignore[attr-defined]  # read in _process_msg
+        return sub
+
+    async def _process_msg(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+    ) -> None:
+        sub = self._subs.get(sid)
+        on_reply = getattr(sub, "_eop_reply", None)
+        if on_reply is not None:
+            self.stats["in_msgs"] += 1
+            self.stats["in_bytes"] += len(data)
+            on_reply(subject, headers)
+            return
+        on_message = getattr(sub, "_eop_direct", None)
+        if on_message is not None:
+            self.stats["in_msgs"] += 1
+            self.stats["in_bytes"] += len(data)
+            hdr = await self._process_headers(headers)
+            on_message(self._build_message(sid, subject, reply, data, hdr))
+            return
+        await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]
 
     async def _read_loop(self) -> None:
         try:

@@ -17,12 +17,13 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
 
-from eop import faults, log, retry
+from eop import faults, log, retry, wire
 from eop.types import Delivery
 
 _ACK = b"+ACK"
 _STATUS_HEADER = api.Header.STATUS.value
 _NO_RESPONDERS = api.StatusCode.SERVICE_UNAVAILABLE.value
+_NO_RESPONDERS_RAW = _NO_RESPONDERS.encode()
 
 # Errors after which the same ack may be sent again: the reply was lost, or the
 # client is reconnecting and will resend from its pending buffer.
@@ -123,16 +124,19 @@ class Acker:
     ``ack_sync`` per message costs a request each (a reply token, a future, a
     ``wait_for`` timer, a task to gather). Here the acks of a batch go out
     back to back with reply subjects under one wildcard subscription of this
-    connection, and one timer waits for all the replies. An ack whose reply
-    does not come in time (or says no responders) goes the per-message way of
+    connection, and one timer waits for all the replies. On eop's connections
+    a reply is taken inside the read loop as bytes (:meth:`eop.wire.Client.subscribe_replies`):
+    no message object, queue or task hop per reply. An ack whose reply does
+    not come in time (or says no responders) goes the per-message way of
     :func:`confirm`: retried with tenacity, then given up with a warning.
     """
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
         self._prefix: str | None = None
+        self._skip = 0
         self._lock = asyncio.Lock()
-        self._waiting: dict[str, tuple[_Waiting, int]] = {}
+        self._waiting: dict[int, tuple[_Waiting, int]] = {}
         self._next = 0
 
     async def _reply_prefix(self) -> str:
@@ -140,17 +144,28 @@ class Acker:
             async with self._lock:
                 if self._prefix is None:
                     inbox = self._nc.new_inbox()
-                    await self._nc.subscribe(f"{inbox}.*", cb=self._on_reply)
+                    if isinstance(self._nc, wire.Client):
+                        await self._nc.subscribe_replies(f"{inbox}.*", self._on_raw_reply)
+                    else:
+                        await self._nc.subscribe(f"{inbox}.*", cb=self._on_reply)
+                    self._skip = len(inbox) + 1
                     self._prefix = f"{inbox}."
         return self._prefix
 
+    def _on_raw_reply(self, subject: bytes, headers: bytes | None) -> None:
+        # As in nats-py's request(): any reply confirms, except "no responders".
+        self._settle(subject[self._skip :], wire.status_of(headers) != _NO_RESPONDERS_RAW)
+
     async def _on_reply(self, msg: Msg) -> None:
-        assert self._prefix is not None
-        entry = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+        status = msg.headers.get(_STATUS_HEADER) if msg.headers else None
+        self._settle(msg.subject[self._skip :].encode(), status != _NO_RESPONDERS)
+
+    def _settle(self, token: bytes, confirmed: bool) -> None:
+        if not token.isdigit():
+            return  # not one of ours: nothing waits for it
+        entry = self._waiting.pop(int(token), None)
         if entry is not None:
-            # As in nats-py's request(): any reply confirms, except "no responders".
-            status = msg.headers.get(_STATUS_HEADER) if msg.headers else None
-            entry[0].reply(entry[1], status != _NO_RESPONDERS)
+            entry[0].reply(entry[1], confirmed)
 
     async def confirm_many(
         self,
@@ -168,16 +183,16 @@ class Acker:
         if not deliveries:
             return []
         waiting = _Waiting(len(deliveries), asyncio.get_running_loop().create_future())
-        tokens: list[str] = []
+        tokens: list[int] = []
         try:
             prefix = await self._reply_prefix()
             for index, delivery in enumerate(deliveries):
                 await faults.point("during_ack")
                 self._next += 1
-                token = str(self._next)
+                token = self._next
                 self._waiting[token] = (waiting, index)
                 tokens.append(token)
-                await self._nc.publish(delivery.reply, _ACK, reply=prefix + token)
+                await self._nc.publish(delivery.reply, _ACK, reply=f"{prefix}{token}")
             await asyncio.wait({waiting.done}, timeout=timeout_s)
         except _BATCH_SEND_ERRORS:
             pass  # the ones not confirmed are retried one by one below

@@ -33,6 +33,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
 
+from eop import wire
+
 _STATUS = api.Header.STATUS.value
 _HEARTBEAT = api.StatusCode.CONTROL_MESSAGE.value
 # The server's ways to end a pull request early: nothing there (404), expired
@@ -65,8 +67,16 @@ class Fetcher:
         self._wake: asyncio.Future[None] | None = None
 
     async def start(self) -> Fetcher:
-        """Subscribe to the reply subjects; returns self."""
-        self._sub = await self._nc.subscribe(self._prefix + "*", cb=self._on_message)
+        """Subscribe to the reply subjects; returns self.
+
+        On eop's connections the deliveries are taken inside the read loop
+        (:meth:`eop.wire.Client.subscribe_direct`): no queue and no task hop
+        per message.
+        """
+        if isinstance(self._nc, wire.Client):
+            self._sub = await self._nc.subscribe_direct(self._prefix + "*", self._on_message)
+        else:
+            self._sub = await self._nc.subscribe(self._prefix + "*", cb=self._on_message_cb)
         return self
 
     async def stop(self) -> None:
@@ -116,7 +126,10 @@ class Fetcher:
             nats.js.errors.APIError.from_msg(ended)
         return got
 
-    async def _on_message(self, msg: Msg) -> None:
+    async def _on_message_cb(self, msg: Msg) -> None:
+        self._on_message(msg)
+
+    def _on_message(self, msg: Msg) -> None:
         headers = msg.headers
         status = headers.get(_STATUS) if headers else None
         if status == _HEARTBEAT:

@@ -31,7 +31,7 @@ from eop.observe import observer as observe
 from eop.pg import migrate, retries
 from eop.pg.store import PostgresStore
 from eop.protocol import batch, compaction, ordering, processor, relay
-from eop.runtime import hosting, shutdown, startup, telemetry
+from eop.runtime import hosting, shutdown, slots, startup, telemetry
 from eop.types import Delivery, Outcome
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Worker(hosting.Hosted):
         """Set once every subscription is bound and fetching has started."""
         self._stopping = asyncio.Event()
         self._force = asyncio.Event()
-        self._slots = asyncio.Semaphore(self.settings.concurrency)
+        self._slots = slots.Slots(self.settings.concurrency)
         self._inflight: set[asyncio.Task[Any]] = set()
         self._critical = processor.Critical()
         self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
@@ -116,6 +116,7 @@ class Worker(hosting.Hosted):
             self._force.set()
         if not self._stopping.is_set():
             self._stopping.set()
+            self._slots.close()
             for callback in self.on_stop:
                 callback()
 
@@ -315,8 +316,7 @@ class Worker(hosting.Hosted):
                 failures += 1
                 await self._recover(js, spec, exc, failures, proc)
             received_at = time.monotonic()
-            for _ in range(wanted - len(msgs)):
-                self._slots.release()
+            self._slots.give(wanted - len(msgs))
             if spec.order_by is not None:
                 self._dispatch_ordered(proc, msgs, received_at)
                 continue
@@ -353,8 +353,7 @@ class Worker(hosting.Hosted):
                     failures=failures,
                     error=log.describe_error(exc)[:500],
                 )
-            for _ in range(free - len(parked)):
-                self._slots.release()
+            self._slots.give(free - len(parked))
             for delivery in parked:
                 self._spawn(self._process(proc, [delivery], time.monotonic()))
             if parked and len(parked) == free:
@@ -413,8 +412,7 @@ class Worker(hosting.Hosted):
             await self._run_lane(proc, key, rest, received_at)
         finally:
             self._observer.done(proc.spec, msgs)
-            for _ in msgs:
-                self._slots.release()
+            self._slots.give(len(msgs))
 
     async def _run_lane(
         self, proc: processor.Processor, key: str, msgs: Sequence[Delivery], received_at: float
@@ -431,22 +429,9 @@ class Worker(hosting.Hosted):
 
     async def _take_slots(self) -> int:
         """Wait for a free slot, then take as many as are free, up to the batch size."""
-        acquire = asyncio.ensure_future(self._slots.acquire())
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait({acquire, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not acquire.done():
-            acquire.cancel()
-            return 0
-        taken = 1
-        while taken < self.settings.batch and not self._slots.locked():
-            await self._slots.acquire()
-            taken += 1
         if self._stopping.is_set():
-            for _ in range(taken):
-                self._slots.release()
             return 0
-        return taken
+        return await self._slots.take(self.settings.batch)
 
     async def _recover(
         self,
@@ -505,8 +490,7 @@ class Worker(hosting.Hosted):
                 await ack.nak(msg, self.settings.backoff_max_s, self._logger)
         finally:
             self._observer.done(proc.spec, msgs)
-            for _ in msgs:
-                self._slots.release()
+            self._slots.give(len(msgs))
 
     def _log_batch(
         self, proc: processor.Processor, msgs: Sequence[Delivery], outcomes: list[Outcome]

@@ -208,3 +208,29 @@ async def test_eops_connection_reads_on_after_subjects_and_headers_that_are_not_
         assert wire.problem(got[4].subject, got[4].headers) is None
     finally:
         await nc.close()
+
+
+async def test_eops_direct_and_reply_subscriptions_get_their_messages_inside_the_read_loop(
+    nats_url: str,
+) -> None:
+    """Pins the ``_process_msg`` hook: a direct subscription gets a Delivered message, a
+    reply subscription the subject and raw status; other subscriptions are untouched."""
+    nc = await connection.connect_nats(access.NatsAccess(url=nats_url), name="t")
+    try:
+        direct: list[Any] = []
+        replies: list[tuple[bytes, bytes | None]] = []
+        await nc.subscribe_direct("direct.*", direct.append)
+        await nc.subscribe_replies("replies.*", lambda s, h: replies.append((s, h)))
+        plain = await nc.subscribe("plain.*")
+        await nc.publish("direct.1", b"d", headers={"X-A": "b"})
+        await nc.publish("replies.7", b"")
+        await nc.publish("plain.1", b"p")
+        assert (await plain.next_msg(timeout=30)).data == b"p"
+        await nc.flush()
+        assert [(m.subject, m.data, m.headers) for m in direct] == [
+            ("direct.1", b"d", {"X-A": "b"})
+        ]
+        assert isinstance(direct[0], wire.Delivered)
+        assert replies == [(b"replies.7", None)]
+    finally:
+        await nc.close()

@@ -1,0 +1,65 @@
+"""The worker's in-flight budget: ``concurrency`` slots, taken and given back in bulk.
+
+A fetch takes as many free slots as its batch may hold, and a finished batch
+gives all of its slots back at once: one counter and, only while nobody can
+take a slot, one future per waiting loop. (An ``asyncio.Semaphore`` costs an
+``acquire`` and a ``release`` per message, and waiting on it together with
+the stop event two tasks per fetch.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class Slots:
+    """``count`` slots shared by the worker's fetch and retry loops, first come first served.
+
+    A loop that waits is served before any loop that asks later: a fetch loop
+    that gives its slots back and asks again at once must not take them from
+    the retry loop waiting for them.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.free = count
+        # Waiting loops in order; the first stays listed, woken, until it has taken.
+        self._waiters: list[asyncio.Future[None]] = []
+        self._closed = False
+
+    async def take(self, most: int) -> int:
+        """Wait for a free slot (behind the loops already waiting), then take as many as
+        are free, up to ``most``; 0 once :meth:`close` was called, at once or while waiting."""
+        if self._closed:
+            return 0
+        if self.free == 0 or self._waiters:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                self._waiters.remove(waiter)
+                self._wake_next()  # its turn, if it had come, passes on
+                raise
+            self._waiters.remove(waiter)
+            if self._closed:
+                return 0
+        taken = min(self.free, most)
+        self.free -= taken
+        self._wake_next()
+        return taken
+
+    def give(self, count: int) -> None:
+        """Give ``count`` slots back; the first waiting loop takes them."""
+        self.free += count
+        self._wake_next()
+
+    def close(self) -> None:
+        """No more slots for anyone: every waiting and later :meth:`take` returns 0."""
+        self._closed = True
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _wake_next(self) -> None:
+        if self.free > 0 and self._waiters and not self._waiters[0].done():
+            self._waiters[0].set_result(None)
