@@ -27,8 +27,10 @@ are published at a steady share (--latency-load) of that rate for
 (track_commit_timestamp) minus the stream timestamp ((a), (an): publish-to-ack).
 CPU time per message of the consumer process(es) and of each server is
 measured beside msg/s: it is steadier on a shared machine.
---big measures eop default at 10,000 and at 1,000,000 processed messages,
-with the inbox row count at both points.
+--big measures eop default at 10,000 and at 1,000,000 processed messages:
+the rate, the worker's CPU per message and memory, the inbox rows (against
+max_ack_pending + compaction_after_messages) and the inbox table's size
+(``--runs none --big``: the long run alone).
 
 This package is also the app of the bench's workers (``eop.bench:app``) and
 the program of its other child processes (``python -m eop.bench``).

@@ -149,6 +149,20 @@ class Child:
         ticks = sum(own for pid, (ppid, own, _) in stats.items() if self.proc.pid in (pid, ppid))
         return ticks / os.sysconf("SC_CLK_TCK")
 
+    def rss_bytes(self) -> int | None:
+        """Resident memory of the child and its own children (a supervised worker's
+        processes), from /proc; None if unknown (not Linux, or not running)."""
+        pids = [pid for pid, (ppid, _, _) in _proc_stats().items() if self.proc.pid in (pid, ppid)]
+        if self.proc.pid not in pids:
+            return None
+        pages = 0
+        for pid in pids:
+            try:
+                pages += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+        return pages * os.sysconf("SC_PAGE_SIZE")
+
     def check(self) -> None:
         """Raise if the child has exited."""
         if self.proc.poll() is not None:
@@ -268,12 +282,17 @@ class Bench:
         return [sys.executable, "-m", "eop", *worker]
 
     async def publish(self, run: runs.Run, count: int) -> None:
-        """Publish a backlog of ``count`` messages, confirmed, 1,000 at a time."""
+        """Publish a backlog of ``count`` messages, confirmed, 1,000 at a time.
+
+        ``publish_async``: a request inbox per message (``publish``) made the
+        long run's 1,010,000 take minutes on a loaded machine.
+        """
         for sent in range(0, count, 1000):
             chunk = min(1000, count - sent)
-            await asyncio.gather(
-                *(self.stream.publish(run.subject, self.payload) for _ in range(chunk))
-            )
+            acks = [
+                await self.stream.publish_async(run.subject, self.payload) for _ in range(chunk)
+            ]
+            await asyncio.gather(*acks)  # raises if any was refused or timed out
             self.progress.show(f"({run.key}) publishing", sent + chunk, count)
         self.progress.end()
 
@@ -359,3 +378,22 @@ class Bench:
         query = sa.text(f'SELECT count(*) FROM "{schema}".inbox WHERE subscription = :s')
         async with self.engine.connect() as conn:
             return int((await conn.execute(query, {"s": run.handler})).scalar_one())
+
+    async def inbox_table(self) -> InboxTable:
+        """The inbox table's size (its indexes and TOAST included), its dead rows and its
+        autovacuums so far (PostgreSQL's statistics, flushed about once a second)."""
+        query = sa.text(
+            "SELECT pg_total_relation_size(relid), n_dead_tup, autovacuum_count"
+            " FROM pg_stat_user_tables WHERE schemaname = :schema AND relname = 'inbox'"
+        )
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(query, {"schema": runs.app.settings.schema})).one()
+        return InboxTable(int(row[0]), int(row[1]), int(row[2]))
+
+
+class InboxTable(NamedTuple):
+    """The inbox table as PostgreSQL sees it: bytes on disk, dead rows, autovacuums."""
+
+    size_bytes: int
+    dead_rows: int
+    autovacuums: int

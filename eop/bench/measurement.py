@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -41,26 +42,74 @@ class Result:
 
 @dataclasses.dataclass
 class BigResult:
-    """Throughput early and late in a long run, and the inbox's size meanwhile."""
+    """A long run: its rate, worker CPU and RSS, and the inbox, early and late.
+
+    "Early" is messages 10,001-20,000 (after 10,000, start-up long past),
+    "late" the last 10,000 (after 1,000,000 with the default 1,010,000);
+    "first" is messages 1-10,000, shown but not the target's base.
+    """
 
     messages: int
+    seconds: float
+    effects: int
+    first_rate: float
     early_rate: float
     late_rate: float
     early_cpu_us: float | None
     late_cpu_us: float | None
+    early_rss_mb: float | None
+    """The worker's processes' resident memory, together, at the end of the window."""
+    late_rss_mb: float | None
+    max_rss_mb: float | None
     early_inbox: int
+    """The most inbox rows sampled from just before the window to just after it."""
     late_inbox: int
     max_inbox: int
-    effects: int
-    seconds: float
+    end_inbox: int
+    """Inbox rows when the last message was acked."""
+    settled_inbox: int
+    """Inbox rows a compaction interval (and a second) after that."""
+    inbox_bound: int
+    """The target: the in-flight window (max_ack_pending) plus one compaction batch
+    (compaction_after_messages)."""
+    early_inbox_mb: float
+    """The inbox table with its indexes, on disk, at the end of the window."""
+    late_inbox_mb: float
+    max_inbox_mb: float
+    autovacuums: int
+    """Autovacuums of the inbox table during the run."""
+    samples: int
+    sample_interval_s: float
+    load_start: float
+    load_end: float
 
 
 class Sample(NamedTuple):
-    """One look at the long run: the ack floor, the inbox rows, the worker's CPU seconds."""
+    """One look at the long run: the ack floor, the inbox rows, the worker's CPU seconds
+    and resident bytes, the inbox table's bytes and autovacuums."""
 
     floor: int
     rows: int
     cpu: float | None
+    rss: int | None = None
+    table: harness.InboxTable | None = None
+
+
+class Window(NamedTuple):
+    """What the samples say about one window of messages."""
+
+    rows: int
+    """The most inbox rows sampled from just before the window to just after it."""
+    cpu_us: float | None
+    """The worker's CPU per message from the sample before the window to the one after."""
+    rss_mb: float | None
+    """The worker's resident memory at the first sample after the window."""
+    inbox_mb: float | None
+    """The inbox table's size at the first sample after the window."""
+
+
+SAMPLE_INTERVAL_S = 0.1
+"""How often the long run looks: each window lasts about a second here."""
 
 
 async def measure(
@@ -117,63 +166,105 @@ def _processes(run: runs.Run, extra: Sequence[str]) -> int:
 
 
 async def measure_big(bench: harness.Bench, total: int) -> BigResult:
-    """eop default over ``total`` messages: the rate and the inbox rows early and late."""
+    """eop default over ``total`` messages: the rate, the worker's CPU and memory, and the
+    inbox early and late."""
+    settings = runs.app.settings
+    load_start = os.getloadavg()[0]
     await bench.publish(runs.BIG, total)
     child = harness.Child(bench.command(runs.BIG), bench.tmp / "big.log")
     samples: list[Sample] = []
     started = time.monotonic()
+    vacuums_before = (await bench.inbox_table()).autovacuums
 
     async def sample() -> None:
         floor, _ = await bench.acked(runs.BIG)
-        samples.append(Sample(floor, await bench.inbox_rows(runs.BIG), child.cpu_s()))
+        rows, table = await bench.inbox_rows(runs.BIG), await bench.inbox_table()
+        samples.append(Sample(floor, rows, child.cpu_s(), child.rss_bytes(), table))
 
     async def sample_forever() -> None:
         while True:
             await sample()
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
 
     sampler = asyncio.create_task(sample_forever())
     try:
         await bench.drain(runs.BIG, child, total, f"(big) {runs.BIG.label}")
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
         await sample()  # the end of the last window
+        end_inbox = samples[-1].rows
+        seconds = time.monotonic() - started
+        # Nothing more arrives: the next interval's round must leave no row behind.
+        await asyncio.sleep(settings.compaction_interval_s + 1.0)
+        settled_inbox = await bench.inbox_rows(runs.BIG)
+        await sample()
     finally:
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
         await child.stop()
-    seconds = time.monotonic() - started
-    early, late = (runs.WINDOW + 1, 2 * runs.WINDOW), (total - runs.WINDOW + 1, total)
-    rates = [sorted(p[2] for p in await bench.points(runs.BIG, *w)) for w in (early, late)]
+    w = runs.WINDOW
+    first, early, late = (1, w), (w + 1, 2 * w), (total - w + 1, total)
+    spans = (first, early, late)
+    windows = [sorted(p[2] for p in await bench.points(runs.BIG, *span)) for span in spans]
     async with bench.engine.connect() as conn:
         query = sa.text("SELECT count(*) FROM bench_effects WHERE variant = :v")
         effects = int((await conn.execute(query, {"v": runs.BIG.handler})).scalar_one())
-    (early_inbox, early_cpu), (late_inbox, late_cpu) = (
-        window_stats(samples, w) for w in (early, late)
-    )
+    e, lt = window_stats(samples, early), window_stats(samples, late)
+    rss = [s.rss for s in samples if s.rss is not None]
+    sizes = [s.table.size_bytes for s in samples if s.table is not None]
+    vacuums = max((s.table.autovacuums for s in samples if s.table is not None), default=0)
     return BigResult(
         messages=total,
-        early_rate=throughput(rates[0]),
-        late_rate=throughput(rates[1]),
-        early_cpu_us=early_cpu,
-        late_cpu_us=late_cpu,
-        early_inbox=early_inbox,
-        late_inbox=late_inbox,
-        max_inbox=max((s.rows for s in samples), default=0),
-        effects=effects,
         seconds=seconds,
+        effects=effects,
+        first_rate=throughput(windows[0]),
+        early_rate=throughput(windows[1]),
+        late_rate=throughput(windows[2]),
+        early_cpu_us=e.cpu_us,
+        late_cpu_us=lt.cpu_us,
+        early_rss_mb=e.rss_mb,
+        late_rss_mb=lt.rss_mb,
+        max_rss_mb=max(rss) / _MB if rss else None,
+        early_inbox=e.rows,
+        late_inbox=lt.rows,
+        max_inbox=max((s.rows for s in samples), default=0),
+        end_inbox=end_inbox,
+        settled_inbox=settled_inbox,
+        inbox_bound=settings.max_ack_pending + settings.compaction_after_messages,
+        early_inbox_mb=e.inbox_mb or 0.0,
+        late_inbox_mb=lt.inbox_mb or 0.0,
+        max_inbox_mb=max(sizes, default=0) / _MB,
+        autovacuums=vacuums - vacuums_before,
+        samples=len(samples),
+        sample_interval_s=SAMPLE_INTERVAL_S,
+        load_start=round(load_start, 2),
+        load_end=round(os.getloadavg()[0], 2),
     )
 
 
-def window_stats(samples: list[Sample], window: tuple[int, int]) -> tuple[int, float | None]:
-    """Inbox rows (the most sampled from just before to just after ``window``) and the
-    worker's CPU microseconds per message across it (None if unknown)."""
+_MB = 1024 * 1024
+
+
+def window_stats(samples: list[Sample], window: tuple[int, int]) -> Window:
+    """What the samples around ``window`` (first and last sequence) say: the most inbox
+    rows from just before it to just after it, the worker's CPU microseconds per message
+    across it (None if unknown), its memory and the inbox table's size just after it."""
     before = [s for s in samples if s.floor < window[0]][-1:]
     after = [s for s in samples if s.floor >= window[1]][:1]
     around = before + [s for s in samples if window[0] <= s.floor < window[1]] + after
     cpu = None
     if before and after and before[0].cpu is not None and after[0].cpu is not None:
         cpu = (after[0].cpu - before[0].cpu) / max(1, after[0].floor - before[0].floor) * 1e6
-    return max((s.rows for s in around), default=0), cpu
+    rss = after[0].rss if after else None
+    table = after[0].table if after else None
+    return Window(
+        rows=max((s.rows for s in around), default=0),
+        cpu_us=cpu,
+        rss_mb=None if rss is None else rss / _MB,
+        inbox_mb=None if table is None else table.size_bytes / _MB,
+    )
 
 
 def throughput(done: Sequence[float]) -> float:

@@ -47,24 +47,46 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", *_runs(report)]
     if report.get("relay"):
         lines += ["", *_relay(report["relay"], o, report["ratios"])]
-    big = report["big"]
-    if big:
-        lines += [
-            f"long run: {big['messages']:,} messages in {big['seconds']:.0f} s "
-            f"({big['effects']:,} effect rows): {big['early_rate']:,.0f} msg/s at 10k-20k, "
-            f"{big['late_rate']:,.0f} msg/s at the last 10k "
-            f"(ratio {big['late_rate'] / max(big['early_rate'], 1e-9):.2f}, target >= 0.95)",
-            f"worker CPU: {_us(big['early_cpu_us'])} us/msg at 10k-20k, "
-            f"{_us(big['late_cpu_us'])} us/msg at the last 10k",
-            f"inbox rows: at most {big['early_inbox']:,} at 10k-20k, {big['late_inbox']:,} at "
-            f"the last 10k, {big['max_inbox']:,} over the whole run",
-        ]
+    if report["big"]:
+        lines += ["", *_big(report["big"])]
     commands = [f"  ({r['key']}) {r['command']}" for r in report["runs"]]
     if report.get("relay"):
         relay = report["relay"]
         commands += [f"  ({r['key']}) {r['command']}" for r in relay["rows"] + relay["latency"]]
     lines += ["", "commands:", *commands]
     return "\n".join([*lines, f"took {report['seconds']:.0f} s"])
+
+
+def _big(big: dict[str, Any]) -> list[str]:
+    """The long run: the rate, the worker's CPU and memory, the inbox, early and late."""
+    ratio = big["late_rate"] / max(big["early_rate"], 1e-9)
+    rows_met = big["max_inbox"] <= big["inbox_bound"]
+    return [
+        f"long run: {big['messages']:,} messages through eop default in {big['seconds']:.0f} s "
+        f"({big['effects']:,} effect rows); load average {big['load_start']} -> "
+        f"{big['load_end']}; sampled every {big['sample_interval_s']} s ({big['samples']:,} "
+        "samples)",
+        f"  msg/s: {big['first_rate']:,.0f} at messages 1-10k, {big['early_rate']:,.0f} at "
+        f"10k-20k, {big['late_rate']:,.0f} at the last 10k",
+        f"  worker CPU us/msg: {_us(big['early_cpu_us'])} at 10k-20k, "
+        f"{_us(big['late_cpu_us'])} at the last 10k",
+        f"  worker RSS MiB (all its processes): {_mb(big['early_rss_mb'])} after 20k, "
+        f"{_mb(big['late_rss_mb'])} at the end, {_mb(big['max_rss_mb'])} at most",
+        f"  inbox rows: at most {big['early_inbox']:,} around 10k-20k, {big['late_inbox']:,} "
+        f"around the last 10k, {big['max_inbox']:,} over the run; {big['end_inbox']:,} when "
+        f"the last was acked, {big['settled_inbox']:,} a compaction interval later",
+        f"  inbox table and indexes MiB: {big['early_inbox_mb']:.1f} after 20k, "
+        f"{big['late_inbox_mb']:.1f} at the end, {big['max_inbox_mb']:.1f} at most; "
+        f"{big['autovacuums']} autovacuums of it",
+        _target("late/early msg/s", ratio, ">=", 0.95),
+        f"target inbox rows <= {big['inbox_bound']:,} (max_ack_pending + "
+        f"compaction_after_messages): {big['max_inbox']:,} "
+        f"{'met' if rows_met else 'MISSED'}",
+    ]
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _runs(report: dict[str, Any]) -> list[str]:

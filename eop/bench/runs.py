@@ -151,8 +151,11 @@ for _run, _func in (
 
 
 def chosen(runs: str) -> list[str]:
-    """The keys of a ``--runs`` value: comma-separated keys, or ``all``."""
+    """The keys of a ``--runs`` value: comma-separated keys, ``all``, or ``none`` (with
+    ``--big``: the long run alone)."""
     keys = [key.strip() for key in runs.split(",") if key.strip()]
+    if keys == ["none"]:
+        return []
     return list(SELECTABLE) if keys == ["all"] else keys
 
 
@@ -170,7 +173,8 @@ class Options:
     big_messages: int = 1_010_000
     fsync: bool = True
     runs: str = "all"
-    """The runs to measure: their keys, comma-separated (r: the relay's rows), or ``all``."""
+    """The runs to measure: their keys, comma-separated (r: the relay's rows), ``all``, or
+    ``none`` (with ``big``: the long run alone)."""
     relay_messages: int = 20_000
     relay_payload_bytes: int = 256
     relay_rate: float = 200.0
@@ -182,10 +186,12 @@ class Options:
         if min(*counts, self.relay_messages, self.relay_payload_bytes) < 1:
             raise errors.ConfigurationError("message counts and payload-bytes must be at least 1")
         keys = chosen(self.runs)
-        if not keys or set(keys) - set(SELECTABLE):
+        if (not keys and not (self.big and self.runs.strip() == "none")) or set(keys) - set(
+            SELECTABLE
+        ):
             raise errors.ConfigurationError(
                 f"runs must be 'all' or keys of {','.join(SELECTABLE)} separated by commas "
-                f"(r: the relay's rows), not {self.runs!r}"
+                f"(r: the relay's rows), or 'none' with big, not {self.runs!r}"
             )
         if not (self.relay_rate > 0 and self.relay_latency_s > 0):
             raise errors.ConfigurationError("relay-rate and relay-latency-s must be above 0")

@@ -21,7 +21,12 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("big", bool, "also the long run: --big-messages through eop default (minutes)"),
     ("big-messages", int, "messages of the long run (rates at 10k-20k and the last 10k)"),
     ("fsync", bool, "PostgreSQL with fsync on, as in production"),
-    ("runs", str, "which runs: 'all', or keys separated by commas (r: the relay's rows)"),
+    (
+        "runs",
+        str,
+        "which runs: 'all', keys separated by commas (r: the relay's rows), or 'none' "
+        "(with --big: the long run alone)",
+    ),
     ("relay-messages", int, "outbox rows of the relay's throughput run (r), and of (rw), (rp)"),
     ("relay-payload-bytes", int, "size of each outbox row's payload"),
     ("relay-rate", float, "rows/s, one per transaction, of the commit-to-PubAck runs (rl), (rn)"),

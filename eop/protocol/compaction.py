@@ -57,6 +57,10 @@ class Compactor:
         self.after_messages = store.app.settings.compaction_after_messages
         self._logger = log.get_logger(handler=spec.name, stream=spec.stream)
         self._since_round = 0
+        # Not knowing yet how many processes share the consumer, the first round comes
+        # after a quarter of the batch (eop worker starts at most 4 by default).
+        self._threshold = max(1, self.after_messages // 4)
+        """This process's messages that start a round: see :meth:`_adapt`."""
         self._wake = asyncio.Event()
         self._created: dict[str, float] = {}
         """Epochs whose watermark row this compactor created, and when (monotonic)."""
@@ -67,7 +71,7 @@ class Compactor:
     def processed(self, count: int) -> None:
         """Count messages processed; enough of them since the last round start one now."""
         self._since_round += count
-        if self.after_messages and self._since_round >= self.after_messages:
+        if self.after_messages and self._since_round >= self._threshold:
             self._wake.set()
 
     async def prepare(self) -> None:
@@ -97,16 +101,44 @@ class Compactor:
                 if stopping.is_set():
                     return
                 self._wake.clear()
-                self._since_round = 0
-                await self._round()
+                own, self._since_round = self._since_round, 0
+                await self._round(own)
         finally:
             # A stopping worker cancels this task, maybe in the wait: leave no waiter behind.
             stop.cancel()
             if wake is not None:
                 wake.cancel()
 
-    async def _round(self) -> None:
-        await self.quietly(self.compact_once)
+    async def _round(self, own: int) -> None:
+        done: list[Compacted | None] = []
+
+        async def step() -> None:
+            done.append(await self.compact_once())
+
+        await self.quietly(step)
+        if done and done[0] is not None:
+            self._adapt(own, done[0].deleted)
+
+    def _adapt(self, own: int, deleted: int) -> None:
+        """Set the next round's message count from this round's: ``own`` messages of this
+        process started it, and it deleted ``deleted`` rows.
+
+        Each process counts only its own messages, but a round deletes every
+        process's rows below the floor. N processes sharing a consumer reach
+        their counts together, so with a fixed count the inbox held N batches
+        (2,559 rows at 1,000 a batch with two processes, in the long run of
+        ``eop bench --big``). A round that deleted more rows than its process
+        handled brings the next one forward in proportion, so that a round
+        deletes about one batch whatever the process count; rows another
+        process already deleted, or rows kept for their msg-id, make it fewer,
+        and the count goes back up. At least an eighth of the batch: a
+        restart's leftover rows do not make rounds run for every few messages.
+        """
+        if own <= 0 or deleted <= own:
+            self._threshold = self.after_messages
+        else:
+            share = self.after_messages * own // deleted
+            self._threshold = max(1, self.after_messages // 8, share)
 
     async def quietly(self, step: Callable[[], Awaitable[object]]) -> None:
         """Run ``step``, logging (not raising) the I/O failures a later round recovers from."""

@@ -31,16 +31,69 @@ def test_percentile_is_nearest_rank() -> None:
 
 def test_window_takes_cpu_across_it_and_the_most_rows_around_it() -> None:
     """The samples bracketing a window give its CPU per message; the inbox rows are the
-    most seen from just before to just after it."""
+    most seen from just before to just after it; memory and the table's size are those
+    of the first sample after it."""
+    mb = 1024 * 1024
     samples = [
-        measurement.Sample(floor=5_000, rows=900, cpu=1.0),
-        measurement.Sample(floor=12_000, rows=4_000, cpu=2.0),
-        measurement.Sample(floor=25_000, rows=700, cpu=4.0),
+        measurement.Sample(floor=5_000, rows=900, cpu=1.0, rss=50 * mb),
+        measurement.Sample(floor=12_000, rows=4_000, cpu=2.0, rss=60 * mb),
+        measurement.Sample(
+            floor=25_000, rows=700, cpu=4.0, rss=70 * mb, table=harness.InboxTable(3 * mb, 0, 1)
+        ),
+        measurement.Sample(floor=40_000, rows=9_000, cpu=5.0, rss=80 * mb),
     ]
-    rows, cpu_us = measurement.window_stats(samples, (10_001, 20_000))
-    assert rows == 4_000
-    assert cpu_us == pytest.approx(3.0 / 20_000 * 1e6)
-    assert measurement.window_stats([], (1, 2)) == (0, None)
+    window = measurement.window_stats(samples, (10_001, 20_000))
+    assert window.rows == 4_000
+    assert window.cpu_us == pytest.approx(3.0 / 20_000 * 1e6)
+    assert window.rss_mb == pytest.approx(70.0)
+    assert window.inbox_mb == pytest.approx(3.0)
+    assert measurement.window_stats([], (1, 2)) == measurement.Window(0, None, None, None)
+
+
+def _big(**changes: object) -> dict[str, object]:
+    figures: dict[str, object] = {
+        "messages": 1_010_000,
+        "seconds": 90.0,
+        "effects": 1_010_000,
+        "first_rate": 9_000.0,
+        "early_rate": 10_000.0,
+        "late_rate": 9_600.0,
+        "early_cpu_us": 100.0,
+        "late_cpu_us": 101.0,
+        "early_rss_mb": 120.0,
+        "late_rss_mb": 121.0,
+        "max_rss_mb": 122.0,
+        "early_inbox": 1_500,
+        "late_inbox": 1_400,
+        "max_inbox": 1_900,
+        "end_inbox": 800,
+        "settled_inbox": 0,
+        "inbox_bound": 2_000,
+        "early_inbox_mb": 1.0,
+        "late_inbox_mb": 2.0,
+        "max_inbox_mb": 3.0,
+        "autovacuums": 2,
+        "samples": 900,
+        "sample_interval_s": 0.1,
+        "load_start": 1.0,
+        "load_end": 2.0,
+    }
+    return {**figures, **changes}
+
+
+def test_long_run_report_judges_the_rate_ratio_and_the_inbox_bound() -> None:
+    """The long run's lines give the rates early and late, CPU, RSS and the inbox, and
+    judge the two targets: the late rate at least 0.95x the early one, the inbox rows
+    within max_ack_pending + compaction_after_messages."""
+    text = "\n".join(report._big(_big()))
+    assert "9,000 at messages 1-10k, 10,000 at 10k-20k, 9,600 at the last 10k" in text
+    assert "target late/early msg/s >= 0.95: 0.96 met" in text
+    assert "target inbox rows <= 2,000" in text
+    assert "1,900 met" in text
+    assert "121.0 at the end" in text
+    missed = "\n".join(report._big(_big(late_rate=9_000.0, max_inbox=2_001)))
+    assert "0.90 MISSED" in missed
+    assert "2,001 MISSED" in missed
 
 
 def test_progress_prints_plain_lines_off_a_terminal() -> None:
@@ -99,14 +152,16 @@ def test_tree_cpu_counts_a_running_process_and_nothing_for_an_absent_one() -> No
 
 
 def test_runs_are_chosen_by_key() -> None:
-    """--runs takes 'all' or run keys separated by commas (r: the relay's rows);
-    an unknown key, or nothing, is refused."""
+    """--runs takes 'all' or run keys separated by commas (r: the relay's rows), or
+    'none' with --big; an unknown key, or nothing, is refused."""
     assert runs.chosen(runs.Options(runs="c,r").runs) == ["c", "r"]
     assert runs.chosen("all") == list(runs.SELECTABLE)
     assert "hn" in runs.SELECTABLE
-    for bad in ("x", "", " ", "c,zz", ","):
+    for bad in ("x", "", " ", "c,zz", ",", "none"):
         with pytest.raises(errors.ConfigurationError):
             runs.Options(runs=bad)
+    # The long run alone: no other run, only with --big.
+    assert runs.chosen(runs.Options(runs="none", big=True).runs) == []
 
 
 def _result(key: str, rate: float, processes: int, cpu_us: float) -> measurement.Result:

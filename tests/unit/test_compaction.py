@@ -15,10 +15,14 @@ class CountingCompactor(compaction.Compactor):
     """A compactor whose rounds only count (no server, no database)."""
 
     rounds = 0
+    deleted: int | None = None
+    """Rows each round reports deleted (None: the round did nothing)."""
 
     async def compact_once(self) -> compaction.Compacted | None:
         self.rounds += 1
-        return None
+        if self.deleted is None:
+            return None
+        return compaction.Compacted(epoch="e", watermark=1, deleted=self.deleted)
 
 
 async def noop(msg: Any, session: Any) -> None:
@@ -39,26 +43,56 @@ async def run_for(c: CountingCompactor, seconds: float, interval_s: float) -> No
     await asyncio.wait_for(task, 5)
 
 
+async def wait_rounds(c: CountingCompactor, rounds: int) -> None:
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if c.rounds >= rounds:
+            break
+
+
 async def test_enough_processed_messages_start_a_round_long_before_the_interval() -> None:
+    """The first round comes after a quarter of compaction_after_messages (the process
+    count is unknown yet); once a round deleted no more rows than its process handled
+    (one process), the next comes after the whole count."""
     c = compactor(compaction_after_messages=100)
+    c.deleted = 25
     stopping = asyncio.Event()
     task = asyncio.create_task(c.run_forever(3600, stopping))
     await asyncio.sleep(0.01)
-    c.processed(99)
+    c.processed(24)
     await asyncio.sleep(0.05)
     assert c.rounds == 0
     c.processed(1)
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if c.rounds:
-            break
+    await wait_rounds(c, 1)
     assert c.rounds == 1
-    # The count starts again from zero after a round.
-    c.processed(50)
+    # The count starts again from zero after a round, up to the whole batch now.
+    c.deleted = 100
+    c.processed(99)
     await asyncio.sleep(0.05)
     assert c.rounds == 1
+    c.processed(1)
+    await wait_rounds(c, 2)
+    assert c.rounds == 2
     stopping.set()
     await asyncio.wait_for(task, 5)
+
+
+def test_a_round_that_deleted_other_processes_rows_brings_the_next_one_forward() -> None:
+    """A round deleting twice the rows its process handled (two processes reaching their
+    counts together) halves the next count, so the inbox holds about one batch below the
+    floor; never below an eighth of the batch; back to the whole batch when a round
+    deleted no more than its own (one process, or rounds interleaved)."""
+    c = compactor(compaction_after_messages=1000)
+    c._adapt(own=500, deleted=1000)
+    assert c._threshold == 500
+    c._adapt(own=250, deleted=1000)
+    assert c._threshold == 250
+    c._adapt(own=10, deleted=100_000)  # a restart's leftovers
+    assert c._threshold == 125
+    c._adapt(own=1000, deleted=900)
+    assert c._threshold == 1000
+    c._adapt(own=0, deleted=500)
+    assert c._threshold == 1000
 
 
 async def test_a_zero_message_count_compacts_by_interval_only() -> None:
