@@ -271,6 +271,20 @@ class SyncTransaction(SqlTransaction):
             self._permit = False
             self._threads.release()
 
+    async def begin(self, timeouts: sa.Executable, timeouts_text: str) -> None:
+        """BEGIN, then the local timeouts as plain SQL on the session's connection.
+
+        Through ``Session.execute`` that statement took the ORM's execution path
+        (its events, a compiled statement, a result to wrap) for a statement
+        whose result nobody reads; on the connection it is one driver call. The
+        transaction is still the session's: its first statement, its COMMIT.
+        """
+
+        def execute() -> None:
+            self.session.connection().exec_driver_sql(timeouts_text)
+
+        await self._step(execute)
+
     async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
         def execute() -> list[tuple[Any, ...]]:
             result = self.session.execute(stmt)
