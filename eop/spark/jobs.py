@@ -19,7 +19,7 @@ from typing import IO, TYPE_CHECKING, Any
 from eop import access
 from eop import errors as eop_errors
 from eop.handler import HandlerSpec, parse_order_by
-from eop.spark import errors, failures, probe, report, session, sink, watch
+from eop.spark import connect, errors, failures, probe, report, sink, watch
 from eop.spark.apply import Counts
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def ordered(df: DataFrame, spec: HandlerSpec) -> DataFrame:
         key = F.try_element_at(F.split("subject", r"\."), F.lit(int(arg) + 1))
     else:
         key = F.try_element_at(F.col("headers"), F.lit(arg))
-    if df.isStreaming or session.is_connect(df.sparkSession):
+    if df.isStreaming or connect.is_connect(df.sparkSession):
         # No RDD on Spark Connect, none before a micro-batch: spark.sql.shuffle.partitions.
         return df.repartition(key)
     return df.repartition(max(df.rdd.getNumPartitions(), 1), key)
@@ -153,6 +153,7 @@ def stream(
             writer = writer.trigger(availableNow=True)
         elif trigger_s:
             writer = writer.trigger(processingTime=f"{round(trigger_s * 1000)} milliseconds")
+        connect.activate(spark)
         query = writer.start()
     if on_batch is not None and report_id is not None:
         reports = app or sink.partition_for(target).app

@@ -28,14 +28,14 @@ def leave(app: App, report_id: str, batch_id: int, counts: Counts) -> None:
     """Store ``counts`` under ``(report_id, batch_id)``; a commit run again keeps the first."""
     row = {"report_id": report_id, "batch_id": batch_id, **counts.as_dict()}
     stmt = sql.add_spark_report(models.tables(app.settings.schema), row)
-    with app.sync_sessionmaker()() as session, session.begin():
+    with app.sync_sessionmaker() as session, session.begin():
         session.execute(stmt)
 
 
 def take(app: App, report_id: str) -> dict[int, Counts]:
     """The counts left under ``report_id`` by batch id, deleted as they are read."""
     stmt = sql.take_spark_reports(models.tables(app.settings.schema), report_id)
-    with app.sync_sessionmaker()() as session, session.begin():
+    with app.sync_sessionmaker() as session, session.begin():
         rows = session.execute(stmt).all()
     return {int(batch_id): Counts(*(int(n) for n in counted)) for batch_id, *counted in rows}
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from eop import errors as errors_mod
-from eop.spark import errors, java
+from eop.spark import connect, errors, java
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -95,11 +95,6 @@ def _connect(builder_cls: type[SparkSession], remote: str, conf: Mapping[str, st
     return spark
 
 
-def is_connect(spark: SparkSession) -> bool:
-    """Whether ``spark`` is a Spark Connect session (no SparkContext, no RDDs here)."""
-    return type(spark).__module__.startswith("pyspark.sql.connect")
-
-
 def register(spark: SparkSession) -> None:
     """Register the ``jetstream`` and ``eop`` data sources in a session built elsewhere."""
     from eop.spark.sink import EopDataSource
@@ -115,7 +110,7 @@ def ship(spark: SparkSession, files: Sequence[str]) -> None:
     What ``spark.submit.pyFiles`` does under spark-submit, for a session that
     a plain Python process started.
     """
-    if is_connect(spark):
+    if connect.is_connect(spark):
         if files:
             # Spark Connect's way: the files go to the server, for this session's workers.
             spark.addArtifacts(*files, pyfile=True)

@@ -35,7 +35,7 @@ from pyspark.sql.datasource import (
 )
 
 from eop import errors, log, message
-from eop.spark import report
+from eop.spark import connect, report
 from eop.spark.apply import Counts, Partition
 
 if TYPE_CHECKING:
@@ -135,6 +135,7 @@ def apply(df: DataFrame, target: Target, *, app: App | None = None) -> Counts:
     """
     check_columns(df.columns)
     report_id = uuid.uuid4().hex
+    connect.activate(df.sparkSession)
     df.write.format(NAME).options(**target.options(report_id)).mode("append").save()
     reports = report.take(app or partition_for(target).app, report_id)
     if report.BATCH_JOB not in reports:
@@ -258,8 +259,11 @@ class PartitionFunction:
         ``order_by`` handler's (rows repartitioned by key) comes unsorted.
         """
         partition = partition_for(self.target)
-        messages = messages_from_rows(rows, partition.spec.name)
-        return partition.run(sorted(messages, key=lambda m: (m.stream_epoch, m.seq)))
+        messages = sorted(
+            messages_from_rows(rows, partition.spec.name), key=lambda m: (m.stream_epoch, m.seq)
+        )
+        # A shuffle leaves partitions empty: no transaction for them.
+        return partition.run(messages) if messages else Counts()
 
     def __call__(self, rows: Iterable[Row]) -> Iterator[Counts]:
         yield self.run(rows)

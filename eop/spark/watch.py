@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING
 
 from eop import log
-from eop.spark import errors, session
+from eop.spark import connect, errors
 
 if TYPE_CHECKING:
     from pyspark import StatusTracker
@@ -104,7 +104,7 @@ def _unwatched(what: str, watch: Watch) -> None:
 
 
 def _tracker(spark: SparkSession) -> StatusTracker | None:
-    if session.is_connect(spark):
+    if connect.is_connect(spark):
         return None  # no SparkContext, so no status tracker: the job runs unwatched
     return spark.sparkContext.statusTracker()
 

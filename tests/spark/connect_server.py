@@ -73,7 +73,8 @@ class ConnectServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while "Spark Connect server started" not in self.daemon.text():
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the Spark Connect server did not start:\n{self.daemon.text()[-3000:]}")
+                tail = self.daemon.text()[-3000:]
+                raise RuntimeError(f"the Spark Connect server did not start:\n{tail}")
             time.sleep(0.2)
         return self
 

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import cli
-from eop.spark import jobs, session, sink
+from eop.spark import connect, jobs, sink
 from eop.spark.apply import Counts
 from tests.integration.bed import STREAM, create_effects_table, effects_by_body, publish
 from tests.spark.connect_server import ConnectServer
@@ -155,7 +155,7 @@ async def test_eop_spark_backfill_and_stream_print_the_counts_on_either_kind_of_
     good = await publish_orders(js, 1, 14)
     common = [sparkapp.PATH, "--handler", HANDLER, "--max-attempts", "1"]
     common += ["--database-url", database_url, "--nats-url", nats_url]
-    if session.is_connect(any_spark):
+    if connect.is_connect(any_spark):
         server: ConnectServer = request.getfixturevalue("connect_server")
         common += ["--remote", server.url]
 
