@@ -156,7 +156,7 @@ def stream(
         connect.activate(spark)
         query = writer.start()
     if on_batch is not None and report_id is not None:
-        reports = app or sink.partition_for(target).app
+        reports = app or sink.caller_app(target)
         poller = report.Poller(reports, report_id, on_batch, lambda: query.isActive)
         _POLLERS[query.id] = poller.start()
     return query

@@ -137,7 +137,7 @@ def apply(df: DataFrame, target: Target, *, app: App | None = None) -> Counts:
     report_id = uuid.uuid4().hex
     connect.activate(df.sparkSession)
     df.write.format(NAME).options(**target.options(report_id)).mode("append").save()
-    reports = report.take(app or partition_for(target).app, report_id)
+    reports = report.take(app or caller_app(target), report_id)
     if report.BATCH_JOB not in reports:
         raise errors.EopError("the eop sink's commit left no counts (see eop.spark.report)")
     return reports[report.BATCH_JOB]
@@ -240,7 +240,7 @@ class EopStreamWriter(DataSourceStreamWriter):
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """The micro-batch's summed counts for the caller (on the driver's side)."""
         if self.report_id is not None:
-            report.leave(partition_for(self.target).app, self.report_id, batchId, _total(messages))
+            report.leave(caller_app(self.target), self.report_id, batchId, _total(messages))
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Nothing to undo: Spark runs the micro-batch again, and the inbox skips what is done."""
@@ -312,4 +312,22 @@ def partition_for(target: Target) -> Partition:
     _PARTITIONS.clear()
     log.configure(app.settings.log_format, app.settings.log_level)
     found = _PARTITIONS[target] = Partition(app, spec)
+    return found
+
+
+_APPS: dict[Target, App] = {}
+
+
+def caller_app(target: Target) -> App:
+    """The target's app, imported once per process, for the reports: no handler runs on it.
+
+    The commit's process and the caller read and write ``spark_reports`` on it.
+    """
+    found = _APPS.get(target)
+    if found is None:
+        from eop.app import App
+
+        found = _APPS[target] = App.from_path(target.app).with_settings(
+            **target.resolved_settings()
+        )
     return found

@@ -28,7 +28,8 @@ from . import sparkapp
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-pytestmark = pytest.mark.integration
+# Two Spark sessions' worth of jobs on a shared two-core machine.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 HANDLER = "spark_sync"
 POISON = {7: "poison-7", 13: "reject-13"}
@@ -114,7 +115,8 @@ async def test_a_stream_applies_each_message_once_and_a_replayed_micro_batch_is_
 
     async def run() -> list[tuple[int, Counts]]:
         batches: list[tuple[int, Counts]] = []
-        query = jobs.stream(
+        query = await asyncio.to_thread(
+            jobs.stream,
             any_spark,
             target(database_url),
             spec,
