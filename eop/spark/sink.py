@@ -215,7 +215,7 @@ class EopWriter(DataSourceWriter):
         """All tasks succeeded: the summed counts for the caller (on the driver's side)."""
         if self.report_id is not None:
             report.leave(
-                partition_for(self.target).app, self.report_id, report.BATCH_JOB, _total(messages)
+                caller_app(self.target), self.report_id, report.BATCH_JOB, _total(messages)
             )
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
