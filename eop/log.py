@@ -82,6 +82,8 @@ class Event(str, enum.Enum):
     OUTBOX_PURGED = "outbox.purged"
     DB_POOLER_FOUND = "db.pooler_found"
     SPARK_JOB_STALLED = "spark.job_stalled"
+    SPARK_REPORT_UNREAD = "spark.report_unread"
+    SPARK_UNWATCHED = "spark.unwatched"
     FAULT_ARMED = "fault.armed"
     FAULT_HIT = "fault.hit"
     LOOP_ERROR = "loop.error"

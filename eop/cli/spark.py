@@ -108,6 +108,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     _env_flag(
         parser,
+        "--remote",
+        str,
+        "a Spark Connect server (sc://host:port) to run the job on, instead of a Spark driver "
+        "in this process; its Python workers import eop and the app",
+        metavar="URL",
+    )
+    _env_flag(
+        parser,
         "--messages-per-partition",
         int,
         "stream sequences per Spark task (and per transaction)",
@@ -192,7 +200,7 @@ def _env_flag(
     )
 
 
-def _conf(args: argparse.Namespace) -> dict[str, str]:
+def _conf(args: argparse.Namespace, *, remote: bool = False) -> dict[str, str]:
     items = args.conf or options.env_list("EOP_SPARK_CONF")
     conf = {}
     for item in items:
@@ -200,8 +208,9 @@ def _conf(args: argparse.Namespace) -> dict[str, str]:
         if not sep or not key.strip():
             raise eop_errors.ConfigurationError(f"--conf takes KEY=VALUE, not {item!r}")
         conf[key.strip()] = value.strip()
-    # The commands print their own progress lines; Spark's bar would garble them.
-    conf.setdefault("spark.ui.showConsoleProgress", "false")
+    if not remote:
+        # The commands print their own progress lines; Spark's bar would garble them.
+        conf.setdefault("spark.ui.showConsoleProgress", "false")
     return conf
 
 
@@ -249,9 +258,23 @@ def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, j
 @contextlib.contextmanager
 def _session(args: argparse.Namespace, name: str) -> Iterator[SparkSession]:
     """The command's SparkSession, stopped after it unless it was running before."""
-    from pyspark import SparkContext
-
     from eop.spark import session
+
+    if args.remote:
+        if args.master:
+            raise eop_errors.ConfigurationError(
+                "--master and --remote exclude each other: a Spark Connect server has its master"
+            )
+        spark = session.build(remote=args.remote, conf=_conf(args, remote=True))
+        session.ship(spark, py_files(args))
+        try:
+            yield spark
+        finally:
+            # The client's session; the server and its Spark go on.
+            spark.stop()
+        return
+
+    from pyspark import SparkContext
 
     # Not getActiveSession(): that one is per thread, and a caller's session is not.
     running = SparkContext._active_spark_context
@@ -282,12 +305,12 @@ async def _check_schema(app: App) -> None:
 def _cmd_backfill(args: argparse.Namespace) -> int:
     from eop.spark import jobs, watch
 
-    _, spec, target, read = _prepare(args)
+    app, spec, target, read = _prepare(args)
     watching = watch.Watch(
         stall_warn_s=args.stall_warn_s, stall_timeout_s=args.stall_timeout_s, out=sys.stderr
     )
     with _session(args, f"eop-backfill-{spec.name}") as spark:
-        counts = jobs.backfill(spark, target, spec, read, watching=watching)
+        counts = jobs.backfill(spark, target, spec, read, watching=watching, app=app)
     print(f"backfill of {spec.stream} for handler {spec.name}: {counts}")
     return 0
 
@@ -296,7 +319,7 @@ def _cmd_stream(args: argparse.Namespace) -> int:
     from eop.spark import jobs, watch
     from eop.spark.apply import Counts
 
-    _, spec, target, read = _prepare(args)
+    app, spec, target, read = _prepare(args)
     total = Counts()
 
     def on_batch(batch_id: int, counts: Counts) -> None:
@@ -314,6 +337,7 @@ def _cmd_stream(args: argparse.Namespace) -> int:
             trigger_s=args.trigger_s,
             available_now=args.available_now,
             on_batch=on_batch,
+            app=app,
         )
         stop = threading.Event()
         if threading.current_thread() is threading.main_thread():

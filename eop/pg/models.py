@@ -67,6 +67,7 @@ class Tables:
     retries: sa.Table
     outbox: sa.Table
     relay_leases: sa.Table
+    spark_reports: sa.Table
 
 
 @functools.cache
@@ -218,6 +219,7 @@ def tables(schema: str = "eop") -> Tables:
         retries=retries,
         outbox=outbox,
         relay_leases=relay_leases,
+        spark_reports=_spark_reports(metadata),
     )
 
 
@@ -271,3 +273,34 @@ def _outbox_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
     )
     return outbox, relay_leases
+
+
+#: ``spark_reports.batch_id`` of a batch job (a stream's micro-batches are 0, 1, ...).
+BATCH_JOB = -1
+
+
+def _spark_reports(metadata: sa.MetaData) -> sa.Table:
+    """The outcome counts of a Spark write, which its driver-side commit leaves for the caller.
+
+    Spark runs a Python data source's commit in a process of its own (on the
+    cluster's driver, or the Spark Connect server), which cannot hand anything
+    back to the caller's process: the database both reach can. The caller reads
+    and deletes its rows (eop/spark/report.py).
+    """
+    return sa.Table(
+        "spark_reports",
+        metadata,
+        sa.Column("report_id", sa.Text, primary_key=True),
+        sa.Column("batch_id", sa.BigInteger, primary_key=True),
+        sa.Column("processed", sa.BigInteger, nullable=False),
+        sa.Column("duplicates", sa.BigInteger, nullable=False),
+        sa.Column("dead_lettered", sa.BigInteger, nullable=False),
+        sa.Column("quarantined", sa.BigInteger, nullable=False),
+        sa.Column("skipped", sa.BigInteger, nullable=False),
+        sa.Column(
+            "created_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+    )

@@ -5,10 +5,15 @@ Importing this package does not import PySpark; the modules that need it do:
 - :mod:`eop.spark.source`: the ``jetstream`` Python data source (batch and
   Structured Streaming) that reads stream sequences through short-lived
   consumers;
-- :mod:`eop.spark.sink`: runs a registered eop handler on the rows of each
-  partition, in one transaction with the same inbox claims as the workers;
+- :mod:`eop.spark.sink`: the ``eop`` data source, whose writer (batch and
+  streaming) runs a registered eop handler on the rows of each partition, in
+  one transaction with the same inbox claims as the workers;
+- :mod:`eop.spark.report`: the writer's outcome counts, from Spark's commit
+  process to the caller;
 - :mod:`eop.spark.jobs`: what ``eop spark backfill`` and ``eop spark stream`` run;
-- :mod:`eop.spark.session`: a SparkSession with a Java runtime found or provided;
+- :mod:`eop.spark.session`: a SparkSession with a Java runtime found or
+  provided, or a Spark Connect session;
+- :mod:`eop.spark.connect`: where classic and Spark Connect sessions differ;
 - :mod:`eop.spark.probe`: before a job, whether the executors import eop, pyarrow and the app;
 - :mod:`eop.spark.failures`: a Spark failure's root cause and fix, in one line;
 - :mod:`eop.spark.watch`: progress, and a job that no executor takes warned about or ended.
@@ -16,7 +21,7 @@ Importing this package does not import PySpark; the modules that need it do:
 ``python -m eop.spark`` is ``eop spark`` as a spark-submit application (see
 docs/spark-deployment.md).
 
-Install it with ``pip install 'eop[spark]'``.
+Install it with ``pip install 'eop[spark]'`` (``'eop[spark-connect]'`` for Spark Connect).
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ class SparkUnavailable(errors.ConfigurationError):
     """PySpark is missing: install the `spark` extra (`pip install 'eop[spark]'`)."""
 
 
+class SparkConnectUnavailable(errors.ConfigurationError):
+    """Spark Connect's client libraries are missing: install the `spark-connect` extra."""
+
+
 class RangeUnavailable(errors.EopError):
     """The requested sequences are no longer in the stream: retention or a purge removed them.
 

@@ -1,7 +1,8 @@
 """What ``eop spark backfill`` and ``eop spark stream`` run, usable from Python too.
 
 Both read the handler's stream and subject with the ``jetstream`` source and
-hand the rows to the exactly-once sink (:mod:`eop.spark.sink`).
+write the rows to the exactly-once sink, the ``eop`` data source
+(:mod:`eop.spark.sink`): on classic Spark and on Spark Connect alike.
 """
 
 from __future__ import annotations
@@ -11,18 +12,21 @@ import dataclasses
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 from eop import access
 from eop import errors as eop_errors
 from eop.handler import HandlerSpec, parse_order_by
-from eop.spark import errors, failures, probe, sink, watch
+from eop.spark import connect, errors, failures, probe, report, sink, watch
 from eop.spark.apply import Counts
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
+
+    from eop.app import App
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +68,11 @@ class ReadOptions:
 
 
 def ordered(df: DataFrame, spec: HandlerSpec) -> DataFrame:
-    """For handlers with ``order_by``: a key's messages in one partition, in stream order.
+    """For handlers with ``order_by``: a key's messages in one partition.
 
     Partitions run in parallel, so sequence ranges would let a key's later
-    message commit before its earlier one in another range.
+    message commit before its earlier one in another range. The sink runs
+    each partition's messages in stream order (:class:`eop.spark.sink.PartitionFunction`).
     """
     if spec.order_by is None:
         return df
@@ -78,7 +83,10 @@ def ordered(df: DataFrame, spec: HandlerSpec) -> DataFrame:
         key = F.try_element_at(F.split("subject", r"\."), F.lit(int(arg) + 1))
     else:
         key = F.try_element_at(F.col("headers"), F.lit(arg))
-    return df.repartition(max(df.rdd.getNumPartitions(), 1), key).sortWithinPartitions("seq")
+    if df.isStreaming or connect.is_connect(df.sparkSession):
+        # No RDD on Spark Connect, none before a micro-batch: spark.sql.shuffle.partitions.
+        return df.repartition(key)
+    return df.repartition(max(df.rdd.getNumPartitions(), 1), key)
 
 
 def backfill(
@@ -90,12 +98,14 @@ def backfill(
     progress: IO[str] | None = None,
     watching: watch.Watch | None = None,
     check: bool = True,
+    app: App | None = None,
 ) -> Counts:
     """Run the handler over the stream's sequences ``[from_seq, to_seq]`` (a batch job).
 
     ``check`` first probes the executors (:mod:`eop.spark.probe`); ``watching``
     says when a job that no executor takes is warned about or ended
-    (``progress`` is the shorthand for its ``out``).
+    (``progress`` is the shorthand for its ``out``); ``app`` is where the
+    counts are read (default: the target's, imported here).
     """
     watching = watching or watch.Watch(out=progress)
     what = f"backfill of {spec.stream} for {spec.name}"
@@ -104,7 +114,7 @@ def backfill(
             probe.check(spark, target.app, _executor_env(target, read))
         df = spark.read.format("jetstream").options(**read.options(spec)).load()
         df = ordered(df, spec)
-        return sink.apply(df, target)
+        return sink.apply(df, target, app=app)
 
 
 def stream(
@@ -118,17 +128,24 @@ def stream(
     available_now: bool = False,
     on_batch: Callable[[int, Counts], None] | None = None,
     check: bool = True,
+    app: App | None = None,
 ) -> StreamingQuery:
     """Start the Structured Streaming query; its offsets and progress live in ``checkpoint``.
 
     ``check`` first probes the executors (:mod:`eop.spark.probe`).
+    ``on_batch`` gets each micro-batch's counts once its commit left them
+    (read from ``app``'s database, by default the target's, in a thread of
+    this process): :func:`wait` returns after the last.
     """
     with translated(target.app):
         if check:
             probe.check(spark, target.app, _executor_env(target, read))
         df = spark.readStream.format("jetstream").options(**read.options(spec)).load()
+        report_id = uuid.uuid4().hex if on_batch is not None else None
         writer = (
-            df.writeStream.foreachBatch(_OrderedSink(spec, sink.BatchSink(target, on_batch)))
+            ordered(df, spec)
+            .writeStream.format(sink.NAME)
+            .options(**target.options(report_id))
             .option("checkpointLocation", checkpoint)
             .queryName(f"eop-{spec.name}")
         )
@@ -136,23 +153,22 @@ def stream(
             writer = writer.trigger(availableNow=True)
         elif trigger_s:
             writer = writer.trigger(processingTime=f"{round(trigger_s * 1000)} milliseconds")
-        return writer.start()
+        connect.activate(spark)
+        query = writer.start()
+    if on_batch is not None and report_id is not None:
+        reports = app or sink.caller_app(target)
+        poller = report.Poller(reports, report_id, on_batch, lambda: query.isActive)
+        _POLLERS[query.id] = poller.start()
+    return query
+
+
+# Each started query's poller, for wait() to see its last batches reported.
+_POLLERS: dict[str, report.Poller] = {}
 
 
 def _executor_env(target: sink.Target, read: ReadOptions) -> list[str]:
     """The variables the executors read credentials from, which the probe checks."""
     return sorted({*target.env.values(), *(var for _, var in read.secret_env)})
-
-
-class _OrderedSink:
-    """The sink with :func:`ordered` applied to each micro-batch."""
-
-    def __init__(self, spec: HandlerSpec, batch_sink: sink.BatchSink) -> None:
-        self.spec = spec
-        self.sink = batch_sink
-
-    def __call__(self, df: DataFrame, batch_id: int) -> None:
-        self.sink(ordered(df, self.spec), batch_id)
 
 
 def wait(
@@ -180,8 +196,13 @@ def wait(
                 if progress.get("batchId") != last_id:
                     last_id = progress.get("batchId")
                     print(_describe_progress(progress), file=report, flush=True)
-        # awaitTermination raises the query's failure only when asked without a timeout.
-        query.awaitTermination()
+        try:
+            # awaitTermination raises the query's failure only when asked without a timeout.
+            query.awaitTermination()
+        finally:
+            poller = _POLLERS.pop(query.id, None)
+            if poller is not None:
+                poller.finish()
 
 
 def _describe_progress(progress: dict[str, Any]) -> str:

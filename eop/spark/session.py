@@ -1,4 +1,5 @@
-"""A SparkSession for eop: a Java runtime found or provided, the data source registered."""
+"""A SparkSession for eop: classic (a Java runtime found or provided) or Spark Connect,
+with eop's data sources registered."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from eop.spark import errors, java
+from eop import errors as errors_mod
+from eop.spark import connect, errors, java
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -34,14 +36,21 @@ def build(
     *,
     app_name: str = "eop",
     conf: Mapping[str, str] | None = None,
+    remote: str | None = None,
 ) -> SparkSession:
-    """Get or create the SparkSession, with the ``jetstream`` data source registered.
+    """Get or create the SparkSession, with the ``jetstream`` and ``eop`` data sources registered.
+
+    ``remote`` (``sc://host:port``) connects to a Spark Connect server instead:
+    no JVM here, and ``master`` is the server's. Its Python workers, not this
+    process's, import eop and the app.
 
     ``master`` defaults to spark-submit's when run by spark-submit, else
     ``local[2]``. For local masters: Spark binds to 127.0.0.1, its Python
     workers run this interpreter, and its web UI is off (``conf`` may turn it on).
     """
     builder_cls = _pyspark_session()
+    if remote is not None:
+        return _connect(builder_cls, remote, conf or {})
     submitted = SUBMITTED_ENV in os.environ
     if master is None and not submitted:
         master = DEFAULT_MASTER
@@ -65,11 +74,34 @@ def build(
     return spark
 
 
+def _connect(builder_cls: type[SparkSession], remote: str, conf: Mapping[str, str]) -> SparkSession:
+    if not remote.startswith("sc://"):
+        raise errors_mod.ConfigurationError(
+            f"a Spark Connect URL starts with sc://, not {remote!r}"
+        )
+    try:
+        import pyspark.sql.connect.session  # noqa: F401 # its requirements, checked here
+    except ImportError as exc:
+        raise errors.SparkConnectUnavailable(
+            f"{errors.SparkConnectUnavailable.__doc__} ({exc})"
+        ) from None
+    # A session of its own (Connect sessions are cheap, server-side): stopping it
+    # leaves a caller's session on the same server alone.
+    spark = builder_cls.builder.remote(remote).create()
+    for key, value in conf.items():
+        # The server's own settings are its; a session sets its runtime ones.
+        spark.conf.set(key, value)
+    register(spark)
+    return spark
+
+
 def register(spark: SparkSession) -> None:
-    """Register the ``jetstream`` data source in a session built elsewhere."""
+    """Register the ``jetstream`` and ``eop`` data sources in a session built elsewhere."""
+    from eop.spark.sink import EopDataSource
     from eop.spark.source import JetStreamDataSource
 
     spark.dataSource.register(JetStreamDataSource)
+    spark.dataSource.register(EopDataSource)
 
 
 def ship(spark: SparkSession, files: Sequence[str]) -> None:
@@ -78,6 +110,11 @@ def ship(spark: SparkSession, files: Sequence[str]) -> None:
     What ``spark.submit.pyFiles`` does under spark-submit, for a session that
     a plain Python process started.
     """
+    if connect.is_connect(spark):
+        if files:
+            # Spark Connect's way: the files go to the server, for this session's workers.
+            spark.addArtifacts(*files, pyfile=True)
+        return
     for path in files:
         spark.sparkContext.addPyFile(path)
 

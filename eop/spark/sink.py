@@ -1,14 +1,20 @@
-"""The exactly-once sink: a registered eop handler run over a DataFrame, inside Spark tasks.
+"""The exactly-once sink: the ``eop`` data source, whose writer runs a registered eop handler.
 
-    counts = sink.apply(df, sink.Target("myapp:app", "billing"))          # batch
-    df.writeStream.foreachBatch(sink.BatchSink(target)).start()           # streaming
+    counts = sink.apply(df, sink.Target.create("myapp:app", "billing"))    # batch
+    (df.writeStream.format("eop").options(**target.options())              # streaming
+       .option("checkpointLocation", "/data/eop/billing").start())
 
-Each partition of ``df`` (rows of the ``jetstream`` source, unchanged) runs in
-one transaction through :class:`eop.spark.apply.Partition`, so retried,
-speculative and replayed tasks are no-ops for what already committed. The
-app is imported by its ``module:attribute`` path in each Python worker (the
-module must be importable there: installed, on ``PYTHONPATH``, or shipped
-with ``--py-files``), once per process.
+A PySpark Python data source writer (batch and Structured Streaming), so the
+same sink runs on classic Spark and on Spark Connect. Each partition of
+``df`` (rows of the ``jetstream`` source, unchanged) runs in one transaction
+through :class:`eop.spark.apply.Partition`, so retried, speculative and
+replayed tasks are no-ops for what already committed. Each task's
+:class:`~eop.spark.apply.Counts` travel back in its commit message; the
+commit, which Spark runs in a process of its own, leaves their sum for the
+caller (:mod:`eop.spark.report`). The app is imported by its
+``module:attribute`` path in each Python worker (the module must be
+importable there: installed, on ``PYTHONPATH``, or shipped with
+``--py-files``), once per process.
 """
 
 from __future__ import annotations
@@ -17,14 +23,26 @@ import dataclasses
 import datetime
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    WriterCommitMessage,
+)
+
 from eop import errors, log, message
+from eop.spark import connect, report
 from eop.spark.apply import Counts, Partition
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, Row
+    from pyspark.sql.types import StructType
+
+    from eop.app import App
 
 #: Columns the sink reads; the ``jetstream`` source provides them.
 REQUIRED_COLUMNS = ("stream", "epoch", "seq", "subject", "headers", "data")
@@ -83,51 +101,172 @@ class Target:
         overrides: dict[str, Any] = json.loads(self.settings_json)
         return overrides
 
+    def options(self, report_id: str | None = None) -> dict[str, str]:
+        """The ``eop`` data source's options for this target (and the caller's report id).
 
-def apply(df: DataFrame, target: Target) -> Counts:
-    """Run the target's handler over every row of ``df``; the outcomes, summed."""
-    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+        The settings go in ``secretSettings``: Spark redacts the values of
+        options whose names say "secret" where it shows them (plans, the UI).
+        """
+        opts = {"app": self.app, "handler": self.handler, "secretSettings": self.settings_json}
+        opts["env"] = self.env_json
+        if report_id is not None:
+            opts["reportId"] = report_id
+        return opts
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> Target:
+        """The target that :meth:`options` described (Spark lowercases option names)."""
+        opts = {k.lower(): v for k, v in options.items()}
+        missing = [name for name in ("app", "handler") if not opts.get(name)]
+        if missing:
+            raise errors.ConfigurationError(
+                f"the eop data source needs the options {missing} (see eop.spark.sink.Target)"
+            )
+        settings = opts.get("secretsettings", "{}")
+        return cls(opts["app"], opts["handler"], settings, opts.get("env", "{}"))
+
+
+def apply(df: DataFrame, target: Target, *, app: App | None = None) -> Counts:
+    """Run the target's handler over every row of ``df``; the outcomes, summed.
+
+    ``df.write.format("eop")`` (the session needs :func:`eop.spark.session.register`),
+    then the counts its commit left. ``app`` is where they are read: an app on
+    the database the sink writes to (default: the target's, imported here).
+    """
+    check_columns(df.columns)
+    report_id = uuid.uuid4().hex
+    connect.activate(df.sparkSession)
+    df.write.format(NAME).options(**target.options(report_id)).mode("append").save()
+    reports = report.take(app or caller_app(target), report_id)
+    if report.BATCH_JOB not in reports:
+        raise errors.EopError("the eop sink's commit left no counts (see eop.spark.report)")
+    return reports[report.BATCH_JOB]
+
+
+def check_columns(columns: Sequence[str]) -> None:
+    """ConfigurationError unless ``columns`` hold those of the jetstream source the sink reads."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
     if missing:
         raise errors.ConfigurationError(
             f"the DataFrame lacks the columns {missing} of the jetstream source"
         )
-    # The RDD API, not mapInArrow: that one needs pandas, which nothing else here does.
-    per_partition = df.rdd.mapPartitions(PartitionFunction(target)).collect()
+
+
+NAME = "eop"
+"""The data source's format name."""
+
+
+class EopDataSource(DataSource):
+    """``format("eop")``: the exactly-once sink, for batch writes and streaming queries.
+
+    Options: those of :meth:`Target.options`; ``reportId`` (optional) names
+    the report the commit leaves (:mod:`eop.spark.report`). Only ``append``:
+    the sink adds outcomes, it never replaces anything.
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        """The format name."""
+        return NAME
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        """A batch write (``df.write.format("eop")...save()``)."""
+        return EopWriter(*self._parsed(schema, overwrite))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        """A streaming sink (``df.writeStream.format("eop")...start()``)."""
+        return EopStreamWriter(*self._parsed(schema, overwrite))
+
+    def _parsed(self, schema: StructType, overwrite: bool) -> tuple[Target, str | None]:
+        if overwrite:
+            raise errors.ConfigurationError("the eop sink only appends: use mode('append')")
+        check_columns(schema.fieldNames())
+        opts = {k.lower(): v for k, v in self.options.items()}
+        return Target.from_options(self.options), opts.get("reportid") or None
+
+
+@dataclasses.dataclass(frozen=True)
+class CountsMessage(WriterCommitMessage):
+    """A task's commit message: its partition's outcome counts."""
+
+    counts: dict[str, int]
+
+
+def _total(messages: Iterable[WriterCommitMessage | None]) -> Counts:
     total = Counts()
-    for counts in per_partition:
-        total = total + counts
+    for msg in messages:
+        if isinstance(msg, CountsMessage):
+            total = total + Counts(**msg.counts)
     return total
 
 
-class BatchSink:
-    """A ``foreachBatch`` function: :func:`apply` on each micro-batch, then ``on_batch``.
+class EopWriter(DataSourceWriter):
+    """The batch writer: a partition per task, the counts left for the caller at commit."""
 
-    Spark calls it again with the same rows when it replays a micro-batch it
-    had not committed (a query killed after the sink wrote); those rows are
-    all found in the inbox and skipped.
+    def __init__(self, target: Target, report_id: str | None) -> None:
+        self.target = target
+        self.report_id = report_id
+
+    def write(self, iterator: Iterator[Row]) -> WriterCommitMessage:
+        """One partition in one transaction (in a Spark task)."""
+        return CountsMessage(PartitionFunction(self.target).run(iterator).as_dict())
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        """All tasks succeeded: the summed counts for the caller (on the driver's side)."""
+        if self.report_id is not None:
+            report.leave(
+                caller_app(self.target), self.report_id, report.BATCH_JOB, _total(messages)
+            )
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        """Nothing to undo: each partition committed whole or not at all, and a rerun skips it."""
+
+
+class EopStreamWriter(DataSourceStreamWriter):
+    """The streaming writer: a micro-batch's partitions, its counts left at its commit.
+
+    Spark writes a micro-batch again after a restart if it had not committed
+    it: the rows are found in the inbox and skipped.
     """
 
-    def __init__(
-        self, target: Target, on_batch: Callable[[int, Counts], None] | None = None
-    ) -> None:
+    def __init__(self, target: Target, report_id: str | None) -> None:
         self.target = target
-        self.on_batch = on_batch
+        self.report_id = report_id
 
-    def __call__(self, df: DataFrame, batch_id: int) -> None:
-        counts = apply(df, self.target)
-        if self.on_batch is not None:
-            self.on_batch(batch_id, counts)
+    def write(self, iterator: Iterator[Row]) -> WriterCommitMessage:
+        """One partition of the micro-batch in one transaction (in a Spark task)."""
+        return CountsMessage(PartitionFunction(self.target).run(iterator).as_dict())
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """The micro-batch's summed counts for the caller (on the driver's side)."""
+        if self.report_id is not None:
+            report.leave(caller_app(self.target), self.report_id, batchId, _total(messages))
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Nothing to undo: Spark runs the micro-batch again, and the inbox skips what is done."""
 
 
 class PartitionFunction:
-    """The ``mapPartitions`` function: one partition's rows in, their :class:`Counts` out."""
+    """One partition's rows in, their :class:`Counts` out (also a ``mapPartitions`` function)."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
 
-    def __call__(self, rows: Iterable[Row]) -> Iterator[Counts]:
+    def run(self, rows: Iterable[Row]) -> Counts:
+        """The partition, in one transaction, in stream order.
+
+        Sorted here: a streaming query may not sort, and a partition of an
+        ``order_by`` handler's (rows repartitioned by key) comes unsorted.
+        """
         partition = partition_for(self.target)
-        yield partition.run(messages_from_rows(rows, partition.spec.name))
+        messages = sorted(
+            messages_from_rows(rows, partition.spec.name), key=lambda m: (m.stream_epoch, m.seq)
+        )
+        # A shuffle leaves partitions empty: no transaction for them.
+        return partition.run(messages) if messages else Counts()
+
+    def __call__(self, rows: Iterable[Row]) -> Iterator[Counts]:
+        yield self.run(rows)
 
 
 def messages_from_rows(rows: Iterable[Row], subscription: str) -> Iterator[message.Message]:
@@ -173,4 +312,22 @@ def partition_for(target: Target) -> Partition:
     _PARTITIONS.clear()
     log.configure(app.settings.log_format, app.settings.log_level)
     found = _PARTITIONS[target] = Partition(app, spec)
+    return found
+
+
+_APPS: dict[Target, App] = {}
+
+
+def caller_app(target: Target) -> App:
+    """The target's app, imported once per process, for the reports: no handler runs on it.
+
+    The commit's process and the caller read and write ``spark_reports`` on it.
+    """
+    found = _APPS.get(target)
+    if found is None:
+        from eop.app import App
+
+        found = _APPS[target] = App.from_path(target.app).with_settings(
+            **target.resolved_settings()
+        )
     return found

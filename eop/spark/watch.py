@@ -7,7 +7,8 @@ task counts, warns when tasks are pending and none has run for
 which then fails with :class:`~eop.spark.errors.JobStalled`.
 
 Task counts come from the SparkContext's status tracker, which Spark Connect
-does not offer: on a Connect session the job runs unwatched.
+does not offer: on a Connect session the watch is off, and says so once (a
+stream's progress still comes from its query's reports, :func:`eop.spark.jobs.wait`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING
 
 from eop import log
-from eop.spark import errors
+from eop.spark import connect, errors
 
 if TYPE_CHECKING:
     from pyspark import StatusTracker
@@ -65,6 +66,7 @@ def watched(
     """
     tracker = _tracker(spark)
     if tracker is None:
+        _unwatched(what, watch)
         yield
         return
     tag = f"eop-{uuid.uuid4().hex[:12]}"
@@ -90,11 +92,21 @@ def watched(
         raise stall.error()
 
 
+def _unwatched(what: str, watch: Watch) -> None:
+    text = (
+        f"{what}: no stall watch: this session has no status tracker (Spark Connect), "
+        "so a job that no executor takes is neither reported nor ended"
+    )
+    if watch.out is not None:
+        print(f"eop: note: {text}", file=watch.out, flush=True)
+    else:
+        log.get_logger().info(log.Event.SPARK_UNWATCHED, what=what)
+
+
 def _tracker(spark: SparkSession) -> StatusTracker | None:
-    try:
-        return spark.sparkContext.statusTracker()
-    except Exception:  # a Spark Connect session has no SparkContext: the job runs unwatched
-        return None
+    if connect.is_connect(spark):
+        return None  # no SparkContext, so no status tracker: the job runs unwatched
+    return spark.sparkContext.statusTracker()
 
 
 class _Stall:

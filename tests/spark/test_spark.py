@@ -190,7 +190,7 @@ async def test_a_stream_killed_between_its_sink_and_spark_commit_applies_each_me
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The sink wrote micro-batch 0, then the driver was SIGKILLed before Spark committed it.
+    """The sink committed micro-batch 0, then the driver was SIGKILLed before Spark did.
     Restarted (`eop spark stream --available-now`), Spark replays batch 0, whose rows the
     inbox skips, and goes on: every message applied once."""
     await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
@@ -208,7 +208,6 @@ async def test_a_stream_killed_between_its_sink_and_spark_commit_applies_each_me
         timeout=180,
     )
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
-    assert "sink wrote batch 0: 10 processed" in crashed.stdout
     assert (checkpoint / "offsets" / "0").exists()
     assert not (checkpoint / "commits" / "0").exists()
     assert await effects_by_body(bed_engine) == {f"order-{i}": 1 for i in range(1, 11)}

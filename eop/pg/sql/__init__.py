@@ -782,3 +782,15 @@ def max_ids(t: models.Tables) -> sa.Select[Any]:
         sa.select(sa.func.coalesce(sa.func.max(t.dead_letters.c.id), 0)).scalar_subquery(),
         sa.select(sa.func.coalesce(sa.func.max(t.outbox.c.id), 0)).scalar_subquery(),
     )
+
+
+def add_spark_report(t: models.Tables, row: dict[str, Any]) -> sa.Executable:
+    """A Spark write's counts under its report id; a commit run again keeps the first."""
+    return postgresql.insert(t.spark_reports).values(row).on_conflict_do_nothing()
+
+
+def take_spark_reports(t: models.Tables, report_id: str) -> sa.Executable:
+    """The counts left under ``report_id``, deleted as they are read, by batch id."""
+    r = t.spark_reports
+    counted = [r.c.processed, r.c.duplicates, r.c.dead_lettered, r.c.quarantined, r.c.skipped]
+    return sa.delete(r).where(r.c.report_id == report_id).returning(r.c.batch_id, *counted)
