@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from eop.spark.cluster import Cluster
 from tests.conftest import unavailable
-from tests.spark.cluster import Cluster
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

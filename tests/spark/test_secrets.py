@@ -114,6 +114,8 @@ WAYS = {
 
 
 @pytest.mark.integration
+# A Spark driver that starts, runs two commands and serves its UI: minutes on a loaded machine.
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("way", sorted(WAYS))
 async def test_no_canary_credential_in_logs_ui_plans_event_log_or_checkpoint(
     way: str, database_url: str, engine: AsyncEngine, tmp_path: Path
@@ -139,7 +141,7 @@ async def test_no_canary_credential_in_logs_ui_plans_event_log_or_checkpoint(
         argv = [sys.executable, "-m", "tests.spark.canary_driver", str(out), sparkapp.PATH]
         argv += ["--handler", "spark_sync", "--messages-per-partition", "10", *filled]
         done = await asyncio.to_thread(
-            subprocess.run, argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+            subprocess.run, argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=840
         )
     assert done.returncode == 0, done.stderr[-5000:]
     assert f"{MESSAGES} processed" in done.stdout
