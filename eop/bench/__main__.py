@@ -2,6 +2,7 @@
 
 KIND is ``a``, ``h`` or ``b`` (:mod:`eop.bench.baselines`), ``fan N KIND ...``
 (N copies of one of them), ``publish`` or ``relay-polling`` (:mod:`eop.bench.loops`).
+``python -m eop.bench spark ...`` is the Spark bench (:mod:`eop.bench.spark`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from eop.bench import baselines, loops
 from eop.runtime import eventloop
 
 kind, args = sys.argv[1], sys.argv[2:]
-if kind == "publish":
+if kind == "spark":
+    from eop.bench import spark
+
+    sys.exit(spark.main(args))
+elif kind == "publish":
     # On uvloop when installed, as the relay it is the ceiling of.
     eventloop.run(loops.publish(*args[:6]))
 elif kind == "relay-polling":

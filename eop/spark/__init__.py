@@ -17,6 +17,8 @@ Importing this package does not import PySpark; the modules that need it do:
 - :mod:`eop.spark.probe`: before a job, whether the executors import eop, pyarrow and the app;
 - :mod:`eop.spark.failures`: a Spark failure's root cause and fix, in one line;
 - :mod:`eop.spark.watch`: progress, and a job that no executor takes warned about or ended.
+- :mod:`eop.spark.cluster`: a throwaway standalone master and workers from pyspark's jars
+  (the tests and ``python -m eop.bench spark`` run on it).
 
 ``python -m eop.spark`` is ``eop spark`` as a spark-submit application (see
 docs/spark-deployment.md).

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from eop.spark.cluster import Cluster
 from tests.conftest import unavailable
-from tests.spark.cluster import Cluster
 from tests.spark.connect_server import ConnectServer
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from subprocess import DEVNULL, STDOUT, Popen
 
 from eop import embedded
 from eop.spark import java
-from tests.spark.cluster import START_TIMEOUT_S, Daemon, spark_home
+from eop.spark.cluster import START_TIMEOUT_S, Daemon, spark_home
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"

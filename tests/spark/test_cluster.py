@@ -22,6 +22,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop.spark import java
+from eop.spark.cluster import Cluster, spark_home
 from tests.integration.bed import (
     STREAM,
     bed_settings,
@@ -32,7 +33,6 @@ from tests.integration.bed import (
     scalar,
     wait_for,
 )
-from tests.spark.cluster import Cluster, spark_home
 
 pytestmark = pytest.mark.integration
 

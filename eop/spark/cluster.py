@@ -1,10 +1,14 @@
-"""A real Spark standalone cluster on 127.0.0.1, started from pyspark's own jars.
+"""A throwaway Spark standalone cluster on 127.0.0.1, started from pyspark's own jars.
 
-One master and one worker (``spark-class ...deploy.master.Master`` and
+One master and its workers (``spark-class ...deploy.master.Master`` and
 ``...deploy.worker.Worker``), each a JVM of its own, as a user would start
 them from a pip-installed PySpark. Their executors run whatever Python the
-driver names (``PYSPARK_PYTHON``), in a work directory of their own: the
-tests' app is not on their path unless the job ships it.
+driver names (``PYSPARK_PYTHON``), in a work directory of their own: an app
+is not on their path unless the job ships it or that Python has it installed.
+The Spark tests and ``python -m eop.bench spark`` run on it.
+
+    with Cluster(scratch, cores=2).start() as cluster:
+        spark = session.build(cluster.url)
 """
 
 from __future__ import annotations
@@ -70,19 +74,31 @@ class Cluster:
 
     def start(self, workers: int = 1) -> Cluster:
         """Start the master and ``workers`` workers; returns once the workers have registered."""
+        self.scratch.mkdir(parents=True, exist_ok=True)
         self.master = self._daemon(
             "master",
             "org.apache.spark.deploy.master.Master",
             ["--host", "127.0.0.1", "--port", str(self.port), "--webui-port", "0"],
         )
-        self._wait(self.master, "I have been elected leader")
-        for _ in range(workers):
-            self.add_worker()
+        try:
+            self._wait(self.master, "I have been elected leader")
+            for _ in range(workers):
+                self.add_worker()
+        except BaseException:
+            self.stop()
+            raise
         return self
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def add_worker(self) -> Daemon:
         """Start a worker with ``cores`` cores; returns once the master knows it."""
-        assert self.master is not None
+        if self.master is None:
+            raise RuntimeError("Cluster.start() first")
         before = self.master.text().count("Registering worker")
         number = len(self.workers)
         work_dir = self.scratch / f"work{number}"
