@@ -123,20 +123,10 @@ class AsyncTransaction(SqlTransaction):
         driver = await self._driver()
         if driver is None:
             return await super().claim_many(messages, outcome)
-        guard = self.spec.msg_id_guard
-        # One list per column, in the order of sql.CLAIM_COLUMNS (the values of claim_row).
-        columns = (
-            [m.subscription for m in messages],
-            [m.stream for m in messages],
-            [m.stream_epoch for m in messages],
-            [m.seq for m in messages],
-            [m.fingerprint for m in messages],
-            [m.msg_id if guard else None for m in messages],
-            [m.subject for m in messages],
-            [outcome] * len(messages),
-            [m.num_delivered for m in messages],
-        )
-        records = await driver.fetch(sql.claim_driver_text(self.tables.schema), *columns)
+        if not messages:
+            return set()
+        arguments = self.claim_arguments(messages, outcome)
+        records = await driver.fetch(sql.claim_driver_text(self.tables.schema), *arguments)
         return {int(record[0]) for record in records}
 
     async def _driver(self) -> Any:
