@@ -470,3 +470,21 @@ async def test_other_errors_while_connecting_pass_through() -> None:
 
     with pytest.raises(DriverError):
         await failures.connected(connect())
+
+
+def test_loop_statements_are_built_once_and_take_their_values_as_parameters() -> None:
+    """Compaction and the retry poll run on every round: each statement is one object per
+    schema (its SQLAlchemy cache key computed once), the round's values passed beside it."""
+    t = models.tables("eop")
+    calls = [
+        (sql.take_due, ("orders", 5, 30.0)),
+        (sql.advance_watermark, ("orders", "ORDERS", "e1", 7)),
+        (sql.delete_below_watermark, ("orders", "ORDERS", "e1", 7, 100, 3600.0)),
+    ]
+    for make, args in calls:
+        first, params = make(t, *args)
+        again, _ = make(t, *args)
+        assert first is again
+        compiled = first.compile(dialect=postgresql.dialect())
+        assert set(params) <= set(compiled.params)
+        assert "orders" not in str(compiled)

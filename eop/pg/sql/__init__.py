@@ -58,6 +58,21 @@ def _in_epoch(c: Any, subscription: str, stream: str, epoch: str) -> tuple[Any, 
     return (c.subscription == subscription, c.stream == stream, c.stream_epoch == epoch)
 
 
+Bound = tuple[sa.Executable, dict[str, Any]]
+"""A statement built once (per schema) and the values of its bind parameters for one call:
+``session.execute(*bound)``. Statements run on every round of a loop (compaction, the
+retry poll) are built once, so SQLAlchemy's cache key of each is computed once too."""
+
+
+def _in_bound_epoch(c: Any) -> tuple[Any, ...]:
+    """:func:`_in_epoch` with bind parameters ``subscription``, ``stream`` and ``epoch``."""
+    return (
+        c.subscription == sa.bindparam("subscription", type_=sa.Text),
+        c.stream == sa.bindparam("stream", type_=sa.Text),
+        c.stream_epoch == sa.bindparam("epoch", type_=sa.Text),
+    )
+
+
 def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.TextClause:
     """``SET LOCAL lock_timeout`` and ``statement_timeout`` for this transaction only.
 
@@ -289,12 +304,19 @@ def lock_inbox_shared(t: models.Tables) -> sa.TextClause:
 
 def advance_watermark(
     t: models.Tables, subscription: str, stream: str, epoch: str, value: int
-) -> sa.Executable:
+) -> Bound:
     """Raise the watermark to ``value``; it never goes backwards. RETURNING the new value."""
+    params = {"subscription": subscription, "stream": stream, "epoch": epoch, "value": value}
+    return _advance_watermark(t), params
+
+
+@functools.cache
+def _advance_watermark(t: models.Tables) -> sa.Executable:
     w = t.watermarks.c
+    value = sa.bindparam("value", type_=sa.BigInteger)
     return (
         sa.update(t.watermarks)
-        .where(*_in_epoch(w, subscription, stream, epoch))
+        .where(*_in_bound_epoch(w))
         .values(watermark=sa.func.greatest(w.watermark, value), updated_at=sa.func.now())
         .returning(w.watermark)
     )
@@ -308,26 +330,40 @@ def delete_below_watermark(
     value: int,
     limit: int,
     msg_id_retention_s: float,
-) -> sa.Executable:
+) -> Bound:
     """Delete up to ``limit`` inbox rows at or below ``value`` (one bounded chunk).
 
     Rows carrying a msg-id stay for ``msg_id_retention_s``: they are the guard
     against a republish after the server's duplicate window.
     """
+    params = {
+        "subscription": subscription,
+        "stream": stream,
+        "epoch": epoch,
+        "value": value,
+        "limit": limit,
+        "retention_s": msg_id_retention_s,
+    }
+    return _delete_below_watermark(t), params
+
+
+@functools.cache
+def _delete_below_watermark(t: models.Tables) -> sa.Executable:
     c = t.inbox.c
-    cutoff = sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, msg_id_retention_s)
+    retention_s = sa.bindparam("retention_s", type_=sa.Float)
+    cutoff = sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, retention_s)
     chunk: sa.Select[Any] = (
         sa.select(sa.literal_column("ctid"))
         .select_from(t.inbox)
         .where(
-            *_in_epoch(c, subscription, stream, epoch),
-            c.stream_seq <= value,
+            *_in_bound_epoch(c),
+            c.stream_seq <= sa.bindparam("value", type_=sa.BigInteger),
             sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),
             # A retrying row was acked (the ack floor passed it) but has no outcome:
             # it is the claim of a retry held in the retries table.
             c.outcome != models.OUTCOME_RETRYING,
         )
-        .limit(limit)
+        .limit(sa.bindparam("limit", type_=sa.Integer))
     )
     # No RETURNING: the worker needs the count only (rowcount), not a row per deleted row.
     return sa.delete(t.inbox).where(
@@ -741,7 +777,7 @@ def forget_failures(
     return sa.delete(t.retries).where(_retry_key(t, subscription, stream, epoch, seq))
 
 
-def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) -> sa.Executable:
+def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) -> Bound:
     """Lease up to ``limit`` parked messages that are due; RETURNING them.
 
     Each one's ``runs`` goes up and its ``due_at`` moves a lease ahead, so
@@ -749,14 +785,24 @@ def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) ->
     outcome is still counted (the crash-loop bound). SKIP LOCKED: workers
     taking at the same time never wait for each other.
     """
+    return _take_due(t), {"subscription": subscription, "limit": limit, "lease_s": lease_s}
+
+
+@functools.cache
+def _take_due(t: models.Tables) -> sa.Executable:
     c = t.retries.c
     due = (
         sa.select(c.subscription, c.stream, c.stream_epoch, c.stream_seq)
-        .where(c.subscription == subscription, c.parked, c.due_at <= sa.func.now())
+        .where(
+            c.subscription == sa.bindparam("subscription", type_=sa.Text),
+            c.parked,
+            c.due_at <= sa.func.now(),
+        )
         .order_by(c.due_at)
-        .limit(limit)
+        .limit(sa.bindparam("limit", type_=sa.Integer))
         .with_for_update(skip_locked=True)
     )
+    lease_s = sa.bindparam("lease_s", type_=sa.Float)
     lease = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, lease_s)
     return (
         sa.update(t.retries)
