@@ -211,7 +211,9 @@ class Compactor:
                 self.msg_id_retention_s,
             )
             async with self.store.session() as session:
-                result: Any = await session.execute(stmt, params)  # a CursorResult: DML has a rowcount
+                result: Any = await session.execute(
+                    stmt, params
+                )  # a CursorResult: DML has a rowcount
                 deleted = int(result.rowcount)
                 await session.commit()
             total += deleted

@@ -61,15 +61,16 @@ def _in_epoch(c: Any, subscription: str, stream: str, epoch: str) -> tuple[Any, 
 Bound = tuple[sa.Executable, dict[str, Any]]
 """A statement built once (per schema) and the values of its bind parameters for one call:
 ``session.execute(*bound)``. Statements run on every round of a loop (compaction, the
-retry poll) are built once, so SQLAlchemy's cache key of each is computed once too."""
+retry poll) are built once, so SQLAlchemy's cache key of each is computed once too. The
+parameters' names start with ``p_``: an UPDATE takes a value named as a column for SET."""
 
 
 def _in_bound_epoch(c: Any) -> tuple[Any, ...]:
-    """:func:`_in_epoch` with bind parameters ``subscription``, ``stream`` and ``epoch``."""
+    """:func:`_in_epoch` with bind parameters ``p_subscription``, ``p_stream``, ``p_epoch``."""
     return (
-        c.subscription == sa.bindparam("subscription", type_=sa.Text),
-        c.stream == sa.bindparam("stream", type_=sa.Text),
-        c.stream_epoch == sa.bindparam("epoch", type_=sa.Text),
+        c.subscription == sa.bindparam("p_subscription", type_=sa.Text),
+        c.stream == sa.bindparam("p_stream", type_=sa.Text),
+        c.stream_epoch == sa.bindparam("p_epoch", type_=sa.Text),
     )
 
 
@@ -306,14 +307,19 @@ def advance_watermark(
     t: models.Tables, subscription: str, stream: str, epoch: str, value: int
 ) -> Bound:
     """Raise the watermark to ``value``; it never goes backwards. RETURNING the new value."""
-    params = {"subscription": subscription, "stream": stream, "epoch": epoch, "value": value}
+    params = {
+        "p_subscription": subscription,
+        "p_stream": stream,
+        "p_epoch": epoch,
+        "p_value": value,
+    }
     return _advance_watermark(t), params
 
 
 @functools.cache
 def _advance_watermark(t: models.Tables) -> sa.Executable:
     w = t.watermarks.c
-    value = sa.bindparam("value", type_=sa.BigInteger)
+    value = sa.bindparam("p_value", type_=sa.BigInteger)
     return (
         sa.update(t.watermarks)
         .where(*_in_bound_epoch(w))
@@ -337,12 +343,12 @@ def delete_below_watermark(
     against a republish after the server's duplicate window.
     """
     params = {
-        "subscription": subscription,
-        "stream": stream,
-        "epoch": epoch,
-        "value": value,
-        "limit": limit,
-        "retention_s": msg_id_retention_s,
+        "p_subscription": subscription,
+        "p_stream": stream,
+        "p_epoch": epoch,
+        "p_value": value,
+        "p_limit": limit,
+        "p_retention_s": msg_id_retention_s,
     }
     return _delete_below_watermark(t), params
 
@@ -350,20 +356,20 @@ def delete_below_watermark(
 @functools.cache
 def _delete_below_watermark(t: models.Tables) -> sa.Executable:
     c = t.inbox.c
-    retention_s = sa.bindparam("retention_s", type_=sa.Float)
+    retention_s = sa.bindparam("p_retention_s", type_=sa.Float)
     cutoff = sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, retention_s)
     chunk: sa.Select[Any] = (
         sa.select(sa.literal_column("ctid"))
         .select_from(t.inbox)
         .where(
             *_in_bound_epoch(c),
-            c.stream_seq <= sa.bindparam("value", type_=sa.BigInteger),
+            c.stream_seq <= sa.bindparam("p_value", type_=sa.BigInteger),
             sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),
             # A retrying row was acked (the ack floor passed it) but has no outcome:
             # it is the claim of a retry held in the retries table.
             c.outcome != models.OUTCOME_RETRYING,
         )
-        .limit(sa.bindparam("limit", type_=sa.Integer))
+        .limit(sa.bindparam("p_limit", type_=sa.Integer))
     )
     # No RETURNING: the worker needs the count only (rowcount), not a row per deleted row.
     return sa.delete(t.inbox).where(
@@ -785,7 +791,7 @@ def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) ->
     outcome is still counted (the crash-loop bound). SKIP LOCKED: workers
     taking at the same time never wait for each other.
     """
-    return _take_due(t), {"subscription": subscription, "limit": limit, "lease_s": lease_s}
+    return _take_due(t), {"p_subscription": subscription, "p_limit": limit, "p_lease_s": lease_s}
 
 
 @functools.cache
@@ -794,15 +800,15 @@ def _take_due(t: models.Tables) -> sa.Executable:
     due = (
         sa.select(c.subscription, c.stream, c.stream_epoch, c.stream_seq)
         .where(
-            c.subscription == sa.bindparam("subscription", type_=sa.Text),
+            c.subscription == sa.bindparam("p_subscription", type_=sa.Text),
             c.parked,
             c.due_at <= sa.func.now(),
         )
         .order_by(c.due_at)
-        .limit(sa.bindparam("limit", type_=sa.Integer))
+        .limit(sa.bindparam("p_limit", type_=sa.Integer))
         .with_for_update(skip_locked=True)
     )
-    lease_s = sa.bindparam("lease_s", type_=sa.Float)
+    lease_s = sa.bindparam("p_lease_s", type_=sa.Float)
     lease = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, lease_s)
     return (
         sa.update(t.retries)
