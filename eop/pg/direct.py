@@ -21,7 +21,7 @@ import contextlib
 import operator
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
@@ -30,6 +30,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from eop import writes as writes_mod
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine.interfaces import DBAPIModule
     from sqlalchemy.ext.asyncio import AsyncSession
 
 # (SQL text, the row's values in the order of its placeholders), or None: not for the driver.
@@ -146,7 +147,8 @@ async def _translated(
         error = raised
     if not isinstance(error, dbapi_error):
         return exc, None
-    lost = bool(dialect.is_disconnect(error, adapter, None))
+    # An instance of the DBAPI's Error, as checked above: what the dialect is typed to take.
+    lost = bool(dialect.is_disconnect(cast("DBAPIModule.Error", error), adapter, None))
     wrapped = sa_exc.DBAPIError.instance(
         text,
         rows,
