@@ -115,6 +115,21 @@ class Writes:
     def __bool__(self) -> bool:
         return bool(self._groups)
 
+    @property
+    def session_used(self) -> bool:
+        """Whether the handler asked for :attr:`session` (then eop's statements may not be the
+        only ones on its connection)."""
+        return self._watching
+
+    def take(self) -> list[tuple[sa.Executable, list[dict[str, Any]]]]:
+        """The queued writes as (statement, parameter sets) groups, in order; the queue empties.
+
+        For the sender of an ``AsyncSession``'s writes (:mod:`eop.pg.direct`),
+        which sends them itself where it can and the rest through :func:`send_groups`.
+        """
+        groups, self._groups = self._groups, []
+        return groups
+
     def discard(self) -> None:
         """Forget the queued writes (their handler failed and its savepoint was rolled back)."""
         self._groups = []
@@ -127,9 +142,13 @@ class Writes:
         Core statements on the connection: a list of parameter sets is a plain
         ``executemany``, never an ORM bulk operation.
         """
-        groups, self._groups = self._groups, []
-        if not groups:
-            return
-        connection = session.connection()
-        for statement, rows in groups:
-            connection.execute(statement, rows[0] if len(rows) == 1 else rows)
+        send_groups(session, self.take())
+
+
+def send_groups(session: Session, groups: list[_Group]) -> None:
+    """Execute ``groups`` (:meth:`Writes.take`) on ``session``'s connection, in order."""
+    if not groups:
+        return
+    connection = session.connection()
+    for statement, rows in groups:
+        connection.execute(statement, rows[0] if len(rows) == 1 else rows)

@@ -83,9 +83,9 @@ async def take_due(
     store: store.PostgresStore, spec: HandlerSpec, limit: int, lease_s: float
 ) -> list[ParkedDelivery]:
     """Lease up to ``limit`` parked messages of ``spec`` whose retry is due."""
-    stmt = sql.take_due(store.tables, spec.name, limit, lease_s)
+    stmt, params = sql.take_due(store.tables, spec.name, limit, lease_s)
     async with store.session() as session, session.begin():
-        rows = (await session.execute(stmt)).all()
+        rows = (await session.execute(stmt, params)).all()
     return [_delivery(spec, tuple(row)) for row in rows]
 
 

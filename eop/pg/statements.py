@@ -90,8 +90,32 @@ class Statements(abc.ABC):
         The messages of one batch share a subscription and a stream, so the
         sequence identifies each one.
         """
-        rows = [self.claim_row(m, outcome) for m in messages]
-        return {int(row[0]) for row in await self._rows(sql.claim(self.tables, rows))}
+        if not messages:
+            return set()
+        stmt = sql.claim(self.tables, self.claim_arguments(messages, outcome))
+        return {int(row[0]) for row in await self._rows(stmt)}
+
+    def claim_arguments(self, messages: list[Message], outcome: str) -> tuple[Any, ...]:
+        """The claim's parameters for ``messages`` (:func:`eop.pg.sql.claim_arguments`): the
+        values of :meth:`claim_row`, shared ones once."""
+        first = messages[0]
+        subscriptions = [m.subscription for m in messages]
+        streams = [m.stream for m in messages]
+        if subscriptions.count(first.subscription) != len(messages) or streams.count(
+            first.stream
+        ) != len(messages):
+            raise ValueError("a batch claim takes the messages of one subscription and stream")
+        return sql.claim_arguments(
+            first.subscription,
+            first.stream,
+            outcome,
+            [m.seq for m in messages],
+            [m.fingerprint for m in messages],
+            [m.stream_epoch for m in messages],
+            [m.subject for m in messages],
+            [m.num_delivered for m in messages],
+            [m.msg_id for m in messages] if self.spec.msg_id_guard else [None] * len(messages),
+        )
 
     def claim_row(self, m: Message, outcome: str) -> dict[str, Any]:
         """The inbox row that claims ``m`` with ``outcome``."""

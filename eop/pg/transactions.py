@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from eop import errors, writes
 from eop.outgoing import DEFAULT_MAX_PAYLOAD
-from eop.pg import models, outbox, sql
+from eop.pg import direct, models, outbox, sql
 from eop.pg.threads import SyncThreads
 
 if TYPE_CHECKING:
@@ -76,6 +76,9 @@ class AsyncTransaction(SqlTransaction):
         self.session = session
         self._raw: Any = None
         """The asyncpg connection :meth:`begin` ran on, for the first :meth:`_driver` call."""
+        self._adapter: Any = None
+        """SQLAlchemy's DBAPI connection under the session since :meth:`begin`, when asyncpg's,
+        until the transaction ends: where :meth:`flush` sends queued writes itself."""
 
     async def begin(self, timeouts: sa.Executable, timeouts_text: str) -> None:
         """BEGIN, then the local timeouts as a simple query on asyncpg's own connection.
@@ -104,6 +107,7 @@ class AsyncTransaction(SqlTransaction):
                             await connection.invalidate(exc)
                     raise
                 self._raw = driver
+                self._adapter = adapter
                 return
         await self._rows(timeouts)
 
@@ -123,20 +127,10 @@ class AsyncTransaction(SqlTransaction):
         driver = await self._driver()
         if driver is None:
             return await super().claim_many(messages, outcome)
-        guard = self.spec.msg_id_guard
-        # One list per column, in the order of sql.CLAIM_COLUMNS (the values of claim_row).
-        columns = (
-            [m.subscription for m in messages],
-            [m.stream for m in messages],
-            [m.stream_epoch for m in messages],
-            [m.seq for m in messages],
-            [m.fingerprint for m in messages],
-            [m.msg_id if guard else None for m in messages],
-            [m.subject for m in messages],
-            [outcome] * len(messages),
-            [m.num_delivered for m in messages],
-        )
-        records = await driver.fetch(sql.claim_driver_text(self.tables.schema), *columns)
+        if not messages:
+            return set()
+        arguments = self.claim_arguments(messages, outcome)
+        records = await driver.fetch(sql.claim_driver_text(self.tables.schema), *arguments)
         return {int(record[0]) for record in records}
 
     async def _driver(self) -> Any:
@@ -174,7 +168,17 @@ class AsyncTransaction(SqlTransaction):
         greenlet hop then.
         """
         if self.writes:
-            await self.session.run_sync(self.writes.send)
+            # A handler given only the write queue cannot have ended the session's
+            # transaction (and so changed its connection); one given the session, or
+            # that asked for writes.session, may have.
+            if (
+                self._adapter is not None
+                and self.spec.takes_writes
+                and not self.writes.session_used
+            ):
+                await direct.send(self.writes, self.session, self._adapter)
+            else:
+                await self.session.run_sync(self.writes.send)
         if self.session.new or self.session.dirty or self.session.deleted:
             await self.session.flush()
 
@@ -196,13 +200,13 @@ class AsyncTransaction(SqlTransaction):
         """COMMIT; a connection lost during it makes the outcome unknown."""
         if self.writes:
             await self.flush()  # never left behind, whoever ran the handler
-        self._raw = None
+        self._raw = self._adapter = None
         await translate_commit(self.session.commit)
         self.committed = True
 
     async def rollback(self) -> None:
         """ROLLBACK, ignoring a broken connection."""
-        self._raw = None
+        self._raw = self._adapter = None
         with contextlib.suppress(Exception):
             await self.session.rollback()
 

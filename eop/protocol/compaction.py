@@ -220,8 +220,8 @@ class Compactor:
             del self._created[epoch]
         t, name, stream = self.store.tables, self.spec.name, self.spec.stream
         async with self.store.session() as session:
-            stmt = sql.advance_watermark(t, name, stream, epoch, candidate)
-            value = (await session.execute(stmt)).scalar_one_or_none()
+            stmt, params = sql.advance_watermark(t, name, stream, epoch, candidate)
+            value = (await session.execute(stmt, params)).scalar_one_or_none()
             await session.commit()
         if value is None:
             # The row is gone (deleted by hand): create it again next round.
@@ -233,7 +233,7 @@ class Compactor:
         """Delete in bounded chunks, each its own short transaction (no long locks)."""
         total = 0
         while True:
-            stmt = sql.delete_below_watermark(
+            stmt, params = sql.delete_below_watermark(
                 self.store.tables,
                 self.spec.name,
                 self.spec.stream,
@@ -243,7 +243,9 @@ class Compactor:
                 self.msg_id_retention_s,
             )
             async with self.store.session() as session:
-                result: Any = await session.execute(stmt)  # a CursorResult: DML has a rowcount
+                result: Any = await session.execute(
+                    stmt, params
+                )  # a CursorResult: DML has a rowcount
                 deleted = int(result.rowcount)
                 await session.commit()
             total += deleted

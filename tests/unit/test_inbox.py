@@ -289,9 +289,11 @@ async def test_claim_is_true_when_the_insert_returns_a_row() -> None:
     assert await transaction(session).claim(message(), models.OUTCOME_PROCESSED) is True
 
 
-async def test_batch_claim_on_asyncpg_sends_one_array_per_column_to_the_driver() -> None:
-    """On asyncpg the claim skips SQLAlchemy: the same statement, arrays as positional
-    parameters in the order of sql.CLAIM_COLUMNS, the watermark read FOR SHARE."""
+async def test_batch_claim_on_asyncpg_sends_shared_values_once_and_the_rest_as_arrays() -> None:
+    """On asyncpg the claim skips SQLAlchemy: the same statement, its parameters positional in
+    the order of sql.CLAIM_PARAMS, the watermark read FOR SHARE. Subscription, stream and
+    outcome are scalars; a column whose rows all hold one value (the epoch, the subject,
+    the delivery count here) goes once, its array left empty; the others as arrays."""
     session = FakeAsyncSession(results=[[(3,)]])
     session.driver = "asyncpg"
     msgs = [message({"Nats-Msg-Id": "m-1"}), dataclasses.replace(message(), seq=4)]
@@ -301,16 +303,46 @@ async def test_batch_claim_on_asyncpg_sends_one_array_per_column_to_the_driver()
     assert query == sql.claim_driver_text("eop")
     assert "FOR SHARE" in query
     assert "ON CONFLICT DO NOTHING" in query
-    columns = dict(zip(sql.CLAIM_COLUMNS, args, strict=True))
-    assert columns["stream_seq"] == [3, 4]
-    assert columns["msg_id"] == ["m-1", None]
-    assert columns["fingerprint"] == [m.fingerprint for m in msgs]
-    assert columns["outcome"] == ["processed", "processed"]
-    assert "$9::integer[]" in query
-    # The same values as the SQLAlchemy path's rows.
+    params = dict(zip(sql.CLAIM_PARAMS, args, strict=True))
+    assert (params["subscription"], params["stream"], params["outcome"]) == (
+        "orders",
+        "ORDERS",
+        "processed",
+    )
+    assert params["stream_seq"] == [3, 4]
+    assert params["fingerprint"] == [m.fingerprint for m in msgs]
+    assert (params["stream_epoch"], params["stream_epoch_each"]) == ("e1", [])
+    assert (params["subject"], params["subject_each"]) == ("orders.new", [])
+    assert (params["delivery_count"], params["delivery_count_each"]) == (2, [])
+    assert (params["msg_id"], params["msg_id_each"]) == (None, ["m-1", None])
+    # Each row's values are those of claim_row.
     tx = transaction(FakeAsyncSession())
-    rows = [tx.claim_row(m, models.OUTCOME_PROCESSED) for m in msgs]
-    assert columns == {name: [row[name] for row in rows] for name in sql.CLAIM_COLUMNS}
+    for i, m in enumerate(msgs):
+        row = tx.claim_row(m, models.OUTCOME_PROCESSED)
+        for name, value in row.items():
+            each = params.get(f"{name}_each")
+            expected = each[i] if each else params[name]
+            if isinstance(expected, list):
+                expected = expected[i]
+            assert expected == value, name
+
+
+def test_claim_arguments_send_an_epoch_per_row_when_a_batch_spans_two_epochs() -> None:
+    """A batch may span a stream's recreation: then every row carries its own epoch."""
+    args = sql.claim_arguments(
+        "s", "S", "processed", [1, 2], [b"a", b"b"], ["e1", "e2"], ["x", "x"], [1, 1], [None, None]
+    )
+    params = dict(zip(sql.CLAIM_PARAMS, args, strict=True))
+    assert (params["stream_epoch"], params["stream_epoch_each"]) == (None, ["e1", "e2"])
+    assert (params["msg_id"], params["msg_id_each"]) == (None, [])
+
+
+def test_a_batch_claim_refuses_messages_of_two_streams() -> None:
+    """The claim sends the subscription and the stream once: a mixed batch is an error,
+    never rows filed under the first message's stream."""
+    msgs = [message(), dataclasses.replace(message(), stream="OTHER", seq=4)]
+    with pytest.raises(ValueError, match="one subscription and stream"):
+        transaction(FakeAsyncSession()).claim_arguments(msgs, models.OUTCOME_PROCESSED)
 
 
 async def test_claim_is_false_when_the_insert_returns_nothing() -> None:
@@ -438,3 +470,23 @@ async def test_other_errors_while_connecting_pass_through() -> None:
 
     with pytest.raises(DriverError):
         await failures.connected(connect())
+
+
+def test_loop_statements_are_built_once_and_take_their_values_as_parameters() -> None:
+    """Compaction and the retry poll run on every round: each statement is one object per
+    schema (its SQLAlchemy cache key computed once), the round's values passed beside it."""
+    t = models.tables("eop")
+    calls = [
+        (sql.take_due, ("orders", 5, 30.0)),
+        (sql.advance_watermark, ("orders", "ORDERS", "e1", 7)),
+        (sql.delete_below_watermark, ("orders", "ORDERS", "e1", 7, 100, 3600.0)),
+    ]
+    for make, args in calls:
+        first, params = make(t, *args)
+        again, _ = make(t, *args)
+        assert first is again
+        # Compiled as an execution compiles it, with the names of the values given: an
+        # UPDATE refuses a parameter named as one of its columns.
+        compiled = first.compile(dialect=postgresql.dialect(), column_keys=list(params))
+        assert set(params) <= set(compiled.params)
+        assert "orders" not in str(compiled)

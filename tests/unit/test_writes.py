@@ -110,3 +110,37 @@ def test_the_second_parameter_annotation_decides_writes_or_session(
     """eop.Writes (even unresolvable, by name) gets the queue; anything else the session."""
     spec = HandlerSpec(func=func, name="h", stream="S", subject="s.x", durable="d")
     assert spec.takes_writes is expected
+
+
+def test_only_statements_needing_nothing_of_sqlalchemy_at_execution_go_to_asyncpg() -> None:
+    """eop sends a queued statement on asyncpg itself only when SQLAlchemy's execution would
+    add nothing: no bind processor (JSONB), no Python-side default, no expanding IN; the
+    values in the compiled placeholders' order. Every other statement goes through the
+    session."""
+    from sqlalchemy.dialects.postgresql import JSONB
+    from sqlalchemy.dialects.postgresql import asyncpg as asyncpg_dialect
+
+    from eop.pg import direct
+
+    dialect = asyncpg_dialect.dialect()  # type: ignore[no-untyped-call]
+    metadata = sa.MetaData()
+    table = sa.Table(
+        "t",
+        metadata,
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("doc", JSONB),
+        sa.Column("n", sa.Integer, default=5),
+    )
+    text = sa.text("INSERT INTO effects (a, b) VALUES (:b, :a)")
+    sent = direct.plan(text, dialect, ("a", "b"))
+    assert sent is not None
+    sql_text, values = sent
+    assert sql_text == "INSERT INTO effects (a, b) VALUES ($1, $2)"
+    assert values({"a": 1, "b": 2}) == (2, 1)
+    assert direct.plan(sa.insert(table), dialect, ("id", "n")) is not None
+    assert direct.plan(sa.insert(table), dialect, ("id", "doc", "n")) is None  # JSONB
+    assert direct.plan(sa.insert(table), dialect, ("id",)) is None  # n's default
+    expanding = sa.delete(table).where(table.c.id.in_(sa.bindparam("ids", expanding=True)))
+    assert direct.plan(expanding, dialect, ("ids",)) is None
+    psycopg = sa.create_engine("postgresql+psycopg://x@localhost/x").dialect
+    assert direct.plan(text, psycopg, ("a", "b")) is None

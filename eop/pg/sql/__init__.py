@@ -58,6 +58,22 @@ def _in_epoch(c: Any, subscription: str, stream: str, epoch: str) -> tuple[Any, 
     return (c.subscription == subscription, c.stream == stream, c.stream_epoch == epoch)
 
 
+Bound = tuple[sa.Executable, dict[str, Any]]
+"""A statement built once (per schema) and the values of its bind parameters for one call:
+``session.execute(*bound)``. Statements run on every round of a loop (compaction, the
+retry poll) are built once, so SQLAlchemy's cache key of each is computed once too. The
+parameters' names start with ``p_``: an UPDATE takes a value named as a column for SET."""
+
+
+def _in_bound_epoch(c: Any) -> tuple[Any, ...]:
+    """:func:`_in_epoch` with bind parameters ``p_subscription``, ``p_stream``, ``p_epoch``."""
+    return (
+        c.subscription == sa.bindparam("p_subscription", type_=sa.Text),
+        c.stream == sa.bindparam("p_stream", type_=sa.Text),
+        c.stream_epoch == sa.bindparam("p_epoch", type_=sa.Text),
+    )
+
+
 def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.TextClause:
     """``SET LOCAL lock_timeout`` and ``statement_timeout`` for this transaction only.
 
@@ -106,27 +122,92 @@ def msg_id_digest(msg_id: Any) -> sa.ColumnElement[bytes]:
     )
 
 
-_CLAIM_COLUMNS = (
+# The claim's parameters, in order: (name, SQLAlchemy type, PostgreSQL type).
+# A batch shares its subscription, stream and outcome: those are scalars. Each
+# row has its own sequence and fingerprint: those are arrays. The other columns
+# are usually the same for the whole batch (one epoch, one subject, a first
+# delivery, no msg-id when the guard is off), so each is a pair: a scalar that
+# holds the batch's value when every row has it (the array then empty), else
+# NULL beside the array of every row's value (see :func:`claim_arguments`).
+# asyncpg checks every array element against three ABCs before encoding it,
+# which made nine arrays of a batch's values most of the claim's client cost.
+_CLAIM_SCALARS = (
     ("subscription", sa.Text, "text"),
     ("stream", sa.Text, "text"),
-    ("stream_epoch", sa.Text, "text"),
+    ("outcome", sa.Text, "text"),
+)
+_CLAIM_ARRAYS = (
     ("stream_seq", sa.BigInteger, "bigint"),
     ("fingerprint", sa.LargeBinary, "bytea"),
-    ("msg_id", sa.Text, "text"),
+)
+_CLAIM_SHARED = (
+    ("stream_epoch", sa.Text, "text"),
     ("subject", sa.Text, "text"),
-    ("outcome", sa.Text, "text"),
     ("delivery_count", sa.Integer, "integer"),
+    ("msg_id", sa.Text, "text"),
+)
+_CLAIM_PARAMS: tuple[tuple[str, Any, str], ...] = (
+    *_CLAIM_SCALARS,
+    *((name, postgresql.ARRAY(kind), f"{pg}[]") for name, kind, pg in _CLAIM_ARRAYS),
+    *(
+        param
+        for name, kind, pg in _CLAIM_SHARED
+        for param in ((name, kind, pg), (f"{name}_each", postgresql.ARRAY(kind), f"{pg}[]"))
+    ),
 )
 
+CLAIM_PARAMS: tuple[str, ...] = tuple(name for name, _, _ in _CLAIM_PARAMS)
+"""The claim's parameters, in the order of :func:`claim_arguments` (and of
+:func:`claim_driver_text`'s placeholders)."""
 
-def claim(t: models.Tables, rows: list[dict[str, Any]]) -> sa.TextClause:
+
+def claim_arguments(
+    subscription: str,
+    stream: str,
+    outcome: str,
+    seqs: list[int],
+    fingerprints: list[bytes],
+    epochs: list[str],
+    subjects: list[str],
+    delivery_counts: list[int],
+    msg_ids: list[str | None],
+) -> tuple[Any, ...]:
+    """The claim's parameter values for a batch, one list per column, in :data:`CLAIM_PARAMS`
+    order: a column whose rows all hold one value is sent as that scalar."""
+    return (
+        subscription,
+        stream,
+        outcome,
+        seqs,
+        fingerprints,
+        *_shared_or_each(epochs),
+        *_shared_or_each(subjects),
+        *_shared_or_each(delivery_counts),
+        *_shared_or_each(msg_ids),
+    )
+
+
+def _shared_or_each(values: list[Any]) -> tuple[Any, list[Any]]:
+    """``(value, [])`` when every one of ``values`` is ``value``, else ``(None, values)``.
+
+    The claim reads a row's value as ``COALESCE(each, shared)``: the array,
+    shorter than the others, is padded with NULLs by ``unnest``.
+    """
+    # list.count compares in C: cheaper than encoding the array it may spare.
+    if values and values.count(values[0]) == len(values):
+        return values[0], []
+    return None, values
+
+
+def claim(t: models.Tables, arguments: tuple[Any, ...]) -> sa.TextClause:
     """Insert the inbox rows whose key (or msg-id) is free and which lie above the watermark.
 
-    One statement for a whole batch, its rows passed as one array per column
-    (``unnest``): the SQL text never changes with the batch, so it is compiled
-    and prepared once. RETURNING names the claimed sequences. A concurrent
-    transaction holding one of the keys makes this wait on the unique index
-    until that one ends: then that row is not inserted.
+    One statement for a whole batch, its rows passed as arrays and shared
+    values (``arguments``, from :func:`claim_arguments`): the SQL text never
+    changes with the batch, so it is compiled and prepared once. RETURNING
+    names the claimed sequences. A concurrent transaction holding one of the
+    keys makes this wait on the unique index until that one ends: then that
+    row is not inserted.
 
     The watermark is read FOR SHARE: compaction raises it (an UPDATE of that
     row) only once no claim that read the old value is still open, and deletes
@@ -134,35 +215,46 @@ def claim(t: models.Tables, rows: list[dict[str, Any]]) -> sa.TextClause:
     """
     return _claim_text(t.schema).bindparams(
         *(
-            sa.bindparam(name, [row[name] for row in rows], type_=postgresql.ARRAY(kind))
-            for name, kind, _ in _CLAIM_COLUMNS
+            sa.bindparam(name, value, type_=kind)
+            for (name, kind, _), value in zip(_CLAIM_PARAMS, arguments, strict=True)
         )
     )
 
 
 @functools.cache
 def _claim_text(schema: str) -> sa.TextClause:
-    arrays = ", ".join(f"CAST(:{name} AS {pg}[])" for name, _, pg in _CLAIM_COLUMNS)
-    return sa.text(_claim_sql(schema, arrays))
+    return sa.text(
+        _claim_sql(schema, {name: f"CAST(:{name} AS {pg})" for name, _, pg in _CLAIM_PARAMS})
+    )
 
 
-def _claim_sql(schema: str, arrays: str) -> str:
-    """The claim statement, its nine column arrays given as ``arrays`` (placeholders).
+def _claim_sql(schema: str, p: dict[str, str]) -> str:
+    """The claim statement, ``p`` naming each of :data:`CLAIM_PARAMS`'s placeholders.
 
     The msg-id guard's unique index holds the msg-id's digest (:func:`msg_id_digest`),
     computed here so that every claim, whatever its caller, fills it in; a
     taken digest is a conflict that ON CONFLICT DO NOTHING skips.
     """
-    names = ", ".join(name for name, _, _ in _CLAIM_COLUMNS)
+    row_names = [name for name, _, _ in (*_CLAIM_ARRAYS, *_CLAIM_SHARED)]
+    arrays = ", ".join(
+        [p[name] for name, _, _ in _CLAIM_ARRAYS]
+        + [p[f"{name}_each"] for name, _, _ in _CLAIM_SHARED]
+    )
+    values = {name: p[name] for name, _, _ in _CLAIM_SCALARS}
+    values.update({name: f"i.{name}" for name, _, _ in _CLAIM_ARRAYS})
+    values.update({name: f"COALESCE(i.{name}, {p[name]})" for name, _, _ in _CLAIM_SHARED})
+    columns = [name for name, _, _ in (*_CLAIM_SCALARS, *_CLAIM_ARRAYS, *_CLAIM_SHARED)]
     # The schema name is checked to be an identifier by Settings; quoting keeps
     # it literal.
     return (
-        f'INSERT INTO "{schema}".inbox ({names}, msg_id_digest) '
-        f"SELECT i.*, {_DIGEST_SQL.format('i.msg_id')} FROM unnest({arrays}) AS i({names}) "
+        f'INSERT INTO "{schema}".inbox ({", ".join(columns)}, msg_id_digest) '
+        f"SELECT {', '.join(values[c] for c in columns)}, "
+        f"{_DIGEST_SQL.format(values['msg_id'])} "
+        f"FROM unnest({arrays}) AS i({', '.join(row_names)}) "
         "WHERE i.stream_seq > COALESCE(("
         f'SELECT w.watermark FROM "{schema}".watermarks AS w '
-        "WHERE w.subscription = i.subscription AND w.stream = i.stream "
-        "AND w.stream_epoch = i.stream_epoch FOR SHARE), 0) "
+        f"WHERE w.subscription = {values['subscription']} AND w.stream = {values['stream']} "
+        f"AND w.stream_epoch = {values['stream_epoch']} FOR SHARE), 0) "
         "ON CONFLICT DO NOTHING RETURNING stream_seq"
     )
 
@@ -174,16 +266,13 @@ def _claim_sql(schema: str, arrays: str) -> str:
 def claim_driver_text(schema: str) -> str:
     """:func:`claim` as plain SQL for the asyncpg connection under the session.
 
-    The same statement, with positional array parameters in the order of
-    :data:`CLAIM_COLUMNS`: passing the arrays straight to the driver skips
-    SQLAlchemy's per-element bind processing of nine arrays per batch.
+    The same statement, with positional parameters in the order of
+    :data:`CLAIM_PARAMS`: passing the values straight to the driver skips
+    SQLAlchemy's per-element bind processing of the arrays.
     """
-    arrays = ", ".join(f"${i}::{pg}[]" for i, (_, _, pg) in enumerate(_CLAIM_COLUMNS, 1))
-    return _claim_sql(schema, arrays)
-
-
-CLAIM_COLUMNS: tuple[str, ...] = tuple(name for name, _, _ in _CLAIM_COLUMNS)
-"""The columns of a claimed inbox row, in the order of the claim's parameters."""
+    return _claim_sql(
+        schema, {name: f"${i}::{pg}" for i, (name, _, pg) in enumerate(_CLAIM_PARAMS, 1)}
+    )
 
 
 def watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> sa.Select[int]:
@@ -216,12 +305,24 @@ def lock_inbox_shared(t: models.Tables) -> sa.TextClause:
 
 def advance_watermark(
     t: models.Tables, subscription: str, stream: str, epoch: str, value: int
-) -> sa.Executable:
+) -> Bound:
     """Raise the watermark to ``value``; it never goes backwards. RETURNING the new value."""
+    params = {
+        "p_subscription": subscription,
+        "p_stream": stream,
+        "p_epoch": epoch,
+        "p_value": value,
+    }
+    return _advance_watermark(t), params
+
+
+@functools.cache
+def _advance_watermark(t: models.Tables) -> sa.Executable:
     w = t.watermarks.c
+    value = sa.bindparam("p_value", type_=sa.BigInteger)
     return (
         sa.update(t.watermarks)
-        .where(*_in_epoch(w, subscription, stream, epoch))
+        .where(*_in_bound_epoch(w))
         .values(watermark=sa.func.greatest(w.watermark, value), updated_at=sa.func.now())
         .returning(w.watermark)
     )
@@ -235,26 +336,40 @@ def delete_below_watermark(
     value: int,
     limit: int,
     msg_id_retention_s: float,
-) -> sa.Executable:
+) -> Bound:
     """Delete up to ``limit`` inbox rows at or below ``value`` (one bounded chunk).
 
     Rows carrying a msg-id stay for ``msg_id_retention_s``: they are the guard
     against a republish after the server's duplicate window.
     """
+    params = {
+        "p_subscription": subscription,
+        "p_stream": stream,
+        "p_epoch": epoch,
+        "p_value": value,
+        "p_limit": limit,
+        "p_retention_s": msg_id_retention_s,
+    }
+    return _delete_below_watermark(t), params
+
+
+@functools.cache
+def _delete_below_watermark(t: models.Tables) -> sa.Executable:
     c = t.inbox.c
-    cutoff = sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, msg_id_retention_s)
+    retention_s = sa.bindparam("p_retention_s", type_=sa.Float)
+    cutoff = sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, retention_s)
     chunk: sa.Select[Any] = (
         sa.select(sa.literal_column("ctid"))
         .select_from(t.inbox)
         .where(
-            *_in_epoch(c, subscription, stream, epoch),
-            c.stream_seq <= value,
+            *_in_bound_epoch(c),
+            c.stream_seq <= sa.bindparam("p_value", type_=sa.BigInteger),
             sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),
             # A retrying row was acked (the ack floor passed it) but has no outcome:
             # it is the claim of a retry held in the retries table.
             c.outcome != models.OUTCOME_RETRYING,
         )
-        .limit(limit)
+        .limit(sa.bindparam("p_limit", type_=sa.Integer))
     )
     # No RETURNING: the worker needs the count only (rowcount), not a row per deleted row.
     return sa.delete(t.inbox).where(
@@ -668,7 +783,7 @@ def forget_failures(
     return sa.delete(t.retries).where(_retry_key(t, subscription, stream, epoch, seq))
 
 
-def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) -> sa.Executable:
+def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) -> Bound:
     """Lease up to ``limit`` parked messages that are due; RETURNING them.
 
     Each one's ``runs`` goes up and its ``due_at`` moves a lease ahead, so
@@ -676,14 +791,24 @@ def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) ->
     outcome is still counted (the crash-loop bound). SKIP LOCKED: workers
     taking at the same time never wait for each other.
     """
+    return _take_due(t), {"p_subscription": subscription, "p_limit": limit, "p_lease_s": lease_s}
+
+
+@functools.cache
+def _take_due(t: models.Tables) -> sa.Executable:
     c = t.retries.c
     due = (
         sa.select(c.subscription, c.stream, c.stream_epoch, c.stream_seq)
-        .where(c.subscription == subscription, c.parked, c.due_at <= sa.func.now())
+        .where(
+            c.subscription == sa.bindparam("p_subscription", type_=sa.Text),
+            c.parked,
+            c.due_at <= sa.func.now(),
+        )
         .order_by(c.due_at)
-        .limit(limit)
+        .limit(sa.bindparam("p_limit", type_=sa.Integer))
         .with_for_update(skip_locked=True)
     )
+    lease_s = sa.bindparam("p_lease_s", type_=sa.Float)
     lease = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, lease_s)
     return (
         sa.update(t.retries)

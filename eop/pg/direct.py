@@ -1,0 +1,165 @@
+"""Queued writes (:class:`eop.Writes`) sent on asyncpg's own connection, past SQLAlchemy.
+
+SQLAlchemy's ``executemany`` builds, processes and reorders every row's
+parameters in Python, and reaches the driver through a greenlet hop; for the
+INSERT of a typical handler that was most of the cost of its writes. When a
+statement, compiled for the session's dialect with the names of its rows'
+values, asks nothing more of SQLAlchemy at execution (no bind processors, no
+Python-side defaults, no expanding or literal parameters, no schema
+translation) and no event listens to the engine, eop hands its SQL and each
+row's values, in the compiled order, to asyncpg's ``executemany``: the call
+SQLAlchemy's adapter makes itself, with the same text (so the same unnamed or
+cached statements behind a pooler). Any other statement goes through the
+session, in order. A driver error is translated as SQLAlchemy translates it
+(the same exception classes and text, parameters hidden as the engine hides
+them), and a lost connection is invalidated as SQLAlchemy would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
+from sqlalchemy.sql.compiler import SQLCompiler
+
+from eop import writes as writes_mod
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine.interfaces import DBAPIModule
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+# (SQL text, the row's values in the order of its placeholders), or None: not for the driver.
+_Plan = tuple[str, Callable[[dict[str, Any]], tuple[Any, ...]]] | None
+
+_PLANS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, tuple[str, ...]], _Plan]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Plans by statement (held weakly: a statement built per call is not kept alive), then by
+dialect and parameter names."""
+
+
+def plan(statement: sa.Executable, dialect: sa.Dialect, keys: tuple[str, ...]) -> _Plan:
+    """How to send ``statement`` with parameter sets named ``keys`` on the driver, or None."""
+    try:
+        by_keys = _PLANS.setdefault(statement, {})
+    except TypeError:  # not weakly referenceable
+        return None
+    key = (dialect, keys)
+    if key not in by_keys:
+        by_keys[key] = _compile(statement, dialect, keys)
+    return by_keys[key]
+
+
+def _compile(statement: sa.Executable, dialect: sa.Dialect, keys: tuple[str, ...]) -> _Plan:
+    if dialect.driver != "asyncpg" or not isinstance(statement, sa.ClauseElement):
+        return None
+    if getattr(statement, "_execution_options", None):
+        return None
+    try:
+        compiled = statement.compile(
+            dialect=dialect, column_keys=sorted(keys), for_executemany=True
+        )
+    except sa_exc.SQLAlchemyError:
+        return None  # the session raises it, as before
+    if not isinstance(compiled, SQLCompiler):
+        return None
+    names = compiled.positiontup
+    if (
+        not compiled.positional
+        or not names
+        or compiled._bind_processors
+        or compiled.insert_prefetch
+        or compiled.update_prefetch
+        or compiled.literal_execute_params
+        or compiled.post_compile_params
+        or compiled.escaped_bind_names
+        or compiled.returning
+        or not set(names) <= set(keys)
+    ):
+        return None
+    getter = operator.itemgetter(*names)
+    if len(names) == 1:
+        return compiled.string, lambda row: (getter(row),)
+    return compiled.string, getter
+
+
+# The dialect events of an execution (eop's own engines listen to do_connect only).
+_EXECUTION_EVENTS = ("do_executemany", "do_execute", "do_execute_no_params", "handle_error")
+
+
+def _engine_plain(engine: sa.Engine) -> bool:
+    """No event listens to the engine's executions and no option changes its statements."""
+    dispatch = engine.dialect.dispatch
+    return not (
+        getattr(engine, "_has_events", True)
+        or any(getattr(dispatch, name, True) for name in _EXECUTION_EVENTS)
+        or engine.get_execution_options().get("schema_translate_map")
+    )
+
+
+async def send(writes: writes_mod.Writes, session: AsyncSession, adapter: Any) -> None:
+    """Send the queued writes of ``writes``: on asyncpg's connection (under ``adapter``,
+    SQLAlchemy's DBAPI connection of the session's transaction) those it can, in order,
+    the rest through the session from the first one it cannot send on."""
+    groups = writes.take()
+    engine = session.get_bind()
+    if not isinstance(engine, sa.Engine) or not _engine_plain(engine):
+        await session.run_sync(writes_mod.send_groups, groups)
+        return
+    driver = adapter.driver_connection
+    for i, (statement, rows) in enumerate(groups):
+        sent = plan(statement, engine.dialect, tuple(rows[0]))
+        if sent is None or not driver.is_in_transaction():
+            await session.run_sync(writes_mod.send_groups, groups[i:])
+            return
+        text, values = sent
+        try:
+            await driver.executemany(text, [values(row) for row in rows])
+        except Exception as exc:
+            error, wrapped = await _translated(exc, text, rows, engine, session, adapter)
+            if wrapped is None:
+                raise
+            raise wrapped from error
+
+
+async def _translated(
+    exc: Exception,
+    text: str,
+    rows: list[dict[str, Any]],
+    engine: sa.Engine,
+    session: AsyncSession,
+    adapter: Any,
+) -> tuple[Exception, sa_exc.StatementError | None]:
+    """``exc`` as SQLAlchemy's execution would have raised it: the adapter's DBAPI error and
+    the ``sqlalchemy.exc.DBAPIError`` wrapping it (None: raised as it is, not a database
+    error); a connection it lost is invalidated."""
+    dialect = engine.dialect
+    dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
+    error: Exception = exc
+    try:
+        adapter._handle_exception(exc)  # raises the DBAPI's own error for a driver error
+    except Exception as raised:
+        error = raised
+    if not isinstance(error, dbapi_error):
+        return exc, None
+    # An instance of the DBAPI's Error, as checked above: what the dialect is typed to take.
+    lost = bool(dialect.is_disconnect(cast("DBAPIModule.Error", error), adapter, None))
+    wrapped = sa_exc.DBAPIError.instance(
+        text,
+        rows,
+        error,
+        dbapi_error,
+        hide_parameters=engine.hide_parameters,
+        connection_invalidated=lost,
+        dialect=dialect,
+        ismulti=len(rows) > 1,
+    )
+    if lost:
+        with contextlib.suppress(Exception):
+            await (await session.connection()).invalidate(wrapped)
+    return error, wrapped
