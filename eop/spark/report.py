@@ -22,14 +22,17 @@ from eop.spark.apply import Counts
 #: The batch id of a batch write's report.
 BATCH_JOB = models.BATCH_JOB
 POLL_S = 0.5
+#: A report not taken after this long was left by a caller that died: removed.
+ABANDONED_AFTER_S = 7 * 24 * 3600.0
 
 
 def leave(app: App, report_id: str, batch_id: int, counts: Counts) -> None:
     """Store ``counts`` under ``(report_id, batch_id)``; a commit run again keeps the first."""
     row = {"report_id": report_id, "batch_id": batch_id, **counts.as_dict()}
-    stmt = sql.add_spark_report(models.tables(app.settings.schema), row)
+    tables = models.tables(app.settings.schema)
     with app.sync_sessionmaker() as session, session.begin():
-        session.execute(stmt)
+        session.execute(sql.add_spark_report(tables, row))
+        session.execute(sql.purge_spark_reports(tables, ABANDONED_AFTER_S))
 
 
 def take(app: App, report_id: str) -> dict[int, Counts]:
