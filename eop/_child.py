@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eop import errors
+from eop import errors, owners
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 PREFIX = "eop-"
-OWNER_FILE = "owner.pid"
+OWNER_FILE = owners.OWNER_FILE
 Account = tuple[int, int]
 """A uid and gid to run a server as."""
 SERVER_FILE = "server.pid"
@@ -42,7 +42,7 @@ class Child:
     def __init__(self, kind: str, stop_signal: signal.Signals) -> None:
         reap_orphans(kind, stop_signal)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-"))
-        (self.scratch / OWNER_FILE).write_text(f"{os.getpid()} {_pid_namespace()}")
+        owners.mark_owner(self.scratch)
         self.log = self.scratch / f"{kind}.log"
         self.stop_signal = stop_signal
         self.proc: subprocess.Popen[bytes] | None = None
@@ -135,12 +135,10 @@ def wait_for_port(host: str, port: int, child: Child, timeout_s: float) -> None:
 def reap_orphans(kind: str, stop_signal: signal.Signals) -> None:
     """Stop the servers, and remove the scratch directories, of owners that died."""
     for scratch in Path(tempfile.gettempdir()).glob(f"{PREFIX}{kind}-*"):
-        owner = _read_pid(scratch / OWNER_FILE)
-        # A pid means nothing in another pid namespace (a container sharing /tmp).
-        if owner is None or _alive(owner) or not _same_namespace(scratch / OWNER_FILE):
+        if not owners.owner_gone(scratch):
             continue
-        server = _read_pid(scratch / SERVER_FILE)
-        if server is not None and _alive(server):
+        server = owners.read_pid(scratch / SERVER_FILE)
+        if server is not None and owners.alive(server):
             # Only a process whose command line names this directory is ours:
             # a pid may have been reused since.
             if not _names(server, scratch):
@@ -153,44 +151,9 @@ def _stop_orphan(pid: int, stop_signal: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, stop_signal)
         deadline = time.monotonic() + 5.0
-        while _alive(pid) and time.monotonic() < deadline:
+        while owners.alive(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         os.killpg(pid, signal.SIGKILL)
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return "unknown"
-
-
-def _same_namespace(owner_file: Path) -> bool:
-    try:
-        return owner_file.read_text().split()[1:] == [_pid_namespace()]
-    except OSError:
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie nobody reaps is dead for our purposes.
-    with contextlib.suppress(OSError, IndexError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    return True
 
 
 def _names(pid: int, scratch: Path) -> bool:

@@ -14,8 +14,8 @@ scrape or a Kubernetes probe of P sees the whole worker:
 - ``/healthz`` and ``/readyz`` hold only when they hold for every process;
 - a process that exits is marked dead (its gauges dropped); the directory is
   removed when the supervisor ends, and, should the supervisor itself be
-  killed, by the next supervisor started on the same host (each directory
-  names its owner's host and pid).
+  killed, by the next supervisor started on the machine (each directory
+  names its owner, as the embedded servers' scratch directories do).
 
 The server runs on a thread of the supervisor with its own event loop: the
 supervisor's main thread waits on its children.
@@ -24,19 +24,17 @@ supervisor's main thread waits on its children.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import socket
 import tempfile
 import threading
 from pathlib import Path
 from types import TracebackType
 
+from eop import owners
 from eop.observe import health, metrics, reports
 
 _STOP_TIMEOUT_S = 5.0
 _PREFIX = "eop-metrics-"
-_OWNER = "owner"
 
 
 class Gathered:
@@ -51,7 +49,7 @@ class Gathered:
         self._sock = health.bind(host, port)
         remove_orphans(Path(tempfile.gettempdir()))
         self.directory = tempfile.mkdtemp(prefix=_PREFIX)
-        Path(self.directory, _OWNER).write_text(_owner(os.getpid()))
+        owners.mark_owner(Path(self.directory))
         self.combined = reports.Combined(self.directory)
         self.host = host
         self.port = int(self._sock.getsockname()[1])
@@ -123,36 +121,16 @@ class Gathered:
 
 
 def remove_orphans(parent: Path) -> list[Path]:
-    """Remove the directories of supervisors of this host that are gone; returns them.
+    """Remove the directories in ``parent`` of supervisors that died; returns them.
 
     A supervisor killed with SIGKILL cannot remove its directory. Only a
-    directory naming this host and a pid that no longer runs is removed: a
-    ``/tmp`` shared between containers (other hosts) is left alone, and so is
-    a directory without an owner file (not one of ours, or one being made).
+    directory whose owner is known to be gone is removed
+    (:func:`eop.owners.owner_gone`): not a live one, nor one of another pid
+    namespace (a container sharing ``/tmp``).
     """
     removed = []
-    host = socket.gethostname()
     for directory in parent.glob(f"{_PREFIX}*"):
-        try:
-            owner_host, _, pid = Path(directory, _OWNER).read_text().rpartition(" ")
-        except OSError:
-            continue
-        if owner_host != host or not pid.isdigit() or _running(int(pid)):
-            continue
-        shutil.rmtree(directory, ignore_errors=True)
-        removed.append(directory)
+        if owners.owner_gone(directory):
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
     return removed
-
-
-def _owner(pid: int) -> str:
-    return f"{socket.gethostname()} {pid}"
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: running
-    return True

@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "eop.log",
             "eop.faults",
             "eop.retry",
+            "eop.owners",
         ),
     ),
     (

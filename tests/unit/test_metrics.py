@@ -182,23 +182,22 @@ def test_the_processes_of_one_worker_are_summed_from_their_shared_directory(
 
 
 def test_a_killed_supervisors_metrics_directory_is_removed_by_the_next_one(tmp_path: Path) -> None:
-    """Only directories of this host whose owner pid is gone are removed: a live
-    supervisor's, another host's (a shared /tmp) and unowned ones stay."""
-    import socket
-
+    """Only directories whose owner is gone are removed: a live supervisor's, one of another
+    pid namespace (a container sharing /tmp) and unowned ones stay."""
+    from eop import owners
     from eop.runtime import gathered
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = socket.gethostname()
-    owners = {
-        "eop-metrics-dead": f"{host} {dead.pid}",
-        "eop-metrics-live": f"{host} {os.getpid()}",
-        "eop-metrics-elsewhere": f"another-host {dead.pid}",
+    namespace = os.readlink("/proc/self/ns/pid")
+    owned_by = {
+        "eop-metrics-dead": f"{dead.pid} {namespace}",
+        "eop-metrics-live": f"{os.getpid()} {namespace}",
+        "eop-metrics-elsewhere": f"{dead.pid} pid:[1]",
     }
-    for name, owner in owners.items():
+    for name, owner in owned_by.items():
         (tmp_path / name).mkdir()
-        (tmp_path / name / "owner").write_text(owner)
+        (tmp_path / name / owners.OWNER_FILE).write_text(owner)
     (tmp_path / "eop-metrics-unowned").mkdir()
 
     removed = gathered.remove_orphans(tmp_path)
