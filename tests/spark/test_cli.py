@@ -92,10 +92,10 @@ def test_a_stream_on_spark_connect_refuses_py_files_whose_tasks_would_not_see_th
     refuses at once, naming the fix, before it connects."""
     app = tmp_path / "myapp.py"
     app.write_text("")
+    argv = ["spark", "stream", "myapp:app", "--handler", "h", "--checkpoint", str(tmp_path)]
     args = cli.build_parser("spark").parse_args(
-        ["spark", "stream", "myapp:app", "--handler", "h", "--checkpoint", str(tmp_path)]
-        + ["--remote", "sc://127.0.0.1:1", "--py-files", str(app)]
+        [*argv, "--remote", "sc://127.0.0.1:1", "--py-files", str(app)]
     )
-    with pytest.raises(errors.ConfigurationError, match="install the app's module"):
-        with spark_cli._session(args, "eop-stream-h", streaming=True):
-            pass
+    session = spark_cli._session(args, "eop-stream-h", streaming=True)
+    with pytest.raises(errors.ConfigurationError, match="install the app's module"), session:
+        pass
