@@ -256,7 +256,9 @@ def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, j
 
 
 @contextlib.contextmanager
-def _session(args: argparse.Namespace, name: str) -> Iterator[SparkSession]:
+def _session(
+    args: argparse.Namespace, name: str, *, streaming: bool = False
+) -> Iterator[SparkSession]:
     """The command's SparkSession, stopped after it unless it was running before."""
     from eop.spark import session
 
@@ -264,6 +266,14 @@ def _session(args: argparse.Namespace, name: str) -> Iterator[SparkSession]:
         if args.master:
             raise eop_errors.ConfigurationError(
                 "--master and --remote exclude each other: a Spark Connect server has its master"
+            )
+        if streaming and py_files(args):
+            # The probe would pass (it runs as a batch job, which sees the session's
+            # artifacts) and every micro-batch's tasks would then fail on the import.
+            raise eop_errors.ConfigurationError(
+                "--py-files does not reach a streaming query's tasks on Spark Connect "
+                "(only batch jobs see the session's artifacts): install the app's module "
+                "in the Spark Connect server's Python, or run the stream with --master"
             )
         spark = session.build(remote=args.remote, conf=_conf(args, remote=True))
         session.ship(spark, py_files(args))
@@ -327,7 +337,10 @@ def _cmd_stream(args: argparse.Namespace) -> int:
         total = total + counts
         print(f"  batch {batch_id}: {counts}", file=sys.stderr, flush=True)
 
-    with _session(args, f"eop-stream-{spec.name}") as spark:
+    # Progress comes from the query's own reports; the watch warns and stops a stalled query
+    # (and the probe before it, which a cluster with no free executor would leave waiting).
+    watching = watch.Watch(args.stall_warn_s, args.stall_timeout_s, out=sys.stderr, progress=False)
+    with _session(args, f"eop-stream-{spec.name}", streaming=True) as spark:
         query = jobs.stream(
             spark,
             target,
@@ -337,16 +350,13 @@ def _cmd_stream(args: argparse.Namespace) -> int:
             trigger_s=args.trigger_s,
             available_now=args.available_now,
             on_batch=on_batch,
+            watching=watching,
             app=app,
         )
         stop = threading.Event()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: stop.set())
-        # Progress comes from the query's own reports; the watch warns and stops a stalled query.
-        watching = watch.Watch(
-            args.stall_warn_s, args.stall_timeout_s, out=sys.stderr, progress=False
-        )
         with watch.watched(spark, f"stream of {spec.stream} for {spec.name}", watching, query.stop):
             jobs.wait(query, report=sys.stderr, stop=stop)
     print(f"stream of {spec.stream} for handler {spec.name} stopped: {total}")

@@ -117,6 +117,23 @@ def backfill(
         return sink.apply(df, target, app=app)
 
 
+def _probe_watched(
+    spark: SparkSession,
+    target: sink.Target,
+    spec: HandlerSpec,
+    read: ReadOptions,
+    watching: watch.Watch,
+) -> None:
+    env = _executor_env(target, read)
+    if connect.is_connect(spark):
+        # No status tracker to watch with; the query's own watch says so once.
+        probe.check(spark, target.app, env)
+        return
+    what = f"stream of {spec.stream} for {spec.name}"
+    with watch.watched(spark, what, dataclasses.replace(watching, progress=False)):
+        probe.check(spark, target.app, env)
+
+
 def stream(
     spark: SparkSession,
     target: sink.Target,
@@ -128,18 +145,21 @@ def stream(
     available_now: bool = False,
     on_batch: Callable[[int, Counts], None] | None = None,
     check: bool = True,
+    watching: watch.Watch | None = None,
     app: App | None = None,
 ) -> StreamingQuery:
     """Start the Structured Streaming query; its offsets and progress live in ``checkpoint``.
 
-    ``check`` first probes the executors (:mod:`eop.spark.probe`).
+    ``check`` first probes the executors (:mod:`eop.spark.probe`), under
+    ``watching`` (default: the warning logged): a probe no executor takes is
+    warned about and ended like a backfill's job, not waited on in silence.
     ``on_batch`` gets each micro-batch's counts once its commit left them
     (read from ``app``'s database, by default the target's, in a thread of
     this process): :func:`wait` returns after the last.
     """
     with translated(target.app):
         if check:
-            probe.check(spark, target.app, _executor_env(target, read))
+            _probe_watched(spark, target, spec, read, watching or watch.Watch())
         df = spark.readStream.format("jetstream").options(**read.options(spec)).load()
         report_id = uuid.uuid4().hex if on_batch is not None else None
         writer = (

@@ -82,3 +82,20 @@ def test_the_spark_submit_entry_point_is_in_the_package() -> None:
     )
     assert helped.returncode == 0, helped.stderr
     assert "--py-files" in helped.stdout
+
+
+def test_a_stream_on_spark_connect_refuses_py_files_whose_tasks_would_not_see_them(
+    tmp_path: Path,
+) -> None:
+    """Spark Connect gives --py-files artifacts to batch jobs only: a stream's micro-batches
+    would fail on importing the app after the probe (a batch job) passed, so the command
+    refuses at once, naming the fix, before it connects."""
+    app = tmp_path / "myapp.py"
+    app.write_text("")
+    argv = ["spark", "stream", "myapp:app", "--handler", "h", "--checkpoint", str(tmp_path)]
+    args = cli.build_parser("spark").parse_args(
+        [*argv, "--remote", "sc://127.0.0.1:1", "--py-files", str(app)]
+    )
+    session = spark_cli._session(args, "eop-stream-h", streaming=True)
+    with pytest.raises(errors.ConfigurationError, match="install the app's module"), session:
+        pass

@@ -150,6 +150,32 @@ async def test_a_backfill_no_executor_takes_warns_then_ends_at_the_stall_timeout
     assert "no task ran for 12 s (stall timeout)" in lines[-1]
 
 
+async def test_a_stream_whose_probe_no_executor_takes_warns_then_ends_at_the_stall_timeout(
+    tmp_path: Path, user_dir: Path, database_url: str, nats_url: str, js: Any
+) -> None:
+    """A master without workers: the stream's probe waits; eop warns, then ends it (exit 1),
+    instead of waiting in silence for ever before the query starts."""
+    await published(js, 10)
+    empty = Cluster(tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
+    try:
+        await asyncio.to_thread(empty.start, 0)
+        argv = eop_spark("stream", "clusterapp:app", "--handler", "cluster")
+        argv += ["--master", empty.url, "--python", sys.executable]
+        argv += ["--checkpoint", str(tmp_path / "checkpoint"), "--available-now"]
+        argv += ["--stall-warn-s", "4", "--stall-timeout-s", "12"]
+        done = await asyncio.to_thread(run, argv, user_dir, user_env(database_url, nats_url))
+    finally:
+        await asyncio.to_thread(empty.stop)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert any(
+        line.startswith("eop: warning: ") and "none has run for" in line for line in lines
+    ), done.stderr[-3000:]
+    assert lines[-1].startswith("eop: error: ")
+    assert "no task ran for 12 s (stall timeout)" in lines[-1]
+
+
 async def test_executor_credentials_stay_off_the_cluster_and_missing_ones_fail_fast(
     cluster: Cluster, user_dir: Path, database_url: str, nats_url: str, js: Any
 ) -> None:
