@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +35,31 @@ _POINTS = sa.text(
     " extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8"
     " FROM bench_effects WHERE variant = :v AND seq BETWEEN :lo AND :hi"
 )
+
+
+class Servers(NamedTuple):
+    """The servers a bench measures on, and its scratch directory."""
+
+    tmp: Path
+    nats_url: str
+    pg_url: str
+    pids: tuple[int | None, int | None]
+
+
+@contextlib.contextmanager
+def servers(*, fsync: bool, prefix: str) -> Iterator[Servers]:
+    """A nats-server and a migrated PostgreSQL of the bench's own, on free ports."""
+    from eop import embedded
+    from eop.pg import migrate
+
+    with (
+        tempfile.TemporaryDirectory(prefix=prefix) as tmp,
+        embedded.NatsServer() as nats_server,
+        # Commit times of the effect rows give publish-to-commit latency.
+        embedded.PostgresServer(fsync=fsync, settings={"track_commit_timestamp": "on"}) as pg,
+    ):
+        migrate.upgrade(pg.url)
+        yield Servers(Path(tmp), nats_server.url, pg.url, (nats_server.pid, pg.pid))
 
 
 class Progress:

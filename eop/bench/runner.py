@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import os
 import shlex
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,22 +15,10 @@ from eop.bench import harness, measurement, relay, report, runs
 
 def run(options: runs.Options) -> dict[str, Any]:
     """Start the servers, run every measurement, return the report."""
-    from eop import embedded
-    from eop.pg import migrate
-
     started, machine = time.monotonic(), report.machine()
-    with (
-        tempfile.TemporaryDirectory(prefix="eop-bench-") as tmp,
-        embedded.NatsServer() as nats_server,
-        # Commit times of the effect rows give publish-to-commit latency.
-        embedded.PostgresServer(
-            fsync=options.fsync, settings={"track_commit_timestamp": "on"}
-        ) as pg,
-    ):
-        migrate.upgrade(pg.url)
-        pids = (nats_server.pid, pg.pid)
+    with harness.servers(fsync=options.fsync, prefix="eop-bench-") as srv:
         results, section, big = asyncio.run(
-            _run_all(options, nats_server.url, pg.url, Path(tmp), pids)
+            _run_all(options, srv.nats_url, srv.pg_url, srv.tmp, srv.pids)
         )
     rates = {r.key: r.rate for r in section.rows} if section else {}
     machine["load_average_end"] = round(os.getloadavg()[0], 2)

@@ -33,7 +33,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -90,25 +89,15 @@ class Report:
 
 def run(options: Options) -> Report:
     """Start the servers and the cluster, measure every row, stop them."""
-    from eop import embedded
-    from eop.pg import migrate
     from eop.spark.cluster import Cluster
 
     found = Report(options, report.machine())
-    with (
-        tempfile.TemporaryDirectory(prefix="eop-bench-spark-") as tmp,
-        embedded.NatsServer() as nats_server,
-        embedded.PostgresServer(
-            fsync=options.fsync, settings={"track_commit_timestamp": "on"}
-        ) as pg,
-    ):
-        migrate.upgrade(pg.url)
-        pids = (nats_server.pid, pg.pid)
-        worker = asyncio.run(_worker(options, nats_server.url, pg.url, Path(tmp), pids))
+    with harness.servers(fsync=options.fsync, prefix="eop-bench-spark-") as srv:
+        worker = asyncio.run(_worker(options, srv.nats_url, srv.pg_url, srv.tmp, srv.pids))
         label = "one `eop worker` process (first to last commit)"
         found.rows.append(Row(label, options.messages / worker, options.messages))
-        with Cluster(Path(tmp) / "cluster", cores=options.cores).start() as cluster:
-            spark = _Spark(options, nats_server.url, pg.url, cluster.url)
+        with Cluster(srv.tmp / "cluster", cores=options.cores).start() as cluster:
+            spark = _Spark(options, srv.nats_url, srv.pg_url, cluster.url)
             found.rows.append(spark.cold_cli())
             for cores in (1, options.cores):
                 found.rows += spark.session(cores)
