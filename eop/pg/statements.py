@@ -36,10 +36,14 @@ class Statements(abc.ABC):
         self.committed = False
 
     @abc.abstractmethod
-    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]: ...
+    async def _rows(
+        self, stmt: sa.Executable, params: dict[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        """The rows of ``stmt``, run with ``params`` for its bind parameters."""
 
     @abc.abstractmethod
-    async def _execute(self, stmt: sa.Executable) -> None: ...
+    async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
+        """Run ``stmt`` with ``params`` for its bind parameters."""
 
     async def select(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
         """The rows of one of eop's own statements (:mod:`eop.pg.sql`), run in this transaction."""
@@ -133,28 +137,16 @@ class Statements(abc.ABC):
 
     async def unclaim(self, message: Message) -> None:
         """Drop this transaction's claim of ``message`` (its handler failed in a batch)."""
-        await self._rows(
-            sql.unclaim(
-                self.tables, message.subscription, message.stream, message.stream_epoch, message.seq
-            )
-        )
+        await self._rows(*sql.unclaim(self.tables, *_key(message)))
 
     async def find(self, message: Message) -> Existing | None:
         """What the inbox holds under the message's key, else under its msg-id."""
-        rows = await self._rows(
-            sql.find_by_key(
-                self.tables,
-                message.subscription,
-                message.stream,
-                message.stream_epoch,
-                message.seq,
-            )
-        )
+        rows = await self._rows(*sql.find_by_key(self.tables, *_key(message)))
         if rows:
             return Existing(by="key", fingerprint=rows[0][0], outcome=rows[0][1])
         if message.msg_id is not None and self.spec.msg_id_guard:
             rows = await self._rows(
-                sql.find_by_msg_id(self.tables, message.subscription, message.msg_id)
+                *sql.find_by_msg_id(self.tables, message.subscription, message.msg_id)
             )
             if rows:
                 return Existing(by="msg_id", fingerprint=None, outcome=rows[0][3])
@@ -168,15 +160,8 @@ class Statements(abc.ABC):
 
     async def has_dead_letter(self, message: Message) -> bool:
         """Whether a dead letter for this message (key and fingerprint) is recorded."""
-        stmt = sql.find_dead_letter(
-            self.tables,
-            message.subscription,
-            message.stream,
-            message.stream_epoch,
-            message.seq,
-            message.fingerprint,
-        )
-        return bool(await self._rows(stmt))
+        bound = sql.find_dead_letter(self.tables, *_key(message), message.fingerprint)
+        return bool(await self._rows(*bound))
 
     async def count_failure(
         self, message: Message, error: str, *, parked: bool, due_in_s: float
@@ -197,24 +182,25 @@ class Statements(abc.ABC):
             "payload": message.data,
             "stored_at": message.timestamp,
         }
-        rows = await self._rows(sql.count_failure(self.tables, row))
+        rows = await self._rows(*sql.count_failure(self.tables, row))
         return int(rows[0][0])
 
     async def forget_failures(self, message: Message) -> None:
         """Drop the message's failure count and parked copy (it has its outcome)."""
-        await self._execute(sql.forget_failures(self.tables, *_key(message)))
+        await self._execute(*sql.forget_failures(self.tables, *_key(message)))
 
     async def reschedule(self, message: Message, due_in_s: float) -> None:
         """Run a parked message again ``due_in_s`` from now."""
-        await self._execute(sql.reschedule(self.tables, *_key(message), due_in_s))
+        await self._execute(*sql.reschedule(self.tables, *_key(message), due_in_s))
 
     async def lock_run(self, message: Message, runs: int) -> bool:
         """Lock a parked message for its run number ``runs``; False if another run took it."""
-        return bool(await self._rows(sql.lock_run(self.tables, *_key(message), runs)))
+        return bool(await self._rows(*sql.lock_run(self.tables, *_key(message), runs)))
 
     async def settle_retrying(self, message: Message, outcome: str) -> bool:
         """Give a retrying message its outcome; False when it is not retrying (any more)."""
-        return bool(await self._rows(sql.settle_retrying(self.tables, *_key(message), outcome)))
+        bound = sql.settle_retrying(self.tables, *_key(message), outcome)
+        return bool(await self._rows(*bound))
 
     async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
         """Record the dead letter: reason, error, headers without secrets, payload."""
@@ -233,7 +219,7 @@ class Statements(abc.ABC):
             "traceback": dead.traceback,
             "delivery_count": message.num_delivered,
         }
-        await self._rows(sql.insert_dead_letter(self.tables, row))
+        await self._rows(*sql.insert_dead_letter(self.tables, row))
 
 
 def _key(message: Message) -> tuple[str, str, str, int]:

@@ -111,12 +111,14 @@ class AsyncTransaction(SqlTransaction):
                 return
         await self._rows(timeouts)
 
-    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
-        result = await self.session.execute(stmt)
+    async def _rows(
+        self, stmt: sa.Executable, params: dict[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        result = await self.session.execute(stmt, params)
         return [tuple(row) for row in result]
 
-    async def _execute(self, stmt: sa.Executable) -> None:
-        await self.session.execute(stmt)
+    async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
+        await self.session.execute(stmt, params)
 
     async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
         """Claim a batch in one statement, sent on asyncpg's own connection when it is one.
@@ -186,6 +188,10 @@ class AsyncTransaction(SqlTransaction):
         """Run the handler inside a savepoint; roll it back alone if it fails."""
         savepoint = await self.session.begin_nested()
         try:
+            # SQLAlchemy sends the SAVEPOINT with the session's next statement; queued
+            # writes sent on asyncpg's own connection (eop.pg.direct) are none, and a
+            # failing one would abort the whole transaction: send it now.
+            await self.session.connection()
             await self._call(messages)
             await savepoint.commit()
         except Exception as exc:
@@ -289,15 +295,17 @@ class SyncTransaction(SqlTransaction):
 
         await self._step(execute)
 
-    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
+    async def _rows(
+        self, stmt: sa.Executable, params: dict[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
         def execute() -> list[tuple[Any, ...]]:
-            result = self.session.execute(stmt)
+            result = self.session.execute(stmt, params)
             return [tuple(row) for row in result]
 
         return await self._step(execute)
 
-    async def _execute(self, stmt: sa.Executable) -> None:
-        await self._step(self.session.execute, stmt)
+    async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
+        await self._step(self.session.execute, stmt, params)
 
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call the handler in a worker thread, off the event loop, and flush its writes.

@@ -313,30 +313,45 @@ class Processor:
     async def _rerun(
         self, delivery: retries.ParkedDelivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
-        """A parked message's run: the ``retrying`` row is its claim, locked for this run."""
+        """A parked message's run: the ``retrying`` row is its claim, locked for this run.
+
+        The handler runs in a savepoint: when it fails (as a parked message
+        mostly does), its failure is counted, and the message parked again or
+        dead-lettered, in this same transaction, still holding the run's lock,
+        instead of in a second one. Only once it succeeded does the
+        ``retrying`` row take its outcome.
+        """
         async with self.store.transaction(self.spec) as tx:
             if not await tx.lock_run(msg, delivery.runs):
                 # A later run took it (this one outlived its lease), or it settled.
                 await tx.rollback()
-                self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
-                return Outcome.LEFT
+                return self._left(delivery)
             if delivery.runs > delivery.failures + self.settings.max_deliveries:
                 await tx.rollback()
                 dead = _crash_loop(delivery.runs - delivery.failures, self.settings.max_deliveries)
                 return await self._dead_letter(delivery, msg, dead, logger)
+            failed = await tx.run_isolated([msg])
+            if failed is not None:
+                self.observer.failed(self.spec, delivery, failed)
+                return await self._settle_failure(tx, delivery, msg, failed, logger)
             if not await tx.settle_retrying(msg, models.OUTCOME_PROCESSED):
                 await tx.rollback()
-                self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
-                return Outcome.LEFT
-
-            async def run() -> None:
-                await tx.run(msg)
-                await tx.forget_failures(msg)
-
-            result = await self._run_and_commit(tx, delivery, msg, run, logger)
-        if isinstance(result, Outcome):
-            return result
+                return self._left(delivery)
+            await tx.forget_failures(msg)
+            try:
+                return await self.critical.run(
+                    self._commit_and_settle(tx, delivery, msg, Outcome.PROCESSED, logger)
+                )
+            except _CommitRejected as rejected:
+                # A deferred constraint of the handler's writes: its failure.
+                await tx.rollback()
+                result = rejected.error
         return await self.handler_failed(delivery, msg, result, logger)
+
+    def _left(self, delivery: Delivery) -> Outcome:
+        """Another run or delivery settles the message: nothing to do here."""
+        self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
+        return Outcome.LEFT
 
     async def _run_and_commit(
         self,
@@ -494,70 +509,76 @@ class Processor:
         self, delivery: Delivery, msg: message.Message, exc: Exception | None, logger: log.Logger
     ) -> Outcome:
         """The handler raised ``exc`` (not a failure of the database), in a transaction
-        rolled back since (or, in a batch, its savepoint): dead-letter a rejected
-        message, else count the failure and retry it (:meth:`_count_failure`)."""
+        rolled back since (or, in a batch, its savepoint): settle the failure in a
+        transaction of its own (:meth:`_settle_failure`)."""
         assert exc is not None
         self.observer.failed(self.spec, delivery, exc)
-        tb = log.format_traceback(exc)
+
+        async def settle(m: message.Message) -> Outcome:
+            async with self.store.transaction(self.spec) as tx:
+                return await self._settle_failure(tx, delivery, m, exc, logger)
+
+        return await self._retrying(delivery, settle, msg, logger)
+
+    async def _settle_failure(
+        self,
+        tx: inbox.Transaction,
+        delivery: Delivery,
+        msg: message.Message,
+        exc: Exception,
+        logger: log.Logger,
+    ) -> Outcome:
+        """In ``tx``: dead-letter a rejected message, else count the failure; dead-letter at
+        ``max_attempts``, else retry. COMMIT, then settle with the server.
+
+        The retry is parked (acked, held in the retries table) unless the
+        handler is ordered, whose retry is a nak'ed redelivery. The traceback
+        is formatted only for a dead letter: with its source lines and markers
+        it costs more than the rest of a failure's handling.
+        """
         if isinstance(exc, errors.Reject):
             reason = (
                 models.REASON_UNDECODABLE
                 if isinstance(exc, errors.UndecodableMessage)
                 else models.REASON_REJECTED
             )
-            dead = inbox.DeadLetter(reason=reason, error=_describe(exc), traceback=tb)
-            return await self._retrying(
-                delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
+            dead = inbox.DeadLetter(
+                reason=reason, error=_describe(exc), traceback=log.format_traceback(exc)
             )
-        return await self._retrying(
-            delivery, lambda m: self._count_failure(delivery, m, exc, tb, logger), msg, logger
-        )
-
-    async def _count_failure(
-        self,
-        delivery: Delivery,
-        msg: message.Message,
-        exc: Exception,
-        tb: str,
-        logger: log.Logger,
-    ) -> Outcome:
-        """Count the failure in the database; dead-letter at ``max_attempts``, else retry.
-
-        The retry is parked (acked, held in the retries table) unless the
-        handler is ordered, whose retry is a nak'ed redelivery.
-        """
+            return await self._dead_letter_in(tx, delivery, msg, dead, logger)
         parked_run = isinstance(delivery, retries.ParkedDelivery)
         expected = delivery.failures + 1 if isinstance(delivery, retries.ParkedDelivery) else 1
         error = _describe(exc)
         delay_s = self._retry_delay(exc, expected)
-        async with self.store.transaction(self.spec) as tx:
-            failures = await tx.count_failure(
-                msg, error, parked=self.parks, due_in_s=delay_s if self.parks else 0.0
+        failures = await tx.count_failure(
+            msg, error, parked=self.parks, due_in_s=delay_s if self.parks else 0.0
+        )
+        if failures >= self.max_attempts:
+            dead = inbox.DeadLetter(
+                reason=models.REASON_ATTEMPTS_EXHAUSTED,
+                error=error,
+                traceback=log.format_traceback(exc),
             )
-            if failures >= self.max_attempts:
-                dead = inbox.DeadLetter(
-                    reason=models.REASON_ATTEMPTS_EXHAUSTED, error=error, traceback=tb
-                )
-                return await self._dead_letter_in(tx, delivery, msg, dead, logger)
-            if failures != expected:
-                # Counted elsewhere too (an overlapping delivery): back off by the real count.
-                delay_s = self._retry_delay(exc, failures)
-                if self.parks:
-                    await tx.reschedule(msg, delay_s)
-            if not self.parks:
-                with contextlib.suppress(errors.AmbiguousCommit):
-                    # Counted or not, the nak below is right: at worst one failure
-                    # goes uncounted.
-                    await self.critical.run(tx.commit())
-                logger.info(
-                    log.Event.MESSAGE_RETRY, action=log.Action.NAK, failures=failures, error=error
-                )
-                return await self._nak(delivery, msg, delay_s, logger)
-            if not parked_run and not await _claim(tx, msg, models.OUTCOME_RETRYING):
-                existing = await tx.find(msg)
-                await tx.rollback()
-                return await self._not_claimed(delivery, msg, existing, logger)
-            return await self.critical.run(self._commit_and_park(tx, delivery, msg, logger))
+            return await self._dead_letter_in(tx, delivery, msg, dead, logger)
+        if failures != expected:
+            # Counted elsewhere too (an overlapping delivery): back off by the real count.
+            delay_s = self._retry_delay(exc, failures)
+            if self.parks:
+                await tx.reschedule(msg, delay_s)
+        if not self.parks:
+            with contextlib.suppress(errors.AmbiguousCommit):
+                # Counted or not, the nak below is right: at worst one failure
+                # goes uncounted.
+                await self.critical.run(tx.commit())
+            logger.info(
+                log.Event.MESSAGE_RETRY, action=log.Action.NAK, failures=failures, error=error
+            )
+            return await self._nak(delivery, msg, delay_s, logger)
+        if not parked_run and not await _claim(tx, msg, models.OUTCOME_RETRYING):
+            existing = await tx.find(msg)
+            await tx.rollback()
+            return await self._not_claimed(delivery, msg, existing, logger)
+        return await self.critical.run(self._commit_and_park(tx, delivery, msg, logger))
 
     def _retry_delay(self, exc: Exception, failures: int) -> float:
         if isinstance(exc, errors.Retry) and exc.delay_s is not None:

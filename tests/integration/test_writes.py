@@ -68,15 +68,19 @@ async def test_a_failing_write_fails_its_own_message_only(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
     """A write that violates a constraint at the batch's flush: the batch reruns with a
-    savepoint per message; the culprit is dead-lettered, its neighbours commit once. Sent
-    on asyncpg itself (no event listens here), its error is still SQLAlchemy's."""
+    savepoint per message; the culprit is dead-lettered, its neighbours commit once, at
+    their first delivery. Sent on asyncpg itself (no event listens here), its error is
+    still SQLAlchemy's, and the savepoint it fails in is really on the connection (the
+    failed write must not abort the batch's transaction, nor the parked retry's)."""
     await create_effects_table(engine)
     async with engine.begin() as conn:
         await conn.execute(sa.text("ALTER TABLE effects ADD CHECK (body <> 'poison')"))
     app = make_app(database_url, nats_url, max_attempts=2)
+    deliveries: dict[str, int] = {}
 
     @app.handler(stream=STREAM, subject=SUBJECT, name="checked")
     async def checked(msg: eop.Message, writes: eop.Writes) -> None:
+        deliveries[msg.data.decode()] = max(deliveries.get(msg.data.decode(), 0), msg.num_delivered)
         writes.add(EFFECT, _effect("checked", msg))
 
     bodies = [f"a{i}" for i in range(5)] + ["poison"] + [f"b{i}" for i in range(5)]
@@ -87,6 +91,8 @@ async def test_a_failing_write_fails_its_own_message_only(
         )
     good = [b for b in bodies if b != "poison"]
     assert await effects_by_body(engine) == dict.fromkeys(good, 1)
+    assert {b: deliveries[b] for b in good} == dict.fromkeys(good, 1)
+    assert deliveries["poison"] == 2  # its parked retry ran, and failed, in a savepoint too
     reason = await scalar(engine, "SELECT reason FROM eop.dead_letters")
     error = await scalar(engine, "SELECT error FROM eop.dead_letters")
     assert reason == "attempts_exhausted"

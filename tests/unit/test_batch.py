@@ -161,6 +161,25 @@ async def test_isolation_pass_commits_the_others_once_and_parks_the_failed_one()
     assert (d1.acked, d3.acked) == (True, True)
 
 
+async def test_after_a_batch_had_a_failure_the_next_skips_the_first_pass_until_one_is_clean() -> (
+    None
+):
+    """A flood of failing messages: once a batch had a handler fail, the next batches run
+    each handler once, in its savepoint, without a first pass that would be rolled back;
+    a batch whose handlers all succeed brings the first pass back."""
+    b = make().fail(b"2", ValueError("boom")).fail(b"5", ValueError("boom"))
+    assert await b.handle(*three()) == {Outcome.PROCESSED: 2, Outcome.RETRY: 1}
+    assert b.runs_of(1) == 2  # the first pass, rolled back, then the savepoint pass
+    batch = [delivery(str(seq).encode(), seq=seq) for seq in (4, 5, 6)]
+    assert await b.handle(*batch) == {Outcome.PROCESSED: 2, Outcome.RETRY: 1}
+    assert (b.runs_of(4), b.runs_of(5), b.runs_of(6)) == (1, 1, 1)
+    clean = [delivery(str(seq).encode(), seq=seq) for seq in (7, 8, 9)]
+    assert await b.handle(*clean) == {Outcome.PROCESSED: 3}
+    assert b.runs_of(7) == 1
+    assert not b.processor.failing
+    assert sorted(b.store.effects) == effects(1, 3, 4, 6, 7, 8, 9)
+
+
 async def test_a_handler_failing_only_in_the_optimistic_pass_commits_with_the_batch() -> None:
     """The savepoint pass runs every handler again; one that succeeds there commits with
     the others, and no failure is counted for it."""

@@ -119,11 +119,11 @@ def test_for_psycopg_binds_values_as_a_session_on_psycopg_would() -> None:
         "traceback": None,
         "delivery_count": 1,
     }
-    text, values = sql.for_psycopg(sql.insert_dead_letter(tables, row))
+    text, values = sql.for_psycopg(*sql.insert_dead_letter(tables, row))
     assert "custom.dead_letters" in text
-    assert "%(headers)s" in text
-    assert isinstance(values["headers"], Jsonb)
-    assert values["payload"] == b"\x00p"
+    assert "%(p_headers)s" in text
+    assert isinstance(values["p_headers"], Jsonb)
+    assert values["p_payload"] == b"\x00p"
     outbox_row = {"msg_id": "m", "subject": "S.a", "headers": b"{}", "payload": b"x"}
     text, values = sql.for_psycopg(outbox_sql.insert(tables), outbox_row)
     assert text.startswith('INSERT INTO "custom".outbox')

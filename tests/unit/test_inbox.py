@@ -200,6 +200,8 @@ class FakeAsyncSession:
         commit_error: Exception | None = None,
     ) -> None:
         self.executed: list[Any] = []
+        self.bound: list[dict[str, Any]] = []
+        """The values of each executed statement's bind parameters (``p_`` names)."""
         self.info: dict[str, Any] = {}
         self.results = list(results or [])
         self.commit_error = commit_error
@@ -230,8 +232,11 @@ class FakeAsyncSession:
         self.executed.append((query, args))
         return self.results.pop(0) if self.results else []
 
-    async def execute(self, stmt: Any) -> list[tuple[Any, ...]]:
+    async def execute(
+        self, stmt: Any, params: dict[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
         self.executed.append(stmt)
+        self.bound.append(params or {})
         self.calls.append("execute")
         return self.results.pop(0) if self.results else []
 
@@ -396,7 +401,7 @@ async def test_dead_letter_row_keeps_payload_and_error_and_redacts_headers() -> 
     msg = message({"Authorization": "Bearer s3cr3t", "X-Api-Key": "k", "Nats-Msg-Id": "m-1"})
     dead = inbox.DeadLetter(reason="rejected", error="Reject: no", traceback="Traceback ...")
     await transaction(session).add_dead_letter(msg, dead)
-    row = params(session.executed[0])
+    row = {name.removeprefix("p_"): value for name, value in session.bound[0].items()}
     assert row["headers"] == {"Authorization": "***", "X-Api-Key": "***", "Nats-Msg-Id": "m-1"}
     assert (row["payload"], row["reason"], row["error"], row["traceback"]) == (
         b'{"id": 1}',
@@ -473,13 +478,53 @@ async def test_other_errors_while_connecting_pass_through() -> None:
 
 
 def test_loop_statements_are_built_once_and_take_their_values_as_parameters() -> None:
-    """Compaction and the retry poll run on every round: each statement is one object per
-    schema (its SQLAlchemy cache key computed once), the round's values passed beside it."""
+    """Compaction, the retry poll and every statement of a failure's or a retry's handling
+    run per round or per message: each statement is one object per schema (its SQLAlchemy
+    cache key computed once), the call's values passed beside it."""
     t = models.tables("eop")
+    key = ("orders", "ORDERS", "e1", 7)
+    failure = {
+        "subscription": "orders",
+        "stream": "ORDERS",
+        "stream_epoch": "e1",
+        "stream_seq": 7,
+        "last_error": "boom",
+        "parked": True,
+        "due_in_s": 1.5,
+        "subject": "orders.new",
+        "headers": b"{}",
+        "payload": b"orders-payload",
+        "stored_at": None,
+    }
+    dead = {
+        "subscription": "orders",
+        "stream": "ORDERS",
+        "stream_epoch": "e1",
+        "stream_seq": 7,
+        "fingerprint": b"f",
+        "msg_id": None,
+        "subject": "orders.new",
+        "headers": {},
+        "payload": b"orders-payload",
+        "reason": "rejected",
+        "error": "no",
+        "traceback": None,
+        "delivery_count": 1,
+    }
     calls = [
         (sql.take_due, ("orders", 5, 30.0)),
-        (sql.advance_watermark, ("orders", "ORDERS", "e1", 7)),
-        (sql.delete_below_watermark, ("orders", "ORDERS", "e1", 7, 100, 3600.0)),
+        (sql.advance_watermark, (*key[:3], 7)),
+        (sql.delete_below_watermark, (*key[:3], 7, 100, 3600.0)),
+        (sql.count_failure, (failure,)),
+        (sql.reschedule, (*key, 2.0)),
+        (sql.forget_failures, key),
+        (sql.lock_run, (*key, 3)),
+        (sql.settle_retrying, (*key, "processed")),
+        (sql.unclaim, key),
+        (sql.find_by_key, key),
+        (sql.find_by_msg_id, ("orders", "m-1")),
+        (sql.find_dead_letter, (*key, b"f")),
+        (sql.insert_dead_letter, (dead,)),
     ]
     for make, args in calls:
         first, params = make(t, *args)

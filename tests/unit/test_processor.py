@@ -780,9 +780,14 @@ async def test_parked_run_that_succeeds_commits_the_effect_and_forgets_the_failu
 
 
 async def test_parked_run_that_fails_again_counts_and_stays_parked(harness: Harness) -> None:
+    """The run's handler fails in a savepoint: its failure is counted, and the message
+    parked again, in the run's own transaction (one transaction per failing run: a
+    poison flood's retries cost half what they did)."""
     parked = await park(harness, delivery())
     harness.then(RuntimeError("second"))
+    opened = harness.store.transactions
     assert await harness.processor.retry_parked(parked) is Outcome.RETRY
+    assert harness.store.transactions == opened + 1
     assert list(harness.store.attempts.values()) == [2]
     [row] = harness.store.inbox.values()
     assert row.outcome == models.OUTCOME_RETRYING

@@ -245,8 +245,10 @@ class DjangoTransaction(statements.Statements):
             sql.set_local_timeouts(int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000))
         )
 
-    def _run_sql(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
-        text, params = sql.for_psycopg(stmt)
+    def _run_sql(
+        self, stmt: sa.Executable, bound: dict[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        text, params = sql.for_psycopg(stmt, bound)
         connection = self._connection()
         connection.ensure_connection()
         # Django's own cursors bind client-side unless OPTIONS says otherwise: a batch's
@@ -316,11 +318,13 @@ class DjangoTransaction(statements.Statements):
         """Enter ``transaction.atomic()`` in the lane and set eop's local timeouts."""
         await self._step(self._begin)
 
-    async def _rows(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
-        return await self._step(self._run_sql, stmt)
+    async def _rows(
+        self, stmt: sa.Executable, params: dict[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        return await self._step(self._run_sql, stmt, params)
 
-    async def _execute(self, stmt: sa.Executable) -> None:
-        await self._step(self._run_sql, stmt)
+    async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
+        await self._step(self._run_sql, stmt, params)
 
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call the handler in the lane (an async one through ``async_to_sync``)."""

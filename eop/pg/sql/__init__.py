@@ -385,30 +385,36 @@ def count_inbox(t: models.Tables, subscription: str | None = None) -> sa.Select[
     return stmt
 
 
-def unclaim(
-    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int
-) -> sa.Executable:
+def _key_params(subscription: str, stream: str, epoch: str, seq: int) -> dict[str, Any]:
+    """The values of :func:`_in_bound_key`'s parameters."""
+    return {"p_subscription": subscription, "p_stream": stream, "p_epoch": epoch, "p_seq": seq}
+
+
+def _in_bound_key(c: Any) -> tuple[Any, ...]:
+    """One message's row by its key: :func:`_in_bound_epoch` and ``p_seq``."""
+    return (*_in_bound_epoch(c), c.stream_seq == sa.bindparam("p_seq", type_=sa.BigInteger))
+
+
+def unclaim(t: models.Tables, subscription: str, stream: str, epoch: str, seq: int) -> Bound:
     """Drop a claim made earlier in this transaction (its handler failed in a batch)."""
+    return _unclaim(t), _key_params(subscription, stream, epoch, seq)
+
+
+@functools.cache
+def _unclaim(t: models.Tables) -> sa.Executable:
     c = t.inbox.c
-    return (
-        sa.delete(t.inbox)
-        .where(
-            *_in_epoch(c, subscription, stream, epoch),
-            c.stream_seq == seq,
-        )
-        .returning(c.stream_seq)
-    )
+    return sa.delete(t.inbox).where(*_in_bound_key(c)).returning(c.stream_seq)
 
 
-def find_by_key(
-    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int
-) -> sa.Select[tuple[bytes, str]]:
+def find_by_key(t: models.Tables, subscription: str, stream: str, epoch: str, seq: int) -> Bound:
     """The fingerprint and outcome stored under an inbox key."""
+    return _find_by_key(t), _key_params(subscription, stream, epoch, seq)
+
+
+@functools.cache
+def _find_by_key(t: models.Tables) -> sa.Executable:
     c = t.inbox.c
-    return sa.select(c.fingerprint, c.outcome).where(
-        *_in_epoch(c, subscription, stream, epoch),
-        c.stream_seq == seq,
-    )
+    return sa.select(c.fingerprint, c.outcome).where(*_in_bound_key(c))
 
 
 def find_by_keys(
@@ -422,36 +428,65 @@ def find_by_keys(
     )
 
 
-def find_by_msg_id(
-    t: models.Tables, subscription: str, msg_id: str
-) -> sa.Select[tuple[str, str, int, str]]:
+def find_by_msg_id(t: models.Tables, subscription: str, msg_id: str) -> Bound:
     """The key and outcome of the message this subscription processed with ``msg_id``."""
+    return _find_by_msg_id(t), {"p_subscription": subscription, "p_msg_id": msg_id}
+
+
+@functools.cache
+def _find_by_msg_id(t: models.Tables) -> sa.Executable:
     c = t.inbox.c
     return sa.select(c.stream, c.stream_epoch, c.stream_seq, c.outcome).where(
-        c.subscription == subscription, c.msg_id_digest == msg_id_digest(msg_id)
+        c.subscription == sa.bindparam("p_subscription", type_=sa.Text),
+        c.msg_id_digest == msg_id_digest(sa.bindparam("p_msg_id", type_=sa.Text)),
     )
 
 
 def find_dead_letter(
     t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, fingerprint: bytes
-) -> sa.Select[tuple[int]]:
+) -> Bound:
     """The id of the dead letter recorded for one message (key and fingerprint)."""
+    params = _key_params(subscription, stream, epoch, seq)
+    return _find_dead_letter(t), {**params, "p_fingerprint": fingerprint}
+
+
+@functools.cache
+def _find_dead_letter(t: models.Tables) -> sa.Executable:
     c = t.dead_letters.c
-    return sa.select(c.id).where(
-        *_in_epoch(c, subscription, stream, epoch),
-        c.stream_seq == seq,
-        c.fingerprint == fingerprint,
-    )
+    fingerprint = sa.bindparam("p_fingerprint", type_=sa.LargeBinary)
+    return sa.select(c.id).where(*_in_bound_key(c), c.fingerprint == fingerprint)
 
 
-def insert_dead_letter(t: models.Tables, row: dict[str, Any]) -> sa.Insert:
-    """Record a dead letter; a second one for the same message is dropped."""
-    return (
-        postgresql.insert(t.dead_letters)
-        .values(**row)
-        .on_conflict_do_nothing()
-        .returning(t.dead_letters.c.id)
-    )
+_DEAD_LETTER_COLUMNS = (
+    "subscription",
+    "stream",
+    "stream_epoch",
+    "stream_seq",
+    "fingerprint",
+    "msg_id",
+    "subject",
+    "headers",
+    "payload",
+    "reason",
+    "error",
+    "traceback",
+    "delivery_count",
+)
+
+
+def insert_dead_letter(t: models.Tables, row: dict[str, Any]) -> Bound:
+    """Record a dead letter (``row``: a value for each of its columns the protocol sets); a
+    second one for the same message is dropped."""
+    if row.keys() != set(_DEAD_LETTER_COLUMNS):
+        raise ValueError(f"a dead letter row has exactly the columns {_DEAD_LETTER_COLUMNS}")
+    return _insert_dead_letter(t), {f"p_{name}": value for name, value in row.items()}
+
+
+@functools.cache
+def _insert_dead_letter(t: models.Tables) -> sa.Executable:
+    c = t.dead_letters.c
+    values = {name: sa.bindparam(f"p_{name}", type_=c[name].type) for name in _DEAD_LETTER_COLUMNS}
+    return postgresql.insert(t.dead_letters).values(values).on_conflict_do_nothing().returning(c.id)
 
 
 def count_effects(t: models.Tables, subscription: str) -> sa.Select[tuple[str, int]]:
@@ -738,49 +773,83 @@ def ping() -> sa.Select[tuple[int]]:
 # --- Handler failures and retries held in the database ----------------------
 
 
-def _retry_key(t: models.Tables, subscription: str, stream: str, epoch: str, seq: int) -> Any:
-    c = t.retries.c
-    return sa.and_(*_in_epoch(c, subscription, stream, epoch), c.stream_seq == seq)
+_FAILURE_COLUMNS = (
+    "subscription",
+    "stream",
+    "stream_epoch",
+    "stream_seq",
+    "last_error",
+    "parked",
+    "subject",
+    "headers",
+    "payload",
+    "stored_at",
+)
 
 
-def count_failure(t: models.Tables, row: dict[str, Any]) -> sa.Executable:
+def count_failure(t: models.Tables, row: dict[str, Any]) -> Bound:
     """Add one handler failure to a message's count (the row holds the message); RETURNING it.
 
     ``row`` carries the key, ``last_error``, ``parked``, ``due_in_s`` and the
     message (subject, headers, payload, stored_at); a first failure inserts it.
     """
-    values = {k: v for k, v in row.items() if k != "due_in_s"}
-    due_at = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, row["due_in_s"])
-    insert = postgresql.insert(t.retries).values(**values, failures=1, due_at=due_at)
+    if row.keys() != {*_FAILURE_COLUMNS, "due_in_s"}:
+        raise ValueError(f"a failure row has exactly the columns {_FAILURE_COLUMNS}, due_in_s")
+    return _count_failure(t), {f"p_{name}": value for name, value in row.items()}
+
+
+def _due_in(parameter: str) -> sa.ColumnElement[Any]:
+    """now() plus the seconds of ``parameter``."""
+    seconds = sa.bindparam(parameter, type_=sa.Float)
+    return sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, seconds)
+
+
+@functools.cache
+def _count_failure(t: models.Tables) -> sa.Executable:
+    c = t.retries.c
+    values = {name: sa.bindparam(f"p_{name}", type_=c[name].type) for name in _FAILURE_COLUMNS}
+    insert = postgresql.insert(t.retries).values(
+        {**values, "failures": 1, "due_at": _due_in("p_due_in_s")}
+    )
     return insert.on_conflict_do_update(
         index_elements=["subscription", "stream", "stream_epoch", "stream_seq"],
         set_={
-            "failures": t.retries.c.failures + 1,
+            "failures": c.failures + 1,
             "last_error": insert.excluded.last_error,
             "parked": insert.excluded.parked,
             "due_at": insert.excluded.due_at,
             "updated_at": sa.func.now(),
         },
-    ).returning(t.retries.c.failures)
+    ).returning(c.failures)
 
 
 def reschedule(
     t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, due_in_s: float
-) -> sa.Executable:
+) -> Bound:
     """Set when a parked message is next run."""
-    due_at = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, due_in_s)
+    params = _key_params(subscription, stream, epoch, seq)
+    return _reschedule(t), {**params, "p_due_in_s": due_in_s}
+
+
+@functools.cache
+def _reschedule(t: models.Tables) -> sa.Executable:
     return (
         sa.update(t.retries)
-        .where(_retry_key(t, subscription, stream, epoch, seq))
-        .values(due_at=due_at, updated_at=sa.func.now())
+        .where(*_in_bound_key(t.retries.c))
+        .values(due_at=_due_in("p_due_in_s"), updated_at=sa.func.now())
     )
 
 
 def forget_failures(
     t: models.Tables, subscription: str, stream: str, epoch: str, seq: int
-) -> sa.Executable:
+) -> Bound:
     """Delete a message's failure count (it has its outcome now)."""
-    return sa.delete(t.retries).where(_retry_key(t, subscription, stream, epoch, seq))
+    return _forget_failures(t), _key_params(subscription, stream, epoch, seq)
+
+
+@functools.cache
+def _forget_failures(t: models.Tables) -> sa.Executable:
+    return sa.delete(t.retries).where(*_in_bound_key(t.retries.c))
 
 
 def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) -> Bound:
@@ -830,29 +899,35 @@ def _take_due(t: models.Tables) -> sa.Executable:
 
 def lock_run(
     t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, runs: int
-) -> sa.Select[tuple[int]]:
+) -> Bound:
     """Lock a parked message for this run; no row when another run took it since."""
+    return _lock_run(t), {**_key_params(subscription, stream, epoch, seq), "p_runs": runs}
+
+
+@functools.cache
+def _lock_run(t: models.Tables) -> sa.Executable:
     c = t.retries.c
+    runs = sa.bindparam("p_runs", type_=sa.Integer)
     return (
-        sa.select(c.failures)
-        .where(_retry_key(t, subscription, stream, epoch, seq), c.parked, c.runs == runs)
-        .with_for_update()
+        sa.select(c.failures).where(*_in_bound_key(c), c.parked, c.runs == runs).with_for_update()
     )
 
 
 def settle_retrying(
     t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, outcome: str
-) -> sa.Executable:
+) -> Bound:
     """Turn a retrying inbox row into its outcome; RETURNING it only when it was retrying."""
+    params = _key_params(subscription, stream, epoch, seq)
+    return _settle_retrying(t), {**params, "p_outcome": outcome}
+
+
+@functools.cache
+def _settle_retrying(t: models.Tables) -> sa.Executable:
     c = t.inbox.c
     return (
         sa.update(t.inbox)
-        .where(
-            *_in_epoch(c, subscription, stream, epoch),
-            c.stream_seq == seq,
-            c.outcome == models.OUTCOME_RETRYING,
-        )
-        .values(outcome=outcome, processed_at=sa.func.now())
+        .where(*_in_bound_key(c), c.outcome == models.OUTCOME_RETRYING)
+        .values(outcome=sa.bindparam("p_outcome", type_=sa.Text), processed_at=sa.func.now())
         .returning(c.stream_seq)
     )
 
