@@ -18,7 +18,13 @@ message. Each eop run is printed beside the baselines with as many processes.
 one ``eop relay``, beside (rw) one default ``eop worker`` consuming the same
 messages and (rp) a raw ``publish_async`` loop; (rl) and (rn): commit-to-PubAck
 latency of rows committed one per transaction at --relay-rate, the relay woken
-by NOTIFY (rl) or polling (rn). ``--runs`` picks runs by key (r: all five).
+by NOTIFY (rl) or polling (rn). (f) a poison flood: --messages / 2 messages
+whose handler raises, then as many good ones, through an ``eop worker`` at
+default settings but a 1 s backoff cap, beside (fh) the hand-written consumer
+extended to dead-letter after as many attempts with the same backoff (nak with
+a delay, JetStream's delivery count), in as many processes: the time until
+every good message took effect and until every failing one is dead-lettered,
+and CPU per handler run. ``--runs`` picks runs by key (r: all five, f: both).
 
 Throughput: a backlog is published, then drained; the rate runs from the
 first completion to the last, so start-up is excluded. Latency: then messages
@@ -36,11 +42,12 @@ This package is also the app of the bench's workers (``eop.bench:app``) and
 the program of its other child processes (``python -m eop.bench``).
 
 Its modules: :mod:`~eop.bench.runs` (what is measured: the runs, their app,
-the options), :mod:`~eop.bench.baselines` (the consumers of (a), (h) and (b)),
+the options), :mod:`~eop.bench.baselines` (the consumers of (a), (h), (b) and (fh)),
 :mod:`~eop.bench.loops` (the relay runs' publisher and polling relay),
 :mod:`~eop.bench.harness` (the servers' clients, the child processes, the
 progress line, CPU time), :mod:`~eop.bench.measurement` (one run measured,
 and the arithmetic), :mod:`~eop.bench.relay` (the relay's runs),
+:mod:`~eop.bench.flood` (the poison flood's runs),
 :mod:`~eop.bench.runner` (every run on fresh servers),
 :mod:`~eop.bench.report` (the table); ``eop bench`` itself is :mod:`eop.cli.bench`.
 """
@@ -60,6 +67,7 @@ from eop.bench.runs import (
     record,
     record_batch,
     record_direct,
+    record_or_fail,
     record_orm,
     record_sync,
 )
@@ -77,6 +85,7 @@ __all__ = [
     "record",
     "record_batch",
     "record_direct",
+    "record_or_fail",
     "record_orm",
     "record_sync",
     # measuring

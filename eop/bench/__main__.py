@@ -1,6 +1,6 @@
 """``python -m eop.bench KIND ...``: a child process of the bench.
 
-KIND is ``a``, ``h`` or ``b`` (:mod:`eop.bench.baselines`), ``fan N KIND ...``
+KIND is ``a``, ``h``, ``hf`` or ``b`` (:mod:`eop.bench.baselines`), ``fan N KIND ...``
 (N copies of one of them), ``publish`` or ``relay-polling`` (:mod:`eop.bench.loops`).
 ``python -m eop.bench spark ...`` is the Spark bench (:mod:`eop.bench.spark`).
 """
@@ -30,5 +30,7 @@ elif kind == "a":
     eventloop.run(baselines.lean(*args[:4]))
 elif kind == "h":
     eventloop.run(baselines.handwritten(*args[:4]))
+elif kind == "hf":
+    eventloop.run(baselines.handwritten_flood(*args[:7]))
 else:
     asyncio.run(baselines.naive_loop(*args[:4]))

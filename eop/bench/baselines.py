@@ -16,6 +16,14 @@ of its own.
 (b) exactly-once written plainly: per message one transaction through an
 SQLAlchemy session (claim, INSERT), then one sequential ``ack_sync``.
 
+(fh) (h) extended as a competent user handles failures without eop, for the
+poison flood: the handler of each claimed message runs in the batch's
+transaction; if one failed with attempts left (JetStream's ``num_delivered``
+below ``max_attempts``), the transaction is rolled back and run again without
+it, and it is nak'ed with eop's backoff as the delay; on its last attempt its
+dead letter is written in the transaction that claims its inbox row, and it is
+acked. Each failure is logged in one line, as eop logs each retry.
+
 Each runs until SIGTERM and then writes, per message it completed, its stream
 sequence, its stream timestamp and when it was completed (for (b) and (h) the
 effect rows in the database say the same, and are what is read). ``fan_out``
@@ -27,11 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +66,10 @@ _HAND_CLAIM = (
     "ON CONFLICT DO NOTHING RETURNING seq"
 )
 _HAND_INSERT = "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)"
+_HAND_DEAD = (
+    "INSERT INTO bench_hand_dead (stream, seq, subject, payload, error, traceback, delivered)"
+    " VALUES ($1, $2, $3, $4, $5, $6, $7)"
+)
 
 
 def _stop_on_sigterm() -> asyncio.Event:
@@ -159,6 +173,119 @@ async def handwritten(nats_url: str, database_url: str, stream: str, durable: st
                 if rows:
                     await conn.executemany(_HAND_INSERT, rows)
             await asyncio.gather(*(m.ack_sync(timeout=5.0) for m in msgs))
+
+    await asyncio.gather(*(batches() for _ in range(HAND_IN_FLIGHT)))
+    await nc.close()
+    await pool.close()
+
+
+def nak_delay_s(delivered: int, base_s: float, max_s: float) -> float:
+    """(fh)'s delay before the next delivery after the ``delivered``-th failed: ``base_s``
+    doubled per earlier delivery, capped at ``max_s`` (eop's backoff, written out)."""
+    return float(min(base_s * 2 ** min(max(delivered - 1, 0), 30), max_s))
+
+
+class _Rollback(Exception):
+    """A handler failed with attempts left: the batch's transaction must not commit."""
+
+
+def _handle(msg: Any, meta: Any, variant: str) -> tuple[str, int, Any]:
+    """(fh)'s handler: a poison message raises, any other gives its effect row."""
+    if msg.data.startswith(runs.POISON):
+        raise RuntimeError("poison message")
+    return variant, meta.sequence.stream, meta.timestamp
+
+
+async def _flood_transaction(
+    conn: Any, stream: str, variant: str, msgs: list[Any], max_attempts: int
+) -> list[Any]:
+    """Claim ``msgs``, run their handlers, write the effects and the dead letters, COMMIT;
+    the messages that failed with attempts left, which nothing of was committed.
+
+    A failure with attempts left rolls the transaction back (the handler may have
+    written before it raised) and the others are run again without it.
+    """
+    failed: list[Any] = []
+    while msgs:
+        rows: list[tuple[str, int, Any]] = []
+        dead: list[tuple[Any, ...]] = []
+        retry: list[Any] = []
+        try:
+            async with conn.transaction():
+                seqs = [m.metadata.sequence.stream for m in msgs]
+                claimed = {row[0] for row in await conn.fetch(_HAND_CLAIM, stream, seqs)}
+                for msg in msgs:
+                    meta = msg.metadata
+                    if meta.sequence.stream not in claimed:
+                        continue  # a duplicate: settled before
+                    try:
+                        rows.append(_handle(msg, meta, variant))
+                    except Exception as exc:
+                        logging.warning(
+                            "handler failed: seq %d, delivery %d: %r",
+                            meta.sequence.stream,
+                            meta.num_delivered,
+                            exc,
+                        )
+                        if meta.num_delivered < max_attempts:
+                            retry.append(msg)
+                            continue
+                        seq, trace = meta.sequence.stream, "".join(traceback.format_exception(exc))
+                        error, delivered = repr(exc), meta.num_delivered
+                        dead.append((stream, seq, msg.subject, msg.data, error, trace, delivered))
+                if retry:
+                    failed += retry
+                    raise _Rollback
+                if rows:
+                    await conn.executemany(_HAND_INSERT, rows)
+                if dead:
+                    await conn.executemany(_HAND_DEAD, dead)
+            return failed
+        except _Rollback:
+            retried = {id(m) for m in retry}
+            msgs = [m for m in msgs if id(m) not in retried]
+    return failed
+
+
+async def handwritten_flood(
+    nats_url: str,
+    database_url: str,
+    stream: str,
+    durable: str,
+    max_attempts: str,
+    backoff_base_s: str,
+    backoff_max_s: str,
+) -> None:
+    """(fh): (h) handling failures as a competent user would without eop, until SIGTERM."""
+    import asyncpg  # untyped: the import above in this module carries the ignore
+    import nats
+    import nats.errors
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s")
+    stop = _stop_on_sigterm()
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    dsn = sa.make_url(database_url).set(drivername="postgresql")
+    pool = await asyncpg.create_pool(
+        dsn.render_as_string(hide_password=False),
+        min_size=HAND_IN_FLIGHT,
+        max_size=HAND_IN_FLIGHT,
+    )
+    attempts, base_s, max_s = int(max_attempts), float(backoff_base_s), float(backoff_max_s)
+
+    async def batches() -> None:
+        sub = await js.pull_subscribe_bind(durable=durable, stream=stream)
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(HAND_BATCH, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            async with pool.acquire() as conn:
+                failed = await _flood_transaction(conn, stream, durable, msgs, attempts)
+            unsettled = {id(m) for m in failed}
+            settled = [m for m in msgs if id(m) not in unsettled]
+            naks = [m.nak(nak_delay_s(m.metadata.num_delivered, base_s, max_s)) for m in failed]
+            await asyncio.gather(*(m.ack_sync(timeout=5.0) for m in settled), *naks)
 
     await asyncio.gather(*(batches() for _ in range(HAND_IN_FLIGHT)))
     await nc.close()

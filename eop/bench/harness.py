@@ -29,6 +29,10 @@ _DDL = (
     " stored_at timestamptz NOT NULL)",
     "CREATE TABLE bench_naive_inbox (stream text, seq bigint, PRIMARY KEY (stream, seq))",
     "CREATE TABLE bench_hand_inbox (stream text, seq bigint, PRIMARY KEY (stream, seq))",
+    # The hand-written poison flood's dead letters: what eop's keep that a replay needs.
+    "CREATE TABLE bench_hand_dead (stream text, seq bigint, subject text NOT NULL,"
+    " payload bytea NOT NULL, error text NOT NULL, traceback text NOT NULL,"
+    " delivered integer NOT NULL, PRIMARY KEY (stream, seq))",
 )
 _POINTS = sa.text(
     "SELECT seq, extract(epoch FROM stored_at)::float8,"
@@ -244,10 +248,9 @@ class Bench:
         async with self.engine.begin() as conn:
             for ddl in _DDL:
                 await conn.execute(sa.text(ddl))
-        streams = (*runs.RUNS, runs.BIG, runs.RELAY, runs.RAW_PUBLISH, *runs.RELAY_LATENCY)
-        for run in streams:
+        for run in runs.STREAMS:
             await jetstream.ensure_stream(self.js, runs.app.stream_spec(run.stream), create=True)
-        for run in runs.RUNS:
+        for run in (*runs.RUNS, runs.FLOOD_HAND):
             if not run.handler:  # as eop makes them: explicit acks, the default limits
                 config = api.ConsumerConfig(
                     durable_name=run.durable,
@@ -302,23 +305,27 @@ class Bench:
                 child += [run.stream, run.durable, str(self.tmp / f"{run.key}.records")]
             else:
                 child += [self.database_url, run.stream, run.durable]
+            if run.loop == "hf":  # eop's attempts and backoff, the flood's cap
+                settings = runs.app.settings
+                child += [str(settings.max_attempts), str(settings.backoff_base_s)]
+                child.append(str(runs.FLOOD_BACKOFF_MAX_S))
             fan = ["fan", str(run.processes)] if run.processes > 1 else []
             return [sys.executable, "-m", "eop.bench", *fan, *child]
         urls = ["--database-url", self.database_url, "--nats-url", self.nats_url]
         worker = ["worker", "eop.bench:app", "--handler", run.handler, *urls, *extra]
         return [sys.executable, "-m", "eop", *worker]
 
-    async def publish(self, run: runs.Run, count: int) -> None:
-        """Publish a backlog of ``count`` messages, confirmed, 1,000 at a time.
+    async def publish(self, run: runs.Run, count: int, payload: bytes | None = None) -> None:
+        """Publish a backlog of ``count`` messages (of ``payload``, else the bench's),
+        confirmed, 1,000 at a time.
 
         ``publish_async``: a request inbox per message (``publish``) made the
         long run's 1,010,000 take minutes on a loaded machine.
         """
+        payload = self.payload if payload is None else payload
         for sent in range(0, count, 1000):
             chunk = min(1000, count - sent)
-            acks = [
-                await self.stream.publish_async(run.subject, self.payload) for _ in range(chunk)
-            ]
+            acks = [await self.stream.publish_async(run.subject, payload) for _ in range(chunk)]
             await asyncio.gather(*acks)  # raises if any was refused or timed out
             self.progress.show(f"({run.key}) publishing", sent + chunk, count)
         self.progress.end()

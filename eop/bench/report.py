@@ -47,12 +47,15 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", *_runs(report)]
     if report.get("relay"):
         lines += ["", *_relay(report["relay"], o, report["ratios"])]
+    if report.get("flood"):
+        lines += ["", *_flood(report["flood"], report["ratios"])]
     if report["big"]:
         lines += ["", *_big(report["big"])]
     commands = [f"  ({r['key']}) {r['command']}" for r in report["runs"]]
     if report.get("relay"):
         relay = report["relay"]
         commands += [f"  ({r['key']}) {r['command']}" for r in relay["rows"] + relay["latency"]]
+    commands += [f"  ({r['key']}) {r['command']}" for r in report.get("flood") or []]
     lines += ["", "commands:", *commands]
     return "\n".join([*lines, f"took {report['seconds']:.0f} s"])
 
@@ -170,6 +173,36 @@ def _relay(relay: dict[str, Any], o: dict[str, Any], ratios: dict[str, float]) -
         if r["delivered"] != r["rows"]:
             lines.append(f"    WARNING: {r['delivered']} in the stream of {r['rows']}")
     return lines
+
+
+def _flood(rows: list[dict[str, Any]], ratios: dict[str, float]) -> list[str]:
+    """The poison flood: time to the good messages and to the last dead letter, CPU per
+    handler run, each row's exactly-once check, and eop over the hand-written consumer."""
+    first = rows[0]
+    lines = [
+        f"poison flood: {first['poison']:,} messages whose handler raises, then "
+        f"{first['good']:,} good ones; max_attempts {first['max_attempts']}, backoff 0.5 s "
+        f"doubling to {first['backoff_max_s']:g} s; seconds from resuming the consumer",
+        f"{'run':<36}{'procs':>6}{'to good s':>10}{'to drain s':>11}{'handler runs':>13}"
+        f"{'CPU us/run':>11}{'nats us':>8}{'pg us':>7}",
+    ]
+    for r in rows:
+        lines.append(
+            f"({r['key']}) {r['label']:<{33 - len(r['key'])}}{r['processes']:>6}"
+            f"{r['good_s']:>10.2f}{r['drain_s']:>11.2f}{r['handler_runs']:>13,}"
+            f"{_us(r['cpu_us']):>11}{_us(r['nats_us']):>8}{_us(r['pg_us']):>7}"
+        )
+        if (r["effects"], r["dead"], r["dead_good"]) != (r["good"], r["poison"], 0):
+            lines.append(
+                f"    WARNING: {r['effects']} effect rows for {r['good']} good messages, "
+                f"{r['dead']} dead letters for {r['poison']} failing ones "
+                f"({r['dead_good']} of good ones)"
+            )
+    shown = [f"{name} = {ratios[name]:.2f}" for name in _FLOOD_SHOWN if name in ratios]
+    return [*lines, "   ".join(shown)] if shown else lines
+
+
+_FLOOD_SHOWN = ("f good/hand", "f drain/hand", "f cpu/hand")
 
 
 def _us(value: float | None) -> str:

@@ -10,14 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eop.bench import harness, measurement, relay, report, runs
+from eop.bench import flood, harness, measurement, relay, report, runs
 
 
 def run(options: runs.Options) -> dict[str, Any]:
     """Start the servers, run every measurement, return the report."""
     started, machine = time.monotonic(), report.machine()
     with harness.servers(fsync=options.fsync, prefix="eop-bench-") as srv:
-        results, section, big = asyncio.run(
+        results, section, flooded, big = asyncio.run(
             _run_all(options, srv.nats_url, srv.pg_url, srv.tmp, srv.pids)
         )
     rates = {r.key: r.rate for r in section.rows} if section else {}
@@ -26,8 +26,9 @@ def run(options: runs.Options) -> dict[str, Any]:
         "options": dataclasses.asdict(options),
         "machine": machine,
         "runs": [dataclasses.asdict(r) for r in results],
-        "ratios": {**ratios(results), **_relay_ratios(rates)},
+        "ratios": {**ratios(results), **_relay_ratios(rates), **flood.ratios(flooded or [])},
         "relay": dataclasses.asdict(section) if section else None,
+        "flood": [dataclasses.asdict(row) for row in flooded] if flooded else None,
         "big": dataclasses.asdict(big) if big else None,
         "seconds": round(time.monotonic() - started, 1),
     }
@@ -93,7 +94,12 @@ async def _run_all(
     database_url: str,
     tmp: Path,
     server_pids: tuple[int | None, int | None],
-) -> tuple[list[measurement.Result], relay.Section | None, measurement.BigResult | None]:
+) -> tuple[
+    list[measurement.Result],
+    relay.Section | None,
+    list[flood.Flood] | None,
+    measurement.BigResult | None,
+]:
     import nats
 
     bench = harness.Bench(options, nats_url, database_url, tmp, server_pids)
@@ -111,8 +117,9 @@ async def _run_all(
                 extra += shlex.split(options.tuned)
             results.append(await measurement.measure(bench, run_, count, extra))
         section = await relay.measure(bench) if "r" in chosen else None
+        flooded = await flood.measure(bench) if "f" in chosen else None
         big = await measurement.measure_big(bench, options.big_messages) if options.big else None
-        return results, section, big
+        return results, section, flooded, big
     finally:
         await nc.close()
         await bench.engine.dispose()

@@ -17,6 +17,11 @@ from eop.runtime import supervisor
 
 INSERT = sa.text("INSERT INTO bench_effects (variant, seq, stored_at) VALUES (:v, :s, :t)")
 """The handler work of every database run (the naive loop's too)."""
+POISON = b"p"
+"""How a poison flood's failing messages begin (the others are all ``x``)."""
+FLOOD_BACKOFF_MAX_S = 1.0
+"""The poison flood's cap on the retry delay, for eop and the hand-written consumer alike:
+short, so that the run measures the work of failing rather than the waits between."""
 WINDOW = 10_000  # the --big run's windows: messages 10,001-20,000 and the last 10,000
 PROCESSES = supervisor.process_count(0)
 """An ``eop worker``'s default process count here: the baselines' many-process rows use it."""
@@ -72,6 +77,14 @@ def record_sync(msg: eop.Message, session: Session) -> None:
     session.add(_effect(msg))
 
 
+async def record_or_fail(msg: eop.Message, writes: eop.Writes) -> None:
+    """The poison flood's handler: a poison message raises, every other one is recorded
+    as :func:`record` does."""
+    if msg.data.startswith(POISON):
+        raise RuntimeError("poison message")
+    writes.add(INSERT, _row(msg))
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One measured consumer: its stream, its durable consumer, its eop handler if any."""
@@ -113,9 +126,22 @@ RUNS = (
     Run("d", "eop tuned (batch handler)", "BENCH_D", "eop-bench-tuned", "bench-tuned"),
     Run("e", "eop default, session.execute", "BENCH_E", "eop-bench-direct", "bench-direct"),
 )
-"""Every run but the relay's, in the order measured."""
-SELECTABLE = (*(run.key for run in RUNS), "r")
-"""What ``--runs`` chooses from: the runs above, and r, the relay's rows."""
+"""Every run but the relay's and the poison flood's, in the order measured."""
+FLOOD = Run(
+    "f",
+    "eop worker, poison flood",
+    "BENCH_F",
+    "eop-bench-flood",
+    "bench-flood",
+    f"--backoff-max-s {FLOOD_BACKOFF_MAX_S:g}",
+)
+FLOOD_HAND = Run(
+    "fh", f"hand-written, {_N} processes", "BENCH_FH", "bench-hand-flood", loop="hf", processes=_N
+)
+"""The poison flood's rows (``--runs f``): eop, and the hand-written consumer extended to
+handle failures (:func:`eop.bench.baselines.handwritten_flood`), in as many processes."""
+SELECTABLE = (*(run.key for run in RUNS), "r", "f")
+"""What ``--runs`` chooses from: the runs above, r (the relay's rows) and f (the flood's)."""
 _HANDLERS: dict[str, handler.HandlerFunc] = {
     "c": record,
     "c1": record,
@@ -137,17 +163,26 @@ RELAY_LATENCY = (
     Run("rn", "relay without LISTEN (polls)", "BENCH_RN", "bench-latency-poll"),
 )
 """The streams of the commit-to-PubAck runs (their durables only read the stream back)."""
-for _run in (*RUNS, BIG, RELAY, RAW_PUBLISH, *RELAY_LATENCY):
+STREAMS = (*RUNS, BIG, RELAY, RAW_PUBLISH, *RELAY_LATENCY, FLOOD, FLOOD_HAND)
+"""Every run with a stream of its own."""
+for _run in STREAMS:
     app.stream(_run.stream, subjects=[_run.subject])
 _BY_KEY = {run.key: run for run in RUNS}
 for _run, _func in (
     *((_BY_KEY[key], func) for key, func in _HANDLERS.items()),
     (BIG, record),
     (RELAY, record),
+    (FLOOD, record_or_fail),
 ):
     app.handler(
         stream=_run.stream, subject=_run.subject, name=_run.handler, batch=_func is record_batch
     )(_func)
+
+
+def flood_counts(messages: int) -> tuple[int, int]:
+    """The poison flood's (failing, good) messages out of a ``--messages`` backlog: half
+    each, the failing ones published first."""
+    return messages // 2, messages - messages // 2
 
 
 def chosen(runs: str) -> list[str]:
@@ -173,8 +208,8 @@ class Options:
     big_messages: int = 1_010_000
     fsync: bool = True
     runs: str = "all"
-    """The runs to measure: their keys, comma-separated (r: the relay's rows), ``all``, or
-    ``none`` (with ``big``: the long run alone)."""
+    """The runs to measure: their keys, comma-separated (r: the relay's rows, f: the poison
+    flood's), ``all``, or ``none`` (with ``big``: the long run alone)."""
     relay_messages: int = 20_000
     relay_payload_bytes: int = 256
     relay_rate: float = 200.0
@@ -191,8 +226,11 @@ class Options:
         ):
             raise errors.ConfigurationError(
                 f"runs must be 'all' or keys of {','.join(SELECTABLE)} separated by commas "
-                f"(r: the relay's rows), or 'none' with big, not {self.runs!r}"
+                f"(r: the relay's rows, f: the poison flood's), or 'none' with big, "
+                f"not {self.runs!r}"
             )
+        if "f" in keys and self.messages < 2:
+            raise errors.ConfigurationError("the poison flood (f) needs messages of at least 2")
         if not (self.relay_rate > 0 and self.relay_latency_s > 0):
             raise errors.ConfigurationError("relay-rate and relay-latency-s must be above 0")
         if not (0 < self.latency_load <= 1 and self.latency_s > 0):

@@ -12,7 +12,12 @@ from typing import Any
 from eop.cli import options
 
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
-    ("messages", int, "backlog of each run but the naive one (b)"),
+    (
+        "messages",
+        int,
+        "backlog of each run but the naive one (b); the poison flood (f): half failing, "
+        "then half good",
+    ),
     ("naive-messages", int, "backlog of the naive run (b), which is slow"),
     ("payload-bytes", int, "size of every message's payload"),
     ("latency-s", float, "length of each run's steady-load latency phase"),
@@ -24,8 +29,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     (
         "runs",
         str,
-        "which runs: 'all', keys separated by commas (r: the relay's rows), or 'none' "
-        "(with --big: the long run alone)",
+        "which runs: 'all', keys separated by commas (r: the relay's rows, f: the poison "
+        "flood's), or 'none' (with --big: the long run alone)",
     ),
     ("relay-messages", int, "outbox rows of the relay's throughput run (r), and of (rw), (rp)"),
     ("relay-payload-bytes", int, "size of each outbox row's payload"),

@@ -97,3 +97,25 @@ def test_bench_measures_the_relay_rows_end_to_end(tmp_path: Path) -> None:
     for row in relay["latency"]:
         assert row["delivered"] == row["rows"] == 25
         assert row["max_ms"] >= row["p99_ms"] >= row["p50_ms"] > 0
+
+
+def test_bench_measures_the_poison_flood_end_to_end(tmp_path: Path) -> None:
+    """A tiny `eop bench --runs f` prints the poison flood's rows (eop and the hand-written
+    consumer) and their ratios; in both, every good message took effect once, every
+    failing one has one dead letter and no good one has any, and the CPU is divided by
+    every handler run."""
+    report_path = tmp_path / "bench.json"
+    proc = _bench(["--runs", "f", "--messages", "200", "--json", str(report_path)])
+    for row in ("(f) eop worker, poison flood", "(fh) hand-written, "):
+        assert row in proc.stdout
+    assert "f good/hand = " in proc.stdout
+    report = json.loads(report_path.read_text())
+    assert report["runs"] == []
+    assert [row["key"] for row in report["flood"]] == ["f", "fh"]
+    for row in report["flood"]:
+        assert (row["poison"], row["good"], row["max_attempts"]) == (100, 100, 5)
+        assert (row["effects"], row["dead"], row["dead_good"]) == (100, 100, 0)
+        assert row["handler_runs"] == 600
+        assert row["drain_s"] > 0
+        assert row["good_s"] > 0
+    assert report["ratios"]["f good/hand"] > 0

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import datetime
 import io
 import os
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from eop import bench, errors
-from eop.bench import harness, measurement, report, runner, runs
+from eop import bench, errors, retry
+from eop.bench import baselines, flood, harness, measurement, report, runner, runs
 
 
 def test_throughput_starts_after_the_first_completion() -> None:
@@ -162,6 +169,10 @@ def test_runs_are_chosen_by_key() -> None:
             runs.Options(runs=bad)
     # The long run alone: no other run, only with --big.
     assert runs.chosen(runs.Options(runs="none", big=True).runs) == []
+    # The poison flood's rows are chosen together, and need a failing and a good message.
+    assert "f" in runs.chosen(runs.Options(runs="f", messages=2).runs)
+    with pytest.raises(errors.ConfigurationError):
+        runs.Options(runs="f", messages=1)
 
 
 def _result(key: str, rate: float, processes: int, cpu_us: float) -> measurement.Result:
@@ -212,3 +223,163 @@ def test_report_says_which_targets_are_met_and_which_missed() -> None:
     """A target line per ratio measured: met, or MISSED."""
     assert report._target("o/c", 0.75, ">=", 0.8).endswith("MISSED")
     assert report._target("c cpu/lean", 3.5, "<=", 4.0).endswith("met")
+
+
+def test_poison_flood_is_half_failing_then_half_good_and_counts_every_attempt() -> None:
+    """--messages splits into failing and good messages (the odd one good); the CPU is
+    divided by every handler run: max_attempts per failing message, one per good one."""
+    assert runs.flood_counts(4_000) == (2_000, 2_000)
+    assert runs.flood_counts(5) == (2, 3)
+    assert flood.handler_runs(2_000, 2_000, 5) == 12_000
+
+
+def test_poison_flood_handler_raises_for_poison_and_records_the_rest() -> None:
+    """eop's flood handler raises for a message starting with the poison mark and queues
+    the one INSERT of every run for any other; the hand-written one does the same."""
+
+    class Queue:
+        def __init__(self) -> None:
+            self.rows: list[dict[str, Any]] = []
+
+        def add(self, _statement: object, row: dict[str, Any]) -> None:
+            self.rows.append(row)
+
+    def message(data: bytes) -> Any:
+        return SimpleNamespace(data=data, subscription="bench-flood", seq=7, timestamp=None)
+
+    queue = Queue()
+    writes: Any = queue  # a fake of eop.Writes
+    with pytest.raises(RuntimeError):
+        asyncio.run(runs.record_or_fail(message(runs.POISON + b"xx"), writes))
+    asyncio.run(runs.record_or_fail(message(b"xxx"), writes))
+    assert queue.rows == [{"v": "bench-flood", "s": 7, "t": None}]
+    meta = SimpleNamespace(sequence=SimpleNamespace(stream=7), timestamp=None)
+    with pytest.raises(RuntimeError):
+        baselines._handle(message(runs.POISON + b"xx"), meta, "v")
+    assert baselines._handle(message(b"xxx"), meta, "v") == ("v", 7, None)
+
+
+def test_hand_written_backoff_is_eops() -> None:
+    """The hand-written flood consumer's nak delay follows eop's one backoff formula."""
+    for delivered in range(0, 40):
+        for base_s, max_s in ((0.5, 1.0), (0.5, 60.0), (0.1, 0.3)):
+            assert baselines.nak_delay_s(delivered, base_s, max_s) == retry.backoff_s(
+                delivered, base_s, max_s
+            )
+
+
+class _Conn:
+    """A fake asyncpg connection for the hand-written flood's transaction logic: it
+    records each transaction's statements and whether it committed."""
+
+    def __init__(self, claimed_before: frozenset[int] = frozenset()) -> None:
+        self.claimed = set(claimed_before)
+        self.transactions: list[tuple[list[tuple[str, Any]], bool]] = []
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        statements: list[tuple[str, Any]] = []
+        self.current, before = statements, set(self.claimed)
+        try:
+            yield
+        except BaseException:
+            self.claimed = before
+            self.transactions.append((statements, False))
+            raise
+        self.transactions.append((statements, True))
+
+    async def fetch(self, _sql: str, _stream: str, seqs: list[int]) -> list[tuple[int]]:
+        new = [seq for seq in seqs if seq not in self.claimed]
+        self.claimed.update(new)
+        self.current.append(("claim", seqs))
+        return [(seq,) for seq in new]
+
+    async def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        table = "effects" if "bench_effects" in sql else "dead"
+        self.current.append((table, [row[1] for row in rows]))
+
+
+def _msg(seq: int, delivered: int, poison: bool) -> Any:
+    stamp = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    meta = SimpleNamespace(
+        sequence=SimpleNamespace(stream=seq), num_delivered=delivered, timestamp=stamp
+    )
+    data = (runs.POISON if poison else b"x") + b"x"
+    return SimpleNamespace(data=data, subject="s", metadata=meta)
+
+
+def test_hand_written_flood_rolls_back_a_retry_and_dead_letters_with_the_claim() -> None:
+    """A failure with attempts left rolls the batch's transaction back and the rest run
+    again without it (nothing of it committed, its nak left to the caller); a failure on
+    the last attempt is dead-lettered in the transaction that claims it; a duplicate is
+    neither run nor written."""
+    conn = _Conn(claimed_before=frozenset({4}))
+    msgs = [_msg(1, 1, False), _msg(2, 2, True), _msg(3, 5, True), _msg(4, 1, False)]
+    failed = asyncio.run(baselines._flood_transaction(conn, "S", "v", msgs, 5))
+    assert failed == [msgs[1]]
+    assert conn.transactions == [
+        ([("claim", [1, 2, 3, 4])], False),
+        ([("claim", [1, 3, 4]), ("effects", [1]), ("dead", [3])], True),
+    ]
+    assert conn.claimed == {1, 3, 4}
+
+
+def test_hand_written_flood_commits_nothing_when_every_message_fails_early() -> None:
+    """A batch whose every message fails with attempts left is one transaction, rolled
+    back, and every message is returned for a nak."""
+    conn = _Conn()
+    msgs = [_msg(seq, 1, True) for seq in range(1, 4)]
+    failed = asyncio.run(baselines._flood_transaction(conn, "S", "v", msgs, 5))
+    assert failed == msgs
+    assert conn.transactions == [([("claim", [1, 2, 3])], False)]
+    assert conn.claimed == set()
+
+
+def _flood_row(key: str, good_s: float, drain_s: float, cpu_us: float | None) -> flood.Flood:
+    return flood.Flood(
+        key=key,
+        label=f"{key} row",
+        command="",
+        processes=2,
+        poison=2_000,
+        good=2_000,
+        max_attempts=5,
+        backoff_max_s=1.0,
+        handler_runs=12_000,
+        good_s=good_s,
+        drain_s=drain_s,
+        cpu_us=cpu_us,
+        nats_us=None,
+        pg_us=None,
+        effects=2_000,
+        dead=2_000,
+        dead_good=0,
+    )
+
+
+def test_poison_flood_ratios_set_eop_over_the_hand_written_consumer() -> None:
+    """f good/hand, f drain/hand and f cpu/hand divide eop's time to good, time to drain
+    and CPU per handler run by the hand-written consumer's; an unknown figure or a missing
+    row gives no ratio."""
+    rows = [_flood_row("f", 2.0, 12.0, 300.0), _flood_row("fh", 8.0, 10.0, 100.0)]
+    assert flood.ratios(rows) == pytest.approx(
+        {"f good/hand": 0.25, "f drain/hand": 1.2, "f cpu/hand": 3.0}
+    )
+    unknown = [_flood_row("f", 2.0, 12.0, None), _flood_row("fh", 8.0, 10.0, 100.0)]
+    assert "f cpu/hand" not in flood.ratios(unknown)
+    assert flood.ratios(rows[:1]) == {}
+
+
+def test_poison_flood_report_prints_each_row_its_ratios_and_warns_on_a_lost_message() -> None:
+    """The flood's lines give both rows' times, handler runs and CPU, and the ratios;
+    a good message without its effect or dead-lettered is a WARNING."""
+    rows = [_flood_row("f", 2.0, 12.0, 300.0), _flood_row("fh", 8.0, 10.0, 100.0)]
+    dicts = [dataclasses.asdict(row) for row in rows]
+    text = "\n".join(report._flood(dicts, flood.ratios(rows)))
+    assert "2,000 messages whose handler raises, then 2,000 good ones" in text
+    assert "(f) f row" in text
+    assert "12,000" in text
+    assert "f good/hand = 0.25   f drain/hand = 1.20   f cpu/hand = 3.00" in text
+    assert "WARNING" not in text
+    dicts[0].update(effects=1_999, dead_good=1)
+    assert "WARNING: 1999 effect rows for 2000 good messages" in "\n".join(report._flood(dicts, {}))
