@@ -18,7 +18,7 @@ message. Each eop run is printed beside the baselines with as many processes.
 one ``eop relay``, beside (rw) one default ``eop worker`` consuming the same
 messages and (rp) a raw ``publish_async`` loop; (rl) and (rn): commit-to-PubAck
 latency of rows committed one per transaction at --relay-rate, the relay woken
-by NOTIFY (rl) or polling (rn). (f) a poison flood: --messages / 2 messages
+by NOTIFY (rl) or polling (rn). (f) a poison flood: --flood-messages / 2 messages
 whose handler raises, then as many good ones, through an ``eop worker`` at
 default settings but a 1 s backoff cap, beside (fh) the hand-written consumer
 extended to dead-letter after as many attempts with the same backoff (nak with

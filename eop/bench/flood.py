@@ -102,7 +102,7 @@ def ratios(rows: list[Flood]) -> dict[str, float]:
 
 
 async def _one(bench: harness.Bench, run: runs.Run) -> Flood:
-    poison, good = runs.flood_counts(bench.options.messages)
+    poison, good = runs.flood_counts(bench.options.flood_messages)
     settings = runs.app.settings
     runs_ = handler_runs(poison, good, settings.max_attempts)
     argv = bench.command(run, run.args.split())

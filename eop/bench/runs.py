@@ -180,8 +180,8 @@ for _run, _func in (
 
 
 def flood_counts(messages: int) -> tuple[int, int]:
-    """The poison flood's (failing, good) messages out of a ``--messages`` backlog: half
-    each, the failing ones published first."""
+    """The poison flood's (failing, good) messages out of a ``--flood-messages`` backlog:
+    half each, the failing ones published first."""
     return messages // 2, messages - messages // 2
 
 
@@ -200,6 +200,9 @@ class Options:
 
     messages: int = 20_000
     naive_messages: int = 3_000
+    flood_messages: int = 4_000
+    """The poison flood's backlog (half failing): each failing message runs max_attempts
+    times, so it stays below the other runs' backlog."""
     payload_bytes: int = 100
     latency_s: float = 3.0
     latency_load: float = 0.5
@@ -229,8 +232,8 @@ class Options:
                 f"(r: the relay's rows, f: the poison flood's), or 'none' with big, "
                 f"not {self.runs!r}"
             )
-        if "f" in keys and self.messages < 2:
-            raise errors.ConfigurationError("the poison flood (f) needs messages of at least 2")
+        if "f" in keys and self.flood_messages < 2:
+            raise errors.ConfigurationError("flood-messages must be at least 2")
         if not (self.relay_rate > 0 and self.relay_latency_s > 0):
             raise errors.ConfigurationError("relay-rate and relay-latency-s must be above 0")
         if not (0 < self.latency_load <= 1 and self.latency_s > 0):

@@ -12,12 +12,8 @@ from typing import Any
 from eop.cli import options
 
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
-    (
-        "messages",
-        int,
-        "backlog of each run but the naive one (b); the poison flood (f): half failing, "
-        "then half good",
-    ),
+    ("messages", int, "backlog of each run but the naive (b) and the poison flood (f) ones"),
+    ("flood-messages", int, "backlog of the poison flood (f, fh): half failing, then half good"),
     ("naive-messages", int, "backlog of the naive run (b), which is slow"),
     ("payload-bytes", int, "size of every message's payload"),
     ("latency-s", float, "length of each run's steady-load latency phase"),

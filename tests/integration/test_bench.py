@@ -105,7 +105,7 @@ def test_bench_measures_the_poison_flood_end_to_end(tmp_path: Path) -> None:
     failing one has one dead letter and no good one has any, and the CPU is divided by
     every handler run."""
     report_path = tmp_path / "bench.json"
-    proc = _bench(["--runs", "f", "--messages", "200", "--json", str(report_path)])
+    proc = _bench(["--runs", "f", "--flood-messages", "200", "--json", str(report_path)])
     for row in ("(f) eop worker, poison flood", "(fh) hand-written, "):
         assert row in proc.stdout
     assert "f good/hand = " in proc.stdout

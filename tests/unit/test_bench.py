@@ -170,9 +170,9 @@ def test_runs_are_chosen_by_key() -> None:
     # The long run alone: no other run, only with --big.
     assert runs.chosen(runs.Options(runs="none", big=True).runs) == []
     # The poison flood's rows are chosen together, and need a failing and a good message.
-    assert "f" in runs.chosen(runs.Options(runs="f", messages=2).runs)
+    assert "f" in runs.chosen(runs.Options(runs="f", flood_messages=2).runs)
     with pytest.raises(errors.ConfigurationError):
-        runs.Options(runs="f", messages=1)
+        runs.Options(runs="f", flood_messages=1)
 
 
 def _result(key: str, rate: float, processes: int, cpu_us: float) -> measurement.Result:
