@@ -4,15 +4,16 @@ SQLAlchemy's ``executemany`` builds, processes and reorders every row's
 parameters in Python, and reaches the driver through a greenlet hop; for the
 INSERT of a typical handler that was most of the cost of its writes. When a
 statement, compiled for the session's dialect with the names of its rows'
-values, asks nothing more of SQLAlchemy at execution (no bind processors, no
-Python-side defaults, no expanding or literal parameters, no schema
+values, asks nothing more of SQLAlchemy at execution than its bind processors
+(no Python-side defaults, no expanding or literal parameters, no schema
 translation) and no event listens to the engine, eop hands its SQL and each
-row's values, in the compiled order, to asyncpg's ``executemany``: the call
-SQLAlchemy's adapter makes itself, with the same text (so the same unnamed or
-cached statements behind a pooler). Any other statement goes through the
-session, in order. A driver error is translated as SQLAlchemy translates it
-(the same exception classes and text, parameters hidden as the engine hides
-them), and a lost connection is invalidated as SQLAlchemy would.
+row's values, in the compiled order and through those processors, to
+asyncpg's ``executemany``: the call SQLAlchemy's adapter makes itself, with
+the same text and values (so the same unnamed or cached statements behind a
+pooler). Any other statement goes through the session, in order. A driver
+error is translated as SQLAlchemy translates it (the same exception classes
+and text, parameters hidden as the engine hides them), and a lost connection
+is invalidated as SQLAlchemy would.
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ def _compile(statement: sa.Executable, dialect: sa.Dialect, keys: tuple[str, ...
     if (
         not compiled.positional
         or not names
-        or compiled._bind_processors
         or compiled.insert_prefetch
         or compiled.update_prefetch
         or compiled.literal_execute_params
@@ -82,6 +82,20 @@ def _compile(statement: sa.Executable, dialect: sa.Dialect, keys: tuple[str, ...
         or not set(names) <= set(keys)
     ):
         return None
+    processors = compiled._bind_processors
+    if any(name in processors for name in names):
+        # What SQLAlchemy's execution does to each value (a bytea column's, the
+        # outbox's headers and payload: the DBAPI's Binary). A tuple-typed bind's
+        # processors (a sequence) are the session's to apply.
+        each: list[tuple[str, Callable[[Any], Any] | None]] = []
+        for name in names:
+            process = processors.get(name)
+            if process is not None and not callable(process):
+                return None
+            each.append((name, process))
+        return compiled.string, lambda row: tuple(
+            row[name] if process is None else process(row[name]) for name, process in each
+        )
     getter = operator.itemgetter(*names)
     if len(names) == 1:
         return compiled.string, lambda row: (getter(row),)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import eop
@@ -160,3 +161,27 @@ async def test_sync_and_batch_handlers_take_writes_too(
         **{("sync", b): 1 for b in ("a", "b", "c")},
         **{("bulk", b): 1 for b in bodies},
     }
+
+
+async def test_values_sqlalchemy_processes_arrive_as_it_would_send_them(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A queued INSERT of a JSONB document and bytea bytes, sent on asyncpg itself: each
+    value goes through the bind processor SQLAlchemy would apply, and reads back equal."""
+    async with engine.begin() as conn:
+        await conn.execute(sa.text("CREATE TABLE docs (body text, doc jsonb, raw bytea)"))
+    docs = sa.table("docs", sa.column("body"), sa.column("doc", JSONB), sa.column("raw"))
+    insert = sa.insert(docs).values(raw=sa.bindparam("raw", type_=sa.LargeBinary))
+    app = make_app(database_url, nats_url)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="docs")
+    async def keep(msg: eop.Message, writes: eop.Writes) -> None:
+        writes.add(insert, {"body": msg.text(), "doc": {"n": [msg.text()]}, "raw": msg.data})
+
+    bodies = ["d1", "d2", "d3"]
+    await prepublish(js, bodies)
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-docs", engine=engine), what="the batch")
+    async with engine.connect() as conn:
+        rows = (await conn.execute(sa.text("SELECT body, doc, raw FROM docs ORDER BY 1"))).all()
+    assert [tuple(r) for r in rows] == [(b, {"n": [b]}, b.encode()) for b in bodies]

@@ -114,9 +114,9 @@ def test_the_second_parameter_annotation_decides_writes_or_session(
 
 def test_only_statements_needing_nothing_of_sqlalchemy_at_execution_go_to_asyncpg() -> None:
     """eop sends a queued statement on asyncpg itself only when SQLAlchemy's execution would
-    add nothing: no bind processor (JSONB), no Python-side default, no expanding IN; the
-    values in the compiled placeholders' order. Every other statement goes through the
-    session."""
+    add nothing but its bind processors: no Python-side default, no expanding IN; the
+    values in the compiled placeholders' order, through the processors SQLAlchemy would
+    apply (JSONB's serializer). Every other statement goes through the session."""
     from sqlalchemy.dialects.postgresql import JSONB
     from sqlalchemy.dialects.postgresql import asyncpg as asyncpg_dialect
 
@@ -138,7 +138,9 @@ def test_only_statements_needing_nothing_of_sqlalchemy_at_execution_go_to_asyncp
     assert sql_text == "INSERT INTO effects (a, b) VALUES ($1, $2)"
     assert values({"a": 1, "b": 2}) == (2, 1)
     assert direct.plan(sa.insert(table), dialect, ("id", "n")) is not None
-    assert direct.plan(sa.insert(table), dialect, ("id", "doc", "n")) is None  # JSONB
+    with_doc = direct.plan(sa.insert(table), dialect, ("id", "doc", "n"))
+    assert with_doc is not None
+    assert with_doc[1]({"id": 1, "doc": {"a": [1]}, "n": 2}) == (1, '{"a": [1]}', 2)
     assert direct.plan(sa.insert(table), dialect, ("id",)) is None  # n's default
     expanding = sa.delete(table).where(table.c.id.in_(sa.bindparam("ids", expanding=True)))
     assert direct.plan(expanding, dialect, ("ids",)) is None
