@@ -172,8 +172,8 @@ async def test_a_sync_batch_flushes_generated_keys_relationships_and_events(
 ) -> None:
     """64 parents with database-made keys and a child each, added by a sync handler: after
     the batch every parent has its key, every child points at its own parent (the flush
-    reads their keys back in order), and the ORM's flush and mapper events fire for
-    each object."""
+    sends the parents in two pages and reads their keys back in order), and the ORM's
+    flush and mapper events fire for each object."""
     added: list[Parent] = []
     events: list[str] = []
 
@@ -190,14 +190,27 @@ async def test_a_sync_batch_flushes_generated_keys_relationships_and_events(
         assert target.id is not None
         events.append("after_insert")
 
+    pages: list[int] = []
+
+    def before_cursor_execute(
+        conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool
+    ) -> None:
+        if statement.startswith("INSERT INTO sync_parents"):
+            pages.append(len(params))
+
+    sync_engine = app.sync_sessionmaker.kw["bind"]
     sa.event.listen(orm.Session, "before_flush", before_flush)
     sa.event.listen(Parent, "after_insert", after_insert)
+    sa.event.listen(sync_engine, "before_cursor_execute", before_cursor_execute)
     try:
         claimed = await run_batch(store, app.handlers["family"], [message(s) for s in range(1, 65)])
     finally:
         sa.event.remove(orm.Session, "before_flush", before_flush)
         sa.event.remove(Parent, "after_insert", after_insert)
+        sa.event.remove(sync_engine, "before_cursor_execute", before_cursor_execute)
     assert claimed == set(range(1, 65))
+    # The parents went in statements of at most 50 parameters, which psycopg parses once.
+    assert pages == [50, 14]
     assert events.count("after_insert") == 64
     assert "before_flush" in events
     keys = [parent.id for parent in added]
@@ -243,3 +256,40 @@ async def test_a_failing_sync_handler_rolls_back_its_claim_and_the_batchs_writes
         assert (await conn.execute(sa.text("SELECT count(*) FROM sync_parents"))).scalar() == 0
     # The connection went back to the pool clean: the batch claims again and commits.
     assert await run_batch(store, spec, [m for m in msgs if m.seq != 3]) == {1, 2, 4}
+
+
+WIDE_COLUMNS = 60
+
+
+class Wide(_Base):
+    """A row of more parameters than psycopg keeps parsed statements for (50)."""
+
+    __tablename__ = "sync_wide"
+    id: orm.Mapped[int] = orm.mapped_column(sa.BigInteger, primary_key=True, autoincrement=True)
+    seq: orm.Mapped[int] = orm.mapped_column(sa.BigInteger)
+    __table_args__ = tuple(sa.Column(f"c{i}", sa.Integer) for i in range(WIDE_COLUMNS))
+
+
+async def test_a_sync_batch_flushes_rows_wider_than_a_page(
+    app: eop.App, store: PostgresStore, engine: AsyncEngine
+) -> None:
+    """Objects of 61 columns with database-made keys: no page of 50 parameters holds one,
+    and the flush still sends them all and reads every key back."""
+    added: list[Wide] = []
+
+    @app.handler(stream="ORDERS", subject="orders.>", name="wide")
+    def wide(msg: eop.Message, session: orm.Session) -> None:
+        row = Wide(seq=msg.seq)
+        for i in range(WIDE_COLUMNS):
+            setattr(row, f"c{i}", msg.seq)
+        session.add(row)
+        added.append(row)
+
+    claimed = await run_batch(store, app.handlers["wide"], [message(s) for s in range(1, 9)])
+    assert claimed == set(range(1, 9))
+    assert len({row.id for row in added if row.id is not None}) == 8
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(sa.text("SELECT id, seq, c59 FROM sync_wide ORDER BY seq"))
+        ).all()
+    assert [tuple(row) for row in rows] == [(row.id, row.seq, row.seq) for row in added]
