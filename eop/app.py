@@ -297,6 +297,7 @@ class App:
                 hide_parameters=True,
             )
             engines.for_pooler(self._engine.sync_engine, self.settings.db_pooler)
+            engines.paged_for_psycopg(self._engine.sync_engine)
         return self._engine
 
     @property
@@ -319,12 +320,14 @@ class App:
             self._sync_sessionmaker = orm.sessionmaker(
                 # From the settings' URL: the engine's lost the TLS parameters libpq reads.
                 engines.for_pooler(
-                    sa.create_engine(
-                        engines.named_url(sync_url(sa.make_url(self.settings.database_url))),
-                        pool_size=self.sync_transactions(),
-                        max_overflow=0,
-                        pool_pre_ping=True,
-                        hide_parameters=True,  # as the async engine's
+                    engines.paged_for_psycopg(
+                        sa.create_engine(
+                            engines.named_url(sync_url(sa.make_url(self.settings.database_url))),
+                            pool_size=self.sync_transactions(),
+                            max_overflow=0,
+                            pool_pre_ping=True,
+                            hide_parameters=True,  # as the async engine's
+                        )
                     ),
                     self.settings.db_pooler,
                 ),

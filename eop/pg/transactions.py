@@ -307,6 +307,35 @@ class SyncTransaction(SqlTransaction):
     async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
         await self._step(self.session.execute, stmt, params)
 
+    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
+        """Claim a batch in one statement, as plain SQL on the session's connection when
+        its driver is psycopg.
+
+        Through ``Session.execute`` the claim took the ORM's execution path and
+        psycopg adapted its arrays element by element: 85,000 instructions a
+        message of a 64-message batch (callgrind), of about 100,000 for all of
+        eop's own steps of a sync transaction; 41,000 this way. On the
+        connection, the claim is still the session's transaction's, and
+        ``exec_driver_sql`` keeps SQLAlchemy's error translation and its
+        handling of a lost connection.
+        """
+        if not messages:
+            return set()
+        arguments = self.claim_arguments(messages, outcome)
+
+        def execute() -> set[int]:
+            connection = self.session.connection()
+            if connection.dialect.driver != "psycopg":
+                rows = self.session.execute(sql.claim(self.tables, arguments))
+            else:
+                rows = connection.exec_driver_sql(
+                    sql.claim_pyformat_text(self.tables.schema),
+                    sql.claim_pyformat_parameters(arguments),
+                )
+            return {int(row[0]) for row in rows}
+
+        return await self._step(execute)
+
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call the handler in a worker thread, off the event loop, and flush its writes.
 

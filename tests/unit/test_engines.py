@@ -6,7 +6,10 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine.interfaces import ExecuteStyle
 
+import eop
+from eop import settings as settings_mod
 from eop.pg import engines
 
 
@@ -113,3 +116,59 @@ def test_auto_closes_the_probe_and_connects_as_is_when_the_pids_match() -> None:
     assert cparams == {"host": "h"}
     assert hook(dialect, None, [], cparams) is None
     assert len(dialect.made) == 1
+
+
+def test_psycopg_engines_page_insertmanyvalues_within_psycopgs_parse_cache() -> None:
+    """The sync engine eop makes for sync handlers, and an async engine on psycopg, run
+    statements in an execution context that pages SQLAlchemy's multi-row INSERTs;
+    asyncpg's and other drivers' engines keep theirs."""
+    app = eop.App(settings=settings_mod.Settings(database_url="postgresql+asyncpg://x@127.0.0.1/x"))
+    app.handler(stream="S", subject="s", name="h")(lambda msg, session: None)
+    sync_context = app.sync_sessionmaker.kw["bind"].dialect.execution_ctx_cls
+    assert sync_context.__name__.startswith("Paged")
+    assert not app.engine.sync_engine.dialect.execution_ctx_cls.__name__.startswith("Paged")
+    on_psycopg = eop.App(
+        settings=settings_mod.Settings(database_url="postgresql+psycopg://x@127.0.0.1/x")
+    )
+    assert on_psycopg.engine.sync_engine.dialect.execution_ctx_cls.__name__.startswith("Paged")
+    again = engines.paged_for_psycopg(app.sync_sessionmaker.kw["bind"])
+    assert again.dialect.execution_ctx_cls is sync_context
+    other = engines.paged_for_psycopg(sa.create_engine("sqlite://"))
+    assert not other.dialect.execution_ctx_cls.__name__.startswith("Paged")
+
+
+class _Context:
+    """An execution context's attributes that the paged one reads."""
+
+    def __init__(self, style: Any, per_row: int, **options: Any) -> None:
+        self.execute_style = style
+        self.parameters = [{f"p{i}": i for i in range(per_row)}] * 3
+        self.execution_options = sa.util.immutabledict(options)
+
+    def pre_exec(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("per_row", "options", "page"),
+    [
+        (1, {}, 50),
+        (3, {}, 16),
+        (12, {}, 4),
+        (50, {}, 1),
+        (51, {}, None),  # parsed anew in any page: SQLAlchemy's page size stays
+        (3, {"insertmanyvalues_page_size": 7}, 7),  # the caller's choice stays
+    ],
+)
+def test_a_multi_row_insert_gets_the_page_psycopg_parses_once(
+    per_row: int, options: dict[str, Any], page: int | None
+) -> None:
+    """A page holds as many rows as fit in 50 parameters, at least one; a row of more
+    keeps SQLAlchemy's page size, and so does a page size the caller gave."""
+    paged = engines._paged(_Context)
+    context = paged(ExecuteStyle.INSERTMANYVALUES, per_row, **options)
+    context.pre_exec()
+    assert context.execution_options.get("insertmanyvalues_page_size") == page
+    single = paged(ExecuteStyle.EXECUTE, per_row)
+    single.pre_exec()
+    assert "insertmanyvalues_page_size" not in single.execution_options

@@ -332,6 +332,60 @@ async def test_batch_claim_on_asyncpg_sends_shared_values_once_and_the_rest_as_a
             assert expected == value, name
 
 
+def test_the_psycopg_claim_sends_its_arrays_as_array_text() -> None:
+    """On psycopg the claim's arrays go as the text of PostgreSQL arrays, escaped (quotes and
+    backslashes in text, bytea as hex), the scalars as they are; an array holding a NULL
+    stays a list, for psycopg to adapt (unquoted NULL depends on the server's
+    array_nulls)."""
+    args = sql.claim_arguments(
+        "s",
+        "S",
+        "processed",
+        [7, 8],
+        [b"\x00\xff", b"ab"],
+        ["e1", "e2"],
+        ['a"b', "c\\d"],
+        [1, 2],
+        ["m-1", None],
+    )
+    params = sql.claim_pyformat_parameters(args)
+    assert (params["subscription"], params["stream"], params["outcome"]) == ("s", "S", "processed")
+    assert params["stream_seq"] == "{7,8}"
+    assert params["fingerprint"] == '{"\\\\x00ff","\\\\x6162"}'
+    assert params["stream_epoch_each"] == '{"e1","e2"}'
+    assert params["subject_each"] == '{"a\\"b","c\\\\d"}'
+    assert params["delivery_count_each"] == "{1,2}"
+    assert params["msg_id_each"] == ["m-1", None]
+    text = sql.claim_pyformat_text("eop")
+    assert all(f"%({name})s" in text for name in sql.CLAIM_PARAMS)
+
+
+class FakeSyncSession:
+    """A sync Session stand-in on a driver other than psycopg: the claim takes the ORM's way."""
+
+    def __init__(self, rows: list[tuple[int]]) -> None:
+        self.info: dict[str, object] = {}
+        self.rows = rows
+        self.executed: list[Any] = []
+
+    def connection(self) -> Any:
+        return types.SimpleNamespace(dialect=types.SimpleNamespace(driver="psycopg2"))
+
+    def execute(self, stmt: Any) -> list[tuple[int]]:
+        self.executed.append(stmt)
+        return self.rows
+
+
+async def test_a_sync_claim_on_another_driver_runs_the_statement_through_the_session() -> None:
+    """Only psycopg's connection takes the claim as plain SQL; a session on another driver
+    (a sync_sessionmaker of the user's) executes the SQLAlchemy statement."""
+    session = FakeSyncSession([(3,)])
+    tx = transactions.SyncTransaction(session, models.tables("eop"), spec())  # type: ignore[arg-type]
+    assert await tx.claim_many([message()], models.OUTCOME_PROCESSED) == {3}
+    [stmt] = session.executed
+    assert params(stmt)["stream_seq"] == [3]
+
+
 def test_claim_arguments_send_an_epoch_per_row_when_a_batch_spans_two_epochs() -> None:
     """A batch may span a stream's recreation: then every row carries its own epoch."""
     args = sql.claim_arguments(
