@@ -194,6 +194,12 @@ def armed() -> bool:
     return _armed
 
 
+def ruled(name: Point) -> bool:
+    """Whether an armed rule names this point: if not, passing it does nothing at all."""
+    state = _state
+    return _armed and state is not None and name in state.rules
+
+
 async def point(name: Point) -> None:
     """A fault point: nothing at all unless armed (see the module docstring)."""
     if not _armed:

@@ -20,10 +20,12 @@ reconnects, as for a lost connection.
 carry.
 
 The hot path's part of the client is here too: :class:`Delivered` reads a
-delivery's JetStream metadata more cheaply than nats-py, and
+delivery's JetStream metadata more cheaply than nats-py,
 :meth:`Client.subscribe_direct` and :meth:`Client.subscribe_replies` hand
 messages (or just a reply's subject and status) over inside the read loop,
-without nats-py's queue and task hop per message.
+without nats-py's queue and task hop per message, and
+:meth:`Client.publish_many` writes a batch of requests (a batch's acks) as
+one command buffer.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import nats.aio.client
@@ -44,6 +46,9 @@ from nats.js import api
 from eop import log
 
 _HEADER_LINE = b"NATS/1.0"
+# What nats-py refuses in a subject it publishes to: whitespace would end the
+# subject's field of the PUB command, CRLF the command itself.
+_UNSAFE_SUBJECT = re.compile(r"[ \t\r\n]")
 # Surrogate escapes are what `decode` makes of bytes that are not UTF-8; other
 # surrogates cannot come out of a UTF-8 decoder, but are no more storable.
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -268,7 +273,9 @@ class Client(nats.aio.client.Client):
     upgrade that moves them fails there, not in production):
     ``_build_message`` and ``_process_headers`` decode what nats-py cannot,
     ``_read_loop`` is watched for ending while connected, ``_process_msg``
-    serves the direct subscriptions, ``msg_class`` builds :class:`Delivered`.
+    serves the direct subscriptions, ``msg_class`` builds :class:`Delivered`;
+    :meth:`publish_many` appends to the pending buffer with ``_send_command``
+    and wakes the flusher with ``_flush_pending``, as ``publish`` does.
     """
 
     eop_closing = False
@@ -325,6 +332,56 @@ class Client(nats.aio.client.Client):
         sub._eop_reply = on_reply  # type: ignore[attr-defined]  # read in _process_msg
         return sub
 
+    async def publish_many(
+        self, subjects: Sequence[str], payload: bytes, replies: Sequence[str]
+    ) -> None:
+        """Publish ``payload`` to each of ``subjects``, with the reply subject of the same
+        index, as one command appended to nats-py's pending buffer.
+
+        What ``publish`` checks for each message is checked once for all, with
+        the same errors, and a refusal sends none of them: an empty subject or
+        reply, or one holding whitespace or CRLF (always checked, whatever
+        ``skip_subject_validation`` says), ``BadSubjectError``; a closed or
+        draining connection, ``ConnectionClosedError`` or
+        ``ConnectionDrainingError``; while reconnecting, the whole batch is
+        buffered if it fits in the pending buffer, else
+        ``OutboundBufferLimitError``. The flusher is woken as ``publish`` wakes it.
+        """
+        count = len(subjects)
+        if count != len(replies):
+            raise ValueError("publish_many: one reply subject per subject")
+        if count == 0:
+            return
+        if (
+            not (all(subjects) and all(replies))
+            or _UNSAFE_SUBJECT.search("".join(subjects))
+            or _UNSAFE_SUBJECT.search("".join(replies))
+        ):
+            raise nats.errors.BadSubjectError
+        if self.is_closed:
+            raise nats.errors.ConnectionClosedError
+        if self.is_draining_pubs:
+            raise nats.errors.ConnectionDrainingError
+        size = len(payload)
+        if size > self._max_payload:
+            raise nats.errors.MaxPayloadError
+        # One encode for the batch: the subjects and replies hold no LF (checked
+        # above), so LF can stand for the end of each PUB line, its payload and
+        # the start of the next one.
+        separator = f" {size}\r\n".encode() + payload + b"\r\nPUB "
+        lines = "\n".join([f"{s} {r}" for s, r in zip(subjects, replies, strict=True)])
+        command = b"PUB " + lines.encode().replace(b"\n", separator) + separator[:-4]
+        if not self.is_connected and (
+            self._max_pending_size <= 0
+            or self._pending_data_size + len(command) > self._max_pending_size
+        ):
+            raise nats.errors.OutboundBufferLimitError
+        self.stats["out_msgs"] += count
+        self.stats["out_bytes"] += size * count
+        await self._send_command(command)
+        if self._flush_queue is not None and self._flush_queue.empty():
+            await self._flush_pending()
+
     async def _process_msg(
         self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
     ) -> None:
@@ -339,7 +396,8 @@ class Client(nats.aio.client.Client):
         if on_message is not None:
             self.stats["in_msgs"] += 1
             self.stats["in_bytes"] += len(data)
-            hdr = await self._process_headers(headers)
+            # Most deliveries have no headers: no coroutine (nor nats-py's) for them.
+            hdr = await self._process_headers(headers) if headers else None
             on_message(self._build_message(sid, subject, reply, data, hdr))
             return
         await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]

@@ -8,7 +8,9 @@ warning: the redelivery it causes will find the inbox row and be skipped.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import operator
 from collections.abc import AsyncIterator, Sequence
 
 import nats.errors
@@ -99,11 +101,12 @@ async def confirm(
 
 
 class _Waiting:
-    """The replies a batch of acks still waits for."""
+    """The replies a batch of acks still waits for: its tokens are ``first`` onwards."""
 
-    __slots__ = ("confirmed", "done", "left")
+    __slots__ = ("confirmed", "done", "first", "left")
 
-    def __init__(self, count: int, done: asyncio.Future[None]) -> None:
+    def __init__(self, first: int, count: int, done: asyncio.Future[None]) -> None:
+        self.first = first
         self.confirmed = [False] * count
         self.left = count
         self.done = done
@@ -118,6 +121,9 @@ class _Waiting:
                 self.done.set_result(None)
 
 
+_FIRST = operator.attrgetter("first")
+
+
 class Acker:
     """Confirmed acks for a batch: sent together, their replies awaited together.
 
@@ -125,7 +131,8 @@ class Acker:
     ``wait_for`` timer, a task to gather). Here the acks of a batch go out
     back to back with reply subjects under one wildcard subscription of this
     connection, and one timer waits for all the replies. On eop's connections
-    a reply is taken inside the read loop as bytes (:meth:`eop.wire.Client.subscribe_replies`):
+    the batch is one command in nats-py's buffer (:meth:`eop.wire.Client.publish_many`)
+    and a reply is taken inside the read loop as bytes (:meth:`eop.wire.Client.subscribe_replies`):
     no message object, queue or task hop per reply. An ack whose reply does
     not come in time (or says no responders) goes the per-message way of
     :func:`confirm`: retried with tenacity, then given up with a warning.
@@ -136,7 +143,10 @@ class Acker:
         self._prefix: str | None = None
         self._skip = 0
         self._lock = asyncio.Lock()
-        self._waiting: dict[int, tuple[_Waiting, int]] = {}
+        # The batches waiting for replies, in the order of their tokens: a
+        # batch's tokens are consecutive, so a reply finds its batch by bisection,
+        # with no entry per message to add and remove.
+        self._batches: list[_Waiting] = []
         self._next = 0
 
     async def _reply_prefix(self) -> str:
@@ -163,9 +173,28 @@ class Acker:
     def _settle(self, token: bytes, confirmed: bool) -> None:
         if not token.isdigit():
             return  # not one of ours: nothing waits for it
-        entry = self._waiting.pop(int(token), None)
-        if entry is not None:
-            entry[0].reply(entry[1], confirmed)
+        number = int(token)
+        at = bisect.bisect_right(self._batches, number, key=_FIRST) - 1
+        if at >= 0:
+            waiting = self._batches[at]
+            index = number - waiting.first
+            if index < len(waiting.confirmed):
+                waiting.reply(index, confirmed)
+
+    async def _send(self, deliveries: Sequence[Delivery], prefix: str, first: int) -> None:
+        nc = self._nc
+        if isinstance(nc, wire.Client) and not faults.ruled("during_ack"):
+            await nc.publish_many(
+                [d.reply for d in deliveries],
+                _ACK,
+                [f"{prefix}{token}" for token in range(first, first + len(deliveries))],
+            )
+            return
+        # With a rule at "during_ack", the point is passed before each ack, so that
+        # a chaos run can kill the worker with part of a batch's acks sent.
+        for token, delivery in enumerate(deliveries, first):
+            await faults.point("during_ack")
+            await nc.publish(delivery.reply, _ACK, reply=f"{prefix}{token}")
 
     async def confirm_many(
         self,
@@ -182,23 +211,17 @@ class Acker:
         """
         if not deliveries:
             return []
-        waiting = _Waiting(len(deliveries), asyncio.get_running_loop().create_future())
-        tokens: list[int] = []
+        first = self._next + 1
+        self._next += len(deliveries)
+        waiting = _Waiting(first, len(deliveries), asyncio.get_running_loop().create_future())
+        self._batches.append(waiting)
         try:
-            prefix = await self._reply_prefix()
-            for index, delivery in enumerate(deliveries):
-                await faults.point("during_ack")
-                self._next += 1
-                token = self._next
-                self._waiting[token] = (waiting, index)
-                tokens.append(token)
-                await self._nc.publish(delivery.reply, _ACK, reply=f"{prefix}{token}")
+            await self._send(deliveries, await self._reply_prefix(), first)
             await asyncio.wait({waiting.done}, timeout=timeout_s)
         except _BATCH_SEND_ERRORS:
             pass  # the ones not confirmed are retried one by one below
         finally:
-            for token in tokens:
-                self._waiting.pop(token, None)
+            self._batches.remove(waiting)
             waiting.done.cancel()
         confirmed = waiting.confirmed
         retries = [i for i, ok in enumerate(confirmed) if not ok]

@@ -234,7 +234,19 @@ async def test_confirm_many_sends_every_ack_and_waits_for_the_replies_together()
     assert all(d.ack_attempts == 0 for d in ds)
     assert await confirm_many(acker, deliveries(2)) == [True, True]
     assert nc.subscriptions == ["_INBOX.test.*"]
-    assert acker._waiting == {}
+    assert acker._batches == []
+
+
+async def test_replies_of_concurrent_batches_each_confirm_their_own_batch() -> None:
+    """Two batches in flight on one Acker: a reply finds its batch by its token alone."""
+    first, second = deliveries(3), [testing.FakeDelivery.make(seq=seq) for seq in (10, 11)]
+    nc = FakeAckConnection({second[0].reply: None})
+    acker = ack.Acker(nc)
+    results = await asyncio.gather(confirm_many(acker, first), confirm_many(acker, second))
+    assert results == [[True] * 3, [True, True]]
+    # Only the lost reply's delivery took the per-message path.
+    assert [d.ack_attempts for d in (*first, *second)] == [0, 0, 0, 1, 0]
+    assert acker._batches == []
 
 
 async def test_confirm_many_retries_a_lost_reply_with_the_confirmed_ack() -> None:
@@ -273,4 +285,21 @@ async def test_a_late_reply_after_the_fallback_is_ignored() -> None:
     assert await confirm_many(acker, ds) == [True]
     late = types.SimpleNamespace(subject=nc.published[0][2], headers=None, data=b"")
     await acker._on_reply(late)  # nothing waits for it any more: no error
-    assert acker._waiting == {}
+    assert acker._batches == []
+
+
+async def test_a_reply_finds_its_batch_by_token_and_a_stray_token_confirms_nothing() -> None:
+    """Batches own consecutive tokens: a reply confirms the ack of its token in its
+    batch; a token outside every waiting batch (a finished batch's late reply) or not
+    a number confirms nothing."""
+    loop = asyncio.get_running_loop()
+    acker = ack.Acker(FakeAckConnection({}))
+    first = ack._Waiting(1, 3, loop.create_future())
+    later = ack._Waiting(7, 2, loop.create_future())
+    acker._batches[:] = [first, later]
+    for stray in (b"0", b"4", b"6", b"9", b"x2", b""):
+        acker._settle(stray, True)
+    assert (first.confirmed, later.confirmed) == ([False] * 3, [False] * 2)
+    acker._settle(b"2", True)
+    acker._settle(b"8", True)
+    assert (first.confirmed, later.confirmed) == ([False, True, False], [False, True])

@@ -50,6 +50,15 @@ async def test_disarmed_points_do_nothing() -> None:
         await faults.point(point)
 
 
+def test_ruled_tells_the_points_an_armed_rule_names() -> None:
+    """`ruled(point)`: whether passing that point can do anything (code may skip it if not)."""
+    assert not any(faults.ruled(p) for p in faults.POINTS)
+    faults.arm(faults.parse("during_ack=kill:0.004#3,after_claim=raise@0.01"), seed=1)
+    assert {p for p in faults.POINTS if faults.ruled(p)} == {"during_ack", "after_claim"}
+    faults.disarm()
+    assert not faults.ruled("during_ack")
+
+
 async def test_raise_fires_exactly_at_the_nth_pass() -> None:
     """`#N` fires once, at the Nth pass of that point, and never again."""
     faults.arm(faults.parse("after_claim=raise#3"), seed=1)
