@@ -36,11 +36,6 @@ class BatchProcessor:
         self.single = single
         self.spec = single.spec
         self.settings = single.settings
-        self.failing = False
-        """Whether the last batch run had a handler fail: the next runs with savepoints
-        at once. In a flood of failing messages every batch would otherwise run
-        twice (without savepoints, rolled back, then with them); one batch whose
-        handlers all succeed goes back to the cheaper first pass."""
 
     async def handle_batch(
         self, deliveries: Sequence[Delivery], received_at: float
@@ -58,16 +53,15 @@ class BatchProcessor:
                 outcomes.append(await self.single.handle(item.delivery, received_at))
         elif items:
             try:
-                if self.failing:
+                if self.single.batches_failing:
                     outcomes, leftovers, failures = await self._run(items, isolate=True)
                 else:
                     try:
                         outcomes, leftovers, failures = await self._run(items, isolate=False)
                     except _NeedsIsolation:
-                        self.failing = True
+                        self.single.batches_failing = True
                         outcomes, leftovers, failures = await self._run(items, isolate=True)
-                if self.failing and not failures:
-                    self.failing = False
+                self.single.batches_failing = bool(failures)
             except Exception as exc:
                 if not (transient(exc) or isinstance(exc, _BatchRejected)):
                     raise

@@ -120,6 +120,12 @@ class Processor:
     """Held by a transaction retried after a deadlock or lock timeout (see :meth:`_retrying`)."""
     contention_until: float = 0.0
     """Until then (on :attr:`clock`), every transaction runs under :attr:`contended`."""
+    batches_failing: bool = False
+    """Whether the last batch had a handler fail: the next batch runs with savepoints at
+    once (:class:`eop.protocol.batch.BatchProcessor`, made anew for each batch, keeps it
+    here). In a flood of failing messages every batch would otherwise run twice (without
+    savepoints, rolled back, then with them); a batch whose handlers all succeed goes
+    back to the cheaper first pass."""
 
     @property
     def in_contention(self) -> bool:
@@ -161,15 +167,13 @@ class Processor:
             # Stored before the stream's current incarnation: that stream, and
             # this message with it, were deleted; it cannot even be acked.
             logger.warning(log.Event.MESSAGE_STREAM_GONE, action=log.Action.LEFT)
-            self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
-            return Outcome.LEFT
+            return self._left(delivery)
         msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
         remaining = self.ack_wait_s - (self.clock() - received_at)
         if remaining < self.settings.lease_margin_s:
             # The server may already have handed this message to someone else.
             logger.info(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, lease_s=remaining)
-            self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
-            return Outcome.LEFT
+            return self._left(delivery)
         problem = message.undecodable(delivery)
         if problem is not None:
             # Bytes that are not UTF-8 in its subject or a header: no handler can
@@ -349,7 +353,8 @@ class Processor:
         return await self.handler_failed(delivery, msg, result, logger)
 
     def _left(self, delivery: Delivery) -> Outcome:
-        """Another run or delivery settles the message: nothing to do here."""
+        """Nothing is settled here: another run or delivery settles the message, or its lease
+        ends and the server delivers it again."""
         self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
         return Outcome.LEFT
 
@@ -475,8 +480,7 @@ class Processor:
             # redelivery's claim decides, and it cannot apply the effect twice.
             return await self._nak(delivery, msg, None, logger)
         logger.warning(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, ambiguous=True)
-        self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
-        return Outcome.LEFT
+        return self._left(delivery)
 
     async def _not_claimed(
         self,
@@ -628,8 +632,7 @@ class Processor:
             marked = await tx.settle_retrying(msg, models.OUTCOME_DEAD_LETTERED)
             if not marked:
                 await tx.rollback()
-                self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
-                return Outcome.LEFT
+                return self._left(delivery)
         elif not await _claim(tx, msg, models.OUTCOME_DEAD_LETTERED):
             existing = await tx.find(msg)
             await tx.rollback()

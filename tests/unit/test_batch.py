@@ -58,7 +58,10 @@ class Batches:
 
     async def handle(self, *deliveries: testing.FakeDelivery) -> collections.Counter[Outcome]:
         """Process ``deliveries`` as one fetched batch; how many of each outcome."""
-        outcomes = await self.processor.handle_batch(deliveries, self.processor.single.clock())
+        # A BatchProcessor per batch, as the worker makes them: what lasts from one batch
+        # to the next is the subscription's Processor's.
+        batches = batch.BatchProcessor(self.processor.single)
+        outcomes = await batches.handle_batch(deliveries, self.processor.single.clock())
         assert len(outcomes) == len(deliveries)
         return collections.Counter(outcomes)
 
@@ -176,7 +179,7 @@ async def test_after_a_batch_had_a_failure_the_next_skips_the_first_pass_until_o
     clean = [delivery(str(seq).encode(), seq=seq) for seq in (7, 8, 9)]
     assert await b.handle(*clean) == {Outcome.PROCESSED: 3}
     assert b.runs_of(7) == 1
-    assert not b.processor.failing
+    assert not b.processor.single.batches_failing
     assert sorted(b.store.effects) == effects(1, 3, 4, 6, 7, 8, 9)
 
 

@@ -65,6 +65,11 @@ retry poll) are built once, so SQLAlchemy's cache key of each is computed once t
 parameters' names start with ``p_``: an UPDATE takes a value named as a column for SET."""
 
 
+def _epoch_params(subscription: str, stream: str, epoch: str) -> dict[str, Any]:
+    """The values of :func:`_in_bound_epoch`'s parameters."""
+    return {"p_subscription": subscription, "p_stream": stream, "p_epoch": epoch}
+
+
 def _in_bound_epoch(c: Any) -> tuple[Any, ...]:
     """:func:`_in_epoch` with bind parameters ``p_subscription``, ``p_stream``, ``p_epoch``."""
     return (
@@ -347,13 +352,7 @@ def advance_watermark(
     t: models.Tables, subscription: str, stream: str, epoch: str, value: int
 ) -> Bound:
     """Raise the watermark to ``value``; it never goes backwards. RETURNING the new value."""
-    params = {
-        "p_subscription": subscription,
-        "p_stream": stream,
-        "p_epoch": epoch,
-        "p_value": value,
-    }
-    return _advance_watermark(t), params
+    return _advance_watermark(t), {**_epoch_params(subscription, stream, epoch), "p_value": value}
 
 
 @functools.cache
@@ -383,9 +382,7 @@ def delete_below_watermark(
     against a republish after the server's duplicate window.
     """
     params = {
-        "p_subscription": subscription,
-        "p_stream": stream,
-        "p_epoch": epoch,
+        **_epoch_params(subscription, stream, epoch),
         "p_value": value,
         "p_limit": limit,
         "p_retention_s": msg_id_retention_s,
@@ -427,7 +424,7 @@ def count_inbox(t: models.Tables, subscription: str | None = None) -> sa.Select[
 
 def _key_params(subscription: str, stream: str, epoch: str, seq: int) -> dict[str, Any]:
     """The values of :func:`_in_bound_key`'s parameters."""
-    return {"p_subscription": subscription, "p_stream": stream, "p_epoch": epoch, "p_seq": seq}
+    return {**_epoch_params(subscription, stream, epoch), "p_seq": seq}
 
 
 def _in_bound_key(c: Any) -> tuple[Any, ...]:
