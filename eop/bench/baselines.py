@@ -78,6 +78,22 @@ def _stop_on_sigterm() -> asyncio.Event:
     return stop
 
 
+async def _hand_connections(nats_url: str, database_url: str) -> tuple[Any, Any, Any]:
+    """The hand-written consumers' connections: NATS, its JetStream context, and an asyncpg
+    pool of a connection per batch in flight."""
+    import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
+    import nats
+
+    nc = await nats.connect(nats_url)
+    dsn = sa.make_url(database_url).set(drivername="postgresql")
+    pool = await asyncpg.create_pool(
+        dsn.render_as_string(hide_password=False),
+        min_size=HAND_IN_FLIGHT,
+        max_size=HAND_IN_FLIGHT,
+    )
+    return nc, nc.jetstream(), pool
+
+
 async def lean(nats_url: str, stream: str, durable: str, out: str) -> None:
     """(a): consume with plain acks until SIGTERM, as lean as nats-py allows."""
     import nats
@@ -140,19 +156,11 @@ def _write_records(out: str, records: Any) -> None:
 
 async def handwritten(nats_url: str, database_url: str, stream: str, durable: str) -> None:
     """(h): batched exactly-once on asyncpg, until SIGTERM."""
-    import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
     import nats
     import nats.errors
 
     stop = _stop_on_sigterm()
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    dsn = sa.make_url(database_url).set(drivername="postgresql")
-    pool = await asyncpg.create_pool(
-        dsn.render_as_string(hide_password=False),
-        min_size=HAND_IN_FLIGHT,
-        max_size=HAND_IN_FLIGHT,
-    )
+    nc, js, pool = await _hand_connections(nats_url, database_url)
 
     async def batches() -> None:
         sub = await js.pull_subscribe_bind(durable=durable, stream=stream)
@@ -257,20 +265,12 @@ async def handwritten_flood(
     backoff_max_s: str,
 ) -> None:
     """(fh): (h) handling failures as a competent user would without eop, until SIGTERM."""
-    import asyncpg  # untyped: the import above in this module carries the ignore
     import nats
     import nats.errors
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s")
     stop = _stop_on_sigterm()
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    dsn = sa.make_url(database_url).set(drivername="postgresql")
-    pool = await asyncpg.create_pool(
-        dsn.render_as_string(hide_password=False),
-        min_size=HAND_IN_FLIGHT,
-        max_size=HAND_IN_FLIGHT,
-    )
+    nc, js, pool = await _hand_connections(nats_url, database_url)
     attempts, base_s, max_s = int(max_attempts), float(backoff_base_s), float(backoff_max_s)
 
     async def batches() -> None:
