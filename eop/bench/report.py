@@ -67,8 +67,8 @@ def _big(big: dict[str, Any]) -> list[str]:
     return [
         f"long run: {big['messages']:,} messages through eop default in {big['seconds']:.0f} s "
         f"({big['effects']:,} effect rows); load average {big['load_start']} -> "
-        f"{big['load_end']}; sampled every {big['sample_interval_s']} s ({big['samples']:,} "
-        "samples)",
+        f"{big['load_end']}; sampled every {big['sample_interval_s']} to "
+        f"{big.get('max_sample_gap_s', big['sample_interval_s'])} s ({big['samples']:,} samples)",
         f"  msg/s: {big['first_rate']:,.0f} at messages 1-10k, {big['early_rate']:,.0f} at "
         f"10k-20k, {big['late_rate']:,.0f} at the last 10k",
         f"  worker CPU us/msg: {_us(big['early_cpu_us'])} at 10k-20k, "

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
+from eop.pg import models, sql
 
 from .bed import (
     STREAM,
@@ -195,6 +196,71 @@ async def test_watermark_row_exists_at_bind_and_compaction_follows_the_message_c
         )
         assert await scalar(engine, "SELECT watermark FROM eop.watermarks") >= 60
     assert await effects_by_body(engine) == {f"c{i}": 1 for i in range(100)}
+
+
+async def test_msg_id_rows_go_once_their_retention_passed_while_rounds_run_by_message_count(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Rounds started by the message count delete only above their previous watermark;
+    the rows they must leave (here: carrying a msg-id, within msg_id_retention_s) are
+    deleted by the round from the epoch's first sequence, at most once a compaction
+    interval, even while messages keep every round a counted one."""
+    await create_effects_table(engine)
+    app = make_app(
+        database_url,
+        nats_url,
+        compaction_interval_s=1.0,
+        compaction_after_messages=8,
+        msg_id_retention_s=1.0,
+    )
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="kept")
+    async def kept(msg: eop.Message, session: AsyncSession) -> None:
+        await record_effect(session, "kept", msg)
+
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    async with running(app):
+        for i in range(20):
+            await publish(js, f"id{i}", msg_id=f"m-{i}")
+        await wait_for(lambda: drained(js, "eop-kept"), what="the msg-id messages")
+        assert await scalar(engine, "SELECT count(*) FROM eop.inbox WHERE msg_id IS NOT NULL")
+        sent = 0
+
+        async def msg_id_rows_gone() -> bool:
+            nonlocal sent
+            # Keep the count-started rounds coming while we wait.
+            for _ in range(10):
+                await publish(js, f"p{sent}")
+                sent += 1
+            query = "SELECT count(*) FROM eop.inbox WHERE msg_id IS NOT NULL"
+            return not await scalar(engine, query)
+
+        await wait_for(msg_id_rows_gone, what="the msg-id rows after their retention")
+        await wait_for(lambda: drained(js, "eop-kept"), what="the plain messages")
+    expected = {**{f"id{i}": 1 for i in range(20)}, **{f"p{i}": 1 for i in range(sent)}}
+    assert await effects_by_body(engine) == expected
+
+
+async def test_a_round_deletes_only_above_its_previous_watermark(engine: AsyncEngine) -> None:
+    """The delete of a round counted by messages scans from the previous round's
+    watermark up: rows at or below it (left by an earlier round, or deleted and still in
+    the index until a VACUUM) are not its concern, the ones above up to the new
+    watermark all go."""
+    t = models.tables("eop")
+    rows = [
+        dict(
+            subscription="s", stream="S", stream_epoch="e", stream_seq=seq,
+            fingerprint=b"f", subject="x", outcome="processed", delivery_count=1,
+        )
+        for seq in range(1, 21)
+    ]  # fmt: skip
+    async with engine.begin() as conn:
+        await conn.execute(t.inbox.insert(), rows)
+        stmt, params = sql.delete_below_watermark(t, "s", "S", "e", 15, 100, 3600.0, after=5)
+        deleted = (await conn.execute(stmt, params)).rowcount
+        left = (await conn.execute(sa.select(t.inbox.c.stream_seq))).scalars().all()
+    assert deleted == 10
+    assert sorted(left) == [1, 2, 3, 4, 5, 16, 17, 18, 19, 20]
 
 
 async def _inbox_below(engine: AsyncEngine, rows: int) -> bool:

@@ -82,6 +82,7 @@ def _big(**changes: object) -> dict[str, object]:
         "autovacuums": 2,
         "samples": 900,
         "sample_interval_s": 0.1,
+        "max_sample_gap_s": 0.3,
         "load_start": 1.0,
         "load_end": 2.0,
     }

@@ -375,14 +375,20 @@ def delete_below_watermark(
     value: int,
     limit: int,
     msg_id_retention_s: float,
+    after: int = 0,
 ) -> Bound:
-    """Delete up to ``limit`` inbox rows at or below ``value`` (one bounded chunk).
+    """Delete up to ``limit`` inbox rows above ``after`` and at or below ``value`` (one
+    bounded chunk).
 
     Rows carrying a msg-id stay for ``msg_id_retention_s``: they are the guard
-    against a republish after the server's duplicate window.
+    against a republish after the server's duplicate window. ``after`` bounds
+    the index scan from below: the entries of deleted rows stay in the primary
+    key's index until a VACUUM, and a scan from the epoch's first sequence
+    walks all of them (docs/design.md, 'The watermark').
     """
     params = {
         **_epoch_params(subscription, stream, epoch),
+        "p_after": after,
         "p_value": value,
         "p_limit": limit,
         "p_retention_s": msg_id_retention_s,
@@ -400,6 +406,7 @@ def _delete_below_watermark(t: models.Tables) -> sa.Executable:
         .select_from(t.inbox)
         .where(
             *_in_bound_epoch(c),
+            c.stream_seq > sa.bindparam("p_after", type_=sa.BigInteger),
             c.stream_seq <= sa.bindparam("p_value", type_=sa.BigInteger),
             sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),
             # A retrying row was acked (the ack floor passed it) but has no outcome:
