@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import gc
 import logging
 import signal
 import time
@@ -559,10 +560,30 @@ async def run_worker(
     worker.install_signal_handlers()
     if exit_hard:
         worker.on_stop.append(shutdown.Watchdog(shutdown.deadline_s(app.settings)).arm)
-    await worker.run()
+    freezing = asyncio.create_task(_freeze_when_ready(worker))
+    try:
+        await worker.run()
+    finally:
+        freezing.cancel()
     if exit_hard:
         await _end_threads(worker)
     return shutdown.EXIT_STOPPED
+
+
+async def _freeze_when_ready(worker: Worker) -> None:
+    """Once the worker is ready, keep what it holds for good out of the collector's way.
+
+    Python's full collection walks every object that survived the younger
+    ones; a worker's modules, engines and caches are about 90,000 of them, and
+    each full collection took 45-55 ms of CPU, every few seconds at full
+    rate: a stall of every message in flight. ``gc.freeze`` moves the
+    objects alive now out of the collections; later garbage is collected as
+    before. Only ``eop worker``'s own processes do this, not a worker hosted
+    in another application's process.
+    """
+    await worker.ready.wait()
+    gc.collect()
+    gc.freeze()
 
 
 async def _end_threads(worker: Worker) -> None:

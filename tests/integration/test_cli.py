@@ -130,6 +130,28 @@ async def test_sigterm_stops_the_worker_gracefully_with_exit_code_0(
     assert '"event": "worker.stopped"' in workers.logs()
 
 
+async def test_a_worker_process_keeps_its_startup_objects_out_of_full_collections(
+    engine: AsyncEngine, js: Any, workers: Workers, tmp_path: Path
+) -> None:
+    """Once ready, an `eop worker` process freezes what it holds (gc.freeze), so that
+    Python's full collections, which stalled every message in flight, walk only what
+    came later; the messages are processed as ever."""
+    await create_effects_table(engine)
+    report = tmp_path / "frozen"
+    workers.env["CLIAPP_GC_REPORT"] = str(report)
+    workers.start()
+
+    async def started() -> bool:
+        return '"event": "worker.started"' in workers.logs()
+
+    await wait_for(started, what="the worker to be ready")
+    await publish(js, "after-ready")
+    await wait_for(lambda: drained(js, "eop-cli"), what="the message")
+    assert workers.stop_all() == [0]
+    assert int(report.read_text()) > 10_000
+    assert await effects_by_body(engine) == {"after-ready": 1}
+
+
 async def _has_ack_pending(js: Any) -> bool:
     info = await js.consumer_info("ORDERS", "eop-cli")
     return bool(info.num_ack_pending)
