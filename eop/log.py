@@ -43,6 +43,7 @@ class Event(str, enum.Enum):
     FETCH_FAILED = "fetch.failed"
     MESSAGE_PROCESSED = "message.processed"
     BATCH_PROCESSED = "batch.processed"
+    BATCH_FAILED = "batch.failed"
     MESSAGE_DUPLICATE = "message.duplicate"
     MESSAGE_RETRY = "message.retry"
     MESSAGE_DEAD_LETTERED = "message.dead_lettered"

@@ -5,21 +5,29 @@ claim for the batch, the handler of each claimed message inside its own
 savepoint (so one failing handler does not sink the others), one COMMIT, then
 every confirmed ack at once. Anything off the common path (a message not
 claimed, a failed handler, a spent lease, an exhausted message, a COMMIT that
-fails for the handlers' writes) goes to the per-message protocol, which
-settles it exactly as a lone message would be.
+fails for the handlers' writes, the batch transaction failing for any reason of
+eop's own, before or after its COMMIT) goes to the per-message protocol, which
+settles it exactly as a lone message would be: its claim makes that safe, a
+message whose outcome committed is acked without running its handler again.
+Only a message the per-message protocol cannot settle either is left to the
+worker, which naks it alone (:class:`Unsettled`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Awaitable, Callable, Sequence
 
 from eop import errors, faults, log, message
 from eop.broker import ack
 from eop.pg import inbox, models
 from eop.protocol.processor import Processor, contention, transient
 from eop.types import Delivery, Outcome
+
+_Step = tuple[Delivery, Callable[[], Awaitable[Outcome]]]
+"""A message and what settles it on its own (see :meth:`BatchProcessor._alone`)."""
 
 
 @dataclasses.dataclass
@@ -36,53 +44,115 @@ class BatchProcessor:
         self.single = single
         self.spec = single.spec
         self.settings = single.settings
+        self._unsettled: list[tuple[Delivery, Exception]] = []
+        """The messages of the current batch the per-message protocol could not settle."""
 
     async def handle_batch(
         self, deliveries: Sequence[Delivery], received_at: float
     ) -> list[Outcome]:
-        """Process a fetched batch; returns one outcome per message settled here."""
+        """Process a fetched batch; returns one outcome per message settled here.
+
+        Raises :class:`Unsettled` when the per-message protocol failed for some
+        messages too (eop's own failure beyond its retries): it carries them, for
+        the worker to nak each alone, and the outcomes of the others.
+        """
+        self._unsettled = []
         await faults.point("after_fetch")
         items, others = await self._prepare(deliveries, received_at)
         outcomes: list[Outcome] = []
+        one_by_one: list[_Item] = []
         leftovers: list[_Item] = []
         failures: list[tuple[_Item, Exception]] = []
         if items and self.single.in_contention:
             # Crossing transactions deadlocked lately: a batch would hold all its
             # rows' locks at once and deadlock again. One message at a time.
-            for item in items:
-                outcomes.append(await self.single.handle(item.delivery, received_at))
+            one_by_one = items
         elif items:
             try:
-                if self.single.batches_failing:
-                    outcomes, leftovers, failures = await self._run(items, isolate=True)
-                else:
-                    try:
-                        outcomes, leftovers, failures = await self._run(items, isolate=False)
-                    except _NeedsIsolation:
-                        self.single.batches_failing = True
-                        outcomes, leftovers, failures = await self._run(items, isolate=True)
-                self.single.batches_failing = bool(failures)
+                outcomes, leftovers, failures = await self._transaction(items)
             except Exception as exc:
-                if not (transient(exc) or isinstance(exc, _BatchRejected)):
-                    raise
                 if contention(exc):
                     # The batch deadlocked (or waited out its lock timeout): shrink it
                     # to one transaction per message, run one at a time.
                     self.single.note_contention()
-                    for item in items:
-                        outcomes.append(await self.single.handle(item.delivery, received_at))
+                    one_by_one = items
                 else:
-                    # The batch transaction cannot commit: let each message find its
-                    # own way (the per-message protocol retries and settles it).
+                    if not (transient(exc) or isinstance(exc, _BatchRejected)):
+                        # Not a handler's failure (the batch isolates those) but eop's
+                        # own: it must stay visible, and must not hold the batch back.
+                        self._log_failure(items, exc)
+                    # The batch transaction cannot commit (or failed after its COMMIT):
+                    # each message finds its own way. The claim makes it safe: one whose
+                    # outcome committed is acked as a duplicate, its handler not run.
                     leftovers = items
-        singles = [self.single.handle(d, received_at) for d in others]
-        singles += [self.single.handle(item.delivery, received_at) for item in leftovers]
-        singles += [
-            self.single.handler_failed(item.delivery, item.msg, exc, item.logger)
-            for item, exc in failures
+        serial = self._singles([i.delivery for i in one_by_one], received_at)
+        outcomes += await self._alone(serial, serial=True)
+        work = self._singles([*others, *(i.delivery for i in leftovers)], received_at)
+        work += [
+            (
+                i.delivery,
+                functools.partial(self.single.handler_failed, i.delivery, i.msg, e, i.logger),
+            )
+            for i, e in failures
         ]
-        outcomes += await asyncio.gather(*singles)
+        outcomes += await self._alone(work)
+        if self._unsettled:
+            raise Unsettled(outcomes, self._unsettled) from self._unsettled[0][1]
         return outcomes
+
+    async def _transaction(
+        self, items: list[_Item]
+    ) -> tuple[list[Outcome], list[_Item], list[tuple[_Item, Exception]]]:
+        """The batch transaction, without savepoints first unless the last batch had a
+        failing handler (:attr:`Processor.batches_failing`)."""
+        if self.single.batches_failing:
+            result = await self._run(items, isolate=True)
+        else:
+            try:
+                result = await self._run(items, isolate=False)
+            except _NeedsIsolation:
+                self.single.batches_failing = True
+                result = await self._run(items, isolate=True)
+        self.single.batches_failing = bool(result[2])
+        return result
+
+    def _singles(self, deliveries: Sequence[Delivery], received_at: float) -> list[_Step]:
+        """The per-message protocol for each of ``deliveries``, as steps for :meth:`_alone`."""
+        return [(d, functools.partial(self.single.handle, d, received_at)) for d in deliveries]
+
+    async def _alone(self, work: list[_Step], *, serial: bool = False) -> list[Outcome]:
+        """Run each message's step (concurrently, or one after another); their outcomes.
+
+        A step that raises (eop's own failure beyond the per-message protocol's
+        retries) is noted in :attr:`_unsettled`, for the worker to nak that
+        message alone: it does not sink the others. A cancellation is no failure
+        (``BaseException``): it passes.
+        """
+        if serial:
+            results = [await _caught(step()) for _, step in work]
+        else:
+            results = await asyncio.gather(*(_caught(step()) for _, step in work))
+        outcomes: list[Outcome] = []
+        for (delivery, _), result in zip(work, results, strict=True):
+            if isinstance(result, Outcome):
+                outcomes.append(result)
+            else:
+                self._unsettled.append((delivery, result))
+        return outcomes
+
+    def _log_failure(self, items: list[_Item], exc: Exception) -> None:
+        """One error line for a batch transaction that failed for eop's own reason."""
+        first, last = items[0].msg, items[-1].msg
+        log.get_logger().error(
+            log.Event.BATCH_FAILED,
+            handler=self.spec.name,
+            stream=first.stream,
+            first_seq=first.seq,
+            last_seq=last.seq,
+            messages=len(items),
+            error=log.describe_error(exc)[:2000],
+            traceback=log.format_traceback(exc),
+        )
 
     async def _prepare(
         self, deliveries: Sequence[Delivery], received_at: float
@@ -207,15 +277,23 @@ class BatchProcessor:
         try:
             await tx.commit()
         except errors.AmbiguousCommit:
-            return list(
-                await asyncio.gather(
-                    *(
-                        self.single.resolve_ambiguous(
-                            i.delivery, i.msg, Outcome.PROCESSED, i.logger, None
-                        )
-                        for i in done
+            # Read back, never re-run here (Processor.resolve_ambiguous): a message
+            # whose outcome cannot be read is the worker's to nak, alone.
+            return await self._alone(
+                [
+                    (
+                        i.delivery,
+                        functools.partial(
+                            self.single.resolve_ambiguous,
+                            i.delivery,
+                            i.msg,
+                            Outcome.PROCESSED,
+                            i.logger,
+                            None,
+                        ),
                     )
-                )
+                    for i in done
+                ]
             )
         except Exception as exc:
             if transient(exc):
@@ -233,3 +311,28 @@ class _NeedsIsolation(Exception):
 
 class _BatchRejected(Exception):
     """The batch transaction cannot be committed as a batch: process one by one."""
+
+
+class Unsettled(errors.EopError):
+    """Messages of a batch that the per-message protocol could not settle either.
+
+    Raised by :meth:`BatchProcessor.handle_batch` once every other message of
+    the batch is settled: :attr:`failed` are for the worker to nak, each alone;
+    :attr:`outcomes` are the others'.
+    """
+
+    def __init__(self, outcomes: list[Outcome], failed: list[tuple[Delivery, Exception]]) -> None:
+        super().__init__(
+            f"{len(failed)} message(s) of the batch failed in the per-message protocol too: "
+            f"{log.describe_error(failed[0][1])[:500]}"
+        )
+        self.outcomes = outcomes
+        self.failed = failed
+
+
+async def _caught(step: Awaitable[Outcome]) -> Outcome | Exception:
+    """``step``'s outcome, or the exception it raised (a ``BaseException`` passes)."""
+    try:
+        return await step
+    except Exception as exc:
+        return exc

@@ -474,24 +474,35 @@ class Worker(hosting.Hosted):
             elif len(msgs) == 1:
                 outcomes = [await proc.handle(msgs[0], received_at)]
             else:
-                outcomes = await batch.BatchProcessor(proc).handle_batch(msgs, received_at)
+                try:
+                    outcomes = await batch.BatchProcessor(proc).handle_batch(msgs, received_at)
+                except batch.Unsettled as unsettled:
+                    # The batch settled all but these: each is nak'ed alone.
+                    outcomes = unsettled.outcomes
+                    for delivery, exc in unsettled.failed:
+                        await self._failed(proc, [delivery], exc)
             settled = (Outcome.PROCESSED, Outcome.DEAD_LETTERED)
             self._count(proc.spec, sum(1 for o in outcomes if o in settled))
             self._log_batch(proc, msgs, outcomes)
         except Exception as exc:
-            # Not a handler failure (those are settled in the protocol) but eop's
-            # own I/O failing beyond its retries: let the messages come back later.
-            self._logger.error(
-                log.Event.MESSAGE_FAILED,
-                handler=proc.spec.name,
-                error=log.describe_error(exc)[:2000],
-            )
-            self._observer.errored(proc.spec, msgs, exc)
-            for msg in msgs:
-                await ack.nak(msg, self.settings.backoff_max_s, self._logger)
+            await self._failed(proc, msgs, exc)
         finally:
             self._observer.done(proc.spec, msgs)
             self._slots.give(len(msgs))
+
+    async def _failed(
+        self, proc: processor.Processor, msgs: Sequence[Delivery], exc: Exception
+    ) -> None:
+        """Not a handler failure (those are settled in the protocol) but eop's own I/O
+        failing beyond its retries: log it, and let the messages come back later."""
+        self._logger.error(
+            log.Event.MESSAGE_FAILED,
+            handler=proc.spec.name,
+            error=log.describe_error(exc)[:2000],
+        )
+        self._observer.errored(proc.spec, msgs, exc)
+        for msg in msgs:
+            await ack.nak(msg, self.settings.backoff_max_s, self._logger)
 
     def _log_batch(
         self, proc: processor.Processor, msgs: Sequence[Delivery], outcomes: list[Outcome]

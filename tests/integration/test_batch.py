@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from structlog.testing import capture_logs
 
 import eop
+from eop import faults, log
 from eop.pg import models, sql
 
 from .bed import (
@@ -72,6 +75,51 @@ async def test_one_failing_handler_does_not_sink_its_batch(
     assert deliveries["bad"][-1] == 2
     assert set(deliveries["bad"]) == {1, 2}
     assert all(set(d) == {1} for body, d in deliveries.items() if body != "bad")
+
+
+@pytest.mark.parametrize("point", ["after_claim", "before_commit", "after_commit"])
+async def test_an_eop_failure_in_the_batch_transaction_costs_its_messages_no_delivery(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, point: faults.Point
+) -> None:
+    """eop's own statement fails non-transiently in one batch transaction (a raise at
+    ``point``, before or after its COMMIT): every message of that batch is settled on its
+    own at its first delivery, none nak'ed (nothing redelivered), none dead-lettered, each
+    effect once; the failure is logged once, and the worker goes on with later messages."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+    runs: dict[str, list[int]] = {}
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="steady")
+    async def steady(msg: eop.Message, session: AsyncSession) -> None:
+        runs.setdefault(msg.data.decode(), []).append(msg.num_delivered)
+        await record_effect(session, "steady", msg)
+
+    first = [f"f{i}" for i in range(20)]
+    await prepublish(js, first)
+    faults.arm([faults.Rule(point, "raise", nth=1)], seed=1)
+    try:
+        with capture_logs() as logs:
+            async with running(app):
+                await wait_for(
+                    lambda: drained(js, "eop-steady", engine=engine), what="the failed batch"
+                )
+                later = [f"l{i}" for i in range(20)]
+                for body in later:
+                    await publish(js, body)
+                await wait_for(
+                    lambda: drained(js, "eop-steady", engine=engine), what="the later messages"
+                )
+    finally:
+        faults.disarm()
+    assert await effects_by_body(engine) == dict.fromkeys(first + later, 1)
+    assert all(set(delivered) == {1} for delivered in runs.values())
+    # Every line about a message is of its first delivery: none was nak'ed and came back
+    # (after a failure past the COMMIT, the redelivery would only be acked as a duplicate).
+    assert {e["delivered"] for e in logs if "delivered" in e} == {1}
+    assert [e for e in logs if e["event"] == log.Event.MESSAGE_FAILED] == []
+    assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
+    [failed] = [e for e in logs if e["event"] == log.Event.BATCH_FAILED]
+    assert (failed["handler"], failed["first_seq"], failed["messages"]) == ("steady", 1, 20)
 
 
 async def test_heartbeats_keep_the_leases_of_a_batch_slower_than_ack_wait(

@@ -8,20 +8,26 @@ NATS and PostgreSQL.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import dataclasses
 import datetime
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+from structlog.testing import capture_logs
+
 import eop
-from eop import testing
+from eop import faults, log, testing
 from eop.handler import HandlerSpec
 from eop.message import Message
 from eop.pg import models
 from eop.protocol import batch, processor
 from eop.types import Outcome
 
-from .support import FAST, STREAM, delivery, effect_of
+from .support import FAST, STREAM, delivery, effect_of, events
 
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
 RECREATED = T0 + datetime.timedelta(seconds=10)
@@ -357,6 +363,152 @@ async def test_a_commit_refused_for_the_handlers_writes_settles_each_message_alo
     assert sorted(b.store.effects) == effects(1, 2, 3)
     assert b.store.commits == 3
     assert b.store.attempts == {}
+
+
+# ------------------------------------------------------------ eop's own failures
+
+
+@contextlib.contextmanager
+def armed(point: faults.Point, nth: int = 1) -> Iterator[None]:
+    """Raise :class:`eop.faults.FaultInjected` at the ``nth`` pass of ``point``."""
+    faults.arm([faults.Rule(point, "raise", nth=nth)], seed=1)
+    try:
+        yield
+    finally:
+        faults.disarm()
+
+
+def failing_unclaim(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make the batch's first ``unclaim`` raise a bug of eop's own (not transient); the
+    sequences it was called for."""
+    calls: list[int] = []
+    real = testing.MemoryTransaction.unclaim
+
+    async def unclaim(self: testing.MemoryTransaction, message: Message) -> None:
+        calls.append(message.seq)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in eop's unclaim")
+        await real(self, message)
+
+    monkeypatch.setattr(testing.MemoryTransaction, "unclaim", unclaim)
+    return calls
+
+
+async def test_an_eop_statement_failing_in_the_batch_settles_each_message_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-transient failure of eop's own inside the batch transaction (here ``unclaim``
+    of a failed handler's row) is no reason to nak the batch: each message goes to the
+    per-message protocol, the good ones commit once at this delivery, the failed handler's
+    message is parked as it would be alone; one error line says what happened, with the
+    batch's coordinates and never a payload."""
+    calls = failing_unclaim(monkeypatch)
+    b = make().fail(b"2", ValueError("boom"))
+    d1, d2, d3 = three()
+    with capture_logs() as logs:
+        assert await b.handle(d1, d2, d3) == {Outcome.PROCESSED: 2, Outcome.RETRY: 1}
+    assert calls == [2]
+    assert sorted(b.store.effects) == effects(1, 3)
+    assert b.store.outcome_of(b.message(d2)) == models.OUTCOME_RETRYING
+    assert b.store.dead_letters == []
+    assert all(d.acked and not d.naked for d in (d1, d2, d3))
+    [line] = events(logs, log.Event.BATCH_FAILED)
+    assert line["log_level"] == "error"
+    assert (line["handler"], line["stream"], line["first_seq"], line["last_seq"]) == (
+        "orders",
+        STREAM,
+        1,
+        3,
+    )
+    assert line["messages"] == 3
+    assert "a bug in eop's unclaim" in line["error"]
+    assert not {"data", "payload", "body"} & set(line)
+
+
+@pytest.mark.parametrize("point", ["after_claim", "before_commit"])
+async def test_a_fault_in_the_batch_transaction_before_its_commit_settles_each_message_alone(
+    point: faults.Point,
+) -> None:
+    """Raised after the batch's claim or before its COMMIT: nothing committed; each message
+    is run on its own and commits once, at this delivery, none nak'ed."""
+    b = make()
+    ds = three()
+    with armed(point):
+        assert await b.handle(*ds) == {Outcome.PROCESSED: 3}
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+    assert b.store.commits == 3
+    assert all(d.acked and not d.naked for d in ds)
+
+
+async def test_a_failure_after_the_batch_commit_acks_each_message_without_running_it_again() -> (
+    None
+):
+    """Raised after the batch's COMMIT, before its acks: the per-message protocol's claim
+    finds each outcome committed and acks the message as a duplicate; no handler runs twice."""
+    b = make()
+    ds = three()
+    with armed("after_commit"):
+        assert await b.handle(*ds) == {Outcome.DUPLICATE: 3}
+    assert b.calls == [[1], [2], [3]]
+    assert (b.store.transactions, b.store.commits) == (4, 1)
+    assert sorted(b.store.effects) == effects(1, 2, 3)
+    assert all(d.acked and not d.naked for d in ds)
+
+
+async def test_a_message_the_per_message_protocol_cannot_settle_either_is_left_alone_to_the_worker() -> (  # noqa: E501
+    None
+):
+    """The batch transaction fails, then one message's own transaction too: its neighbours
+    settle, and it alone is handed to the worker (:class:`batch.Unsettled`), which naks it."""
+    b = make()
+    b.store.fail_transactions(2, RuntimeError("a bug in eop"))
+    ds = three()
+    with pytest.raises(batch.Unsettled) as raised:
+        await batch.BatchProcessor(b.processor.single).handle_batch(ds, b.processor.single.clock())
+    [(failed, error)] = raised.value.failed
+    assert str(error) == "a bug in eop"
+    assert raised.value.outcomes == [Outcome.PROCESSED, Outcome.PROCESSED]
+    others = [d for d in ds if d is not failed]
+    assert all(d.acked for d in others)
+    assert isinstance(failed, testing.FakeDelivery)
+    assert not failed.settled  # no ack, nak or term: the worker's to nak
+    assert len(b.store.effects) == 2
+
+
+async def test_an_ambiguous_commit_whose_outcome_cannot_be_read_is_never_rerun_in_process() -> None:
+    """After an ambiguous COMMIT the batch reads each outcome back; a message whose read
+    fails for eop's own reason is left to the worker to nak, alone (its redelivery's claim
+    decides), never run again here, and its neighbours are acked."""
+    b = make()
+    b.store.ambiguous_commit(committed=True)
+    b.store.fail_has_outcome(1, RuntimeError("a bug in eop"))
+    ds = three()
+    with pytest.raises(batch.Unsettled) as raised:
+        await batch.BatchProcessor(b.processor.single).handle_batch(ds, b.processor.single.clock())
+    [(failed, _)] = raised.value.failed
+    assert raised.value.outcomes == [Outcome.PROCESSED, Outcome.PROCESSED]
+    assert b.calls == [[1], [2], [3]]
+    assert (b.store.transactions, b.store.commits) == (1, 1)
+    assert all(d.acked for d in ds if d is not failed)
+
+
+async def test_a_stop_during_the_batch_commit_is_no_failure_to_fall_back_from() -> None:
+    """Cancelled while its COMMIT runs, the batch still commits and acks (Critical) and the
+    cancellation passes: no message is run again on its own."""
+    b = make()
+    b.store.pause_commits()
+    ds = three()
+    task = asyncio.create_task(b.handle(*ds))
+    await b.store.commit_started.wait()
+    task.cancel()
+    await asyncio.sleep(0.01)
+    b.store.resume_commits()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await b.processor.single.critical.drain()
+    assert (b.store.transactions, b.store.commits) == (1, 1)
+    assert b.calls == [[1], [2], [3]]
+    assert all(d.acked and not d.naked for d in ds)
 
 
 # -------------------------------------------------------------------- epochs
