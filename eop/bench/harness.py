@@ -419,11 +419,39 @@ class Bench:
         return [p for p in points if first <= p[0] <= last]
 
     async def inbox_rows(self, run: runs.Run) -> int:
-        """The inbox rows of an eop run, now."""
+        """The inbox rows of an eop run, now (a count that reads the whole table)."""
+        return (await self.inbox_rows_split(run, 0))[0]
+
+    async def inbox_rows_split(self, run: runs.Run, above: int) -> tuple[int, int]:
+        """(the inbox rows of an eop run, those above sequence ``above``), in one snapshot
+        (a count that reads the whole table)."""
         schema = runs.app.settings.schema
-        query = sa.text(f'SELECT count(*) FROM "{schema}".inbox WHERE subscription = :s')
+        query = sa.text(
+            "SELECT count(*), count(*) FILTER (WHERE stream_seq > :above)"
+            f' FROM "{schema}".inbox WHERE subscription = :s'
+        )
         async with self.engine.connect() as conn:
-            return int((await conn.execute(query, {"s": run.handler})).scalar_one())
+            row = (await conn.execute(query, {"s": run.handler, "above": above})).one()
+        return int(row[0]), int(row[1])
+
+    async def recent_inbox_rows(self, run: runs.Run, above: int) -> tuple[int, int]:
+        """(the inbox rows of an eop run above sequence ``above``, its watermark now).
+
+        A range of the primary key from ``above`` up, in the epoch of the
+        watermark's row: cheap however many deleted rows' entries lie below.
+        """
+        schema = runs.app.settings.schema
+        query = sa.text(
+            f'SELECT w.watermark, (SELECT count(*) FROM "{schema}".inbox AS i'
+            " WHERE i.subscription = w.subscription AND i.stream = w.stream"
+            " AND i.stream_epoch = w.stream_epoch AND i.stream_seq > :above)"
+            f' FROM "{schema}".watermarks AS w WHERE w.subscription = :s'
+        )
+        async with self.engine.connect() as conn:
+            found = (await conn.execute(query, {"s": run.handler, "above": above})).all()
+        if len(found) != 1:  # no watermark row yet, or several epochs: count them all
+            return await self.inbox_rows(run), 0
+        return int(found[0][1]), int(found[0][0])
 
     async def inbox_table(self) -> InboxTable:
         """The inbox table's size (its indexes and TOAST included), its dead rows and its

@@ -80,8 +80,12 @@ class BigResult:
     """Autovacuums of the inbox table during the run."""
     samples: int
     sample_interval_s: float
-    max_sample_gap_s: float
-    """The longest wait between two samples (see :data:`SAMPLE_COST_SHARE`)."""
+    max_full_count_gap_s: float
+    """The longest wait between two full counts of the inbox (see :data:`FULL_COUNT_SHARE`)."""
+    unseen_rows: int
+    """The most rows a full count found that the count above the lagged watermark did not."""
+    count_lag_s: float
+    """How old the watermark is above which the samples count (:data:`LAG_S`)."""
     load_start: float
     load_end: float
 
@@ -113,13 +117,19 @@ class Window(NamedTuple):
 SAMPLE_INTERVAL_S = 0.1
 """How often the long run looks at most: each window lasts about a second here."""
 
-SAMPLE_COST_SHARE = 0.05
-"""The most of its time the sampler spends looking. Counting the inbox's rows reads
-the whole table, dead rows included, and the table only grows until a VACUUM: at
-every 0.1 s, by the end of a 1,000,000-message run the count took 15 % of a core
+FULL_COUNT_SHARE = 0.05
+"""The most of its time the sampler spends counting the whole inbox. Such a count
+reads the whole table, dead rows included, and the table only grows until a
+VACUUM: every 0.1 s, by the end of a 1,000,000-message run it took 15 % of a core
 from the PostgreSQL the worker shares the machine with, and the run slowed as it
-went for the measurement's sake. So the next sample waits at least 1 / share times
-as long as the last one took."""
+went for the measurement's sake. So the next full count waits at least 1 / share
+times as long as the last one took; in between, each sample counts the rows above
+the watermark of :data:`LAG_S` before (a short range of the primary key), which
+misses only rows a compaction round left behind for that long: the full counts
+tell how many (``unseen_rows``)."""
+
+LAG_S = 1.0
+"""How old the watermark is above which a sample counts the inbox's rows."""
 
 
 async def measure(
@@ -186,20 +196,24 @@ async def measure_big(bench: harness.Bench, total: int) -> BigResult:
     started = time.monotonic()
     vacuums_before = (await bench.inbox_table()).autovacuums
 
+    marks: list[tuple[float, int]] = []  # (when, the watermark then)
+    full = _FullCounts()
+
     async def sample() -> None:
         floor, _ = await bench.acked(runs.BIG)
-        rows, table = await bench.inbox_rows(runs.BIG), await bench.inbox_table()
+        now = time.monotonic()
+        lagged = max((w for t, w in marks if t <= now - LAG_S), default=0)
+        rows, watermark = await bench.recent_inbox_rows(runs.BIG, lagged)
+        marks.append((now, watermark))
+        if now >= full.due:
+            rows = max(rows, await full.count(bench, lagged))
+        table = await bench.inbox_table()
         samples.append(Sample(floor, rows, child.cpu_s(), child.rss_bytes(), table))
-
-    gaps = [SAMPLE_INTERVAL_S]
 
     async def sample_forever() -> None:
         while True:
-            took = time.monotonic()
             await sample()
-            took = time.monotonic() - took
-            gaps.append(max(SAMPLE_INTERVAL_S, took / SAMPLE_COST_SHARE - took))
-            await asyncio.sleep(gaps[-1])
+            await asyncio.sleep(SAMPLE_INTERVAL_S)
 
     sampler = asyncio.create_task(sample_forever())
     try:
@@ -254,13 +268,38 @@ async def measure_big(bench: harness.Bench, total: int) -> BigResult:
         autovacuums=vacuums - vacuums_before,
         samples=len(samples),
         sample_interval_s=SAMPLE_INTERVAL_S,
-        max_sample_gap_s=round(max(gaps), 2),
+        max_full_count_gap_s=round(full.max_gap_s, 2),
+        unseen_rows=full.unseen,
+        count_lag_s=LAG_S,
         load_start=round(load_start, 2),
         load_end=round(os.getloadavg()[0], 2),
     )
 
 
 _MB = 1024 * 1024
+
+
+class _FullCounts:
+    """The long run's full counts of the inbox, spaced by their cost (:data:`FULL_COUNT_SHARE`)."""
+
+    def __init__(self) -> None:
+        self.due = 0.0
+        self.max_gap_s = 0.0
+        self.unseen = 0
+        self._last: float | None = None
+
+    async def count(self, bench: harness.Bench, lagged: int) -> int:
+        """Count every row now, and note how many lie at or below ``lagged`` (the
+        watermark the samples count above)."""
+        start = time.monotonic()
+        rows, above = await bench.inbox_rows_split(runs.BIG, lagged)
+        took = time.monotonic() - start
+        if self._last is not None:
+            self.max_gap_s = max(self.max_gap_s, start - self._last)
+        self._last = start
+        self.unseen = max(self.unseen, rows - above)
+        self.due = start + max(SAMPLE_INTERVAL_S, took / FULL_COUNT_SHARE)
+        return rows
 
 
 def window_stats(samples: list[Sample], window: tuple[int, int]) -> Window:

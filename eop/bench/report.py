@@ -67,8 +67,8 @@ def _big(big: dict[str, Any]) -> list[str]:
     return [
         f"long run: {big['messages']:,} messages through eop default in {big['seconds']:.0f} s "
         f"({big['effects']:,} effect rows); load average {big['load_start']} -> "
-        f"{big['load_end']}; sampled every {big['sample_interval_s']} to "
-        f"{big.get('max_sample_gap_s', big['sample_interval_s'])} s ({big['samples']:,} samples)",
+        f"{big['load_end']}; sampled every {big['sample_interval_s']} s ({big['samples']:,} "
+        "samples)",
         f"  msg/s: {big['first_rate']:,.0f} at messages 1-10k, {big['early_rate']:,.0f} at "
         f"10k-20k, {big['late_rate']:,.0f} at the last 10k",
         f"  worker CPU us/msg: {_us(big['early_cpu_us'])} at 10k-20k, "
@@ -77,7 +77,10 @@ def _big(big: dict[str, Any]) -> list[str]:
         f"{_mb(big['late_rss_mb'])} at the end, {_mb(big['max_rss_mb'])} at most",
         f"  inbox rows: at most {big['early_inbox']:,} around 10k-20k, {big['late_inbox']:,} "
         f"around the last 10k, {big['max_inbox']:,} over the run; {big['end_inbox']:,} when "
-        f"the last was acked, {big['settled_inbox']:,} a compaction interval later",
+        f"the last was acked, {big['settled_inbox']:,} a compaction interval later "
+        f"(counted above the watermark of {big.get('count_lag_s', 1.0)} s before; full "
+        f"counts at most {big.get('max_full_count_gap_s', 0)} s apart found at most "
+        f"{big.get('unseen_rows', 0):,} rows more)",
         f"  inbox table and indexes MiB: {big['early_inbox_mb']:.1f} after 20k, "
         f"{big['late_inbox_mb']:.1f} at the end, {big['max_inbox_mb']:.1f} at most; "
         f"{big['autovacuums']} autovacuums of it",

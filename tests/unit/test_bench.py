@@ -82,7 +82,9 @@ def _big(**changes: object) -> dict[str, object]:
         "autovacuums": 2,
         "samples": 900,
         "sample_interval_s": 0.1,
-        "max_sample_gap_s": 0.3,
+        "max_full_count_gap_s": 0.3,
+        "unseen_rows": 0,
+        "count_lag_s": 1.0,
         "load_start": 1.0,
         "load_end": 2.0,
     }
