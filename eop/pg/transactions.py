@@ -120,6 +120,9 @@ class AsyncTransaction(SqlTransaction):
     async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
         await self.session.execute(stmt, params)
 
+    async def _execute_many(self, stmt: sa.Executable, params: list[dict[str, Any]]) -> None:
+        await self.session.execute(stmt, params)
+
     async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
         """Claim a batch in one statement, sent on asyncpg's own connection when it is one.
 
@@ -305,6 +308,9 @@ class SyncTransaction(SqlTransaction):
         return await self._step(execute)
 
     async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
+        await self._step(self.session.execute, stmt, params)
+
+    async def _execute_many(self, stmt: sa.Executable, params: list[dict[str, Any]]) -> None:
         await self._step(self.session.execute, stmt, params)
 
     async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
