@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
@@ -152,6 +153,58 @@ async def test_a_deadlock_in_one_parked_run_reruns_the_poll_one_run_per_transact
     assert await scalar(engine, "SELECT failures FROM eop.retries WHERE parked") == 2
     assert await scalar(engine, "SELECT count(*) FROM eop.retries") == 1
     assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
+
+
+@pytest.mark.parametrize("style", ["async", "sync"])
+async def test_a_writes_handler_that_reads_through_the_session_keeps_its_savepoints(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, style: str
+) -> None:
+    """An eop.Writes handler runs outside a savepoint while it sends nothing; one that asks
+    for writes.session (a read) and then fails has its transaction run again, never counted,
+    with a savepoint: its failure is counted once, its neighbour commits once, and the write
+    its savepoint rolled back never lands. Async and sync handlers alike."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url)
+    runs: dict[tuple[str, int], int] = {}
+    insert = sa.text("INSERT INTO effects (handler, msg_key, body) VALUES (:h, :k, :b)")
+    count = sa.text("SELECT count(*) FROM effects")
+
+    def run(msg: eop.Message, writes: eop.Writes) -> bool:
+        """Queue the effect; whether the handler reads through the session, then fails."""
+        body = msg.data.decode()
+        runs[(body, msg.num_delivered)] = runs.get((body, msg.num_delivered), 0) + 1
+        writes.add(insert, {"h": "reader", "k": msg.idempotency_key, "b": body})
+        if msg.num_delivered == 1:
+            raise eop.Retry("later", delay_s=LATER_S)
+        return body == "reads"
+
+    if style == "async":
+
+        @app.handler(stream=STREAM, subject=SUBJECT, name="reader")
+        async def reader(msg: eop.Message, writes: eop.Writes) -> None:
+            if run(msg, writes):
+                await writes.session.execute(count)
+                raise RuntimeError("fails after its read")
+
+    else:
+
+        @app.handler(stream=STREAM, subject=SUBJECT, name="reader")
+        def sync_reader(msg: eop.Message, writes: eop.Writes) -> None:
+            if run(msg, writes):
+                writes.session.execute(count)
+                raise RuntimeError("fails after its read")
+
+    async with running(app):
+        for body in ("reads", "writes"):
+            await publish(js, body)
+        await wait_for(lambda: equals(parked_with(engine, 1), 2), what="two parked")
+        await hurry(engine)
+        await wait_for(lambda: equals(parked_with(engine, 2), 1), what="the reader counted")
+        await wait_for(lambda: equals(parked_with(engine, 1), 0), what="the writer settled")
+    assert await effects_by_body(engine) == {"writes": 1}
+    assert await scalar(engine, "SELECT failures FROM eop.retries WHERE parked") == 2
+    assert runs[("reads", 2)] >= 2  # outside a savepoint, then inside one
+    assert max(attempt for _, attempt in runs) == 2
 
 
 async def test_a_parked_row_held_for_a_moment_is_waited_for_not_left_to_its_lease(
