@@ -105,6 +105,27 @@ class Transaction(Protocol):
     async def settle_retrying(self, message: Message, outcome: str) -> bool:
         """Give a retrying message its outcome; False when it is not retrying (any more)."""
 
+    async def lock_runs(self, messages: list[Message], runs: list[int]) -> set[int]:
+        """:meth:`lock_run` for the parked messages of one poll (one subscription, stream and
+        epoch; ``runs`` element by element) in one statement; the sequences locked."""
+
+    async def count_parked_failures(
+        self, messages: list[Message], errors: list[str], due_in_s: list[float]
+    ) -> dict[int, int]:
+        """Add one handler failure to each locked parked message (one subscription, stream
+        and epoch), its next run ``due_in_s`` from now, in one statement; each one's new
+        count by sequence."""
+
+    async def settle_retrying_many(self, messages: list[Message], outcomes: list[str]) -> set[int]:
+        """:meth:`settle_retrying` for many (one subscription, stream and epoch) in one
+        statement; the sequences of those that were retrying."""
+
+    async def forget_failures_many(self, messages: list[Message]) -> None:
+        """:meth:`forget_failures` for many (one subscription, stream and epoch)."""
+
+    async def add_dead_letters(self, messages: list[Message], dead: list[DeadLetter]) -> None:
+        """:meth:`add_dead_letter` for each message and its dead letter, as one executemany."""
+
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Run the handler inside this transaction.
 

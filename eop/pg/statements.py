@@ -45,6 +45,11 @@ class Statements(abc.ABC):
     async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
         """Run ``stmt`` with ``params`` for its bind parameters."""
 
+    async def _execute_many(self, stmt: sa.Executable, params: list[dict[str, Any]]) -> None:
+        """Run ``stmt`` once for each of ``params`` (one call each, unless overridden)."""
+        for one in params:
+            await self._execute(stmt, one)
+
     async def select(self, stmt: sa.Executable) -> list[tuple[Any, ...]]:
         """The rows of one of eop's own statements (:mod:`eop.pg.sql`), run in this transaction."""
         return await self._rows(stmt)
@@ -202,9 +207,58 @@ class Statements(abc.ABC):
         bound = sql.settle_retrying(self.tables, *_key(message), outcome)
         return bool(await self._rows(*bound))
 
+    async def lock_runs(self, messages: list[Message], runs: list[int]) -> set[int]:
+        """Lock a poll's parked messages for their runs in one statement; the sequences locked."""
+        if not messages:
+            return set()
+        bound = sql.lock_runs(self.tables, *_epoch_of(messages), [m.seq for m in messages], runs)
+        return {int(row[0]) for row in await self._rows(*bound)}
+
+    async def count_parked_failures(
+        self, messages: list[Message], errors: list[str], due_in_s: list[float]
+    ) -> dict[int, int]:
+        """Count one more failure of each locked parked message; the new counts by sequence."""
+        if not messages:
+            return {}
+        bound = sql.count_parked_failures(
+            self.tables,
+            *_epoch_of(messages),
+            [m.seq for m in messages],
+            [message_mod.pg_text(error) for error in errors],
+            due_in_s,
+        )
+        return {int(row[0]): int(row[1]) for row in await self._rows(*bound)}
+
+    async def settle_retrying_many(self, messages: list[Message], outcomes: list[str]) -> set[int]:
+        """Give retrying messages their outcomes; the sequences of those that were retrying."""
+        if not messages:
+            return set()
+        seqs = [m.seq for m in messages]
+        bound = sql.settle_retrying_many(self.tables, *_epoch_of(messages), seqs, outcomes)
+        return {int(row[0]) for row in await self._rows(*bound)}
+
+    async def forget_failures_many(self, messages: list[Message]) -> None:
+        """Drop the failure counts and parked copies of ``messages``."""
+        if messages:
+            seqs = [m.seq for m in messages]
+            await self._execute(*sql.forget_failures_many(self.tables, *_epoch_of(messages), seqs))
+
+    async def add_dead_letters(self, messages: list[Message], dead: list[DeadLetter]) -> None:
+        """Record each message's dead letter, as one executemany where the connection can."""
+        rows = [
+            sql.insert_dead_letter(self.tables, self._dead_letter_row(m, d))[1]
+            for m, d in zip(messages, dead, strict=True)
+        ]
+        if rows:
+            await self._execute_many(sql.insert_dead_letters(self.tables), rows)
+
     async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
         """Record the dead letter: reason, error, headers without secrets, payload."""
-        row = {
+        await self._rows(*sql.insert_dead_letter(self.tables, self._dead_letter_row(message, dead)))
+
+    def _dead_letter_row(self, message: Message, dead: DeadLetter) -> dict[str, Any]:
+        """The dead letter's columns: the message, headers without secrets, why."""
+        return {
             "subscription": message.subscription,
             "stream": message.stream,
             "stream_epoch": message.stream_epoch,
@@ -219,8 +273,17 @@ class Statements(abc.ABC):
             "traceback": dead.traceback,
             "delivery_count": message.num_delivered,
         }
-        await self._rows(*sql.insert_dead_letter(self.tables, row))
 
 
 def _key(message: Message) -> tuple[str, str, str, int]:
     return (message.subscription, message.stream, message.stream_epoch, message.seq)
+
+
+def _epoch_of(messages: list[Message]) -> tuple[str, str, str]:
+    """The subscription, stream and epoch all of ``messages`` share (a poll's statements
+    take one's messages)."""
+    first = messages[0]
+    shared = (first.subscription, first.stream, first.stream_epoch)
+    if any((m.subscription, m.stream, m.stream_epoch) != shared for m in messages):
+        raise ValueError("these statements take the messages of one subscription, stream, epoch")
+    return shared

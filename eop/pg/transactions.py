@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -55,6 +56,38 @@ class SqlTransaction(Statements):
     def _second_argument(self, session: Any) -> Any:
         """What the handler gets after the message: its write queue, or the session."""
         return self.writes if self.spec.takes_writes else session
+
+    def _sends_nothing(self) -> bool:
+        """Whether the handler can run outside a savepoint in :meth:`run_isolated`.
+
+        An ``eop.Writes`` handler that does not ask for :attr:`Writes.session`
+        sends nothing while it runs: its writes wait in the queue. If it fails,
+        there is nothing to roll back (its queue is dropped); if it succeeds,
+        only the sending of its writes needs a savepoint. In a flood of failing
+        messages that spares two statements (SAVEPOINT, ROLLBACK TO SAVEPOINT) a run.
+        """
+        return (
+            self.spec.takes_writes
+            and not self.writes
+            and not self.writes.session_used
+            and self.spec not in _SESSION_USERS
+        )
+
+    def _check_sent_nothing(self) -> None:
+        """After a run outside a savepoint: if the handler asked for the session after all,
+        it may have sent statements that no savepoint can take back alone."""
+        if self.writes.session_used:
+            _SESSION_USERS.add(self.spec)
+            self.writes.discard()
+            raise _SavepointNeeded()
+
+    def _unsent_failure(self, exc: Exception) -> Exception:
+        """The error of a handler run outside a savepoint, as :meth:`run_isolated` returns it."""
+        self._check_sent_nothing()
+        self.writes.discard()
+        if classify(exc) in INFRASTRUCTURE:
+            raise exc
+        return exc
 
     async def begin(self, timeouts: sa.Executable, timeouts_text: str) -> None:
         """BEGIN and set the transaction's local timeouts (:func:`eop.pg.sql.set_local_timeouts`,
@@ -118,6 +151,9 @@ class AsyncTransaction(SqlTransaction):
         return [tuple(row) for row in result]
 
     async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
+        await self.session.execute(stmt, params)
+
+    async def _execute_many(self, stmt: sa.Executable, params: list[dict[str, Any]]) -> None:
         await self.session.execute(stmt, params)
 
     async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
@@ -185,14 +221,33 @@ class AsyncTransaction(SqlTransaction):
             await self.session.flush()
 
     async def run_isolated(self, messages: list[Message]) -> Exception | None:
-        """Run the handler inside a savepoint; roll it back alone if it fails."""
+        """Run the handler inside a savepoint; roll it back alone if it fails.
+
+        An ``eop.Writes`` handler that sends nothing while it runs runs before
+        the savepoint, which then holds only the sending of its writes
+        (:meth:`_sends_nothing`).
+        """
+        ran = self._sends_nothing()
+        if ran:
+            try:
+                arg, extra = self.spec.arguments(messages)
+                func: Any = self.spec.func  # an async handler, given the write queue
+                await func(arg, self.writes, **extra)
+            except Exception as exc:
+                return self._unsent_failure(exc)
+            self._check_sent_nothing()
+            if not self.writes:
+                return None
         savepoint = await self.session.begin_nested()
         try:
             # SQLAlchemy sends the SAVEPOINT with the session's next statement; queued
             # writes sent on asyncpg's own connection (eop.pg.direct) are none, and a
             # failing one would abort the whole transaction: send it now.
             await self.session.connection()
-            await self._call(messages)
+            if ran:
+                await self.flush()
+            else:
+                await self._call(messages)
             await savepoint.commit()
         except Exception as exc:
             self.writes.discard()
@@ -307,6 +362,9 @@ class SyncTransaction(SqlTransaction):
     async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
         await self._step(self.session.execute, stmt, params)
 
+    async def _execute_many(self, stmt: sa.Executable, params: list[dict[str, Any]]) -> None:
+        await self._step(self.session.execute, stmt, params)
+
     async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
         """Claim a batch in one statement, as plain SQL on the session's connection when
         its driver is psycopg.
@@ -379,9 +437,23 @@ class SyncTransaction(SqlTransaction):
         return await self._step(self._isolated, messages)
 
     def _isolated(self, messages: list[Message]) -> Exception | None:
+        ran = self._sends_nothing()
+        if ran:
+            try:
+                arg, extra = self.spec.arguments(messages)
+                func: Any = self.spec.func  # a sync handler, given the write queue
+                func(arg, self.writes, **extra)
+            except Exception as exc:
+                return self._unsent_failure(exc)
+            self._check_sent_nothing()
+            if not self.writes:
+                return None
         savepoint = self.session.begin_nested()
         try:
-            self._call(messages)
+            if ran:
+                self._flush()
+            else:
+                self._call(messages)
             savepoint.commit()
         except Exception as exc:
             self.writes.discard()
@@ -421,6 +493,17 @@ class SyncTransaction(SqlTransaction):
         if self._threads is not None and not self._abandoned:
             self._permit = False
             self._threads.release()
+
+
+_SESSION_USERS: weakref.WeakSet[HandlerSpec] = weakref.WeakSet()
+"""``eop.Writes`` handlers seen asking for the session: they always run in a savepoint."""
+
+
+class _SavepointNeeded(errors.DatabaseUnavailable):
+    """An ``eop.Writes`` handler run outside a savepoint (it usually sends nothing) asked for
+    the session: whatever it sent cannot be taken back alone, so the transaction is rolled
+    back and run again, never counted (a failure of eop's, not the handler's), this time
+    with the handler in a savepoint, as it will be from now on."""
 
 
 async def translate_commit(commit: Callable[[], Awaitable[object]]) -> None:

@@ -102,7 +102,10 @@ class Processor:
     batch's COMMIT may or may not have gone through), :meth:`ack_processed` (the
     acks of a committed batch), :attr:`in_contention` and :meth:`note_contention`
     (run one message at a time after a deadlock), and the module's
-    :func:`transient` and :func:`contention`, which classify its failures.
+    :func:`transient` and :func:`contention`, which classify its failures. The
+    due retries of one poll (:class:`eop.protocol.retrying.RetryBatch`) use
+    :meth:`retry_delay`, :meth:`settle`, :meth:`parked_again`, :meth:`left` and
+    :meth:`nak` to settle what their shared transaction decided.
     """
 
     spec: HandlerSpec
@@ -167,13 +170,13 @@ class Processor:
             # Stored before the stream's current incarnation: that stream, and
             # this message with it, were deleted; it cannot even be acked.
             logger.warning(log.Event.MESSAGE_STREAM_GONE, action=log.Action.LEFT)
-            return self._left(delivery)
+            return self.left(delivery)
         msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
         remaining = self.ack_wait_s - (self.clock() - received_at)
         if remaining < self.settings.lease_margin_s:
             # The server may already have handed this message to someone else.
             logger.info(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, lease_s=remaining)
-            return self._left(delivery)
+            return self.left(delivery)
         problem = message.undecodable(delivery)
         if problem is not None:
             # Bytes that are not UTF-8 in its subject or a header: no handler can
@@ -183,7 +186,7 @@ class Processor:
                 delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
             )
         if msg.num_delivered > self.settings.max_deliveries:
-            dead = _crash_loop(msg.num_delivered, self.settings.max_deliveries)
+            dead = crash_loop(msg.num_delivered, self.settings.max_deliveries)
             return await self._claiming(
                 delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
             )
@@ -262,7 +265,7 @@ class Processor:
             except errors.ClaimTimeout:
                 # Another delivery of this message holds its key: it settles it.
                 logger.info(log.Event.MESSAGE_CLAIM_TIMEOUT, action=log.Action.NAK)
-                return await self._nak(delivery, msg, None, logger)
+                return await self.nak(delivery, msg, None, logger)
             except Exception as exc:
                 if not transient(exc):
                     raise
@@ -275,13 +278,13 @@ class Processor:
                 )
                 # Quiet while it is a blip, loud once it lasts.
                 level = logger.info if attempt < 5 else logger.warning
-                level(log.Event.TRANSACTION_RETRY, attempt=attempt, error=_describe(exc)[:500])
+                level(log.Event.TRANSACTION_RETRY, attempt=attempt, error=describe(exc)[:500])
                 # The lease is renewed while the message waits: an outage of any
                 # length costs it no redelivery.
                 async with ack.heartbeat(delivery, self.ack_wait_s / 3, logger, at_once=True):
                     stopped = await self._stopped_within(delay_s)
                 if stopped:
-                    return await self._nak(delivery, msg, 0.0, logger)
+                    return await self.nak(delivery, msg, 0.0, logger)
 
     async def _stopped_within(self, delay_s: float) -> bool:
         """Sleep ``delay_s``; True (at once) if the worker stops meanwhile."""
@@ -329,10 +332,10 @@ class Processor:
             if not await tx.lock_run(msg, delivery.runs):
                 # A later run took it (this one outlived its lease), or it settled.
                 await tx.rollback()
-                return self._left(delivery)
+                return self.left(delivery)
             if delivery.runs > delivery.failures + self.settings.max_deliveries:
                 await tx.rollback()
-                dead = _crash_loop(delivery.runs - delivery.failures, self.settings.max_deliveries)
+                dead = crash_loop(delivery.runs - delivery.failures, self.settings.max_deliveries)
                 return await self._dead_letter(delivery, msg, dead, logger)
             failed = await tx.run_isolated([msg])
             if failed is not None:
@@ -340,7 +343,7 @@ class Processor:
                 return await self._settle_failure(tx, delivery, msg, failed, logger)
             if not await tx.settle_retrying(msg, models.OUTCOME_PROCESSED):
                 await tx.rollback()
-                return self._left(delivery)
+                return self.left(delivery)
             await tx.forget_failures(msg)
             try:
                 return await self.critical.run(
@@ -352,7 +355,7 @@ class Processor:
                 result = rejected.error
         return await self.handler_failed(delivery, msg, result, logger)
 
-    def _left(self, delivery: Delivery) -> Outcome:
+    def left(self, delivery: Delivery) -> Outcome:
         """Nothing is settled here: another run or delivery settles the message, or its lease
         ends and the server delivers it again."""
         self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
@@ -409,9 +412,9 @@ class Processor:
                 raise _CommitRejected(exc) from exc
             raise
         await faults.point("after_commit")
-        return await self._settle(delivery, outcome, logger, dead)
+        return await self.settle(delivery, outcome, logger, dead)
 
-    async def _settle(
+    async def settle(
         self,
         delivery: Delivery,
         outcome: Outcome,
@@ -475,12 +478,12 @@ class Processor:
                 await asyncio.sleep(retry.backoff_s(attempt + 1, 0.2, 0.8))
                 continue
             if committed:
-                return await self._settle(delivery, outcome, logger, dead, ambiguous=True)
+                return await self.settle(delivery, outcome, logger, dead, ambiguous=True)
             # Not visible: it rolled back, or it is still settling; either way the
             # redelivery's claim decides, and it cannot apply the effect twice.
-            return await self._nak(delivery, msg, None, logger)
+            return await self.nak(delivery, msg, None, logger)
         logger.warning(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, ambiguous=True)
-        return self._left(delivery)
+        return self.left(delivery)
 
     async def _not_claimed(
         self,
@@ -541,32 +544,19 @@ class Processor:
         it costs more than the rest of a failure's handling.
         """
         if isinstance(exc, errors.Reject):
-            reason = (
-                models.REASON_UNDECODABLE
-                if isinstance(exc, errors.UndecodableMessage)
-                else models.REASON_REJECTED
-            )
-            dead = inbox.DeadLetter(
-                reason=reason, error=_describe(exc), traceback=log.format_traceback(exc)
-            )
-            return await self._dead_letter_in(tx, delivery, msg, dead, logger)
+            return await self._dead_letter_in(tx, delivery, msg, rejected(exc), logger)
         parked_run = isinstance(delivery, retries.ParkedDelivery)
         expected = delivery.failures + 1 if isinstance(delivery, retries.ParkedDelivery) else 1
-        error = _describe(exc)
-        delay_s = self._retry_delay(exc, expected)
+        error = describe(exc)
+        delay_s = self.retry_delay(exc, expected)
         failures = await tx.count_failure(
             msg, error, parked=self.parks, due_in_s=delay_s if self.parks else 0.0
         )
         if failures >= self.max_attempts:
-            dead = inbox.DeadLetter(
-                reason=models.REASON_ATTEMPTS_EXHAUSTED,
-                error=error,
-                traceback=log.format_traceback(exc),
-            )
-            return await self._dead_letter_in(tx, delivery, msg, dead, logger)
+            return await self._dead_letter_in(tx, delivery, msg, exhausted(exc, error), logger)
         if failures != expected:
             # Counted elsewhere too (an overlapping delivery): back off by the real count.
-            delay_s = self._retry_delay(exc, failures)
+            delay_s = self.retry_delay(exc, failures)
             if self.parks:
                 await tx.reschedule(msg, delay_s)
         if not self.parks:
@@ -577,14 +567,16 @@ class Processor:
             logger.info(
                 log.Event.MESSAGE_RETRY, action=log.Action.NAK, failures=failures, error=error
             )
-            return await self._nak(delivery, msg, delay_s, logger)
+            return await self.nak(delivery, msg, delay_s, logger)
         if not parked_run and not await _claim(tx, msg, models.OUTCOME_RETRYING):
             existing = await tx.find(msg)
             await tx.rollback()
             return await self._not_claimed(delivery, msg, existing, logger)
         return await self.critical.run(self._commit_and_park(tx, delivery, msg, logger))
 
-    def _retry_delay(self, exc: Exception, failures: int) -> float:
+    def retry_delay(self, exc: Exception, failures: int) -> float:
+        """Seconds until the next run of a message whose handler failed ``failures`` times,
+        the last with ``exc``: its ``eop.Retry``'s delay, else the backoff."""
         if isinstance(exc, errors.Retry) and exc.delay_s is not None:
             return exc.delay_s
         return retry.backoff_s(failures, self.settings.backoff_base_s, self.settings.backoff_max_s)
@@ -598,10 +590,17 @@ class Processor:
         except errors.AmbiguousCommit:
             # Parked or not: a redelivery finds the retrying row (and is acked), or
             # finds nothing and runs the message again. Both settle it once.
-            return await self._nak(delivery, msg, None, logger)
+            return await self.nak(delivery, msg, None, logger)
         if not isinstance(delivery, retries.ParkedDelivery):
             await self._ack(delivery, logger)
-        logger.info(log.Event.MESSAGE_RETRY, action=log.Action.PARK)
+        return self.parked_again(delivery, logger)
+
+    def parked_again(
+        self, delivery: Delivery, logger: log.Logger, *, in_batch: bool = False
+    ) -> Outcome:
+        """The parking of a failed message committed (and a fetched one was acked): log it,
+        at debug ``in_batch`` (the worker logs one info line per batch, counting it)."""
+        (logger.debug if in_batch else logger.info)(log.Event.MESSAGE_RETRY, action=log.Action.PARK)
         self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.RETRY))
         return Outcome.RETRY
 
@@ -632,7 +631,7 @@ class Processor:
             marked = await tx.settle_retrying(msg, models.OUTCOME_DEAD_LETTERED)
             if not marked:
                 await tx.rollback()
-                return self._left(delivery)
+                return self.left(delivery)
         elif not await _claim(tx, msg, models.OUTCOME_DEAD_LETTERED):
             existing = await tx.find(msg)
             await tx.rollback()
@@ -677,7 +676,7 @@ class Processor:
         if self.acker is None:
             await asyncio.gather(
                 *(
-                    self._settle(d, Outcome.PROCESSED, lg, None)
+                    self.settle(d, Outcome.PROCESSED, lg, None)
                     for d, lg in zip(deliveries, loggers, strict=True)
                 )
             )
@@ -697,9 +696,11 @@ class Processor:
                 observe.Settled(self.spec, delivery, Outcome.PROCESSED, ack_s=ack_s, acked=ok)
             )
 
-    async def _nak(
+    async def nak(
         self, delivery: Delivery, msg: message.Message, delay_s: float | None, logger: log.Logger
     ) -> Outcome:
+        """Hand the delivery back, to come again in ``delay_s`` (None: the backoff of its
+        delivery count); a parked run has nothing to hand back, its lease does."""
         if delay_s is None:
             delay_s = retry.backoff_s(
                 msg.num_delivered, self.settings.backoff_base_s, self.settings.backoff_max_s
@@ -717,7 +718,7 @@ async def _claim(tx: inbox.Transaction, msg: message.Message, outcome: str) -> b
             raise errors.ClaimTimeout() from exc
         if failures.refuses_values(exc):
             raise errors.UnclaimableMessage(
-                f"the inbox refuses this message's row: {_describe(exc)}"
+                f"the inbox refuses this message's row: {describe(exc)}"
             ) from exc
         raise
 
@@ -740,7 +741,27 @@ def contention(exc: BaseException) -> bool:
     return failures.classify(exc) in (failures.DbFailure.CONFLICT, failures.DbFailure.LOCK_TIMEOUT)
 
 
-def _crash_loop(runs: int, bound: int) -> inbox.DeadLetter:
+def rejected(exc: errors.Reject) -> inbox.DeadLetter:
+    """The dead letter of a message its handler rejected (``eop.Reject``, or undecodable)."""
+    undecodable = isinstance(exc, errors.UndecodableMessage)
+    return inbox.DeadLetter(
+        reason=models.REASON_UNDECODABLE if undecodable else models.REASON_REJECTED,
+        error=describe(exc),
+        traceback=log.format_traceback(exc),
+    )
+
+
+def exhausted(exc: Exception, error: str) -> inbox.DeadLetter:
+    """The dead letter of a message whose handler failed ``max_attempts`` times, the last
+    with ``exc`` (described as ``error``)."""
+    return inbox.DeadLetter(
+        reason=models.REASON_ATTEMPTS_EXHAUSTED, error=error, traceback=log.format_traceback(exc)
+    )
+
+
+def crash_loop(runs: int, bound: int) -> inbox.DeadLetter:
+    """The dead letter of a message run ``runs`` times without an outcome (``max_deliveries``
+    is ``bound``)."""
     return inbox.DeadLetter(
         reason=models.REASON_CRASH_LOOP,
         error=f"run {runs} times without an outcome (max_deliveries={bound}): its worker "
@@ -748,5 +769,6 @@ def _crash_loop(runs: int, bound: int) -> inbox.DeadLetter:
     )
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
+    """A failure as a dead letter or a parked retry records it (bounded)."""
     return log.describe_error(exc)[:2000]

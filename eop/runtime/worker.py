@@ -16,7 +16,7 @@ import gc
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import nats.errors
@@ -31,7 +31,7 @@ from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import migrate, retries
 from eop.pg.store import PostgresStore
-from eop.protocol import batch, compaction, ordering, processor, relay
+from eop.protocol import batch, compaction, ordering, processor, relay, retrying
 from eop.runtime import hosting, shutdown, slots, startup, telemetry
 from eop.types import Delivery, Outcome
 
@@ -355,8 +355,12 @@ class Worker(hosting.Hosted):
                     error=log.describe_error(exc)[:500],
                 )
             self._slots.give(free - len(parked))
-            for delivery in parked:
-                self._spawn(self._process(proc, [delivery], time.monotonic()))
+            # A poll's due retries run in one transaction (eop.protocol.retrying), as a
+            # fetched batch does; one transaction each without batch transactions.
+            polls = [parked] if self.settings.batch_transactions else [[p] for p in parked]
+            for poll in polls:
+                if poll:
+                    self._spawn(self._process(proc, poll, time.monotonic()))
             if parked and len(parked) == free:
                 wait_s = 0.0
 
@@ -466,21 +470,20 @@ class Worker(hosting.Hosted):
     async def _process(
         self, proc: processor.Processor, msgs: Sequence[Delivery], received_at: float
     ) -> None:
-        """Process one message, or a batch in one transaction; release their slots."""
+        """Process one message, a batch in one transaction, or a poll's due retries in one;
+        release their slots."""
         self._observer.received(proc.spec, msgs)
         try:
-            if isinstance(msgs[0], retries.ParkedDelivery):
-                outcomes = [await proc.retry_parked(msgs[0])]
+            parked = [m for m in msgs if isinstance(m, retries.ParkedDelivery)]
+            if len(parked) == 1:
+                outcomes = [await proc.retry_parked(parked[0])]
+            elif parked:
+                outcomes = await self._together(proc, retrying.RetryBatch(proc).run(parked))
             elif len(msgs) == 1:
                 outcomes = [await proc.handle(msgs[0], received_at)]
             else:
-                try:
-                    outcomes = await batch.BatchProcessor(proc).handle_batch(msgs, received_at)
-                except batch.Unsettled as unsettled:
-                    # The batch settled all but these: each is nak'ed alone.
-                    outcomes = unsettled.outcomes
-                    for delivery, exc in unsettled.failed:
-                        await self._failed(proc, [delivery], exc)
+                handled = batch.BatchProcessor(proc).handle_batch(msgs, received_at)
+                outcomes = await self._together(proc, handled)
             settled = (Outcome.PROCESSED, Outcome.DEAD_LETTERED)
             self._count(proc.spec, sum(1 for o in outcomes if o in settled))
             self._log_batch(proc, msgs, outcomes)
@@ -489,6 +492,18 @@ class Worker(hosting.Hosted):
         finally:
             self._observer.done(proc.spec, msgs)
             self._slots.give(len(msgs))
+
+    async def _together(
+        self, proc: processor.Processor, settling: Awaitable[list[Outcome]]
+    ) -> list[Outcome]:
+        """The outcomes of a batch (or a poll's retries) settled together; the messages it
+        could not settle (:class:`batch.Unsettled`) are nak'ed, each alone."""
+        try:
+            return await settling
+        except batch.Unsettled as unsettled:
+            for delivery, exc in unsettled.failed:
+                await self._failed(proc, [delivery], exc)
+            return unsettled.outcomes
 
     async def _failed(
         self, proc: processor.Processor, msgs: Sequence[Delivery], exc: Exception

@@ -366,6 +366,40 @@ class MemoryTransaction:
         self._settled[key] = outcome
         return True
 
+    async def lock_runs(self, messages: list[Message], runs: list[int]) -> set[int]:
+        """The sequences of ``messages`` still parked (the fake keeps no run leases)."""
+        self._check_open()
+        return {m.seq for m in messages if inbox_key(m) in self.store.parked}
+
+    async def count_parked_failures(
+        self, messages: list[Message], errors: list[str], due_in_s: list[float]
+    ) -> dict[int, int]:
+        """:meth:`count_failure` of each parked message; the new counts by sequence."""
+        counts = {}
+        for message, error, due in zip(messages, errors, due_in_s, strict=True):
+            counts[message.seq] = await self.count_failure(
+                message, error, parked=True, due_in_s=due
+            )
+        return counts
+
+    async def settle_retrying_many(self, messages: list[Message], outcomes: list[str]) -> set[int]:
+        """:meth:`settle_retrying` of each; the sequences of those that were retrying."""
+        return {
+            m.seq
+            for m, outcome in zip(messages, outcomes, strict=True)
+            if await self.settle_retrying(m, outcome)
+        }
+
+    async def forget_failures_many(self, messages: list[Message]) -> None:
+        """:meth:`forget_failures` of each."""
+        for message in messages:
+            await self.forget_failures(message)
+
+    async def add_dead_letters(self, messages: list[Message], dead: list[DeadLetter]) -> None:
+        """:meth:`add_dead_letter` of each."""
+        for message, letter in zip(messages, dead, strict=True):
+            await self.add_dead_letter(message, letter)
+
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call ``spec.func(message, session)``, awaiting it when it returns an awaitable.
 

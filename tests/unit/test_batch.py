@@ -347,6 +347,19 @@ async def test_a_lock_timeout_on_the_batch_claim_runs_the_batch_one_message_at_a
     assert b.processor.single.in_contention
 
 
+async def test_a_handler_failure_in_the_rerun_after_a_deadlock_is_counted_as_the_handlers() -> None:
+    """A batch that hit a lock timeout reruns one message at a time: a handler failing there
+    is counted (and parked) as its own failure. (Rerun inside the except clause that caught
+    the lock timeout, the failure carried it as its __context__, passed for the database's,
+    and was retried in process for ever, never counted.)"""
+    b = make()
+    b.fail(b"1", testing.LockNotAvailable(), RuntimeError("poison"))
+    outcomes = await asyncio.wait_for(b.handle(*three()), 10)
+    assert outcomes == {Outcome.RETRY: 1, Outcome.PROCESSED: 2}
+    assert b.store.attempts == {key(1): 1}
+    assert sorted(b.store.effects) == effects(2, 3)
+
+
 async def test_in_contention_a_batch_runs_one_transaction_per_message() -> None:
     b = make()
     b.processor.single.note_contention()

@@ -976,6 +976,164 @@ def _settle_retrying(t: models.Tables) -> sa.Executable:
     )
 
 
+# --- The due retries of one poll, in one transaction (eop.protocol.retrying) -------
+#
+# Each statement takes the parked messages of one subscription, stream and epoch,
+# one array element per message: one statement for the poll, not one per run.
+
+
+def _seqs() -> sa.BindParameter[Any]:
+    return sa.bindparam("p_seqs", type_=postgresql.ARRAY(sa.BigInteger))
+
+
+def lock_runs(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seqs: list[int], runs: list[int]
+) -> Bound:
+    """Lock the parked messages ``seqs`` for the runs that took them (``runs``, element by
+    element); RETURNING the sequences locked.
+
+    :func:`lock_run` for a poll's runs at once: a message another run took
+    since (its ``runs`` moved on) or that settled is not locked. A row another
+    transaction holds is waited for, as :func:`lock_run` waits (``lock_timeout``
+    bounds it), not skipped: the holder is mostly the next poll's
+    :func:`take_due`, whose SKIP LOCKED scan locks a row it then finds not due
+    for an instant, and a row skipped here would wait out its whole lease.
+    """
+    params = {**_epoch_params(subscription, stream, epoch), "p_seqs": seqs, "p_runs": runs}
+    return _lock_runs(t), params
+
+
+@functools.cache
+def _lock_runs(t: models.Tables) -> sa.Executable:
+    c = t.retries.c
+    taken = (
+        sa.func.unnest(_seqs(), sa.bindparam("p_runs", type_=postgresql.ARRAY(sa.Integer)))
+        .table_valued("seq", "runs")
+        .render_derived()
+    )
+    return (
+        sa.select(c.stream_seq)
+        .where(
+            *_in_bound_epoch(c),
+            c.parked,
+            c.stream_seq == sa.any_(_seqs()),
+            sa.tuple_(c.stream_seq, c.runs).in_(sa.select(taken.c.seq, taken.c.runs)),
+        )
+        .with_for_update(of=t.retries)
+    )
+
+
+def count_parked_failures(
+    t: models.Tables,
+    subscription: str,
+    stream: str,
+    epoch: str,
+    seqs: list[int],
+    last_errors: list[str],
+    due_in_s: list[float],
+) -> Bound:
+    """Add one handler failure to each of the parked messages ``seqs`` (locked by this
+    transaction), with its error and its next run ``due_in_s`` from now; RETURNING each
+    one's sequence and new count.
+
+    :func:`count_failure` for rows that exist: a parked message's row is its
+    copy, and the run holds its lock, so an UPDATE does.
+    """
+    params = {
+        **_epoch_params(subscription, stream, epoch),
+        "p_seqs": seqs,
+        "p_errors": last_errors,
+        "p_due_in_s": due_in_s,
+    }
+    return _count_parked_failures(t), params
+
+
+@functools.cache
+def _count_parked_failures(t: models.Tables) -> sa.Executable:
+    c = t.retries.c
+    failed = (
+        sa.func.unnest(
+            _seqs(),
+            sa.bindparam("p_errors", type_=postgresql.ARRAY(sa.Text)),
+            sa.bindparam("p_due_in_s", type_=postgresql.ARRAY(sa.Float)),
+        )
+        .table_valued("seq", "error", "due_in_s")
+        .render_derived()
+    )
+    due_at = sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, failed.c.due_in_s)
+    return (
+        sa.update(t.retries)
+        .where(*_in_bound_epoch(c), c.stream_seq == failed.c.seq)
+        .values(
+            failures=c.failures + 1,
+            last_error=failed.c.error,
+            due_at=due_at,
+            updated_at=sa.func.now(),
+        )
+        .returning(c.stream_seq, c.failures)
+    )
+
+
+def settle_retrying_many(
+    t: models.Tables,
+    subscription: str,
+    stream: str,
+    epoch: str,
+    seqs: list[int],
+    outcomes: list[str],
+) -> Bound:
+    """Turn the retrying inbox rows ``seqs`` into their ``outcomes``; RETURNING the
+    sequences of those that were retrying (:func:`settle_retrying` for many)."""
+    params = {**_epoch_params(subscription, stream, epoch), "p_seqs": seqs, "p_outcomes": outcomes}
+    return _settle_retrying_many(t), params
+
+
+@functools.cache
+def _settle_retrying_many(t: models.Tables) -> sa.Executable:
+    c = t.inbox.c
+    settled = (
+        sa.func.unnest(_seqs(), sa.bindparam("p_outcomes", type_=postgresql.ARRAY(sa.Text)))
+        .table_valued("seq", "outcome")
+        .render_derived()
+    )
+    return (
+        sa.update(t.inbox)
+        .where(
+            *_in_bound_epoch(c),
+            c.stream_seq == settled.c.seq,
+            c.outcome == models.OUTCOME_RETRYING,
+        )
+        .values(outcome=settled.c.outcome, processed_at=sa.func.now())
+        .returning(c.stream_seq)
+    )
+
+
+def forget_failures_many(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seqs: list[int]
+) -> Bound:
+    """Delete the failure counts (and parked copies) of the messages ``seqs``."""
+    return _forget_failures_many(t), {**_epoch_params(subscription, stream, epoch), "p_seqs": seqs}
+
+
+@functools.cache
+def _forget_failures_many(t: models.Tables) -> sa.Executable:
+    c = t.retries.c
+    return sa.delete(t.retries).where(*_in_bound_epoch(c), c.stream_seq == sa.any_(_seqs()))
+
+
+def insert_dead_letters(t: models.Tables) -> sa.Executable:
+    """:func:`insert_dead_letter` without RETURNING, to run with many rows (an executemany);
+    each row's parameters are those :func:`insert_dead_letter` gives."""
+    return _insert_dead_letters(t)
+
+
+@functools.cache
+def _insert_dead_letters(t: models.Tables) -> sa.Executable:
+    c = t.dead_letters.c
+    values = {name: sa.bindparam(f"p_{name}", type_=c[name].type) for name in _DEAD_LETTER_COLUMNS}
+    return postgresql.insert(t.dead_letters).values(values).on_conflict_do_nothing()
+
+
 def count_parked(t: models.Tables, subscription: str) -> sa.Select[Any]:
     """Messages of a subscription whose retry is held in the database."""
     c = t.retries.c
