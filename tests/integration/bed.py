@@ -82,7 +82,7 @@ async def wait_for(
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def equals(awaitable: Awaitable[Any], expected: int) -> bool:
+async def equals(awaitable: Awaitable[Any], expected: object) -> bool:
     """Whether ``awaitable`` comes to ``expected`` (a :func:`wait_for` predicate's body)."""
     return bool(await awaitable == expected)
 

@@ -113,9 +113,12 @@ async def test_an_eop_failure_in_the_batch_transaction_costs_its_messages_no_del
         faults.disarm()
     assert await effects_by_body(engine) == dict.fromkeys(first + later, 1)
     assert all(set(delivered) == {1} for delivered in runs.values())
-    # Every line about a message is of its first delivery: none was nak'ed and came back
-    # (after a failure past the COMMIT, the redelivery would only be acked as a duplicate).
-    assert {e["delivered"] for e in logs if "delivered" in e} == {1}
+    # One delivery a message: none was nak'ed and came back (after a failure past the
+    # COMMIT, the redelivery would only be acked as a duplicate, its handler not run; the
+    # server counts it all the same). Not the debug log lines: whether they are captured
+    # depends on the logging an earlier test configured.
+    info = await js.consumer_info(STREAM, "eop-steady")
+    assert info.delivered.consumer_seq == len(first) + len(later)
     assert [e for e in logs if e["event"] == log.Event.MESSAGE_FAILED] == []
     assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
     [failed] = [e for e in logs if e["event"] == log.Event.BATCH_FAILED]

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from eop import embedded
 from eop.pg import migrate
 
-from .bed import create_effects_table, drained, effects_by_body, publish, wait_for
+from .bed import create_effects_table, drained, effects_by_body, equals, publish, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.integration.cliapp:app"
@@ -249,9 +249,17 @@ async def test_worker_reconnects_after_postgres_restart(
         await engine.dispose()
         await asyncio.to_thread(pg.restart)
         await publish(js, "after")
+        # The effect first: just after a publish the consumer's pending count may not
+        # show the new message yet, and "drained" alone would pass before it is handled.
+        both = {"before": 1, "after": 1}
+        await wait_for(
+            lambda: equals(effects_by_body(engine), both),
+            timeout_s=30,
+            what="the second message's effect",
+        )
         await wait_for(lambda: drained(js, "eop-cli"), timeout_s=30, what="the second message")
         assert pool.procs[0].poll() is None
-        assert await effects_by_body(engine) == {"before": 1, "after": 1}
+        assert await effects_by_body(engine) == both
     finally:
         pool.stop_all()
         await engine.dispose()
