@@ -71,7 +71,7 @@ class Compactor:
         """Per epoch, the watermark of this compactor's last completed delete: the next
         round's delete starts above it (see :meth:`_delete_below`)."""
         self._full_sweep_at: float | None = None
-        """When (monotonic) the last delete from each epoch's first sequence started."""
+        """When (monotonic) the last delete from an epoch's first sequence started."""
 
     def processed(self, count: int) -> None:
         """Count messages processed; enough of them since the last round start one now."""
