@@ -70,6 +70,8 @@ class Compactor:
         self._swept: dict[str, int] = {}
         """Per epoch, the watermark of this compactor's last completed delete: the next
         round's delete starts above it (see :meth:`_delete_below`)."""
+        self._raised_to: dict[str, int] = {}
+        """Per epoch, the watermark this compactor's last round raised it to."""
         self._full_sweep_at: float | None = None
         """When (monotonic) the last delete from an epoch's first sequence started."""
 
@@ -122,27 +124,37 @@ class Compactor:
 
         await self.quietly(step)
         if done and done[0] is not None:
-            self._adapt(own, done[0].deleted)
+            compacted = done[0]
+            previous = self._raised_to.get(compacted.epoch)
+            rose = compacted.deleted
+            if compacted.watermark > 0:
+                self._raised_to[compacted.epoch] = compacted.watermark
+                if previous is not None:
+                    rose = compacted.watermark - previous
+            self._adapt(own, rose)
 
-    def _adapt(self, own: int, deleted: int) -> None:
+    def _adapt(self, own: int, rose: int) -> None:
         """Set the next round's message count from this round's: ``own`` messages of this
-        process started it, and it deleted ``deleted`` rows.
+        process started it, and the watermark rose by ``rose`` since this process's
+        previous round (at its first round: the rows it deleted).
 
-        Each process counts only its own messages, but a round deletes every
-        process's rows below the floor. N processes sharing a consumer reach
-        their counts together, so with a fixed count the inbox held N batches
-        (2,559 rows at 1,000 a batch with two processes, in the long run of
-        ``eop bench --big``). A round that deleted more rows than its process
-        handled brings the next one forward in proportion, so that a round
-        deletes about one batch whatever the process count; rows another
-        process already deleted, or rows kept for their msg-id, make it fewer,
-        and the count goes back up. At least an eighth of the batch: a
-        restart's leftover rows do not make rounds run for every few messages.
+        Each process counts only its own messages, but the watermark follows
+        every process's. N processes sharing a consumer reach their counts
+        together, so with a fixed count the inbox held N batches (2,559 rows at
+        1,000 a batch with two processes, in the long run of ``eop bench
+        --big``). The next round comes after this process's share of the batch
+        (``own / rose`` of it), so that the floor runs about one batch ahead of
+        the watermark whatever the process count. (Counting the rows the round
+        deleted instead let a process whose round came just after the other's,
+        and found its rows gone, go back to a whole batch of its own: when the
+        two fell together the rounds deleted two batches.) At least an eighth
+        of the batch: a restart's leftover rows do not make rounds run for
+        every few messages.
         """
-        if own <= 0 or deleted <= own:
+        if own <= 0 or rose <= own:
             self._threshold = self.after_messages
         else:
-            share = self.after_messages * own // deleted
+            share = self.after_messages * own // rose
             self._threshold = max(1, self.after_messages // 8, share)
 
     async def quietly(self, step: Callable[[], Awaitable[object]]) -> None:

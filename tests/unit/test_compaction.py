@@ -77,22 +77,45 @@ async def test_enough_processed_messages_start_a_round_long_before_the_interval(
     await asyncio.wait_for(task, 5)
 
 
-def test_a_round_that_deleted_other_processes_rows_brings_the_next_one_forward() -> None:
-    """A round deleting twice the rows its process handled (two processes reaching their
-    counts together) halves the next count, so the inbox holds about one batch below the
-    floor; never below an eighth of the batch; back to the whole batch when a round
-    deleted no more than its own (one process, or rounds interleaved)."""
+def test_a_watermark_that_rose_by_other_processes_messages_brings_the_next_round_forward() -> None:
+    """A watermark that rose by twice the messages this process handled since its last
+    round (two processes) halves the next count, so the floor runs about one batch ahead
+    of the watermark; never below an eighth of the batch; the whole batch when it rose by
+    no more than this process's own (one process)."""
     c = compactor(compaction_after_messages=1000)
-    c._adapt(own=500, deleted=1000)
+    c._adapt(own=500, rose=1000)
     assert c._threshold == 500
-    c._adapt(own=250, deleted=1000)
+    c._adapt(own=250, rose=1000)
     assert c._threshold == 250
-    c._adapt(own=10, deleted=100_000)  # a restart's leftovers
+    c._adapt(own=10, rose=100_000)  # a restart's leftovers
     assert c._threshold == 125
-    c._adapt(own=1000, deleted=900)
+    c._adapt(own=1000, rose=900)
     assert c._threshold == 1000
-    c._adapt(own=0, deleted=500)
+    c._adapt(own=0, rose=500)
     assert c._threshold == 1000
+
+
+async def test_a_round_that_found_its_rows_deleted_by_the_other_process_keeps_its_share() -> None:
+    """Two processes' rounds falling together: the second finds the rows gone (deleted 0)
+    but the watermark rose by both processes' messages, so its next round still comes
+    after its share of the batch, not a whole batch of its own (which let the inbox hold
+    two batches in the long run)."""
+    c = compactor(compaction_after_messages=1000)
+    rounds = iter(
+        [
+            compaction.Compacted(epoch="e", watermark=1000, deleted=1000),
+            compaction.Compacted(epoch="e", watermark=2000, deleted=0),
+        ]
+    )
+
+    async def compact_once() -> compaction.Compacted | None:
+        return next(rounds)
+
+    c.compact_once = compact_once  # type: ignore[method-assign]
+    await c._round(500)
+    assert c._threshold == 500
+    await c._round(500)  # its rows were deleted by the other process's round
+    assert c._threshold == 500
 
 
 async def test_a_zero_message_count_compacts_by_interval_only() -> None:
