@@ -129,9 +129,9 @@ class BatchProcessor:
         (``BaseException``): it passes.
         """
         if serial:
-            results = [await _caught(step()) for _, step in work]
+            results = [await caught(step()) for _, step in work]
         else:
-            results = await asyncio.gather(*(_caught(step()) for _, step in work))
+            results = await asyncio.gather(*(caught(step()) for _, step in work))
         outcomes: list[Outcome] = []
         for (delivery, _), result in zip(work, results, strict=True):
             if isinstance(result, Outcome):
@@ -141,18 +141,7 @@ class BatchProcessor:
         return outcomes
 
     def _log_failure(self, items: list[_Item], exc: Exception) -> None:
-        """One error line for a batch transaction that failed for eop's own reason."""
-        first, last = items[0].msg, items[-1].msg
-        log.get_logger().error(
-            log.Event.BATCH_FAILED,
-            handler=self.spec.name,
-            stream=first.stream,
-            first_seq=first.seq,
-            last_seq=last.seq,
-            messages=len(items),
-            error=log.describe_error(exc)[:2000],
-            traceback=log.format_traceback(exc),
-        )
+        log_failure(self.spec.name, [i.msg for i in items], exc)
 
     async def _prepare(
         self, deliveries: Sequence[Delivery], received_at: float
@@ -330,7 +319,26 @@ class Unsettled(errors.EopError):
         self.failed = failed
 
 
-async def _caught(step: Awaitable[Outcome]) -> Outcome | Exception:
+def log_failure(
+    handler: str, msgs: Sequence[message.Message], exc: Exception, **extra: object
+) -> None:
+    """One error line for a batch's (or a poll's) transaction that failed for eop's own
+    reason: its coordinates and the error, never a payload."""
+    first, last = msgs[0], msgs[-1]
+    log.get_logger().error(
+        log.Event.BATCH_FAILED,
+        handler=handler,
+        stream=first.stream,
+        first_seq=first.seq,
+        last_seq=last.seq,
+        messages=len(msgs),
+        **extra,
+        error=log.describe_error(exc)[:2000],
+        traceback=log.format_traceback(exc),
+    )
+
+
+async def caught(step: Awaitable[Outcome]) -> Outcome | Exception:
     """``step``'s outcome, or the exception it raised (a ``BaseException`` passes)."""
     try:
         return await step

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 
 from eop import errors, faults, log, message
 from eop.pg import inbox, models, retries
@@ -138,9 +138,9 @@ class RetryBatch:
         does not sink the others."""
         steps = [self.single.retry_parked(d) for d in deliveries]
         if serial:
-            results = [await _caught(step) for step in steps]
+            results = [await batch.caught(step) for step in steps]
         else:
-            results = list(await asyncio.gather(*(_caught(step) for step in steps)))
+            results = list(await asyncio.gather(*(batch.caught(step) for step in steps)))
         outcomes: list[Outcome] = []
         for delivery, result in zip(deliveries, results, strict=True):
             if isinstance(result, Outcome):
@@ -150,19 +150,7 @@ class RetryBatch:
         return outcomes
 
     def _log_failure(self, runs: list[_Run], exc: Exception) -> None:
-        """One error line for a poll's transaction that failed for eop's own reason."""
-        first, last = runs[0].msg, runs[-1].msg
-        log.get_logger().error(
-            log.Event.BATCH_FAILED,
-            handler=self.spec.name,
-            stream=first.stream,
-            first_seq=first.seq,
-            last_seq=last.seq,
-            messages=len(runs),
-            parked=True,
-            error=log.describe_error(exc)[:2000],
-            traceback=log.format_traceback(exc),
-        )
+        batch.log_failure(self.spec.name, [r.msg for r in runs], exc, parked=True)
 
     async def _transaction(self, runs: list[_Run]) -> list[Outcome]:
         """Lock, run each handler in a savepoint, count and settle, COMMIT; then settle."""
@@ -287,11 +275,3 @@ class RetryBatch:
 
 class _OneByOne(Exception):
     """The poll's transaction cannot settle as one: roll it back, run each run alone."""
-
-
-async def _caught(step: Awaitable[Outcome]) -> Outcome | Exception:
-    """``step``'s outcome, or the exception it raised (a ``BaseException`` passes)."""
-    try:
-        return await step
-    except Exception as exc:
-        return exc
