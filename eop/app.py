@@ -82,6 +82,7 @@ class App:
         msg_id_guard: bool = True,
         batch: bool = False,
         order_by: str | None = None,
+        partitions: int = 1,
     ) -> Callable[[F], F]:
         """Register a handler for the messages of ``stream`` matching ``subject``.
 
@@ -93,8 +94,10 @@ class App:
         the list of messages of one fetched batch instead (all claimed in the
         same transaction); if it raises, eop retries the messages one by one to
         find the failing one. ``order_by="subject:N"`` or ``"header:NAME"``
-        handles messages with the same key in stream order (see
-        :mod:`eop.protocol.ordering`).
+        handles messages with the same key in stream order, on any number of
+        worker processes and machines; ``partitions=N`` (with ``subject:N``
+        keys) spreads the keys over N partitions, each owned by one process at
+        a time, so that the handler scales out (docs/ordering.md).
         """
 
         def register(func: F) -> F:
@@ -111,6 +114,7 @@ class App:
                 msg_id_guard=msg_id_guard,
                 batch=batch,
                 order_by=order_by,
+                partitions=partitions,
             )
             return func
 

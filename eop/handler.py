@@ -107,6 +107,9 @@ class HandlerSpec:
     ack_wait_s: float | None = None
     order_by: str | None = None
     """``subject:N`` or ``header:NAME``: same-key messages are handled in stream order."""
+    partitions: int = 1
+    """How many partitions an ordered handler's keys are spread over: each is owned by one
+    process at a time, so up to this many processes run the handler at once."""
     batch: bool = False
     """The handler takes a list of messages (a whole fetched batch) instead of one."""
     msg_id_guard: bool = True
@@ -146,6 +149,7 @@ class HandlerSpec:
             raise errors.ConfigurationError(f"invalid subject {self.subject!r}")
         if self.order_by is not None:
             parse_order_by(self.order_by)
+        self._check_partitions()
         if self.max_attempts is not None and self.max_attempts < 1:
             raise errors.ConfigurationError("max_attempts must be at least 1")
         # Through wrappers (eop.observe.observer.instrument) to the user's function and its hints.
@@ -153,6 +157,32 @@ class HandlerSpec:
         binding = payload.bind(func, batch=self.batch, handler=self.name)
         object.__setattr__(self, "payload", binding)  # a frozen dataclass's derived fields
         object.__setattr__(self, "takes_writes", _takes_writes(func, self.name))
+
+    def _check_partitions(self) -> None:
+        """Several partitions need a subject key that is a ``*`` of the handler's subject:
+        the stream hashes that token (docs/ordering.md, 'Partitions')."""
+        count = self.partitions
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1024:
+            raise errors.ConfigurationError(
+                f"handler {self.name!r}: partitions must be a whole number from 1 to 1024, "
+                f"not {count!r}"
+            )
+        if count == 1:
+            return
+        if self.order_by is None:
+            raise errors.ConfigurationError(
+                f"handler {self.name!r}: partitions={count} needs order_by (partitions spread "
+                "an ordered handler's keys; an unordered handler scales out without them)"
+            )
+        kind, arg = parse_order_by(self.order_by)
+        tokens = self.subject.split(".")
+        if kind != "subject" or int(arg) >= len(tokens) or tokens[int(arg)] != "*":
+            raise errors.ConfigurationError(
+                f"handler {self.name!r}: partitions={count} needs order_by='subject:N' where "
+                f"token N of its subject {self.subject!r} is a '*' (the stream hashes that "
+                f"token into the partition); {self.order_by!r} is not. Use such a subject, "
+                "or partitions=1"
+            )
 
 
 def _takes_writes(func: Callable[..., Any], handler: str) -> bool:

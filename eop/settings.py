@@ -52,7 +52,8 @@ class Settings:
     processes: int = _field(
         0,
         "Worker processes of one ``eop worker`` (0: one per CPU the worker may use, at most "
-        "4). Handlers with ``order_by`` run in the first process only.",
+        "4). Each runs every handler; an ordered handler's partitions are shared out among all "
+        "the processes that run it, on every machine (docs/ordering.md).",
     )
     concurrency: int = _field(
         128, "Messages in flight at the same time in one worker process.", minimum=1
@@ -173,6 +174,12 @@ class Settings:
         10.0,
         "The relay lease: a standby takes over at most this long after the publishing relay died.",
     )
+    partition_lease_s: float = _field(
+        10.0,
+        "An ordered handler's partition lease: when the process owning a partition dies, "
+        "another takes the partition over within about this long and a third of it "
+        "(docs/ordering.md).",
+    )
     publish_timeout_s: float = _field(
         5.0, "How long the relay waits for the PubAcks of one round before sending it again."
     )
@@ -238,6 +245,11 @@ class Settings:
             raise errors.ConfigurationError(
                 f"lease_margin_s ({self.lease_margin_s}) must be below ack_wait_s "
                 f"({self.ack_wait_s}), or no delivery would ever be started"
+            )
+        if self.partition_lease_s < 1.0:
+            raise errors.ConfigurationError(
+                "partition_lease_s must be at least 1 s: a process renews its leases a few "
+                "times per lease"
             )
         if self.relay_lease_s < 1.0:
             raise errors.ConfigurationError(

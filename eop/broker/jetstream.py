@@ -266,8 +266,18 @@ def parse_time(text: str) -> datetime.datetime:
     )
 
 
-async def ensure_stream(js: JetStreamContext, spec: StreamSpec, *, create: bool) -> None:
+async def ensure_stream(
+    js: JetStreamContext,
+    spec: StreamSpec,
+    *,
+    create: bool,
+    transform: tuple[str, str] | None = None,
+) -> None:
     """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata).
+
+    ``transform`` is the subject transform (src, dest) a stream eop creates gets
+    for a handler whose keys are spread over partitions (:mod:`eop.broker.partitions`,
+    which checks a stream that exists).
 
     A stream that exists is used as it is; if it has another number of
     replicas than ``spec`` asks for, a warning says so (changing it is the
@@ -288,7 +298,7 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, *, create: bool)
             _check_replicas(spec, info)
             return
         try:
-            await js.add_stream(stream_config(spec))
+            await js.add_stream(stream_config(spec, transform))
         except nats.js.errors.APIError as exc:
             # Another worker may have created it first, with its own epoch id;
             # if it still does not exist, the server refused it (overlapping
@@ -302,7 +312,7 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, *, create: bool)
                 ) from None
 
 
-def stream_config(spec: StreamSpec) -> api.StreamConfig:
+def stream_config(spec: StreamSpec, transform: tuple[str, str] | None = None) -> api.StreamConfig:
     """The configuration eop creates ``spec``'s stream with (a fresh epoch id included)."""
     placement = None
     if spec.placement_cluster or spec.placement_tags:
@@ -318,6 +328,9 @@ def stream_config(spec: StreamSpec) -> api.StreamConfig:
         num_replicas=spec.replicas,
         placement=placement,
         metadata={EPOCH_METADATA_KEY: uuid.uuid4().hex},
+        subject_transform=(
+            api.SubjectTransform(src=transform[0], dest=transform[1]) if transform else None
+        ),
     )
 
 

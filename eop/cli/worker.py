@@ -32,6 +32,7 @@ WORKER_FIELDS = (
     "statement_timeout_s",
     "tx_retries",
     "lease_margin_s",
+    "partition_lease_s",
     "compaction_interval_s",
     "compaction_after_messages",
     "msg_id_retention_s",

@@ -229,6 +229,21 @@ class WorkerMetrics(observe.Observer):
             registry=r,
             multiprocess_mode="livemostrecent",
         )
+        self.partitions_owned = Gauge(
+            "eop_partitions_owned",
+            "Partitions of an ordered handler this process owns (summed: every partition "
+            "should be owned once).",
+            ("handler",),
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.rebalances = Counter(
+            "eop_partition_changes_total",
+            "Partitions of an ordered handler this process acquired, released (handed "
+            "over) or lost (its lease ran out: another process took it).",
+            ("handler", "action"),
+            registry=r,
+        )
         self._series = {spec.name: _HandlerSeries(self, spec) for spec in specs}
 
     def _of(self, spec: HandlerSpec) -> _HandlerSeries:
@@ -291,3 +306,8 @@ class WorkerMetrics(observe.Observer):
         self.outbox_pending.set(pending)
         self.outbox_lag_s.set(oldest_s)
         self.outbox_parked_rows.set(parked)
+
+    def partitions_changed(self, spec: HandlerSpec, action: str, owned: int) -> None:
+        """Count the change of ownership; set the partitions owned."""
+        self.rebalances.labels(spec.name, action).inc()
+        self.partitions_owned.labels(spec.name).set(owned)

@@ -80,6 +80,10 @@ class Observer:
     def outbox_backlog(self, pending: int, oldest_s: float, parked: int) -> None:
         """The outbox holds ``pending`` unpublished rows, the oldest ``oldest_s`` old."""
 
+    def partitions_changed(self, spec: HandlerSpec, action: str, owned: int) -> None:
+        """This process ``acquired``, ``released`` or ``lost`` a partition of ``spec``'s;
+        it owns ``owned`` now."""
+
 
 NOOP = Observer()
 """The observer of a worker without metrics and tracing."""
@@ -141,6 +145,11 @@ class Fanout(Observer):
         """Pass :meth:`Observer.outbox_backlog` on."""
         for o in self.observers:
             o.outbox_backlog(pending, oldest_s, parked)
+
+    def partitions_changed(self, spec: HandlerSpec, action: str, owned: int) -> None:
+        """Pass :meth:`Observer.partitions_changed` on."""
+        for o in self.observers:
+            o.partitions_changed(spec, action, owned)
 
 
 def combine(observers: Sequence[Observer]) -> Observer:

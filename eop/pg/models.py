@@ -68,6 +68,8 @@ class Tables:
     outbox: sa.Table
     relay_leases: sa.Table
     spark_reports: sa.Table
+    partitions: sa.Table
+    members: sa.Table
 
 
 @functools.cache
@@ -210,6 +212,7 @@ def tables(schema: str = "eop") -> Tables:
         ),
     )
     outbox, relay_leases = _outbox_tables(metadata)
+    partitions, members = _ownership_tables(metadata)
     return Tables(
         schema=schema,
         metadata=metadata,
@@ -220,6 +223,8 @@ def tables(schema: str = "eop") -> Tables:
         outbox=outbox,
         relay_leases=relay_leases,
         spark_reports=_spark_reports(metadata),
+        partitions=partitions,
+        members=members,
     )
 
 
@@ -273,6 +278,45 @@ def _outbox_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
     )
     return outbox, relay_leases
+
+
+def _ownership_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
+    """Who owns which partition of an ordered handler, and which processes run it
+    (docs/ordering.md). Leases run on the database's clock."""
+    partitions = sa.Table(
+        "partitions",
+        metadata,
+        sa.Column("subscription", sa.Text, primary_key=True),
+        sa.Column("partition", sa.Integer, primary_key=True),
+        # How many partitions the handler has: fixed for the stream's life, so that
+        # a key always maps to the same partition (a change is refused).
+        sa.Column("partition_count", sa.Integer, nullable=False),
+        sa.Column("owner", sa.Text, nullable=True),
+        sa.Column("owner_host", sa.Text, nullable=True),
+        sa.Column("owner_pid", sa.Integer, nullable=True),
+        # Raised at every acquisition: the consumer of an ownership is named after
+        # it, so an owner that lost the partition cannot fetch from its successor's.
+        sa.Column("epoch", sa.BigInteger, nullable=False, server_default=sa.text("0")),
+        sa.Column("consumer", sa.Text, nullable=True),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("acquired_at", sa.DateTime(timezone=True), nullable=True),
+    )
+    members = sa.Table(
+        "members",
+        metadata,
+        sa.Column("subscription", sa.Text, primary_key=True),
+        sa.Column("member", sa.Text, primary_key=True),
+        sa.Column("host", sa.Text, nullable=False),
+        sa.Column("pid", sa.Integer, nullable=False),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column(
+            "joined_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+    )
+    return partitions, members
 
 
 #: ``spark_reports.batch_id`` of a batch job (a stream's micro-batches are 0, 1, ...).

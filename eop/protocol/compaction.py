@@ -46,8 +46,12 @@ class Compactor:
         *,
         chunk_rows: int = 5000,
         settle_lock_ms: int = 250,
+        floor: Callable[[], Awaitable[int | None]] | None = None,
     ) -> None:
         self.settle_lock_ms = settle_lock_ms
+        self._floor = floor
+        """Where the floor comes from when it is not the handler's durable's ack floor
+        (an ordered handler's partitions: :meth:`eop.runtime.ordered.OrderedRunner.floor`)."""
         self.msg_id_retention_s = store.app.settings.msg_id_retention_s
         self.js = js
         self.store = store
@@ -172,12 +176,11 @@ class Compactor:
         """One round: read the floor, raise the watermark, delete below it in chunks."""
         stream = self.spec.stream
         epoch = await self.epochs.refresh(stream)
-        info = await self.js.consumer_info(stream, self.spec.durable)
+        floor = await self._read_floor()
         # The floor must belong to the epoch we name: if the stream was recreated
         # between the two readings, skip this round.
-        if await self.epochs.refresh(stream) != epoch:
+        if floor is None or await self.epochs.refresh(stream) != epoch:
             return None
-        floor = int(info.ack_floor.stream_seq if info.ack_floor else 0)
         candidate = max(floor, self.epochs.first_seq(stream) - 1)
         if candidate <= 0:
             return None
@@ -187,6 +190,12 @@ class Compactor:
             log.Event.INBOX_COMPACTED, epoch=epoch, watermark=watermark, deleted=deleted
         )
         return Compacted(epoch=epoch, watermark=watermark, deleted=deleted)
+
+    async def _read_floor(self) -> int | None:
+        if self._floor is not None:
+            return await self._floor()
+        info = await self.js.consumer_info(self.spec.stream, self.spec.durable)
+        return int(info.ack_floor.stream_seq if info.ack_floor else 0)
 
     async def _ensure_row(self, epoch: str) -> None:
         if epoch in self._known:

@@ -1,15 +1,17 @@
 """Per-key ordering: messages with the same key are handled in stream order.
 
 A handler declared with ``order_by="subject:2"`` (the third subject token) or
-``order_by="header:X-Account"`` gets one lane per key in each worker process:
-a key's messages run one after another, in the order the stream holds them,
-while different keys run concurrently. When a message is retried (nak), the
-later messages of its key wait in their lane (:class:`BlockedKeys`, their
-leases kept) until it has an outcome, so they cannot overtake it.
+``order_by="header:X-Account"`` gets one lane per key in the process that
+owns the key's partition: a key's messages run one after another, in the
+order the stream holds them, while different keys run concurrently. When a
+message is retried (nak), the later messages of its key wait in their lane
+(:class:`BlockedKeys`, their leases kept) until it has an outcome, so they
+cannot overtake it.
 
-Across worker processes, order holds when one process consumes a key (for
-example one worker per consumer, or a consumer per key range); two processes
-sharing a consumer each keep their own lanes.
+Across processes and machines, each partition has one owner at a time, and
+a new owner starts from the partition's ack floor
+(:mod:`eop.runtime.ordered`, :mod:`eop.broker.partitions`); docs/ordering.md
+has the guarantee and why it holds.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from eop import log
 from eop.broker import ack
 from eop.handler import HandlerSpec, parse_order_by
-from eop.settings import Settings
 from eop.types import Delivery, Outcome
 
 
@@ -39,54 +40,72 @@ def key_of(spec: HandlerSpec, msg: Delivery) -> str:
 
 
 class BlockedKeys:
-    """Keys held back behind a retried message, until it has an outcome or time passes.
+    """Keys held back behind a retried message, until it has an outcome.
 
     The later messages of a blocked key wait in their lane (their leases kept
     by heartbeats) instead of being nak'ed, since every redelivery would count
-    against their attempts.
+    against their attempts. They wait for as long as it takes: the retried
+    message comes back to this process's consumer of the key's partition,
+    unless the process loses the partition (then they are left for its new
+    owner, whose consumer starts below them) or the stream no longer holds the
+    message (checked every ``hold_s``).
     """
 
     def __init__(self) -> None:
-        self._blocked: dict[tuple[str, str], tuple[int, float, asyncio.Event]] = {}
+        self._blocked: dict[tuple[str, str], tuple[int, asyncio.Event]] = {}
 
     def blocked_seq(self, handler: str, key: str) -> int | None:
-        """The sequence the key waits for, if it is blocked and the block is still fresh."""
+        """The sequence the key waits for, if it is blocked."""
         entry = self._blocked.get((handler, key))
-        if entry is None:
-            return None
-        if time.monotonic() > entry[1]:
-            # The retried message went to another process, or is gone: stop waiting.
-            self._release(handler, key)
-            return None
-        return entry[0]
+        return None if entry is None else entry[0]
 
     async def wait(
-        self, handler: str, key: str, deliveries: Sequence[Delivery], beat_s: float
-    ) -> None:
-        """Wait until the key is unblocked, keeping the waiting deliveries' leases."""
+        self,
+        handler: str,
+        key: str,
+        deliveries: Sequence[Delivery],
+        beat_s: float,
+        *,
+        lost: asyncio.Event,
+        stored: Callable[[int], Awaitable[bool]],
+        hold_s: float,
+    ) -> bool:
+        """Wait until the key is unblocked, keeping the waiting deliveries' leases;
+        False if the partition was lost meanwhile (the deliveries are left)."""
         logger = log.get_logger(handler=handler)
+        check_at = time.monotonic() + hold_s
         async with ack.heartbeats(deliveries, beat_s, [logger] * len(deliveries)):
             while (entry := self._blocked.get((handler, key))) is not None:
-                remaining = entry[1] - time.monotonic()
-                if remaining <= 0:
-                    self._release(handler, key)
-                    return
+                if lost.is_set():
+                    return False
+                if time.monotonic() >= check_at:
+                    check_at = time.monotonic() + hold_s
+                    if not await stored(entry[0]):
+                        # Deleted from the stream (limits, a purge): it will never come back.
+                        self._release(handler, key)
+                        break
+                    logger.info(log.Event.PARTITION_KEY_HELD, seq=entry[0], waiting=len(deliveries))
                 # Woken at least every beat_s: the entry may have been replaced.
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(entry[2].wait(), min(beat_s, remaining))
+                    await asyncio.wait_for(entry[1].wait(), beat_s)
+        return not lost.is_set()
 
-    def update(self, handler: str, key: str, msg: Delivery, outcome: Outcome, s: Settings) -> None:
+    def update(self, handler: str, key: str, msg: Delivery, outcome: Outcome) -> None:
         """Block the key behind a retried message; unblock once it is settled."""
         seq = int(msg.metadata.sequence.stream)
         if outcome in (Outcome.RETRY, Outcome.LEFT):
             current = self._blocked.get((handler, key))
             if current is None or seq <= current[0]:
-                hold_s = s.backoff_max_s + s.ack_wait_s
-                self._blocked[(handler, key)] = (seq, time.monotonic() + hold_s, asyncio.Event())
+                self._blocked[(handler, key)] = (seq, asyncio.Event())
         elif self.blocked_seq(handler, key) == seq:
+            self._release(handler, key)
+
+    def forget(self, handler: str, keys: Iterable[str]) -> None:
+        """Drop the blocks of a partition this process no longer owns."""
+        for key in keys:
             self._release(handler, key)
 
     def _release(self, handler: str, key: str) -> None:
         entry = self._blocked.pop((handler, key), None)
         if entry is not None:
-            entry[2].set()
+            entry[1].set()

@@ -14,8 +14,9 @@ The supervisor is deliberately small:
 - With ``--metrics-port P``, the supervisor alone serves P: the children write
   their metrics and readiness to a directory it reads
   (:mod:`eop.runtime.gathered`), and serve nothing.
-- Handlers with ``order_by`` run in the first child only: per-key order holds
-  within one process.
+- Every child runs every handler: an ordered handler's partitions are shared
+  out among all the processes that run it, here and on other machines
+  (:mod:`eop.runtime.ordered`).
 - SIGTERM and SIGINT are passed on to every child. A child that exits on its
   own (a fatal error, or killed) stops the others with SIGTERM, and the
   supervisor exits with that first child's status: an orchestrator restarts
@@ -86,14 +87,11 @@ class Child:
 def plan(count: int, handlers: Sequence[tuple[str, bool]], db_pool_size: int) -> list[Child]:
     """The children for ``count`` processes and ``(name, ordered)`` handlers.
 
-    The first child runs every handler; the others only the unordered ones
-    (none at all: then there is one child). Each keeps ``db_pool_size`` connections.
+    Every child runs every handler, ordered ones included (their partitions
+    are shared out among the processes). Each keeps ``db_pool_size`` connections.
     """
     everything = tuple(name for name, _ in handlers)
-    unordered = tuple(name for name, ordered in handlers if not ordered)
-    if not unordered:
-        count = 1
-    return [Child(everything if i == 0 else unordered, db_pool_size) for i in range(count)]
+    return [Child(everything, db_pool_size) for _ in range(count)]
 
 
 def child_argv(argv: Sequence[str], child: Child, metrics_dir: str | None = None) -> list[str]:

@@ -1,6 +1,8 @@
 """The worker: pulls each handler's durable consumer and runs the protocol.
 
-Several worker processes may share one durable consumer. A stop (SIGTERM,
+Several worker processes may share one durable consumer. An ordered
+handler's partitions are shared out among the processes that run it, each
+with a consumer of its own (:mod:`eop.runtime.ordered`). A stop (SIGTERM,
 SIGINT, or a host's :meth:`~eop.runtime.hosting.Hosted.shutdown`) stops
 fetching, lets in-flight messages finish within the grace period, and never
 cuts between a COMMIT and its ack.
@@ -26,13 +28,13 @@ from nats.js import JetStreamContext
 
 from eop import errors, log, redaction, retry
 from eop.app import App, select_handlers
-from eop.broker import ack, connection, fetcher, jetstream
+from eop.broker import ack, connection, fetcher, jetstream, partitions
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
-from eop.pg import migrate, retries
+from eop.pg import migrate, ownership, retries
 from eop.pg.store import PostgresStore
 from eop.protocol import batch, compaction, ordering, processor, relay, retrying
-from eop.runtime import hosting, shutdown, slots, startup, telemetry
+from eop.runtime import hosting, ordered, shutdown, slots, startup, telemetry
 from eop.types import Delivery, Outcome
 
 if TYPE_CHECKING:
@@ -89,6 +91,7 @@ class Worker(hosting.Hosted):
         self._critical = processor.Critical()
         self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
         self._blocked = ordering.BlockedKeys()
+        self._runners: dict[str, ordered.OrderedRunner] = {}
         self._compactors: dict[str, compaction.Compactor] = {}
         self._logger = log.get_logger()
         self.processed = 0
@@ -195,8 +198,8 @@ class Worker(hosting.Hosted):
             acker = ack.Acker(nc)
             loops = []
             compacting: list[asyncio.Task[None]] = []
+            transforms = partitions.stream_transforms(self.specs)
             for spec in self.specs:
-                sub = await self._bind(nc, js, spec)
                 proc = processor.Processor(
                     # The handler as the observer sees it run (timed, traced).
                     spec=observe.instrument(spec, self._observer),
@@ -208,10 +211,24 @@ class Worker(hosting.Hosted):
                     acker=acker,
                     stopping=self._stopping,
                 )
-                compactor = compaction.Compactor(js, store, spec, epochs)
+                await jetstream.ensure_stream(
+                    js,
+                    self.app.stream_spec(spec.stream),
+                    create=s.create,
+                    transform=transforms.get(spec.stream),
+                )
+                floor = None
+                if spec.order_by is not None:
+                    runner = await self._ordered(nc, js, spec, proc, store)
+                    floor = runner.floor
+                compactor = compaction.Compactor(js, store, spec, epochs, floor=floor)
                 # The watermark row before fetching; a failure only delays compaction.
                 await compactor.quietly(compactor.prepare)
-                loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
+                if spec.order_by is not None:
+                    loops.append(asyncio.create_task(self._runners[spec.name].run()))
+                else:
+                    sub = await self._bind(nc, js, spec)
+                    loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
                 if proc.parks:
                     loops.append(asyncio.create_task(self._retry_loop(store, proc)))
                 if s.compaction_interval_s > 0:
@@ -242,6 +259,10 @@ class Worker(hosting.Hosted):
             # The relay's last round and its lease run beside the in-flight messages'
             # grace, not before it: a relay waiting on PostgreSQL must not eat the grace.
             await self._finish_inflight()
+            # Given up once their lanes are done, so that the other processes take them
+            # over at their next tick rather than when the leases run out.
+            for runner in self._runners.values():
+                await runner.leave()
             await asyncio.gather(*relaying, return_exceptions=True)
         finally:
             await self._critical.drain()
@@ -282,9 +303,42 @@ class Worker(hosting.Hosted):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
 
+    async def _ordered(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        spec: HandlerSpec,
+        proc: processor.Processor,
+        store: PostgresStore,
+    ) -> ordered.OrderedRunner:
+        """The runner of an ordered handler's partitions in this process, prepared."""
+        owners = ownership.Ownership(
+            self.app.engine,
+            store.tables,
+            spec.name,
+            spec.partitions,
+            ordered.member(),
+            self.settings.partition_lease_s,
+        )
+        runner = ordered.OrderedRunner(
+            spec=spec,
+            nc=nc,
+            js=js,
+            owners=owners,
+            settings=self.settings,
+            dispatch=functools.partial(self._dispatch_ordered, proc),
+            take_slots=self._take_slots,
+            give_slots=self._slots.give,
+            stopping=self._stopping,
+            observer=self._observer,
+            blocked=self._blocked,
+        )
+        await ordered.prepare(runner)
+        self._runners[spec.name] = runner
+        return runner
+
     async def _bind(self, nc: NATS, js: JetStreamContext, spec: HandlerSpec) -> fetcher.Fetcher:
         create = self.settings.create
-        await jetstream.ensure_stream(js, self.app.stream_spec(spec.stream), create=create)
         await jetstream.ensure_consumer(js, spec, self.settings, create=create)
         sub = await jetstream.subscribe(nc, spec)
         self._logger.info(
@@ -318,9 +372,6 @@ class Worker(hosting.Hosted):
                 await self._recover(js, spec, exc, failures, proc)
             received_at = time.monotonic()
             self._slots.give(wanted - len(msgs))
-            if spec.order_by is not None:
-                self._dispatch_ordered(proc, msgs, received_at)
-                continue
             groups = [msgs] if self.settings.batch_transactions else [[m] for m in msgs]
             for group in groups:
                 if group:
@@ -379,15 +430,20 @@ class Worker(hosting.Hosted):
         return task
 
     def _dispatch_ordered(
-        self, proc: processor.Processor, msgs: Sequence[Delivery], at: float
+        self,
+        proc: processor.Processor,
+        msgs: Sequence[Delivery],
+        at: float,
+        part: ordered.Partition,
     ) -> None:
         """One lane per key: a key's messages run one after another, in stream order."""
         by_key: dict[str, list[Delivery]] = {}
         for msg in msgs:
             by_key.setdefault(ordering.key_of(proc.spec, msg), []).append(msg)
         for key, group in by_key.items():
+            part.keys.add(key)
             lane = self._lanes.get((proc.spec.name, key))
-            task = self._spawn(self._process_lane(proc, key, group, at, lane))
+            task = self._spawn(self._process_lane(proc, key, group, at, lane, part))
             self._lanes[(proc.spec.name, key)] = task
             task.add_done_callback(functools.partial(self._end_lane, (proc.spec.name, key)))
 
@@ -402,6 +458,7 @@ class Worker(hosting.Hosted):
         msgs: Sequence[Delivery],
         received_at: float,
         previous: asyncio.Task[Any] | None,
+        part: ordered.Partition,
     ) -> None:
         """Process a key's messages in order; when one is retried, its followers wait."""
         name = proc.spec.name
@@ -411,26 +468,44 @@ class Worker(hosting.Hosted):
             awaited = self._blocked.blocked_seq(name, key)
             first = [m for m in msgs if awaited is not None and _seq(m) <= awaited]
             rest = [m for m in msgs if m not in first]
-            await self._run_lane(proc, key, first, received_at)
-            if previous is not None:
-                await asyncio.wait({previous})
-            await self._run_lane(proc, key, rest, received_at)
+            if await self._run_lane(proc, key, first, received_at, part):
+                if previous is not None:
+                    await asyncio.wait({previous})
+                await self._run_lane(proc, key, rest, received_at, part)
         finally:
+            part.inflight -= len(msgs)
             self._observer.done(proc.spec, msgs)
             self._slots.give(len(msgs))
 
     async def _run_lane(
-        self, proc: processor.Processor, key: str, msgs: Sequence[Delivery], received_at: float
-    ) -> None:
+        self,
+        proc: processor.Processor,
+        key: str,
+        msgs: Sequence[Delivery],
+        received_at: float,
+        part: ordered.Partition,
+    ) -> bool:
+        """Run ``msgs`` in order; False once the partition is lost (the rest are left
+        unacked: the next owner's consumer starts at or below them)."""
         name = proc.spec.name
+        runner = self._runners[name]
+        hold_s = self.settings.backoff_max_s + proc.ack_wait_s
         for index, msg in enumerate(msgs):
+            if part.lost.is_set():
+                return False
             awaited = self._blocked.blocked_seq(name, key)
             if awaited is not None and _seq(msg) > awaited:
-                await self._blocked.wait(name, key, msgs[index:], proc.ack_wait_s / 3)
+                held = msgs[index:]
+                beat_s = proc.ack_wait_s / 3
+                if not await self._blocked.wait(
+                    name, key, held, beat_s, lost=part.lost, stored=runner.stored, hold_s=hold_s
+                ):
+                    return False
             outcome = await proc.handle(msg, received_at)
-            self._blocked.update(name, key, msg, outcome, self.settings)
+            self._blocked.update(name, key, msg, outcome)
             if outcome in (Outcome.PROCESSED, Outcome.DEAD_LETTERED):
                 self._count(proc.spec, 1)
+        return True
 
     async def _take_slots(self) -> int:
         """Wait for a free slot, then take as many as are free, up to the batch size."""

@@ -94,12 +94,18 @@ async def drained(
 
     With ``engine``, also no retry waiting in the database: a failed message is
     acked when its retry is parked there (see eop.pg.retries).
+    An ordered handler's partitions each have a consumer named after the durable
+    (``<durable>-p<partition>-e<epoch>``): all of them count.
     """
     try:
-        info = await js.consumer_info(stream, durable)
+        infos = [
+            info
+            for info in await js.consumers_info(stream)
+            if info.name == durable or (info.name or "").startswith(f"{durable}-p")
+        ]
     except Exception:
         return False
-    if not (info.num_pending == 0 and info.num_ack_pending == 0):
+    if not infos or any(info.num_pending or info.num_ack_pending for info in infos):
         return False
     if engine is None:
         return True

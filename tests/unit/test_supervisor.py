@@ -44,17 +44,17 @@ def test_process_count_zero_means_available_cpus_up_to_four() -> None:
     assert supervisor.process_count(1) == 1
 
 
-def test_ordered_handlers_run_in_the_first_process_only() -> None:
-    """Per-key order holds within a process: order_by handlers are not spread out."""
+def test_every_process_runs_every_handler_ordered_ones_included() -> None:
+    """Ordered handlers share their partitions out among processes: every child runs them."""
     children = supervisor.plan(3, [("a", False), ("ordered", True), ("b", False)], 5)
-    assert [c.handlers for c in children] == [("a", "ordered", "b"), ("a", "b"), ("a", "b")]
+    assert [c.handlers for c in children] == [("a", "ordered", "b")] * 3
     assert {c.db_pool_size for c in children} == {5}
 
 
-def test_only_ordered_handlers_means_one_process() -> None:
-    """Nothing to spread: one child."""
+def test_only_ordered_handlers_still_start_every_process() -> None:
+    """An app of ordered handlers only scales out too: as many children as asked for."""
     children = supervisor.plan(4, [("ordered", True)], 4)
-    assert children == [Child(("ordered",), 4)]
+    assert children == [Child(("ordered",), 4)] * 4
 
 
 def test_a_child_gets_the_same_arguments_with_its_own_per_child_flags() -> None:

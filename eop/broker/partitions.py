@@ -1,0 +1,269 @@
+"""The NATS side of ordered handlers' partitions (docs/ordering.md).
+
+Each ownership of a partition has a durable consumer of its own, named after
+the ownership's epoch. A new owner creates its consumer at the ack floor of
+the ones before it (every sequence at or below the floor has its outcome
+committed; eop acks only after COMMIT) and deletes them: the messages the
+previous owner held unacked come first, in stream order, instead of after
+their AckWait, behind later messages of their keys; and a previous owner
+that is still alive (frozen, cut off) cannot fetch any more, since its
+consumer is gone.
+
+With more than one partition, the stream puts each message's partition in
+front of its subject (a subject transform with nats-server's ``partition``
+function, set on streams eop creates), and each consumer filters its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext, api
+
+from eop import errors
+from eop.handler import HandlerSpec, parse_order_by
+from eop.settings import Settings
+
+#: The oldest nats-server that applies a stream's subject transform (older ones ignore
+#: it silently, and no message would reach a partition's consumer).
+TRANSFORM_SERVER = (2, 10)
+
+
+def consumer_name(spec: HandlerSpec, partition: int, epoch: int) -> str:
+    """The durable consumer of ``partition``'s ownership ``epoch``."""
+    return f"{consumer_prefix(spec, partition)}{epoch}"
+
+
+def consumer_prefix(spec: HandlerSpec, partition: int) -> str:
+    """What every consumer of ``partition`` is named with, before its epoch."""
+    return f"{spec.durable}-p{partition}-e"
+
+
+def filter_subject(spec: HandlerSpec, partition: int) -> str:
+    """The subject filter of ``partition``'s consumer."""
+    if spec.partitions == 1:
+        return spec.subject
+    return f"{partition}.{spec.subject}"
+
+
+def transform(spec: HandlerSpec) -> tuple[str, str] | None:
+    """The stream's subject transform a handler of several partitions needs: (src, dest).
+
+    The key's token must be a ``*`` of the handler's subject (checked when the
+    handler is declared), so that every message the handler takes is
+    transformed, and its partition is the hash of that token.
+    """
+    if spec.partitions == 1:
+        return None
+    _, arg = parse_order_by(spec.order_by or "")
+    index = int(arg)
+    tokens = spec.subject.split(".")
+    dest: list[str] = []
+    wildcard = key_wildcard = 0
+    for position, token in enumerate(tokens):
+        if token == "*":
+            wildcard += 1
+            dest.append(f"{{{{wildcard({wildcard})}}}}")
+            if position == index:
+                key_wildcard = wildcard
+        else:
+            dest.append(token)
+    return spec.subject, f"{{{{partition({spec.partitions},{key_wildcard})}}}}." + ".".join(dest)
+
+
+def check_server(nc: NATS, spec: HandlerSpec) -> None:
+    """Refuse several partitions on a nats-server that does not apply subject transforms."""
+    if spec.partitions == 1:
+        return
+    version = nc.connected_server_version
+    have = (version.major, version.minor)
+    if have < TRANSFORM_SERVER:
+        raise errors.ConfigurationError(
+            f"handler {spec.name!r} spreads its keys over {spec.partitions} partitions, which "
+            f"needs nats-server {'.'.join(map(str, TRANSFORM_SERVER))} or newer (stream subject "
+            f"transforms); this server is {version}. Upgrade it, or declare partitions=1 "
+            "(one process at a time runs the handler)"
+        )
+
+
+def check_transform(stream: api.StreamInfo, spec: HandlerSpec) -> None:
+    """Refuse a stream without the subject transform a handler of several partitions needs."""
+    wanted = transform(spec)
+    if wanted is None:
+        return
+    have = stream.config.subject_transform
+    if have is not None and (have.src, have.dest) == wanted:
+        return
+    src, dest = wanted
+    raise errors.ConfigurationError(
+        f"handler {spec.name!r} spreads its keys over {spec.partitions} partitions, which needs "
+        f"stream {spec.stream!r} to put each message's partition in front of its subject; it "
+        f"{'has another subject transform' if have is not None else 'has none'}. Fix: set its "
+        f'subject transform to src "{src}", dest "{dest}" (it applies to messages stored '
+        "after the change: drain the handler first), let eop create the stream, or declare "
+        "partitions=1 (one process at a time runs the handler)"
+    )
+
+
+async def open_consumer(
+    js: JetStreamContext,
+    spec: HandlerSpec,
+    settings: Settings,
+    partition: int,
+    epoch: int,
+    previous: str | None,
+) -> tuple[str, int | None]:
+    """Create the consumer of ``partition``'s ownership ``epoch``; (name, start sequence).
+
+    It starts above the lowest ack floor of the partition's earlier consumers
+    (``previous``, any other of its name left by an owner that died while
+    taking the partition, and the handler's own durable from before it was
+    partitioned); at the stream's start when there is none.
+    """
+    name = consumer_name(spec, partition, epoch)
+    floors = [
+        floor
+        for old in await earlier_consumers(js, spec, partition, epoch, previous)
+        if (floor := await _ack_floor(js, spec.stream, old)) is not None
+    ]
+    start = min(floors) + 1 if floors else None
+    config = api.ConsumerConfig(
+        durable_name=name,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL
+        if start is None
+        else api.DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=start,
+        ack_wait=spec.ack_wait_s or settings.ack_wait_s,
+        # eop counts attempts itself (as for the handler's durable, eop.broker.jetstream).
+        max_deliver=-1,
+        max_ack_pending=settings.max_ack_pending,
+        filter_subject=filter_subject(spec, partition),
+    )
+    try:
+        await js.add_consumer(spec.stream, config)
+    except nats.js.errors.APIError as exc:
+        raise errors.ConfigurationError(
+            f"cannot create consumer {name!r} on stream {spec.stream!r} for handler "
+            f"{spec.name!r}: {exc.description or exc}"
+        ) from exc
+    return name, start
+
+
+async def earlier_consumers(
+    js: JetStreamContext, spec: HandlerSpec, partition: int, epoch: int, previous: str | None
+) -> list[str]:
+    """The consumers of ``partition`` from before ownership ``epoch`` that still exist."""
+    prefix = consumer_prefix(spec, partition)
+    names = {previous} if previous else set()
+    for info in await js.consumers_info(spec.stream):
+        name = info.name or ""
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            if int(name[len(prefix) :]) < epoch:
+                names.add(name)
+        elif name == spec.durable:
+            names.add(name)
+    return sorted(n for n in names if n)
+
+
+async def retire(js: JetStreamContext, stream: str, names: list[str]) -> None:
+    """Delete earlier owners' consumers (gone already is fine)."""
+    for name in names:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.delete_consumer(stream, name)
+
+
+async def _ack_floor(js: JetStreamContext, stream: str, name: str) -> int | None:
+    try:
+        info = await js.consumer_info(stream, name)
+    except nats.js.errors.NotFoundError:
+        return None
+    return int(info.ack_floor.stream_seq if info.ack_floor else 0)
+
+
+async def lag(js: JetStreamContext, stream: str, name: str) -> tuple[int, int] | None:
+    """A partition consumer's messages not yet delivered and delivered but not acked."""
+    try:
+        info = await js.consumer_info(stream, name)
+    except (nats.js.errors.NotFoundError, nats.errors.Error):
+        return None
+    return int(info.num_pending or 0), int(info.num_ack_pending or 0)
+
+
+async def floor(js: JetStreamContext, stream: str, names: list[str]) -> int | None:
+    """The lowest of the consumers' floors: every message they filter at or below it
+    was acked; None if one is missing.
+
+    A consumer with nothing pending and nothing unacked has every message it
+    filters acked, up to the stream's last sequence read before it was asked:
+    an idle partition does not hold the watermark back.
+    """
+    info = await js.stream_info(stream)
+    last = int(info.state.last_seq or 0)
+    floors = []
+    for name in names:
+        try:
+            consumer = await js.consumer_info(stream, name)
+        except nats.js.errors.NotFoundError:
+            return None
+        acked = int(consumer.ack_floor.stream_seq if consumer.ack_floor else 0)
+        if not consumer.num_pending and not consumer.num_ack_pending:
+            acked = max(acked, last)
+        floors.append(acked)
+    return min(floors) if floors else None
+
+
+def stream_transforms(specs: Iterable[HandlerSpec]) -> dict[str, tuple[str, str]]:
+    """The subject transform each stream needs for its handlers of several partitions.
+
+    A stream has one transform: two such handlers on one stream must want the
+    same; and any other handler whose subject the transform would rewrite
+    would stop matching its messages, so it is refused too.
+    """
+    wanted: dict[str, tuple[str, str]] = {}
+    owners: dict[str, HandlerSpec] = {}
+    for spec in specs:
+        t = transform(spec)
+        if t is None:
+            continue
+        if spec.stream in wanted and wanted[spec.stream] != t:
+            raise errors.ConfigurationError(
+                f"handlers {owners[spec.stream].name!r} and {spec.name!r} both spread their keys "
+                f"over partitions of stream {spec.stream!r}, with different subjects, keys or "
+                "partition counts: a stream puts one partition in front of its subjects; give "
+                "them the same subject, order_by and partitions, or separate streams"
+            )
+        wanted[spec.stream] = t
+        owners[spec.stream] = spec
+    for spec in specs:
+        partitioned = owners.get(spec.stream)
+        if partitioned is None or transform(spec) is not None:
+            continue
+        if _overlap(spec.subject, partitioned.subject):
+            raise errors.ConfigurationError(
+                f"handler {spec.name!r} subscribes to {spec.subject} on stream {spec.stream!r}, "
+                f"whose subjects {partitioned.subject} carry their partition in front "
+                f"(handler {partitioned.name!r}, partitions={partitioned.partitions}): it "
+                "would never see them. Give it the same order_by and partitions, or use "
+                "another stream"
+            )
+    return wanted
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether some subject matches both filters (token by token)."""
+    x, y = a.split("."), b.split(".")
+    for i in range(max(len(x), len(y))):
+        p = x[i] if i < len(x) else None
+        q = y[i] if i < len(y) else None
+        if p == ">" or q == ">":
+            return p is not None and q is not None
+        if p is None or q is None:
+            return False
+        if p != "*" and q != "*" and p != q:
+            return False
+    return True

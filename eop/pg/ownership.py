@@ -1,0 +1,169 @@
+"""Partition ownership of ordered handlers in the database (docs/ordering.md).
+
+One short transaction a tick per process and ordered handler: renew the
+member and its leases, count the live members, give up or take partitions.
+The policy (how many partitions a member should own) is the caller's;
+this module only runs the statements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from eop import errors
+from eop.pg import models
+from eop.pg.sql import ownership as sql
+from eop.pg.sql import set_local_timeouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One process running an ordered handler: its name in the tables, host and pid."""
+
+    name: str
+    host: str
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Acquired:
+    """A partition just taken: its new epoch and the consumer its previous owner used."""
+
+    partition: int
+    epoch: int
+    previous_consumer: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    """What one tick found: the live members (ranked) and what this member owns now."""
+
+    members: tuple[str, ...]
+    owned: dict[int, int]
+    """Partition -> epoch, for every lease renewed or taken in this tick."""
+    acquired: tuple[Acquired, ...]
+
+
+class Ownership:
+    """The statements of one ordered handler's ownership, on ``engine``."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tables: models.Tables,
+        subscription: str,
+        count: int,
+        member: Member,
+        lease_s: float,
+    ) -> None:
+        self.engine = engine
+        self.tables = tables
+        self.subscription = subscription
+        self.count = count
+        self.member = member
+        self.lease_s = lease_s
+
+    async def prepare(self) -> None:
+        """Create the partition rows; refuse a partition count other than the rows'.
+
+        A key's partition is its hash modulo the count: another count would
+        send a key's next messages to another partition while its earlier
+        ones may still wait in the old one.
+        """
+        t, s = self.tables, self.subscription
+        async with self.engine.begin() as conn:
+            counts = [int(r[0]) for r in (await conn.execute(sql.partition_counts(t, s))).all()]
+            if counts and counts != [self.count]:
+                raise errors.ConfigurationError(
+                    f"handler {s!r} has {', '.join(map(str, counts))} partitions in the database "
+                    f"but declares partitions={self.count}: a key would move to another "
+                    "partition while its earlier messages wait in the old one. Keep "
+                    f"partitions={counts[0]}, or drain the handler (stop every worker once "
+                    f"its consumers have nothing pending), then `eop ordered reset {s}`"
+                )
+            await conn.execute(sql.create_partitions(t, s, self.count))
+
+    async def tick(self, want: int, releasing: list[int]) -> Tick:
+        """Renew this member and its leases, give up ``releasing``, take up to ``want``
+        more partitions than it keeps; one transaction."""
+        t, s, m, lease = self.tables, self.subscription, self.member, self.lease_s
+        async with self.engine.begin() as conn:
+            await conn.execute(set_local_timeouts(2000, 5000))
+            await conn.execute(sql.join(t, s, m.name, m.host, m.pid, lease))
+            await conn.execute(sql.prune(t, s))
+            if releasing:
+                await conn.execute(sql.release(t, s, m.name, releasing))
+            members = tuple(r[0] for r in (await conn.execute(sql.live_members(t, s))).all())
+            renewed = (await conn.execute(sql.renew(t, s, m.name, lease))).all()
+            owned = {int(r[0]): int(r[1]) for r in renewed}
+            acquired: list[Acquired] = []
+            need = want - len(owned)
+            if need > 0:
+                rows = (
+                    await conn.execute(sql.acquire(t, s, m.name, m.host, m.pid, lease, need))
+                ).all()
+                for row in rows:
+                    acquired.append(Acquired(int(row[0]), int(row[1]), row[2]))
+                    owned[int(row[0])] = int(row[1])
+        return Tick(members=members, owned=owned, acquired=tuple(acquired))
+
+    async def record_consumer(self, partition: int, epoch: int, consumer: str) -> bool:
+        """Name the consumer of this ownership; False if the partition moved on meanwhile."""
+        async with self.engine.begin() as conn:
+            result: Any = await conn.execute(
+                sql.record_consumer(self.tables, self.subscription, partition, epoch, consumer)
+            )
+        return bool(result.rowcount)
+
+    async def leave(self, partitions: list[int]) -> None:
+        """Give every partition up and leave (a stopping process)."""
+        t, s, m = self.tables, self.subscription, self.member.name
+        async with self.engine.begin() as conn:
+            if partitions:
+                await conn.execute(sql.release(t, s, m, partitions))
+            await conn.execute(sql.leave(t, s, m))
+
+    async def consumers(self) -> dict[int, str | None]:
+        """Each partition's current consumer."""
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(sql.consumers(self.tables, self.subscription))).all()
+        return {int(r[0]): r[1] for r in rows}
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionRow:
+    """One partition as ``eop status`` shows it."""
+
+    subscription: str
+    partition: int
+    count: int
+    host: str | None
+    pid: int | None
+    epoch: int
+    consumer: str | None
+    acquired_at: datetime.datetime | None
+    expires_in_s: float | None
+
+
+async def read_status(engine: AsyncEngine, tables: models.Tables) -> list[PartitionRow]:
+    """Every ordered handler's partitions and their owners."""
+    async with engine.connect() as conn:
+        rows = (await conn.execute(sql.status(tables))).all()
+    return [
+        PartitionRow(
+            subscription=r[0],
+            partition=int(r[1]),
+            count=int(r[2]),
+            host=r[3],
+            pid=r[4],
+            epoch=int(r[5]),
+            consumer=r[6],
+            acquired_at=r[7],
+            expires_in_s=float(r[8]) if r[8] is not None else None,
+        )
+        for r in rows
+    ]

@@ -1,0 +1,185 @@
+"""The SQL of ordered handlers' partitions: members, leases, epochs (docs/ordering.md).
+
+Every lease runs on the database's clock (``now()``), so processes on hosts
+whose clocks disagree still agree on who owns what.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+from eop.pg import models
+
+
+def _ttl(seconds: float) -> Any:
+    return sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, seconds)
+
+
+def join(
+    t: models.Tables, subscription: str, member: str, host: str, pid: int, ttl_s: float
+) -> Any:
+    """Add ``member`` to the subscription's live members, or renew it."""
+    stmt = postgresql.insert(t.members).values(
+        subscription=subscription, member=member, host=host, pid=pid, expires_at=_ttl(ttl_s)
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=["subscription", "member"], set_={"expires_at": stmt.excluded.expires_at}
+    )
+
+
+def prune(t: models.Tables, subscription: str) -> sa.Delete:
+    """Forget the members whose lease ran out (a process that died)."""
+    c = t.members.c
+    return sa.delete(t.members).where(c.subscription == subscription, c.expires_at < sa.func.now())
+
+
+def leave(t: models.Tables, subscription: str, member: str) -> sa.Delete:
+    """Take ``member`` out of the subscription (a process stopping)."""
+    c = t.members.c
+    return sa.delete(t.members).where(c.subscription == subscription, c.member == member)
+
+
+def live_members(t: models.Tables, subscription: str) -> sa.Select[Any]:
+    """The live members' names, in a fixed order (every member ranks them the same)."""
+    c = t.members.c
+    return (
+        sa.select(c.member)
+        .where(c.subscription == subscription, c.expires_at >= sa.func.now())
+        .order_by(c.member)
+    )
+
+
+def create_partitions(t: models.Tables, subscription: str, count: int) -> Any:
+    """The subscription's partition rows, 0 to ``count - 1``, where they are missing."""
+    series = sa.select(
+        sa.literal(subscription, sa.Text),
+        sa.column("n", sa.Integer),
+        sa.literal(count, sa.Integer),
+    ).select_from(sa.func.generate_series(0, count - 1).alias("n"))
+    stmt = postgresql.insert(t.partitions).from_select(
+        ["subscription", "partition", "partition_count"], series
+    )
+    return stmt.on_conflict_do_nothing()
+
+
+def partition_counts(t: models.Tables, subscription: str) -> sa.Select[Any]:
+    """The partition counts the subscription's rows were made with (one, unless changed)."""
+    c = t.partitions.c
+    return sa.select(c.partition_count).where(c.subscription == subscription).distinct()
+
+
+def renew(t: models.Tables, subscription: str, member: str, ttl_s: float) -> Any:
+    """Extend ``member``'s leases; returns the partitions it still owns, with their epochs."""
+    c = t.partitions.c
+    return (
+        sa.update(t.partitions)
+        .where(c.subscription == subscription, c.owner == member, c.expires_at >= sa.func.now())
+        .values(expires_at=_ttl(ttl_s))
+        .returning(c.partition, c.epoch)
+    )
+
+
+def acquire(
+    t: models.Tables,
+    subscription: str,
+    member: str,
+    host: str,
+    pid: int,
+    ttl_s: float,
+    limit: int,
+) -> Any:
+    """Take up to ``limit`` partitions nobody owns (or whose lease ran out), raising each
+    one's epoch; returns each with its new epoch and the consumer of the one before.
+
+    ``SKIP LOCKED``: two members acquiring at once take different partitions.
+    """
+    c = t.partitions.c
+    free = (
+        sa.select(c.partition)
+        .where(
+            c.subscription == subscription,
+            sa.or_(c.owner.is_(None), c.expires_at < sa.func.now()),
+        )
+        .order_by(c.partition)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return (
+        sa.update(t.partitions)
+        .where(c.subscription == subscription, c.partition.in_(free))
+        .values(
+            owner=member,
+            owner_host=host,
+            owner_pid=pid,
+            epoch=c.epoch + 1,
+            expires_at=_ttl(ttl_s),
+            acquired_at=sa.func.now(),
+        )
+        .returning(c.partition, c.epoch, c.consumer)
+    )
+
+
+def record_consumer(
+    t: models.Tables, subscription: str, partition: int, epoch: int, consumer: str
+) -> sa.Update:
+    """Name the consumer of ``partition``'s ownership ``epoch`` (if it is still current)."""
+    c = t.partitions.c
+    return (
+        sa.update(t.partitions)
+        .where(c.subscription == subscription, c.partition == partition, c.epoch == epoch)
+        .values(consumer=consumer)
+    )
+
+
+def release(t: models.Tables, subscription: str, member: str, partitions: list[int]) -> sa.Update:
+    """Give ``partitions`` up, so that another member takes them at once."""
+    c = t.partitions.c
+    return (
+        sa.update(t.partitions)
+        .where(
+            c.subscription == subscription,
+            c.owner == member,
+            c.partition.in_(partitions),
+        )
+        .values(owner=None, owner_host=None, owner_pid=None, expires_at=None)
+    )
+
+
+def consumers(t: models.Tables, subscription: str) -> sa.Select[Any]:
+    """Each partition's current consumer (None before its first owner)."""
+    c = t.partitions.c
+    return (
+        sa.select(c.partition, c.consumer)
+        .where(c.subscription == subscription)
+        .order_by(c.partition)
+    )
+
+
+def status(t: models.Tables) -> sa.Select[Any]:
+    """Every partition of every ordered handler, its owner and lease, for ``eop status``."""
+    c = t.partitions.c
+    return sa.select(
+        c.subscription,
+        c.partition,
+        c.partition_count,
+        c.owner_host,
+        c.owner_pid,
+        c.epoch,
+        c.consumer,
+        c.acquired_at,
+        sa.extract("epoch", c.expires_at - sa.func.now()).label("expires_in_s"),
+    ).order_by(c.subscription, c.partition)
+
+
+def member_status(t: models.Tables) -> sa.Select[Any]:
+    """The live members of every ordered handler."""
+    c = t.members.c
+    return (
+        sa.select(c.subscription, c.host, c.pid, c.joined_at)
+        .where(c.expires_at >= sa.func.now())
+        .order_by(c.subscription, c.host, c.pid)
+    )

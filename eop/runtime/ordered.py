@@ -1,0 +1,342 @@
+"""An ordered handler in one worker process: its share of the partitions, fetched.
+
+Every process that runs an ordered handler is a member of it (a row of
+``members``, renewed on the database's clock). Each tick, a third of
+``partition_lease_s`` apart, a member renews its leases and takes or gives
+up partitions so that it owns its share: the partition count divided by
+the live members, the remainder going to the first ones by name. A
+partition it takes gets a new epoch and a consumer of its own, created at
+the ack floor of the consumers before it (:mod:`eop.broker.partitions`);
+a partition it gives up is first drained (no more fetches; the lanes
+already running finish). A member that stops gives everything up at once;
+one that dies loses its leases when they run out. docs/ordering.md has the
+guarantee, the bound on a handover and why order holds through all of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from eop import errors, log, retry
+from eop.broker import fetcher, partitions
+from eop.handler import HandlerSpec
+from eop.observe import observer as observe
+from eop.pg import ownership
+from eop.protocol import ordering
+from eop.settings import Settings
+
+# The waits after failed fetches or ticks (counted from 1): 0.2 s, doubling up to 5 s.
+_RETRY_FIRST_S = 0.2
+_RETRY_MAX_S = 5.0
+
+
+@dataclasses.dataclass(eq=False)
+class Partition:
+    """A partition this process owns (or is giving up)."""
+
+    number: int
+    epoch: int
+    previous: str | None
+    consumer: str | None = None
+    lost: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    """Set once the process no longer owns it: its lanes leave what they have not started."""
+    releasing: bool = False
+    inflight: int = 0
+    """Messages fetched from it whose lane has not finished."""
+    keys: set[str] = dataclasses.field(default_factory=set)
+    sub: fetcher.Fetcher | None = None
+    task: asyncio.Task[None] | None = None
+    release_by: float = 0.0
+
+
+Dispatch = Callable[[Sequence[Msg], float, Partition], None]
+
+
+def member() -> ownership.Member:
+    """This process's name among a handler's members: host, pid and a random part."""
+    host = socket.gethostname()
+    pid = os.getpid()
+    return ownership.Member(name=f"{host}:{pid}:{uuid.uuid4().hex[:8]}", host=host, pid=pid)
+
+
+def share(members: Sequence[str], me: str, count: int) -> int:
+    """How many of ``count`` partitions ``me`` should own among the live ``members``.
+
+    Every member ranks the members by name, so their shares add up to
+    ``count`` whoever computes them: the remainder goes to the first ones.
+    """
+    if me not in members:
+        return 0
+    base, extra = divmod(count, len(members))
+    return base + (1 if members.index(me) < extra else 0)
+
+
+class OrderedRunner:
+    """Owns this process's share of one ordered handler's partitions and fetches them."""
+
+    def __init__(
+        self,
+        *,
+        spec: HandlerSpec,
+        nc: NATS,
+        js: JetStreamContext,
+        owners: ownership.Ownership,
+        settings: Settings,
+        dispatch: Dispatch,
+        take_slots: Callable[[], Awaitable[int]],
+        give_slots: Callable[[int], None],
+        stopping: asyncio.Event,
+        observer: observe.Observer,
+        blocked: ordering.BlockedKeys,
+    ) -> None:
+        self.spec = spec
+        self.nc = nc
+        self.js = js
+        self.owners = owners
+        self.settings = settings
+        self._dispatch = dispatch
+        self._take_slots = take_slots
+        self._give_slots = give_slots
+        self._stopping = stopping
+        self._observer = observer
+        self._blocked = blocked
+        self.owned: dict[int, Partition] = {}
+        self.members: tuple[str, ...] = ()
+        self._logger = log.get_logger(handler=spec.name, stream=spec.stream)
+        self.ready = asyncio.Event()
+        """Set after the first tick (whatever it took)."""
+        self._lease_until = 0.0
+
+    @property
+    def tick_s(self) -> float:
+        """How often leases are renewed and shares looked at."""
+        return self.settings.partition_lease_s / 3
+
+    async def run(self) -> None:
+        """Tick until the worker stops; then stop fetching (:meth:`leave` gives up)."""
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                before = self.members
+                await self.tick()
+                if self.members != before:
+                    # Someone joined or left (or this is the first tick): take the new
+                    # share now rather than a tick later.
+                    await self.tick()
+                failures = 0
+                wait_s = self.tick_s
+            except Exception as exc:
+                failures += 1
+                (self._logger.warning if failures == 1 else self._logger.debug)(
+                    log.Event.PARTITION_FAILED,
+                    failures=failures,
+                    error=log.describe_error(exc)[:500],
+                )
+                wait_s = min(self.tick_s, retry.backoff_s(failures, _RETRY_FIRST_S, _RETRY_MAX_S))
+            self.ready.set()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), wait_s)
+        # Stopping: what the lanes have not started is left for the next owner.
+        for part in self.owned.values():
+            part.lost.set()
+            await self._stop_fetching(part)
+
+    async def tick(self) -> None:
+        """Renew, give up what is drained, take this process's share, open new consumers."""
+        want = share(self.members, self.owners.member.name, self.owners.count)
+        releasing = [p.number for p in self.owned.values() if p.releasing and self._drained(p)]
+        asked_at = time.monotonic()
+        try:
+            tick = await self.owners.tick(want if self.members else 0, releasing)
+        except Exception:
+            # Unknown whether the leases were renewed: past the lease, another owner may
+            # have them, so stop fetching what may be lost (the lanes stop at once).
+            self._expire(asked_at)
+            raise
+        self.members = tick.members
+        for number in releasing:
+            part = self.owned.pop(number)
+            self._blocked.forget(self.spec.name, part.keys)
+            self._logger.info(log.Event.PARTITION_RELEASED, partition=number, epoch=part.epoch)
+            self._observer.partitions_changed(self.spec, "released", len(self.owned))
+        for number, part in list(self.owned.items()):
+            if tick.owned.get(number) != part.epoch:
+                await self._lose(part)
+        self._lease_until = asked_at + self.settings.partition_lease_s * 0.75
+        for got in tick.acquired:
+            part = Partition(got.partition, got.epoch, got.previous_consumer)
+            self.owned[got.partition] = part
+            self._logger.info(log.Event.PARTITION_ACQUIRED, partition=part.number, epoch=part.epoch)
+            self._observer.partitions_changed(self.spec, "acquired", len(self.owned))
+        for part in self.owned.values():
+            if part.consumer is None and not part.releasing:
+                await self._open(part)
+        self._give_up_surplus(share(self.members, self.owners.member.name, self.owners.count))
+
+    def _expire(self, asked_at: float) -> None:
+        if asked_at > self._lease_until:
+            for part in self.owned.values():
+                part.lost.set()
+
+    def _drained(self, part: Partition) -> bool:
+        return part.inflight == 0 or time.monotonic() >= part.release_by
+
+    def _give_up_surplus(self, want: int) -> None:
+        """Stop fetching the partitions above this process's share; released once drained."""
+        kept = [p for p in self.owned.values() if not p.releasing]
+        surplus = len(kept) - want
+        for part in sorted(kept, key=lambda p: p.number, reverse=True)[: max(surplus, 0)]:
+            part.releasing = True
+            # Its lanes leave what they have not started (the next owner's consumer starts
+            # below it); a handler running now may take its whole lease to finish.
+            part.release_by = time.monotonic() + (self.spec.ack_wait_s or self.settings.ack_wait_s)
+            part.lost.set()
+            if part.task is not None:
+                part.task.cancel()
+
+    async def _lose(self, part: Partition) -> None:
+        """Another process owns it now (this one's lease ran out): stop at once."""
+        self.owned.pop(part.number, None)
+        part.lost.set()
+        self._blocked.forget(self.spec.name, part.keys)
+        await self._stop_fetching(part)
+        self._logger.warning(log.Event.PARTITION_LOST, partition=part.number, epoch=part.epoch)
+        self._observer.partitions_changed(self.spec, "lost", len(self.owned))
+
+    async def _open(self, part: Partition) -> None:
+        """Create the ownership's consumer at the earlier ones' floor, name it, retire them."""
+        name, start = await partitions.open_consumer(
+            self.js, self.spec, self.settings, part.number, part.epoch, part.previous
+        )
+        if not await self.owners.record_consumer(part.number, part.epoch, name):
+            await partitions.retire(self.js, self.spec.stream, [name])
+            await self._lose(part)
+            return
+        earlier = await partitions.earlier_consumers(
+            self.js, self.spec, part.number, part.epoch, part.previous
+        )
+        await partitions.retire(self.js, self.spec.stream, earlier)
+        part.consumer = name
+        part.sub = await fetcher.Fetcher(self.nc, self.spec.stream, name).start()
+        part.task = asyncio.create_task(self._fetch_loop(part))
+        self._logger.info(
+            log.Event.SUBSCRIPTION_BOUND, partition=part.number, durable=name, start_seq=start
+        )
+
+    async def _stop_fetching(self, part: Partition) -> None:
+        if part.task is not None:
+            part.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await part.task
+        if part.sub is not None:
+            with contextlib.suppress(Exception):
+                await part.sub.stop()
+
+    async def _fetch_loop(self, part: Partition) -> None:
+        assert part.sub is not None
+        failures = 0
+        strip = self.spec.partitions > 1
+        while not self._stopping.is_set() and not part.lost.is_set():
+            wanted = await self._take_slots()
+            if wanted == 0:
+                break
+            msgs: list[Msg] = []
+            try:
+                msgs = await part.sub.fetch(wanted, self.settings.fetch_timeout_s)
+                failures = 0
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                pass
+            except (nats.errors.Error, OSError) as exc:
+                failures += 1
+                self._logger.warning(
+                    log.Event.FETCH_FAILED,
+                    partition=part.number,
+                    error=type(exc).__name__,
+                    failures=failures,
+                )
+                if isinstance(exc, nats.js.errors.NotFoundError) or failures > 3:
+                    # The consumer is gone (a NATS restart without its store, or deleted):
+                    # a new one at the floor of whatever is left, same epoch.
+                    part.consumer = None
+                    self._give_slots(wanted)
+                    return
+                await asyncio.sleep(retry.backoff_s(failures, _RETRY_FIRST_S, _RETRY_MAX_S))
+            except asyncio.CancelledError:
+                self._give_slots(wanted)
+                raise
+            received_at = time.monotonic()
+            if part.lost.is_set():
+                # Left unacked: the next owner's consumer starts at or below them.
+                msgs = []
+            self._give_slots(wanted - len(msgs))
+            if not msgs:
+                continue
+            if strip:
+                # The stream put the partition in front of the subject; the handler sees
+                # the subject as it was published.
+                for msg in msgs:
+                    msg.subject = msg.subject.partition(".")[2]
+            part.inflight += len(msgs)
+            self._dispatch(msgs, received_at, part)
+
+    async def floor(self) -> int | None:
+        """The lowest sequence below which every partition's messages have their outcome
+        (:class:`eop.protocol.compaction.Compactor`'s floor); None until every partition
+        has a consumer."""
+        names = await self.owners.consumers()
+        if not names or any(name is None for name in names.values()):
+            return None
+        return await partitions.floor(self.js, self.spec.stream, [n for n in names.values() if n])
+
+    async def stored(self, seq: int) -> bool:
+        """Whether the stream still holds sequence ``seq`` (True when it cannot tell)."""
+        try:
+            await self.js.get_msg(self.spec.stream, seq)
+        except nats.js.errors.NotFoundError:
+            return False
+        except (nats.errors.Error, OSError, asyncio.TimeoutError):
+            return True
+        return True
+
+    async def leave(self) -> None:
+        """Give every partition up and leave (after the lanes finished), so that the
+        other members take them at their next tick instead of at the lease's end."""
+        numbers = list(self.owned)
+        for part in self.owned.values():
+            part.lost.set()
+        try:
+            await self.owners.leave(numbers)
+        except Exception as exc:
+            self._logger.warning(log.Event.PARTITION_FAILED, error=log.describe_error(exc)[:500])
+            return
+        for number in numbers:
+            self._logger.info(log.Event.PARTITION_RELEASED, partition=number)
+        self.owned.clear()
+        self._observer.partitions_changed(self.spec, "released", 0)
+
+
+async def prepare(runner: OrderedRunner) -> None:
+    """Check what the handler needs of the server and the stream, and create its rows."""
+    partitions.check_server(runner.nc, runner.spec)
+    if runner.spec.partitions > 1:
+        try:
+            info = await runner.js.stream_info(runner.spec.stream)
+        except nats.js.errors.NotFoundError as exc:
+            raise errors.ConfigurationError(
+                f"stream {runner.spec.stream!r} does not exist"
+            ) from exc
+        partitions.check_transform(info, runner.spec)
+    await runner.owners.prepare()

@@ -1,0 +1,253 @@
+"""Ordered handlers on a fleet: per-key order across workers, handovers and partitions.
+
+Each test's handler is a per-account state machine: it reads the account's
+last applied step ``FOR UPDATE`` and records whether the step it applies is
+the next one, so an inversion or a gap is counted in the database itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+import eop
+from eop.runtime.worker import Worker
+
+from .bed import bed_settings, drained, running, wait_for
+
+STREAM = "LEDGER"
+
+LEDGER_DDL = (
+    "CREATE TABLE accounts (account text PRIMARY KEY, step int NOT NULL)",
+    "CREATE TABLE applied (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+    " account text NOT NULL, step int NOT NULL, in_order boolean NOT NULL)",
+)
+
+
+async def create_ledger(engine: AsyncEngine, accounts: int) -> None:
+    """The accounts (at step 0) and the applied-steps table."""
+    async with engine.begin() as conn:
+        for ddl in LEDGER_DDL:
+            await conn.execute(sa.text(ddl))
+        for i in range(accounts):
+            await conn.execute(sa.text("INSERT INTO accounts VALUES (:a, 0)"), {"a": f"acc{i}"})
+
+
+async def apply_step(session: AsyncSession, account: str, step: int) -> None:
+    """The state machine: apply ``step`` to ``account``, recording whether it was next."""
+    last = (
+        await session.execute(
+            sa.text("SELECT step FROM accounts WHERE account = :a FOR UPDATE"), {"a": account}
+        )
+    ).scalar_one()
+    await session.execute(
+        sa.text("INSERT INTO applied (account, step, in_order) VALUES (:a, :s, :ok)"),
+        {"a": account, "s": step, "ok": step == last + 1},
+    )
+    await session.execute(
+        sa.text("UPDATE accounts SET step = :s WHERE account = :a"), {"a": account, "s": step}
+    )
+
+
+def ledger_app(database_url: str, nats_url: str, partitions: int, **changes: Any) -> eop.App:
+    """An app with one ordered ledger handler on ``ledger.<account>.step``."""
+    settings = bed_settings(database_url, nats_url, concurrency=32, **changes)
+    app = eop.App(settings=settings)
+    app.stream(STREAM, subjects=["ledger.>"])
+
+    @app.handler(
+        stream=STREAM,
+        subject="ledger.*.step",
+        name="ledger",
+        order_by="subject:1",
+        partitions=partitions,
+    )
+    async def ledger(msg: eop.Message, session: AsyncSession) -> None:
+        await asyncio.sleep(0.002)
+        await apply_step(session, msg.subject.split(".")[1], int(msg.data))
+
+    return app
+
+
+async def publish_burst(nats_url: str, accounts: int, steps: int, start: int = 1) -> None:
+    """Steps ``start``.. ``start + steps - 1`` of every account, interleaved, in one burst."""
+    import nats
+
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    acks = []
+    for step in range(start, start + steps):
+        for i in range(accounts):
+            acks.append(js.publish(f"ledger.acc{i}.step", str(step).encode()))
+    await asyncio.gather(*acks)
+    await nc.close()
+
+
+async def ledger_counts(engine: AsyncEngine) -> tuple[int, int, int]:
+    """(steps applied, applied out of order, steps applied more than once)."""
+    async with engine.connect() as conn:
+        total, bad = (
+            await conn.execute(
+                sa.text("SELECT count(*), count(*) FILTER (WHERE NOT in_order) FROM applied")
+            )
+        ).one()
+        twice = (
+            await conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM (SELECT 1 FROM applied GROUP BY account, step"
+                    " HAVING count(*) > 1) d"
+                )
+            )
+        ).scalar_one()
+    return int(total), int(bad), int(twice)
+
+
+@pytest.mark.parametrize("partitions", [1, 4])
+async def test_two_workers_keep_each_key_in_order_and_share_the_partitions(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, partitions: int
+) -> None:
+    """Two workers on one ordered handler (two pods): every account's steps applied once,
+    in order; with 4 partitions both workers own some (each does useful work)."""
+    accounts, steps = 8, 40
+    await create_ledger(engine, accounts)
+    first = ledger_app(database_url, nats_url, partitions)
+    second = ledger_app(database_url, nats_url, partitions)
+    async with running(first) as w1, running(second) as w2:
+        runners = (w1._runners["ledger"], w2._runners["ledger"])
+        if partitions > 1:
+            # A joining worker takes its share within two ticks of the others'.
+            await wait_for(
+                lambda: _shared(runners, partitions), timeout_s=30, what="the partitions shared"
+            )
+        await publish_burst(nats_url, accounts, steps)
+        await wait_for(lambda: _applied(engine, accounts * steps), timeout_s=60, what="every step")
+        owned = (len(runners[0].owned), len(runners[1].owned))
+    total, bad, twice = await ledger_counts(engine)
+    assert (total, bad, twice) == (accounts * steps, 0, 0)
+    assert sum(owned) == partitions
+    if partitions > 1:
+        assert min(owned) >= 1
+
+
+async def test_a_worker_that_stops_hands_its_partitions_over_and_order_holds(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A worker stopped mid-burst gives its partitions up; the other takes them and goes
+    on from the floor: no step lost, none twice, none out of order."""
+    accounts, steps = 6, 60
+    await create_ledger(engine, accounts)
+    first = ledger_app(database_url, nats_url, 4)
+    second = ledger_app(database_url, nats_url, 4)
+    async with running(first) as w1:
+        w2 = Worker(second)
+        task = asyncio.create_task(w2.run())
+        await w2.ready.wait()
+        await publish_burst(nats_url, accounts, steps)
+        await wait_for(lambda: _applied(engine, 40), timeout_s=30, what="some steps")
+        w2.stop()
+        await asyncio.wait_for(task, 30)
+        await wait_for(lambda: _applied(engine, accounts * steps), timeout_s=60, what="every step")
+        assert len(w1._runners["ledger"].owned) == 4
+    assert await ledger_counts(engine) == (accounts * steps, 0, 0)
+
+
+async def _shared(runners: Any, partitions: int) -> bool:
+    owned = [len(r.owned) for r in runners]
+    return sum(owned) == partitions and min(owned) >= 1
+
+
+async def _owned_all(engine: AsyncEngine, partitions: int) -> bool:
+    with contextlib.suppress(Exception):
+        async with engine.connect() as conn:
+            n = (
+                await conn.execute(
+                    sa.text("SELECT count(*) FROM eop.partitions WHERE consumer IS NOT NULL")
+                )
+            ).scalar_one()
+        return int(n) == partitions
+    return False
+
+
+async def _applied(engine: AsyncEngine, count: int) -> bool:
+    async with engine.connect() as conn:
+        n = (await conn.execute(sa.text("SELECT count(*) FROM applied"))).scalar_one()
+    return int(n) >= count
+
+
+async def test_several_partitions_need_the_streams_transform(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A stream created without the partition transform is refused with the fix named."""
+    await js.add_stream(name=STREAM, subjects=["ledger.>"])
+    app = ledger_app(database_url, nats_url, 4)
+    with pytest.raises(eop.ConfigurationError, match="subject transform to src"):
+        async with running(app):
+            pass
+
+
+async def test_the_partition_count_cannot_change_under_a_handler(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Another partition count than the one the handler's rows were made with is refused:
+    a key would move to another partition while its earlier messages wait in the old one."""
+    await create_ledger(engine, 1)
+    async with running(ledger_app(database_url, nats_url, 1)):
+        pass
+    with pytest.raises(eop.ConfigurationError, match="partitions"):
+        async with running(ledger_app(database_url, nats_url, 2)):
+            pass
+    with contextlib.suppress(Exception):
+        await drained(js, "eop-ledger", STREAM)
+
+
+LEDGER_APP = "tests.integration.ledgerapp:app"
+
+
+@pytest.mark.parametrize("partitions", [1, 4])
+async def test_sigkilled_workers_of_a_fleet_keep_every_key_in_order(
+    database_url: str,
+    nats_url: str,
+    js: Any,
+    engine: AsyncEngine,
+    tmp_path: Any,
+    partitions: int,
+) -> None:
+    """Two `eop worker` commands, each SIGKILLed twice while it holds keys' messages and
+    started again, bursts arriving meanwhile: every step of every account applied once and
+    in order (the issue's single-worker SIGKILL case applied steps 142-180 after 292)."""
+    import random
+    import signal
+
+    from .test_cli import Workers, eop_env
+
+    accounts, steps = 10, 60
+    await create_ledger(engine, accounts)
+    env = eop_env(
+        database_url,
+        nats_url,
+        EOP_PARTITION_LEASE_S="2",
+        EOP_CONCURRENCY="32",
+        LEDGER_PARTITIONS=str(partitions),
+    )
+    pool = Workers(env, tmp_path, app=LEDGER_APP)
+    rng = random.Random(20261128)
+    live = [pool.start(), pool.start()]
+    try:
+        await wait_for(lambda: _owned_all(engine, partitions), what="every partition owned")
+        for burst in range(4):
+            await publish_burst(nats_url, accounts, steps // 4, start=burst * steps // 4 + 1)
+            await asyncio.sleep(rng.uniform(0.2, 0.8))
+            victim = live.pop(rng.randrange(len(live)))
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            live.append(pool.start())
+        await wait_for(lambda: _applied(engine, accounts * steps), timeout_s=120, what="every step")
+    finally:
+        pool.stop_all()
+    assert await ledger_counts(engine) == (accounts * steps, 0, 0)
+    assert [proc.returncode for proc in live] == [0, 0]
