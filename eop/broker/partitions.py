@@ -125,6 +125,11 @@ async def open_consumer(
     partitioned); at the stream's start when there is none.
     """
     name = consumer_name(spec, partition, epoch)
+    with contextlib.suppress(nats.js.errors.NotFoundError):
+        # Made already by this ownership (its fetches failed, or recording it did): its
+        # own floor is where it is, and creating it again with another start would fail.
+        await js.consumer_info(spec.stream, name)
+        return name, None
     floors = [
         floor
         for old in await earlier_consumers(js, spec, partition, epoch, previous)
