@@ -36,13 +36,14 @@ from eop.protocol.processor import Processor
 from eop.testing.backends import Backend, MemoryBackend, PostgresBackend
 from eop.testing.deliveries import FakeDelivery
 from eop.testing.epochs import FakeEpochs
+from eop.testing.lanes import Lanes
 from eop.testing.results import (
     Delivered,
     Recorder,
     Result,
     describe_handlers,
     payload_bytes,
-    unexpected,
+    raise_unexpected,
 )
 from eop.testing.rows import InboxKey, inbox_key
 from eop.types import Outcome
@@ -72,6 +73,10 @@ class TestApp:
     - with ``database`` (a URL or an ``AsyncEngine``): the real store on eop's
       tables in that database (in ``schema``, default the app's), migrated to
       head first unless ``migrate=False``; the handlers get real sessions.
+
+    An ``order_by`` handler's deliveries run in their keys' lanes, as a
+    worker runs them: behind a retried message, the later ones of its key
+    are held back, unrun (:attr:`held`), until it has an outcome.
 
     A handler error other than ``eop.Retry`` and ``eop.Reject`` is raised
     after its delivery settled, as :class:`eop.errors.HandlerFailed` from
@@ -115,6 +120,7 @@ class TestApp:
         self._seqs: dict[str, int] = {}
         self._messages: dict[InboxKey, message.Message] = {}
         self._naked: list[tuple[HandlerSpec, FakeDelivery]] = []
+        self._lanes = Lanes(self._run, self._held)
 
     # -- set-up
 
@@ -173,6 +179,18 @@ class TestApp:
     async def dead_letters(self) -> list[DeadLetterRow]:
         """The dead letters this test's deliveries wrote, oldest first."""
         return await self._ready().dead_letters()
+
+    @property
+    def held(self) -> list[Result]:
+        """The deliveries ``order_by`` handlers hold back now, in the order they were held.
+
+        Each waits, unrun, behind the retried message of its key (its
+        :attr:`~eop.testing.results.Result.held_behind`), as a worker's lane
+        keeps it: once that message has an outcome (processed,
+        dead-lettered...), they run in order, within the call that settled it
+        (:meth:`retry`, :meth:`settle` or :meth:`redeliver`).
+        """
+        return self._lanes.held()
 
     # -- deliveries
 
@@ -248,7 +266,8 @@ class TestApp:
         delivered = [
             Delivered(subject, [results[i] for results in per_handler]) for i in range(len(body))
         ]
-        self._check([r for d in delivered for r in d.values()], raise_errors)
+        ran = [r for d in delivered for r in d.values()]
+        self._check(ran + self._lanes.take_released(), raise_errors)
         return delivered
 
     async def redeliver(
@@ -256,14 +275,20 @@ class TestApp:
     ) -> Delivered:
         """Deliver the same stored message again (same stream sequence, one more delivery),
         as the server does after a lost ack or a crash: the inbox skips it once it has an
-        outcome."""
+        outcome.
+
+        For an ``order_by`` handler it goes through its key's lane: held back
+        behind a retried message of its key, unless it is that message; when
+        it settles that message, the deliveries held behind it run (their
+        results are in :attr:`results`).
+        """
         previous = list(delivered.values()) if isinstance(delivered, Delivered) else [delivered]
         results = []
         for result in previous:
             spec = self._spec(result.handler)
-            results.append(await self._run(spec, _again(result.message, spec)))
+            results.append(await self._deliver(spec, _again(result.message, spec)))
         again = Delivered(previous[0].message.subject, results)
-        self._check(results, raise_errors)
+        self._check(results + self._lanes.take_released(), raise_errors)
         return again
 
     async def retry(self, *, raise_errors: bool | None = None) -> list[Result]:
@@ -271,7 +296,10 @@ class TestApp:
 
         Those are the parked messages (a handler failed; they wait in the
         retries table) and, for ``order_by`` handlers, the nak'ed ones (the
-        server would deliver them again).
+        server would deliver them again). When a nak'ed message has an outcome
+        (processed, dead-lettered), the deliveries of its key held back behind
+        it (:attr:`held`) run next, in order, until one of them is retried in
+        turn: the results are in the order the handlers ran.
         """
         results: list[Result] = []
         backend = self._ready()
@@ -284,12 +312,17 @@ class TestApp:
                 results.append(await self._result(spec, parked, parked.message, outcome))
         naked, self._naked = self._naked, []
         for spec, delivery in naked:
-            results.append(await self._run(spec, delivery.redeliver()))
+            results.append(await self._deliver(spec, delivery.redeliver()))
+            results += self._lanes.take_released()
+        # A message left for the server's AckWait (no nak), which the kit does not model, is
+        # not redelivered: the kit stops holding its key, as a worker does after a while.
+        results += await self._lanes.unhold(self._naked)
         self._check(results, raise_errors)
         return results
 
     async def settle(self, *, raise_errors: bool | None = None) -> list[Result]:
-        """:meth:`retry` until no message waits: each one processed or dead-lettered."""
+        """:meth:`retry` until no message waits: each one processed or dead-lettered, the held
+        ones of ``order_by`` handlers included."""
         results: list[Result] = []
         for _ in range(_SETTLE_ROUNDS):
             round_ = await self.retry(raise_errors=raise_errors)
@@ -343,8 +376,9 @@ class TestApp:
 
     async def _run_batch(self, spec: HandlerSpec, deliveries: list[FakeDelivery]) -> list[Result]:
         proc = self._processors[spec.name]
-        if len(deliveries) == 1 or not self.app.settings.batch_transactions:
-            return [await self._run(spec, d) for d in deliveries]
+        # A worker runs an ordered handler's messages one by one, in their keys' lanes.
+        if len(deliveries) == 1 or not self.app.settings.batch_transactions or spec.order_by:
+            return [await self._deliver(spec, d) for d in deliveries]
         msgs = [await self._message(spec, d) for d in deliveries]
         batch = BatchProcessor(proc)
         await self._bounded(batch.handle_batch(deliveries, proc.clock()), proc, *deliveries)
@@ -354,6 +388,19 @@ class TestApp:
             await self._result(spec, d, m, Outcome.LEFT, outbox=False)
             for d, m in zip(deliveries, msgs, strict=True)
         ]
+
+    async def _deliver(self, spec: HandlerSpec, delivery: FakeDelivery) -> Result:
+        """Run one delivery; an ordered handler's in its key's lane (:mod:`eop.testing.lanes`)."""
+        if spec.order_by is None:
+            return await self._run(spec, delivery)
+        return await self._lanes.deliver(spec, delivery)
+
+    async def _held(self, spec: HandlerSpec, delivery: FakeDelivery, behind: int) -> Result:
+        """The result of a delivery its key's lane holds back behind sequence ``behind``."""
+        msg = await self._message(spec, delivery)
+        result = Result(handler=spec.name, outcome=None, message=msg, held_behind=behind)
+        self.results.append(result)
+        return result
 
     async def _run(self, spec: HandlerSpec, delivery: FakeDelivery) -> Result:
         proc = self._processors[spec.name]
@@ -417,18 +464,8 @@ class TestApp:
         )
 
     def _check(self, results: Sequence[Result], raise_errors: bool | None) -> None:
-        if not (self.raise_errors if raise_errors is None else raise_errors):
-            return
-        for result in results:
-            if unexpected(result.error):
-                assert result.error is not None
-                raise errors.HandlerFailed(
-                    f"handler {result.handler!r} raised {type(result.error).__name__}: "
-                    f"{result.error} (on {result.message.subject}, {result.message.stream} "
-                    f"#{result.message.seq}, delivery {result.message.num_delivered}); the "
-                    f"message was settled as {result.outcome.value}. "
-                    "Pass raise_errors=False to test failures."
-                ) from result.error
+        if self.raise_errors if raise_errors is None else raise_errors:
+            raise_unexpected(results)
 
 
 def _as_database(database: Database) -> str | AsyncEngine:

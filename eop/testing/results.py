@@ -27,12 +27,13 @@ class Result:
     sequence or its ``Nats-Msg-Id``, already has an outcome), ``RETRY`` (the
     handler failed; the message waits for its retry, see
     :meth:`TestApp.retry <eop.testing.app.TestApp.retry>`), ``DEAD_LETTERED``
-    (with its ``reason``), ``QUARANTINED`` or ``LEFT``.
+    (with its ``reason``), ``QUARANTINED`` or ``LEFT``; None when the
+    delivery is held back (:attr:`held`): its handler did not run.
     """
 
     handler: str
     """The handler's name."""
-    outcome: Outcome
+    outcome: Outcome | None
     message: Message
     """The message as the handler got it: ``stream``, ``seq``, ``num_delivered``, ``msg_id``..."""
     error: BaseException | None = None
@@ -41,6 +42,16 @@ class Result:
     """Why it was dead-lettered (``attempts_exhausted``, ``rejected``, ``undecodable``...)."""
     outbox: tuple[Outgoing, ...] = ()
     """The messages this run's committed transaction added to the outbox."""
+    held_behind: int | None = None
+    """For an ``order_by`` handler, the stream sequence of the retried message of the same
+    key this delivery waits behind (None when it ran): see :attr:`held`."""
+
+    @property
+    def held(self) -> bool:
+        """Held back, unrun: a message of the same key (an ``order_by`` handler's) waits for
+        its retry, and this one runs after it has an outcome (:meth:`TestApp.retry
+        <eop.testing.app.TestApp.retry>` returns that run)."""
+        return self.held_behind is not None
 
     @property
     def processed(self) -> bool:
@@ -63,7 +74,10 @@ class Result:
         return self.outcome is Outcome.DEAD_LETTERED
 
     def __str__(self) -> str:
-        text = f"{self.handler}: {self.outcome.value}"
+        if self.outcome is None:
+            text = f"{self.handler}: held behind #{self.held_behind}"
+        else:
+            text = f"{self.handler}: {self.outcome.value}"
         if self.reason is not None:
             text += f" ({self.reason})"
         if self.error is not None:
@@ -108,13 +122,13 @@ class Delivered(Mapping[str, Result]):
         return next(iter(self._results.values()))
 
     @property
-    def outcome(self) -> Outcome:
-        """The one handler's outcome."""
+    def outcome(self) -> Outcome | None:
+        """The one handler's outcome (None if it holds the message back)."""
         return self.result.outcome
 
     @property
-    def outcomes(self) -> dict[str, Outcome]:
-        """Each handler's outcome."""
+    def outcomes(self) -> dict[str, Outcome | None]:
+        """Each handler's outcome (None for one that holds the message back)."""
         return {name: r.outcome for name, r in self._results.items()}
 
     @property
@@ -136,6 +150,16 @@ class Delivered(Mapping[str, Result]):
     def dead_lettered(self) -> bool:
         """The one handler's message is a dead letter now."""
         return self.result.dead_lettered
+
+    @property
+    def held(self) -> bool:
+        """The one handler holds the message back behind a retried one of its key."""
+        return self.result.held
+
+    @property
+    def held_behind(self) -> int | None:
+        """The stream sequence of the retried message the one handler holds it back behind."""
+        return self.result.held_behind
 
     @property
     def reason(self) -> str | None:
@@ -190,6 +214,21 @@ def describe_handlers(specs: Sequence[HandlerSpec]) -> str:
 def unexpected(error: BaseException | None) -> bool:
     """An error the handler did not raise on purpose (not ``eop.Retry`` or ``eop.Reject``)."""
     return error is not None and not isinstance(error, errors.HandlerError)
+
+
+def raise_unexpected(results: Sequence[Result]) -> None:
+    """Raise :class:`eop.errors.HandlerFailed` from the first error a handler did not raise
+    on purpose, if any."""
+    for result in results:
+        if result.error is None or not unexpected(result.error):
+            continue
+        msg = result.message
+        settled = "held" if result.outcome is None else result.outcome.value
+        raise errors.HandlerFailed(
+            f"handler {result.handler!r} raised {type(result.error).__name__}: {result.error} "
+            f"(on {msg.subject}, {msg.stream} #{msg.seq}, delivery {msg.num_delivered}); the "
+            f"message was settled as {settled}. Pass raise_errors=False to test failures."
+        ) from result.error
 
 
 def payload_bytes(data: Any) -> bytes:
