@@ -7,11 +7,12 @@ later messages of its key wait in the lane, unrun, until it has an outcome
 does the same for the test kit: it knows which key waits for which retried
 message, holds the deliveries behind it, and runs them once it is settled.
 
-The rule is :class:`eop.protocol.ordering.BlockedKeys`'s, without its
-clock: a worker stops holding a key after ``backoff_max_s + ack_wait_s``
-(the retried message went to another process); the kit holds it until the
-retried message has an outcome, or until :meth:`TestApp.retry
-<eop.testing.app.TestApp.retry>` finds no nak'ed delivery of it to run.
+The rule is :class:`eop.protocol.ordering.BlockedKeys`'s: a key is held
+until its retried message has an outcome. A worker also lets a key go when
+its partition moves to another process or the stream no longer holds the
+message; the kit, one process holding every key, lets it go when
+:meth:`TestApp.retry <eop.testing.app.TestApp.retry>` finds no nak'ed
+delivery of it to run.
 """
 
 from __future__ import annotations
