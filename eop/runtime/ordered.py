@@ -56,6 +56,8 @@ class Partition:
     releasing: bool = False
     inflight: int = 0
     """Messages fetched from it whose lane has not finished."""
+    room: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    """Set when a lane of it finishes (its fetch loop may have been waiting for room)."""
     keys: set[str] = dataclasses.field(default_factory=set)
     sub: fetcher.Fetcher | None = None
     task: asyncio.Task[None] | None = None
@@ -250,9 +252,16 @@ class OrderedRunner:
         failures = 0
         strip = self.spec.partitions > 1
         while not self._stopping.is_set() and not part.lost.is_set():
+            await self._wait_for_room(part)
             wanted = await self._take_slots()
             if wanted == 0:
                 break
+            # A partition's messages queue in few lanes (its keys'): a fetch that took every
+            # free slot would leave the other partitions' keys idle while these run one by one.
+            room = max(self._fair_share() - part.inflight, 1)
+            if wanted > room:
+                self._give_slots(wanted - room)
+                wanted = room
             msgs: list[Msg] = []
             try:
                 msgs = await part.sub.fetch(wanted, self.settings.fetch_timeout_s)
@@ -300,6 +309,16 @@ class OrderedRunner:
         if not names or any(name is None for name in names.values()):
             return None
         return await partitions.floor(self.js, self.spec.stream, [n for n in names.values() if n])
+
+    def _fair_share(self) -> int:
+        """The slots one owned partition may hold: the concurrency shared out."""
+        return max(1, self.settings.concurrency // max(1, len(self.owned)))
+
+    async def _wait_for_room(self, part: Partition) -> None:
+        while part.inflight >= self._fair_share() and not part.lost.is_set():
+            part.room.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(part.room.wait(), 1.0)
 
     async def stored(self, seq: int) -> bool:
         """Whether the stream still holds sequence ``seq`` (True when it cannot tell)."""

@@ -474,6 +474,7 @@ class Worker(hosting.Hosted):
                 await self._run_lane(proc, key, rest, received_at, part)
         finally:
             part.inflight -= len(msgs)
+            part.room.set()
             self._observer.done(proc.spec, msgs)
             self._slots.give(len(msgs))
 

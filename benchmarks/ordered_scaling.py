@@ -1,0 +1,175 @@
+"""Throughput of an I/O-bound ordered handler on 1, 2 and 4 worker commands.
+
+    python benchmarks/ordered_scaling.py [--messages 60000] [--keys 64] [--partitions 16]
+        [--commands 1,2,4] [--window-s 15]
+
+Starts its own nats-server and PostgreSQL (the ``embedded`` extra). For each
+count N: a fresh stream, ``--messages`` published over ``--keys`` keys, then
+N ``eop worker --processes 1`` commands (N pods) of ``benchmarks/ordered_app.py``
+(``await asyncio.sleep(0.005)`` per message, ``partitions=--partitions``), at
+default settings. Start-up is excluded: the window opens once every command
+owns its share of the partitions and lasts ``--window-s``. Prints messages/s
+over the window, the ratio to N times the one-command figure, and CPU per
+message: the workers', PostgreSQL's and nats-server's (psutil, over the window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+import psutil
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from eop import embedded
+from eop.pg import migrate
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = "benchmarks.ordered_app:app"
+
+
+def start_worker(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """One `eop worker` command of the app (a pod)."""
+    return subprocess.Popen([sys.executable, "-m", "eop", "worker", APP], env=env, cwd=ROOT)
+
+
+def cpu_s(procs: list[psutil.Process]) -> float:
+    """User and system CPU seconds of ``procs`` and their children, living ones only."""
+    total = 0.0
+    for proc in procs:
+        for p in [proc, *proc.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+    return total
+
+
+async def remaining(js: Any, stream: str) -> int:
+    """Messages the handler's partition consumers have not acked yet."""
+    total = 0
+    for info in await js.consumers_info(stream):
+        total += int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+    return total
+
+
+async def balanced(engine: AsyncEngine, handler: str, commands: int) -> bool:
+    """Whether ``commands`` processes each own their share, every partition with a consumer."""
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                sa.text(
+                    "SELECT owner_pid, count(*) FROM eop.partitions WHERE subscription = :h"
+                    " AND consumer IS NOT NULL AND expires_at > now() GROUP BY owner_pid"
+                ),
+                {"h": handler},
+            )
+        ).all()
+        members = (
+            await conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM eop.members WHERE subscription = :h"
+                    " AND expires_at > now()"
+                ),
+                {"h": handler},
+            )
+        ).scalar_one()
+    counts = [int(n) for _, n in rows]
+    return members == commands and len(counts) == commands and max(counts) - min(counts) <= 1
+
+
+async def one_run(
+    ns: embedded.NatsServer, pg: embedded.PostgresServer, args: argparse.Namespace, n: int
+) -> dict[str, float]:
+    stream = f"ORDERED{n}X{int(time.time())}"
+    handler = f"io-{stream.lower()}"
+    nc = await nats.connect(ns.url)
+    js = nc.jetstream()
+    engine = create_async_engine(pg.url)
+    env = dict(
+        os.environ,
+        EOP_DATABASE_URL=pg.url,
+        EOP_NATS_URL=ns.url,
+        EOP_LOG_LEVEL="warning",
+        EOP_PROCESSES="1",
+        BENCH_STREAM=stream,
+        BENCH_PARTITIONS=str(args.partitions),
+    )
+    # The first command creates the stream (with its partition transform); then the backlog.
+    procs = [start_worker(env)]
+    while True:
+        try:
+            await js.stream_info(stream)
+            break
+        except Exception:
+            await asyncio.sleep(0.1)
+    subject = stream.lower()
+    for start in range(0, args.messages, 1000):
+        await asyncio.gather(
+            *(
+                js.publish(f"{subject}.k{i % args.keys}.step", b"x" * 100)
+                for i in range(start, min(start + 1000, args.messages))
+            )
+        )
+    procs += [start_worker(env) for _ in range(n - 1)]
+    while not await balanced(engine, handler, n):  # noqa: ASYNC110  # polls the database
+        await asyncio.sleep(0.2)
+    servers = [psutil.Process(ns.pid or 0), psutil.Process(pg.pid or 0)]
+    workers = [psutil.Process(p.pid) for p in procs]
+    left0, t0 = await remaining(js, stream), time.perf_counter()
+    cpu0 = (cpu_s(workers), cpu_s(servers[1:]), cpu_s(servers[:1]))
+    await asyncio.sleep(args.window_s)
+    left1, t1 = await remaining(js, stream), time.perf_counter()
+    cpu1 = (cpu_s(workers), cpu_s(servers[1:]), cpu_s(servers[:1]))
+    done = left0 - left1
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        await asyncio.to_thread(p.wait)
+    await nc.close()
+    await engine.dispose()
+    if left1 == 0:
+        print(f"  warning: the backlog ran out within the window (N={n}): raise --messages")
+    return {
+        "rate": done / (t1 - t0),
+        "worker_us": 1e6 * (cpu1[0] - cpu0[0]) / max(done, 1),
+        "pg_us": 1e6 * (cpu1[1] - cpu0[1]) / max(done, 1),
+        "nats_us": 1e6 * (cpu1[2] - cpu0[2]) / max(done, 1),
+    }
+
+
+async def main(args: argparse.Namespace) -> None:
+    counts = [int(c) for c in args.commands.split(",")]
+    with embedded.NatsServer() as ns, embedded.PostgresServer() as pg:
+        migrate.upgrade(pg.url)
+        results = {n: await one_run(ns, pg, args, n) for n in counts}
+    base = results[counts[0]]["rate"] / counts[0]
+    print(
+        f"ordered I/O-bound handler: {args.keys} keys, {args.partitions} partitions, "
+        f"5 ms a message, window {args.window_s} s"
+    )
+    print("commands  msg/s   vs N x one   worker us/msg  pg us/msg  nats us/msg")
+    for n, r in results.items():
+        print(
+            f"{n:>8}  {r['rate']:>6.0f}  {r['rate'] / (base * n):>10.2f}  "
+            f"{r['worker_us']:>13.0f}  {r['pg_us']:>9.0f}  {r['nats_us']:>11.0f}"
+        )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=60_000)
+    parser.add_argument("--keys", type=int, default=64)
+    parser.add_argument("--partitions", type=int, default=16)
+    parser.add_argument("--commands", default="1,2,4")
+    parser.add_argument("--window-s", type=float, default=15.0)
+    asyncio.run(main(parser.parse_args()))
