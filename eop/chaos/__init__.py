@@ -9,7 +9,9 @@ with a :class:`Target`. ``Config(scenario=...)`` (``--scenario``) picks one of
 :mod:`eop.chaos.scenarios`: besides the classic mix, hunts for good messages
 dead-lettered by infrastructure failures and for workers that stall;
 ``scenario="cluster"`` runs three clustered nats-servers and kills the
-leaders of a replicated stream and of its consumer (:mod:`eop.chaos.cluster`).
+leaders of a replicated stream and of its consumer (:mod:`eop.chaos.cluster`);
+``scenario="ordered"`` checks an ``order_by`` handler's per-key order as well
+(:mod:`eop.chaos.ordered`).
 """
 
 from __future__ import annotations

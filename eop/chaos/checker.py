@@ -20,6 +20,7 @@ import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from eop.chaos import schedule
 from eop.chaos.target import Payload
@@ -236,3 +237,50 @@ def missing_evidence(
     one did not."""
     required = [*(EVIDENCE_EVENTS if races else ()), *(f"kills at {s.name}" for s in spots)]
     return [label for label in required if not found.get(label)]
+
+
+@dataclasses.dataclass
+class OrderVerdict:
+    """Per-key order of an ordered handler's effects, read in commit order.
+
+    For two messages of one key, the earlier one's outcome must commit before
+    the later one's handler starts: each key's positions commit as 1, 2, 3...
+    """
+
+    keys: int = 0
+    effects: int = 0
+    ahead: int = 0
+    """Effects that committed while an earlier position of their key had not (a gap)."""
+    behind: int = 0
+    """Effects that committed after a later position of their key (an inversion), or
+    again (a duplicate)."""
+    unsettled: int = 0
+    """Effects whose handler ran before the message published just before it (one
+    that is dead-lettered) had its outcome committed."""
+    violations: list[str] = dataclasses.field(default_factory=list)
+    """One line per effect that broke the order: the invariant is none."""
+
+
+def check_order(rows: Iterable[Sequence[Any]]) -> OrderVerdict:
+    """Judge ``(key, position, prior_settled)`` rows, given in commit order."""
+    verdict = OrderVerdict()
+    top: dict[str, int] = {}
+    for key, position, prior_settled in rows:
+        name, step = str(key), int(position)
+        last = top.get(name, 0)
+        verdict.effects += 1
+        reasons = []
+        if step > last + 1:
+            verdict.ahead += 1
+            reasons.append(f"committed while step {last + 1} had not (gap)")
+        elif step <= last:
+            verdict.behind += 1
+            reasons.append(f"committed after step {last} (inversion or duplicate)")
+        if not prior_settled:
+            verdict.unsettled += 1
+            reasons.append("ran before the dead letter published ahead of it committed")
+        if reasons:
+            verdict.violations.append(f"{name}: step {step} " + "; ".join(reasons))
+        top[name] = max(last, step)
+    verdict.keys = len(top)
+    return verdict

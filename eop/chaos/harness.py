@@ -109,7 +109,7 @@ class Config:
         return " ".join(parts)
 
 
-_BUILT_IN_APPS = ("eop.chaos.hot:app", "eop.chaos.pipeline:app")
+_BUILT_IN_APPS = ("eop.chaos.hot:app", "eop.chaos.pipeline:app", "eop.chaos.ordered:app")
 
 
 @dataclasses.dataclass
@@ -363,6 +363,8 @@ class _Run:
             arm=self.scenario.arm_workers,
             kill_spots=self.scenario.kill_spots,
             relay_spots=self.scenario.relay_spots,
+            slot_args=self.scenario.slot_args,
+            active=self.scenario.initial_workers,
         )
 
     def _publisher(self, js: JetStreamContext) -> publisher.Publisher:
@@ -403,6 +405,10 @@ class _Run:
             required=self.scenario.required,
             shape=schedule.Shape(attempts_budget_s=budget),
         )
+        scripted = schedule.timeline(
+            self.seed, c.duration_s, self.scenario.timeline, ack_wait_s=c.ack_wait_s
+        )
+        faults = sorted(faults + scripted, key=lambda f: f.at_s)
         sends = publisher.plan(
             payloads, self.seed, c.duration_s * 0.85, self.stream_spec.duplicate_window_s
         )
@@ -532,6 +538,8 @@ class _Run:
                 if target.invariant_sql:
                     violations = conn.execute(sa.text(target.invariant_sql)).all()
                     r.invariant_problems += [f"invariant_sql row {tuple(v)}" for v in violations]
+                if target.order_sql:
+                    r.order = checker.check_order(conn.execute(sa.text(target.order_sql)))
         finally:
             engine.dispose()
         r.outcomes = checker.check_outcomes(checker.planned_at(payloads, 0), effects, dead)

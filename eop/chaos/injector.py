@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import signal
+import subprocess
 import time
 from collections.abc import Sequence
 
@@ -88,6 +90,30 @@ class Injector:
             return False
         await asyncio.sleep(fault.duration_s)
         self.pool.resume(inc)
+        return True
+
+    async def _worker_stop_long(self, fault: schedule.Fault) -> bool:
+        """SIGSTOP past AckWait: the target slot's worker, or the next one that can be."""
+        for k in range(self.pool.active):
+            inc = self.pool.pause(fault.target + k)
+            if inc is not None:
+                await asyncio.sleep(fault.duration_s)
+                self.pool.resume(inc)
+                return True
+        return False
+
+    async def _scale_workers(self, fault: schedule.Fault) -> bool:
+        """Run ``fault.target`` worker commands: start the new ones, or SIGTERM the
+        ones beyond and time their stops (``scale-down``)."""
+        leaving = self.pool.scale(fault.target)
+        for inc in leaving:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(inc.proc.wait, self.pool.stop_limit_s + 5.0)
+            code = inc.proc.poll()
+            self.pool.record_stop(inc, "scale-down", code)
+            if code is None:
+                inc.killed_by_harness = True
+                inc.send(signal.SIGKILL)
         return True
 
     async def _nats_kill(self, fault: schedule.Fault) -> bool:

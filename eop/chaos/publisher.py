@@ -79,7 +79,9 @@ class Publisher:
         wait = 0.05
         while True:
             try:
-                ack = await self.js.publish(self.subject, payload.data, headers=headers, timeout=2)
+                ack = await self.js.publish(
+                    payload.subject or self.subject, payload.data, headers=headers, timeout=2
+                )
             except _PUBLISH_ERRORS:
                 # NATS is down or restarting: the same id again is safe.
                 self.retries += 1

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from eop.chaos import checker, relayed
-from eop.chaos.checker import LogEvidence, Outcomes
+from eop.chaos.checker import LogEvidence, OrderVerdict, Outcomes
 
 
 @dataclasses.dataclass
@@ -29,6 +29,8 @@ class Report:
     outbox: relayed.Verdict | None = None
     """The outbox against the streams it was published to (a pipeline)."""
     invariant_problems: list[str] = dataclasses.field(default_factory=list)
+    order: OrderVerdict | None = None
+    """Per-key order of an ordered handler's effects (a target with ``order_sql``)."""
     logs: LogEvidence = dataclasses.field(default_factory=LogEvidence)
     evidence: dict[str, int] = dataclasses.field(default_factory=dict)
     missing_evidence: list[str] = dataclasses.field(default_factory=list)
@@ -77,6 +79,8 @@ class Report:
         if self.outbox is not None:
             found += self.outbox.problems
         found += [f"invariant: {item}" for item in self.invariant_problems]
+        if self.order is not None:
+            found += [f"order: {item}" for item in self.order.violations]
         found += [f"secret leaked in a log line: {item}" for item in self.logs.leaks]
         found += [f"no evidence of {item}" for item in self.missing_evidence]
         bad_exits = [code for code in self.final_exit_codes if code != 0]
@@ -104,6 +108,8 @@ class Report:
             "duplicated": len(o.duplicated),
             "unexpected": len(o.unexpected),
             "dead_lettered_good": len(o.dead_lettered),
+            "order_violations": None if self.order is None else len(self.order.violations),
+            "order": None if self.order is None else _order(self.order),
             "stages": {name: _verdicts(stage) for name, stage in self.stages.items()},
             "outbox": None if self.outbox is None else self.outbox.to_dict(),
             "scenario": self.scenario,
@@ -179,6 +185,16 @@ class Report:
             )
         return lines
 
+    def _render_order(self) -> list[str]:
+        v = self.order
+        if v is None:
+            return []
+        return [
+            f"  order violations {len(v.violations)} ({v.effects} effects of {v.keys} keys in "
+            f"commit order): ahead of an earlier step {v.ahead}, after a later one "
+            f"{v.behind}, before the dead letter ahead of it {v.unsettled}"
+        ]
+
     def render(self) -> str:
         """The report for people."""
         o = self.outcomes
@@ -191,6 +207,7 @@ class Report:
             f"  lost {len(o.lost)}, duplicated {len(o.duplicated)}, unexpected "
             f"{len(o.unexpected)}, good dead-lettered {len(o.dead_lettered)}",
             *self._render_stages(),
+            *self._render_order(),
             *self._render_scenario(),
             f"  faults: {self.fault_count} in all; injected by the harness:",
         ]
@@ -217,7 +234,8 @@ class Report:
             lines.append(f"  FAILED ({len(problems)} problems; seed {self.seed}):")
             lines += [f"    {p}" for p in problems[:40]]
         else:
-            lines.append("  OK: every message took effect exactly once")
+            in_order = "" if self.order is None else ", in order per key"
+            lines.append(f"  OK: every message took effect exactly once{in_order}")
         return "\n".join(lines)
 
 
@@ -229,6 +247,16 @@ def _verdicts(o: Outcomes) -> dict[str, int]:
         "duplicated": len(o.duplicated),
         "unexpected": len(o.unexpected),
         "dead_lettered_good": len(o.dead_lettered),
+    }
+
+
+def _order(v: OrderVerdict) -> dict[str, int]:
+    return {
+        "keys": v.keys,
+        "effects": v.effects,
+        "ahead": v.ahead,
+        "behind": v.behind,
+        "unsettled": v.unsettled,
     }
 
 

@@ -31,7 +31,13 @@ that stall or do not stop:
   outbox messages as a web service does, under the classic mix; the workers,
   whose relays publish the outbox, are also killed after publishing, during
   the mark and after it, and stream B's duplicate window is 2 s, so that the
-  relays' re-sends must be absorbed by the second handler's msg-id guard.
+  relays' re-sends must be absorbed by the second handler's msg-id guard;
+- ``ordered``: an ``order_by="subject:1"`` ledger of 40 accounts whose steps are
+  published in order (:mod:`eop.chaos.ordered`), some failing their first
+  delivery, some garbage among them; one worker command, then three, then two
+  (the second with ``--processes 2``), SIGKILLed, SIGSTOPped past AckWait,
+  NATS and PostgreSQL restarted. Besides exactly once, each account's steps
+  must commit in order (``order violations``, :func:`eop.chaos.checker.check_order`).
 
 Every scenario also SIGTERMs workers mid-run and times each stop.
 """
@@ -42,7 +48,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from eop import errors
-from eop.chaos import bank, hot, pipeline, schedule
+from eop.chaos import bank, hot, ordered, pipeline, schedule
 from eop.chaos.target import Target
 
 # The hunts' own worker settings: a small attempts budget, so that an outage
@@ -82,6 +88,15 @@ def _no_slot_env(slot: int) -> dict[str, str | None]:
     return {}
 
 
+def _no_slot_args(slot: int) -> tuple[str, ...]:
+    return ()
+
+
+def _two_processes_in_slot_1(slot: int) -> tuple[str, ...]:
+    """The second worker command runs under eop's supervisor (``--processes 2``)."""
+    return ("--processes", "2") if slot == 1 else ()
+
+
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     """One way to run the harness: a target, worker settings and a fault mix."""
@@ -114,6 +129,14 @@ class Scenario:
     nats_nodes: int = 1
     """nats-servers: 3 runs a cluster (:mod:`eop.chaos.cluster`), whose leaders are the
     faults; the fault mix (``weights``) is then unused."""
+    slot_args: Callable[[int], tuple[str, ...]] = _no_slot_args
+    """Extra ``eop worker`` arguments of the worker command in each slot."""
+    initial_workers: int | None = None
+    """Worker commands running at the start (None: all of ``Config.workers``); a
+    ``scale_workers`` step of the ``timeline`` changes it."""
+    timeline: tuple[tuple[float, schedule.Kind, int], ...] = ()
+    """Faults at fixed points, besides the seeded draw: ``(fraction of the phase, kind,
+    target)`` (:func:`eop.chaos.schedule.timeline`)."""
 
     def worker_env(self, slot: int) -> dict[str, str | None]:
         """The environment changes of the worker in ``slot``."""
@@ -128,6 +151,18 @@ _AROUND: dict[schedule.Kind, float] = {
     "drop_ack_reply": 1.0,
 }
 _HUNT_PACE = {"mean_fault_gap_s": 1.0}
+
+
+# Worker deaths and freezes in every spell; server restarts in the storms only
+# (schedule.CALM_EVERY_S); a retry on some keys comes from the target itself.
+_ORDERED_WEIGHTS: dict[schedule.Kind, float] = {
+    "worker_kill": 1.0,
+    "worker_stop_long": 0.6,
+    "worker_stop": 0.4,
+    "worker_term": 0.3,
+    "nats_restart": 0.15,
+    "pg_restart": 0.15,
+}
 
 
 def _focused(kind: schedule.Kind) -> dict[schedule.Kind, float]:
@@ -248,6 +283,23 @@ SCENARIOS: dict[str, Scenario] = {
             nats_nodes=3,
         ),
         Scenario(
+            "ordered",
+            "order_by ledger of 40 accounts; workers 1 -> 3 -> 2, kills, stops, restarts",
+            target=ordered.target,
+            weights=_ORDERED_WEIGHTS,
+            required=("worker_stop_long", "nats_restart", "pg_restart"),
+            # Wide lanes: many keys wait behind a retried message at any time.
+            overrides={"workers": 3, "concurrency": 16, "mean_fault_gap_s": 1.5},
+            slot_args=_two_processes_in_slot_1,
+            initial_workers=1,
+            timeline=(
+                # Alone, a restarted worker meets the later messages of its keys first.
+                (0.1, "worker_kill", 0),
+                (0.25, "scale_workers", 3),
+                (0.65, "scale_workers", 2),
+            ),
+        ),
+        Scenario(
             "poison-flood",
             "always-failing messages just ahead of good ones (time to good reported)",
             weights=_AROUND,
@@ -257,7 +309,9 @@ SCENARIOS: dict[str, Scenario] = {
         ),
     )
 }
-HUNTS = tuple(name for name in SCENARIOS if name not in ("classic", "mixed", "pipeline", "cluster"))
+HUNTS = tuple(
+    name for name in SCENARIOS if name not in ("classic", "mixed", "pipeline", "cluster", "ordered")
+)
 """The focused scenarios, each one class of "zero times" failure."""
 
 

@@ -41,6 +41,10 @@ Kind = Literal[
     "long_msg_id",
     "raw_bad_subject",
     "poison_flood",
+    # The ``ordered`` scenario's: a SIGSTOP that always outlasts AckWait, and a change
+    # in the number of worker commands (``target`` is the new count).
+    "worker_stop_long",
+    "scale_workers",
 ]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 
@@ -197,6 +201,10 @@ def _make(
         return Fault(at_s, kind, shape.attempts_budget_s * rng.uniform(1.0, 1.3))
     if kind in ("long_msg_id", "raw_bad_subject", "poison_flood"):
         return Fault(at_s, kind, target=rng.randrange(2**31))
+    if kind == "worker_stop_long":
+        # Past AckWait every time: the server redelivers the frozen worker's messages
+        # to the others, and the frozen one resumes with them still in hand.
+        return Fault(at_s, kind, rng.uniform(1.25, 2.0) * ack_wait_s, slot)
     if kind == "worker_stop":
         # Half the stops outlast AckWait: the server redelivers to a live worker
         # while the stopped one still holds its claims.
@@ -215,6 +223,29 @@ def _make(
         # Some cut every connection, others only some: a held claim may survive.
         return Fault(at_s, kind, target=rng.choice((0, 1, 2)))
     return Fault(at_s, kind, target=slot)
+
+
+def timeline(
+    seed: int,
+    duration_s: float,
+    steps: Sequence[tuple[float, Kind, int]],
+    *,
+    ack_wait_s: float,
+) -> list[Fault]:
+    """Faults at fixed points of the phase: ``(fraction of duration_s, kind, target)``.
+
+    A scenario's script (scaling the workers up and down, a kill while one worker
+    runs), on top of the seeded draw of :func:`build`. Durations are drawn as
+    :func:`build` draws them; ``target`` is the worker slot, or the new worker count
+    of ``scale_workers``.
+    """
+    rng = random.Random(f"eop-chaos-timeline:{seed}")
+    return [
+        dataclasses.replace(
+            _make(rng, kind, fraction * duration_s, 1, ack_wait_s, Shape()), target=target
+        )
+        for fraction, kind, target in steps
+    ]
 
 
 @dataclasses.dataclass(frozen=True)

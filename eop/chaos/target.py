@@ -57,6 +57,9 @@ class Payload:
     """The stage it enters at: 0 is the target's handler, 1 its first ``downstream``
     stage... It must take effect once in that stage and every later one (a poison
     one: a dead letter in that stage, and nothing later)."""
+    subject: str | None = None
+    """Where to publish it (default: the target's subject): e.g. one subject per
+    ordering key, for a handler with ``order_by="subject:N"``."""
 
 
 PayloadFactory = Callable[[int, random.Random], Payload]
@@ -137,6 +140,11 @@ class Target:
     key_header: str | None = None
     """The header that carries the logical message's key in every outbox message: ties a
     message the relay sent twice to its effects downstream."""
+    order_sql: str | None = None
+    """For an ordered handler: ``SELECT key, position, prior_settled`` per effect, in
+    commit order. Each key's positions must be 1, 2, 3... in that order, and
+    ``prior_settled`` true: the message published before it (a dead-lettered one, say)
+    had its outcome committed before it ran (:func:`eop.chaos.checker.check_order`)."""
 
     @property
     def handlers(self) -> tuple[str, ...]:

@@ -49,6 +49,18 @@ class Incarnation:
     killed_by_harness: bool = False
     terminated_at: float | None = None
     """When the harness sent it SIGTERM (``time.monotonic()``), if it did."""
+    group: bool = False
+    """It leads a process group of its own (an ``eop worker --processes N`` command):
+    SIGKILL, SIGSTOP and SIGCONT go to the whole group, the children too."""
+
+    def send(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the process, or to its group (not SIGTERM: that one goes to the
+        leader, which passes it on, as an orchestrator's would)."""
+        with contextlib.suppress(ProcessLookupError):
+            if self.group and sig != signal.SIGTERM:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
 
 
 class WorkerPool:
@@ -70,6 +82,8 @@ class WorkerPool:
         arm: bool = True,
         kill_spots: Sequence[schedule.KillSpot] = schedule.HANDLER_SPOTS,
         relay_spots: Sequence[schedule.KillSpot] = (),
+        slot_args: Callable[[int], Sequence[str]] | None = None,
+        active: int | None = None,
     ) -> None:
         self.app, self.handlers = app, list(handlers)
         self.kill_spots = tuple(kill_spots)
@@ -93,15 +107,40 @@ class WorkerPool:
         self.relay_top_up = False
         self.stall_top_up = False
         self.slots: list[Incarnation | None] = [None] * count
+        self.slot_args = slot_args
+        """Per-slot ``eop worker`` arguments, after the pool's (``--processes 2``)."""
+        self.active = count if active is None else max(1, min(active, count))
+        """How many slots run a worker (:meth:`scale`); the others stay empty."""
         self.incarnations: list[Incarnation] = []
         self.kills_fired: collections.Counter[str] = collections.Counter()
         self.exits: collections.Counter[str] = collections.Counter()
         self._respawn_at: dict[int, float] = {}
 
     def start(self) -> None:
-        """Start every slot."""
-        for slot in range(len(self.slots)):
+        """Start every active slot."""
+        for slot in range(self.active):
             self._spawn(slot)
+
+    def scale(self, count: int) -> list[Incarnation]:
+        """Run ``count`` worker commands from now on (at least one, at most the slots).
+
+        More: :meth:`poll` starts the new slots. Fewer: the workers of the slots
+        beyond get SIGTERM (a paused one is resumed first, so that it can exit) and
+        are returned, for the caller to time their stops; they are not replaced.
+        """
+        self.active = max(1, min(count, len(self.slots)))
+        leaving = []
+        for inc in self.slots[self.active :]:
+            if inc is None or inc.proc.poll() is not None or inc.terminated_at is not None:
+                continue
+            self.resume(inc)
+            self.send_term(inc)
+            leaving.append(inc)
+        return leaving
+
+    def _active_slot(self, slot: int) -> int:
+        """A fault aimed at ``slot`` hits an active one: scaled down, the pool is smaller."""
+        return slot % self.active
 
     def _least_fired(
         self, spots: Sequence[schedule.KillSpot], number: int
@@ -166,27 +205,33 @@ class WorkerPool:
             # A staller holds twice the claims: more overlaps per calm spell.
             env["EOP_CONCURRENCY"] = str(2 * int(env.get("EOP_CONCURRENCY", "4")))
         # One process per worker: the harness kills and stops worker processes by PID.
+        # A slot given --processes N leads a process group instead (Incarnation.group).
         argv = [sys.executable, "-m", "eop", "worker", self.app]
         for handler in self.handlers:
             argv += ["--handler", handler]
-        argv += ["--processes", "1"]
+        argv += ["--processes", "1", *self.args]
+        extra = list(self.slot_args(slot)) if self.slot_args else []
+        group = "--processes" in extra
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                [*argv, *self.args], env=env, stdout=out, stderr=subprocess.STDOUT
+                [*argv, *extra],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=group,
             )
-        inc = Incarnation(number, slot, proc, plan, log)
+        inc = Incarnation(number, slot, proc, plan, log, group=group)
         self.incarnations.append(inc)
         self.slots[slot] = inc
         return inc
 
     def kill(self, slot: int) -> bool:
         """SIGKILL the worker in ``slot``; False if it was not running."""
-        inc = self.slots[slot]
+        inc = self.slots[self._active_slot(slot)]
         if inc is None or inc.proc.poll() is not None:
             return False
         inc.killed_by_harness = True
-        with contextlib.suppress(ProcessLookupError):
-            inc.proc.send_signal(signal.SIGKILL)
+        inc.send(signal.SIGKILL)
         return True
 
     def pause(self, slot: int) -> Incarnation | None:
@@ -195,29 +240,27 @@ class WorkerPool:
         Not one that is stopping: a frozen process cannot exit, and its timed stop
         would count the pause as the worker's own stall.
         """
-        inc = self.slots[slot]
+        inc = self.slots[self._active_slot(slot)]
         if inc is None or inc.stopped or inc.terminated_at is not None:
             return None
         if inc.proc.poll() is not None:
             return None
         inc.stopped = True
-        with contextlib.suppress(ProcessLookupError):
-            inc.proc.send_signal(signal.SIGSTOP)
+        inc.send(signal.SIGSTOP)
         return inc
 
     def resume(self, inc: Incarnation) -> None:
         """SIGCONT a paused worker."""
         if inc.stopped:
             inc.stopped = False
-            with contextlib.suppress(ProcessLookupError):
-                inc.proc.send_signal(signal.SIGCONT)
+            inc.send(signal.SIGCONT)
 
     def poll(self) -> None:
         """Record exited workers and replace them (after a short pause if they failed fast)."""
         now = time.monotonic()
         for slot, inc in enumerate(self.slots):
             if inc is None:
-                if now >= self._respawn_at.get(slot, 0.0):
+                if slot < self.active and now >= self._respawn_at.get(slot, 0.0):
                     self._spawn(slot)
                 continue
             code = inc.proc.poll()
@@ -249,7 +292,7 @@ class WorkerPool:
         """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            current = list(self.slots)
+            current = self.slots[: self.active]
             if all(inc is not None and _logged(inc, b'"worker.started"') for inc in current):
                 return True
             time.sleep(0.1)
@@ -319,8 +362,7 @@ class WorkerPool:
     def send_term(self, inc: Incarnation) -> None:
         """SIGTERM ``inc`` and note when, to time its stop."""
         inc.terminated_at = time.monotonic()
-        with contextlib.suppress(ProcessLookupError):
-            inc.proc.send_signal(signal.SIGTERM)
+        inc.send(signal.SIGTERM)
 
     def started(self, slot: int) -> Incarnation | None:
         """The worker in ``slot`` if it runs, is neither paused nor stopping, and has its
@@ -371,9 +413,8 @@ class WorkerPool:
         """SIGKILL whatever still runs (after a failure of the harness itself)."""
         for inc in self.incarnations:
             if inc.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(inc.proc.pid, signal.SIGCONT)
-                inc.proc.kill()
+                inc.send(signal.SIGCONT)
+                inc.send(signal.SIGKILL)
                 inc.proc.wait()
 
 
