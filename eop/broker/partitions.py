@@ -272,3 +272,15 @@ def _overlap(a: str, b: str) -> bool:
         if p != "*" and q != "*" and p != q:
             return False
     return True
+
+
+async def handler_consumers(js: JetStreamContext, spec: HandlerSpec) -> list[api.ConsumerInfo]:
+    """The consumers a handler's messages wait in: its durable, or (ordered) its
+    partitions' (empty when none exists yet)."""
+    if spec.order_by is None:
+        try:
+            return [await js.consumer_info(spec.stream, spec.durable)]
+        except nats.js.errors.NotFoundError:
+            return []
+    prefix = f"{spec.durable}-p"
+    return [i for i in await js.consumers_info(spec.stream) if (i.name or "").startswith(prefix)]

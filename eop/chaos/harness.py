@@ -37,7 +37,7 @@ from nats.js import JetStreamContext
 
 from eop import embedded, errors
 from eop.app import App
-from eop.broker import jetstream
+from eop.broker import jetstream, partitions
 from eop.chaos import (
     bank,
     checker,
@@ -606,20 +606,20 @@ async def _pending(js: JetStreamContext, specs: list[HandlerSpec]) -> str:
     found = []
     for spec in specs:
         try:
-            info = await js.consumer_info(spec.stream, spec.durable)
+            infos = await partitions.handler_consumers(js, spec)
         except Exception as exc:  # only for the message of a liveness failure
             found.append(f"{spec.name}: unknown ({type(exc).__name__})")
             continue
-        found.append(
-            f"{spec.name}: {info.num_pending} undelivered, {info.num_ack_pending} awaiting ack"
-        )
+        pending = sum(i.num_pending or 0 for i in infos)
+        unacked = sum(i.num_ack_pending or 0 for i in infos)
+        found.append(f"{spec.name}: {pending} undelivered, {unacked} awaiting ack")
     return "; ".join(found)
 
 
 async def _consumers_quiet(js: JetStreamContext, specs: list[HandlerSpec]) -> bool:
     for spec in specs:
-        info = await js.consumer_info(spec.stream, spec.durable)
-        if info.num_pending or info.num_ack_pending:
+        infos = await partitions.handler_consumers(js, spec)
+        if not infos or any(i.num_pending or i.num_ack_pending for i in infos):
             return False
     return True
 

@@ -202,6 +202,8 @@ class Injector:
         return True
 
     async def _consumer_recreate(self, fault: schedule.Fault) -> bool:
+        if self.spec.order_by is not None:
+            return False  # its partitions' consumers are the workers' own
         try:
             await self.js.delete_consumer(self.spec.stream, self.spec.durable)
         except (*jetstream.NATS_ERRORS, nats.js.errors.NotFoundError):
@@ -211,7 +213,13 @@ class Injector:
         return True
 
     async def ensure_consumer(self, deadline_s: float = 60.0) -> None:
-        """Make sure the handler's consumer exists (the workers may have recreated it)."""
+        """Make sure the handler's consumer exists (the workers may have recreated it).
+
+        An ordered handler's consumers are its partitions', made by the workers that
+        own them: nothing to do.
+        """
+        if self.spec.order_by is not None:
+            return
         end = time.monotonic() + deadline_s
         while True:
             try:

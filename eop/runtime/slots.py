@@ -31,7 +31,7 @@ class Slots:
         are free, up to ``most``; 0 once :meth:`close` was called, at once or while waiting."""
         if self._closed:
             return 0
-        if self.free == 0 or self._waiters:
+        if self.free <= 0 or self._waiters:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
@@ -52,6 +52,12 @@ class Slots:
         """Give ``count`` slots back; the first waiting loop takes them."""
         self.free += count
         self._wake_next()
+
+    def borrow(self, count: int) -> None:
+        """Take ``count`` slots back at once, even beyond the budget: for messages
+        already fetched that gave their slots up while they waited (an ordered key
+        held behind a retried message), which must not wait for slots to run."""
+        self.free -= count
 
     def close(self) -> None:
         """No more slots for anyone: every waiting and later :meth:`take` returns 0."""

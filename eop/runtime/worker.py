@@ -469,8 +469,13 @@ class Worker(hosting.Hosted):
             first = [m for m in msgs if awaited is not None and _seq(m) <= awaited]
             rest = [m for m in msgs if m not in first]
             if await self._run_lane(proc, key, first, received_at, part):
-                if previous is not None:
-                    await asyncio.wait({previous})
+                if previous is not None and not previous.done():
+                    beat_s = proc.ack_wait_s / 3
+                    async with (
+                        self._held(rest, part),
+                        ack.heartbeats(rest, beat_s, [self._logger] * len(rest)),
+                    ):
+                        await asyncio.wait({previous})
                 await self._run_lane(proc, key, rest, received_at, part)
         finally:
             part.inflight -= len(msgs)
@@ -498,15 +503,31 @@ class Worker(hosting.Hosted):
             if awaited is not None and _seq(msg) > awaited:
                 held = msgs[index:]
                 beat_s = proc.ack_wait_s / 3
-                if not await self._blocked.wait(
-                    name, key, held, beat_s, lost=part.lost, stored=runner.stored, hold_s=hold_s
-                ):
+                async with self._held(held, part):
+                    went_on = await self._blocked.wait(
+                        name, key, held, beat_s, lost=part.lost, stored=runner.stored, hold_s=hold_s
+                    )
+                if not went_on:
                     return False
             outcome = await proc.handle(msg, received_at)
             self._blocked.update(name, key, msg, outcome)
             if outcome in (Outcome.PROCESSED, Outcome.DEAD_LETTERED):
                 self._count(proc.spec, 1)
         return True
+
+    @contextlib.asynccontextmanager
+    async def _held(self, msgs: Sequence[Delivery], part: ordered.Partition) -> Any:
+        """While ``msgs`` wait behind an earlier message of their key, their slots (and
+        their partition's room) are free: the fetch loop must still be able to fetch
+        that earlier message's redelivery, and other keys' messages."""
+        self._slots.give(len(msgs))
+        part.inflight -= len(msgs)
+        part.room.set()
+        try:
+            yield
+        finally:
+            self._slots.borrow(len(msgs))
+            part.inflight += len(msgs)
 
     async def _take_slots(self) -> int:
         """Wait for a free slot, then take as many as are free, up to the batch size."""
