@@ -40,7 +40,8 @@ _OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
         "classic",
         "classic, mixed (classic plus the never-zero-times hunts), pipeline (two handlers "
         "chained through the outbox, relays killed), cluster (3 nats-servers, an R3 "
-        "stream, its and its consumer's leaders killed) or one hunt: "
+        "stream, its and its consumer's leaders killed), ordered (an order_by ledger: per-key "
+        "order checked, workers scaled 1-3-2 and killed) or one hunt: "
         "sync-hot-rows, transfers, pg-outage, read-only, lock-timeouts, long-msg-id, "
         "bad-subject, poison-flood (see RELIABILITY.md)",
     ),

@@ -230,7 +230,7 @@ async def test_sigkilled_workers_of_a_fleet_keep_every_key_in_order(
     env = eop_env(
         database_url,
         nats_url,
-        EOP_PARTITION_LEASE_S="2",
+        EOP_PARTITION_LEASE_S="3",
         EOP_CONCURRENCY="32",
         LEDGER_PARTITIONS=str(partitions),
     )
@@ -246,7 +246,7 @@ async def test_sigkilled_workers_of_a_fleet_keep_every_key_in_order(
             victim.send_signal(signal.SIGKILL)
             victim.wait()
             live.append(pool.start())
-        await wait_for(lambda: _applied(engine, accounts * steps), timeout_s=120, what="every step")
+        await wait_for(lambda: _applied(engine, accounts * steps), timeout_s=240, what="every step")
     finally:
         pool.stop_all()
     assert await ledger_counts(engine) == (accounts * steps, 0, 0)
