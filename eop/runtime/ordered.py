@@ -59,6 +59,7 @@ class Partition:
     room: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     """Set when a lane of it finishes (its fetch loop may have been waiting for room)."""
     keys: set[str] = dataclasses.field(default_factory=set)
+    """Its keys that were blocked behind a retried message (forgotten when it goes)."""
     sub: fetcher.Fetcher | None = None
     task: asyncio.Task[None] | None = None
     release_by: float = 0.0
@@ -172,6 +173,7 @@ class OrderedRunner:
         for number in releasing:
             part = self.owned.pop(number)
             self._blocked.forget(self.spec.name, part.keys)
+            await self._stop_fetching(part)
             self._logger.info(log.Event.PARTITION_RELEASED, partition=number, epoch=part.epoch)
             self._observer.partitions_changed(self.spec, "released", len(self.owned))
         for number, part in list(self.owned.items()):
@@ -189,9 +191,23 @@ class OrderedRunner:
         self._give_up_surplus(share(self.members, self.owners.member.name, self.owners.count))
 
     def _expire(self, asked_at: float) -> None:
+        """Past the lease as this process counts it: another owner may have the partitions
+        now. Stop them at once; give them up (a new epoch, a consumer at the floor) even if
+        the database still has them: their lanes left messages unacked behind later ones."""
         if asked_at > self._lease_until:
             for part in self.owned.values():
-                part.lost.set()
+                self._stop(part)
+
+    def _stop(self, part: Partition) -> None:
+        """Stop fetching ``part`` and starting its messages; it is released once drained."""
+        if part.releasing:
+            return
+        part.releasing = True
+        # A handler running now may take its whole lease to finish.
+        part.release_by = time.monotonic() + (self.spec.ack_wait_s or self.settings.ack_wait_s)
+        part.lost.set()
+        if part.task is not None:
+            part.task.cancel()
 
     def _drained(self, part: Partition) -> bool:
         return part.inflight == 0 or time.monotonic() >= part.release_by
@@ -201,13 +217,9 @@ class OrderedRunner:
         kept = [p for p in self.owned.values() if not p.releasing]
         surplus = len(kept) - want
         for part in sorted(kept, key=lambda p: p.number, reverse=True)[: max(surplus, 0)]:
-            part.releasing = True
-            # Its lanes leave what they have not started (the next owner's consumer starts
-            # below it); a handler running now may take its whole lease to finish.
-            part.release_by = time.monotonic() + (self.spec.ack_wait_s or self.settings.ack_wait_s)
-            part.lost.set()
-            if part.task is not None:
-                part.task.cancel()
+            # Its lanes leave what they have not started: the next owner's consumer starts
+            # at or below it.
+            self._stop(part)
 
     async def _lose(self, part: Partition) -> None:
         """Another process owns it now (this one's lease ran out): stop at once."""
@@ -220,6 +232,7 @@ class OrderedRunner:
 
     async def _open(self, part: Partition) -> None:
         """Create the ownership's consumer at the earlier ones' floor, name it, retire them."""
+        await self._stop_fetching(part)
         name, start = await partitions.open_consumer(
             self.js, self.spec, self.settings, part.number, part.epoch, part.previous
         )

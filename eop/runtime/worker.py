@@ -441,7 +441,6 @@ class Worker(hosting.Hosted):
         for msg in msgs:
             by_key.setdefault(ordering.key_of(proc.spec, msg), []).append(msg)
         for key, group in by_key.items():
-            part.keys.add(key)
             lane = self._lanes.get((proc.spec.name, key))
             task = self._spawn(self._process_lane(proc, key, group, at, lane, part))
             self._lanes[(proc.spec.name, key)] = task
@@ -511,6 +510,8 @@ class Worker(hosting.Hosted):
                     return False
             outcome = await proc.handle(msg, received_at)
             self._blocked.update(name, key, msg, outcome)
+            if outcome in (Outcome.RETRY, Outcome.LEFT):
+                part.keys.add(key)
             if outcome in (Outcome.PROCESSED, Outcome.DEAD_LETTERED):
                 self._count(proc.spec, 1)
         return True

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from eop import testing
+from eop.handler import HandlerSpec
+from eop.observe import observer as observe
+from eop.pg import ownership
 from eop.protocol import ordering
 from eop.runtime import ordered
+from eop.settings import Settings
 from eop.types import Outcome
 
 
@@ -100,3 +105,61 @@ def test_partition_shares_add_up_whoever_computes_them() -> None:
             assert sum(shares) == count
             assert max(shares) - min(shares) <= 1
     assert ordered.share(["a", "b"], "c", 4) == 0
+
+
+class _FakeOwners:
+    """Stands in for eop.pg.ownership.Ownership: records what each tick gave up."""
+
+    def __init__(self) -> None:
+        self.count = 2
+        self.member = ownership.Member(name="me", host="h", pid=1)
+        self.fail = False
+        self.released: list[list[int]] = []
+
+    async def tick(self, want: int, releasing: list[int]) -> ownership.Tick:
+        if self.fail:
+            raise OSError("the database is away")
+        self.released.append(releasing)
+        owned = {n: 1 for n in (0, 1) if n not in releasing}
+        return ownership.Tick(members=("me",), owned=owned, acquired=())
+
+
+async def test_partitions_whose_lease_may_have_run_out_are_given_up_not_resumed() -> None:
+    """A tick that fails past the lease stops the partitions at once, and the next tick
+    that works gives them up (a new owner, maybe this process, starts a consumer at the
+    floor) instead of fetching again behind the messages their lanes left unacked."""
+    owners = _FakeOwners()
+    runner = ordered.OrderedRunner(
+        spec=HandlerSpec(
+            func=_handler, name="h", stream="S", subject="s.*", durable="d", order_by="subject:1"
+        ),
+        nc=None,  # type: ignore[arg-type]  # no consumer is opened in this test
+        js=None,  # type: ignore[arg-type]
+        owners=owners,  # type: ignore[arg-type]
+        settings=Settings(partition_lease_s=1.0),
+        dispatch=lambda msgs, at, part: None,
+        take_slots=_no_slots,
+        give_slots=lambda n: None,
+        stopping=asyncio.Event(),
+        observer=observe.NOOP,
+        blocked=ordering.BlockedKeys(),
+    )
+    runner.members = ("me",)
+    for n in (0, 1):
+        runner.owned[n] = ordered.Partition(n, 1, None, consumer=f"d-p{n}-e1")
+    owners.fail = True
+    with contextlib.suppress(OSError):
+        await runner.tick()
+    assert all(p.lost.is_set() and p.releasing for p in runner.owned.values())
+    owners.fail = False
+    await runner.tick()
+    assert sorted(owners.released[-1]) == [0, 1]
+    assert runner.owned == {}
+
+
+async def _no_slots() -> int:
+    return 0
+
+
+async def _handler(msg: object, session: object) -> None:
+    return None
