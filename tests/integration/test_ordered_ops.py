@@ -1,4 +1,4 @@
-"""`eop audit` and `eop dlq replay` on an ordered handler's partitions.
+"""`eop status`, `eop audit` and `eop dlq replay` on an ordered handler's partitions.
 
 An ordered handler has no durable of its own: each partition has an owner
 (a lease in the database) and a consumer per ownership. These tests pin what
@@ -7,6 +7,10 @@ the operators' tools make of that, against real servers.
 
 from __future__ import annotations
 
+import json
+import signal
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,10 +20,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import eop
 from eop import errors
 from eop.broker import partitions
-from eop.ops import audit, dlq
+from eop.handler import HandlerSpec
+from eop.ops import audit, dlq, status
 
 from .bed import bed_settings, drained, running, wait_for
+from .test_cli import Workers, eop_env
+from .test_cli import eop as run_eop
 from .test_ordered_fleet import (
+    LEDGER_APP,
     STREAM,
     _applied,
     _shared,
@@ -29,6 +37,128 @@ from .test_ordered_fleet import (
 )
 
 PARTITIONS = 4
+
+
+async def _owned_by(engine: AsyncEngine, pids: set[int]) -> bool:
+    """Every partition owned by one of ``pids``, each of them owning some, and every
+    ownership's consumer recorded."""
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                sa.text(
+                    "SELECT owner_pid, consumer = 'eop-ledger-p' || partition || '-e' || epoch"
+                    " FROM eop.partitions WHERE subscription = 'ledger'"
+                )
+            )
+        ).all()
+    return (
+        len(rows) == PARTITIONS
+        and all(bool(ok) for _, ok in rows)
+        and {pid for pid, _ in rows} == pids
+    )
+
+
+def _expected_lag(spec: HandlerSpec, subjects: list[str]) -> dict[int, int]:
+    """Messages per partition, by the stream's transform (as nats-server hashes keys)."""
+    transform = partitions.transform(spec)
+    counted = Counter(
+        int(partitions.stored_subject(transform, subject).split(".")[0]) for subject in subjects
+    )
+    return {p: counted.get(p, 0) for p in range(PARTITIONS)}
+
+
+async def test_status_shows_each_partitions_owner_lag_members_and_last_rebalance(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """Two `eop worker` processes share an ordered handler's 4 partitions, then are killed
+    and 24 messages arrive: `eop status` shows every partition with its owner (both
+    processes, by host and pid), its consumer's lag and ack-pending counts (as the
+    stream's transform spread the messages), the handler's totals, the two live members and
+    the last rebalance; no missing-durable problem. A lease that ran out and a partition
+    without an owner are warnings, in the text and the JSON."""
+    accounts = 8
+    await create_ledger(engine, accounts)
+    env = eop_env(
+        database_url, nats_url, EOP_PARTITION_LEASE_S="60", LEDGER_PARTITIONS=str(PARTITIONS)
+    )
+    pool = Workers(env, tmp_path, app=LEDGER_APP)
+    procs = [pool.start(), pool.start()]
+    pids = {p.pid for p in procs}
+    try:
+        await wait_for(lambda: _owned_by(engine, pids), timeout_s=60, what="both own some")
+        await publish_burst(nats_url, accounts, 5)
+        await wait_for(lambda: _applied(engine, accounts * 5), timeout_s=60, what="every step")
+        await wait_for(lambda: drained(js, "eop-ledger", STREAM), what="every ack")
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    finally:
+        pool.stop_all()
+    await publish_burst(nats_url, accounts, 3, start=6)
+    app = ledger_app(database_url, nats_url, PARTITIONS)
+    subjects = [f"ledger.acc{i}.step" for i in range(accounts)] * 3
+    expected = _expected_lag(app.handlers["ledger"], subjects)
+    try:
+        [s] = await status.collect(app)
+    finally:
+        await app.dispose()
+    assert s.problems == [], s.problems
+    assert s.warnings == [], s.warnings
+    assert s.ordered is not None
+    assert [p.partition for p in s.ordered.partitions] == list(range(PARTITIONS))
+    owners = s.ordered.owners()
+    assert {owner.rsplit(":", 1)[1] for owner in owners} == {str(pid) for pid in pids}
+    assert sorted(n for parts in owners.values() for n in parts) == list(range(PARTITIONS))
+    assert {p.partition: p.num_pending for p in s.ordered.partitions} == expected
+    assert {p.ack_pending for p in s.ordered.partitions} == {0}
+    assert (s.num_pending, s.ack_pending) == (accounts * 3, 0)
+    assert {m.pid for m in s.ordered.members} == pids
+    async with engine.connect() as conn:
+        last_at, last_epoch = (
+            await conn.execute(
+                sa.text(
+                    "SELECT acquired_at, epoch FROM eop.partitions"
+                    " ORDER BY acquired_at DESC, epoch DESC LIMIT 1"
+                )
+            )
+        ).one()
+    assert (s.ordered.last_rebalance_at, s.ordered.last_rebalance_epoch) == (last_at, last_epoch)
+
+    text = run_eop("status", LEDGER_APP, env=env)
+    assert text.returncode == 0, text.stderr
+    assert "PARTITION" in text.stdout
+    assert "eop-ledger-p3-e" in text.stdout
+    for pid in pids:
+        assert f":{pid} owns partition" in text.stdout
+    assert "live members: " in text.stdout
+    assert "last rebalance: " in text.stdout
+    assert "does not exist" not in text.stdout + text.stderr
+
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.text(
+                "UPDATE eop.partitions SET expires_at = now() - interval '5 seconds'"
+                " WHERE partition = 0"
+            )
+        )
+        await conn.execute(
+            sa.text(
+                "UPDATE eop.partitions SET owner = NULL, owner_host = NULL, owner_pid = NULL,"
+                " expires_at = NULL WHERE partition = 1"
+            )
+        )
+    as_json = run_eop("status", LEDGER_APP, "--json", env=env)
+    assert as_json.returncode == 0, as_json.stderr
+    [row] = json.loads(as_json.stdout)
+    shown = {p["partition"]: p for p in row["ordered"]["partitions"]}
+    assert shown[0]["expired"] is True
+    assert shown[1]["owner"] is None
+    assert {p: shown[p]["num_pending"] for p in shown} == expected
+    assert row["ordered"]["last_rebalance_epoch"] == last_epoch
+    assert {m["pid"] for m in row["ordered"]["members"]} == pids
+    assert any("partition 0's lease expired" in w for w in row["warnings"])
+    assert any("partition 1 has no owner" in w for w in row["warnings"])
+    assert row["problems"] == []
 
 
 @pytest.mark.parametrize("count", [1, PARTITIONS])
