@@ -17,6 +17,7 @@ function, set on streams eop creates), and each consumer filters its own.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterable
 
 import nats.errors
@@ -25,6 +26,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 
 from eop import errors
+from eop.broker import jetstream
 from eop.handler import HandlerSpec, parse_order_by
 from eop.settings import Settings
 
@@ -41,6 +43,61 @@ def consumer_name(spec: HandlerSpec, partition: int, epoch: int) -> str:
 def consumer_prefix(spec: HandlerSpec, partition: int) -> str:
     """What every consumer of ``partition`` is named with, before its epoch."""
     return f"{spec.durable}-p{partition}-e"
+
+
+def is_consumer_of(durable: str, name: str) -> bool:
+    """Whether ``name`` is a partition consumer (any partition, any epoch) of the ordered
+    handler whose durable name is ``durable``."""
+    head, sep, tail = name.rpartition("-e")
+    if not sep or not tail.isdigit() or not head.startswith(f"{durable}-p"):
+        return False
+    return head[len(durable) + 2 :].isdigit()
+
+
+def _fnv1a(key: str) -> int:
+    """nats-server's hash for ``partition()``: 32-bit FNV-1a."""
+    h = 0x811C9DC5
+    for byte in key.encode():
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+_PARTITION_DEST = re.compile(r"^\{\{partition\((\d+),(\d+)\)\}\}\.")
+
+
+def stored_subject(transform: tuple[str, str] | None, subject: str) -> str:
+    """The subject a stream with subject transform ``(src, dest)`` stores a message
+    published on ``subject`` under.
+
+    Applies the transform eop sets for ordered handlers (:func:`transform`);
+    ``subject`` as it is without a transform, when the transform does not match
+    it, or when it is not of eop's form.
+    """
+    if transform is None:
+        return subject
+    src, dest = transform
+    found = _PARTITION_DEST.match(dest)
+    if found is None or not jetstream.subject_matches(src, subject):
+        return subject
+    count, wildcard = int(found[1]), int(found[2])
+    wildcards = [i for i, token in enumerate(src.split(".")) if token == "*"]
+    if not 1 <= wildcard <= len(wildcards):
+        return subject
+    key = subject.split(".")[wildcards[wildcard - 1]]
+    return f"{_fnv1a(key) % count}.{subject}"
+
+
+def published(spec: HandlerSpec, stored: str) -> tuple[int | None, str]:
+    """A stored message's partition and its subject as published (what the handler and
+    the inbox's fingerprint see); (None, ``stored``) for a subject not of the handler."""
+    if spec.order_by is None:
+        return None, stored
+    if spec.partitions == 1:
+        return 0, stored
+    head, _, rest = stored.partition(".")
+    if head.isdigit() and rest and jetstream.subject_matches(spec.subject, rest):
+        return int(head), rest
+    return None, stored
 
 
 def filter_subject(spec: HandlerSpec, partition: int) -> str:

@@ -75,7 +75,8 @@ def add_status(sub: options.Subparsers) -> None:
     status = sub.add_parser(
         "status",
         help="per handler: lag, ack-pending window, redeliveries, inbox, dead letters; "
-        "replicas and leaders of its stream and consumer",
+        "replicas and leaders of its stream and consumer; an ordered handler's partitions, "
+        "their owners and lag, its members and last rebalance",
     )
     options.add_app_arguments(
         status, app_help="the eop.App, e.g. myapp:app", handler_help="only this handler"

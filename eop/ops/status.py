@@ -7,6 +7,11 @@ size and watermark, and the dead letters. In a NATS cluster, also its
 stream's replicas and the leaders of the stream and of the consumer, with
 the state of every other replica as the leader sees it (current, behind,
 offline).
+
+An ordered handler has no consumer of its own but one per partition
+(:mod:`eop.ops.partition_status`): its lag and ack-pending counts are the
+partitions' sums, and its status adds who owns which partition, each
+partition's lag, the last rebalance and the live members.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from eop import errors
 from eop.app import App, select_handlers
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
-from eop.ops import tables
-from eop.pg import migrate, models, sql
+from eop.ops import partition_status, tables
+from eop.pg import migrate, models, ownership, sql
 
 #: Share of max_ack_pending from which the window is reported as nearly full.
 NEARLY_FULL = 0.9
@@ -90,17 +95,29 @@ class HandlerStatus:
     consumer_replicas: int | None = None
     consumer_leader: str | None = None
     consumer_followers: list[Replica] = dataclasses.field(default_factory=list)
+    ordered: partition_status.OrderedStatus | None = None
+    """An ordered handler's partitions, owners and members (None for another handler)."""
     warnings: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     """What makes this subscription unable to work (a missing stream or consumer)."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able values (times in ISO 8601, UTC)."""
-        out = dataclasses.asdict(self)
-        for key, value in out.items():
-            if isinstance(value, datetime.datetime):
-                out[key] = value.astimezone(datetime.timezone.utc).isoformat()
+        out: dict[str, Any] = _jsonable(dataclasses.asdict(self))
+        if self.ordered is not None:
+            for shown, p in zip(out["ordered"]["partitions"], self.ordered.partitions, strict=True):
+                shown["owner"], shown["expired"] = p.owner, p.expired
         return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime.datetime):
+        return value.astimezone(datetime.timezone.utc).isoformat()
+    if isinstance(value, dict):
+        return {key: _jsonable(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def window_warnings(ack_pending: int, max_ack_pending: int) -> list[str]:
@@ -137,11 +154,19 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
     try:
         js = nc.jetstream()
         epochs = jetstream.StreamEpochs(nc)
+        owners = await _ownership(app, specs)
         statuses = []
         for spec in specs:
             status = HandlerStatus(handler=spec.name, stream=spec.stream, consumer=spec.durable)
+            if spec.order_by is not None:
+                status.consumer = partition_status.consumer_pattern(spec)
+                status.ordered = partition_status.from_rows(spec, *owners)
             await _from_nats(js, epochs, spec, status)
             await _from_database(app, spec, status)
+            if status.ordered is not None:
+                warnings, problems = partition_status.findings(spec, status.ordered)
+                status.warnings.extend(warnings)
+                status.problems.extend(problems)
             declared = app.stream_spec(spec.stream).replicas
             status.warnings.extend(replicas_warnings(declared, status))
             statuses.append(status)
@@ -165,6 +190,9 @@ async def _from_nats(
     status.stream_replicas = stream.config.num_replicas or 1
     status.stream_leader, status.stream_followers = _group(stream.cluster)
     status.warnings.extend(group_warnings(f"stream {spec.stream!r}", stream.cluster))
+    if status.ordered is not None:
+        await _partitions_from_nats(js, spec, status, status.ordered)
+        return
     try:
         info = await js.consumer_info(spec.stream, spec.durable)
     except nats.js.errors.NotFoundError:
@@ -191,6 +219,36 @@ async def _from_nats(
         status.ack_floor = int(info.ack_floor.stream_seq)
         status.last_ack_at = info.ack_floor.last_active
     status.warnings.extend(window_warnings(status.ack_pending, status.max_ack_pending))
+
+
+async def _ownership(
+    app: App, specs: Sequence[HandlerSpec]
+) -> tuple[list[ownership.PartitionRow], list[ownership.MemberRow]]:
+    """Every ordered handler's partitions and live members (nothing without one)."""
+    if not any(spec.order_by is not None for spec in specs):
+        return [], []
+    t = models.tables(app.settings.schema)
+    rows = await ownership.read_status(app.engine, t)
+    return rows, await ownership.read_members(app.engine, t)
+
+
+async def _partitions_from_nats(
+    js: JetStreamContext,
+    spec: HandlerSpec,
+    status: HandlerStatus,
+    ordered: partition_status.OrderedStatus,
+) -> None:
+    """An ordered handler's partition consumers: each one's lag, and the sums as its own."""
+    read = await partition_status.read_lag(js, spec, ordered, status.warnings)
+    for p, info in read:
+        limit = int(info.config.max_ack_pending or 0)
+        status.max_ack_pending = limit
+        status.warnings.extend(
+            w.replace("WARNING: ", f"WARNING: partition {p.partition}: ", 1)
+            for w in window_warnings(p.ack_pending or 0, limit)
+        )
+        status.warnings.extend(group_warnings(f"consumer {p.consumer!r}", info.cluster))
+    status.num_pending, status.ack_pending, status.redelivered = partition_status.totals(ordered)
 
 
 def _silent(what: str, exc: BaseException) -> str:
@@ -293,6 +351,10 @@ def format_table(statuses: Sequence[HandlerStatus]) -> str:
     if any(s.stream_replicas is not None for s in statuses):
         lines.append("")
         lines.extend(_replicas_table(statuses))
+    ordered = [(s.handler, s.ordered) for s in statuses if s.ordered is not None]
+    if ordered:
+        lines.append("")
+        lines.extend(partition_status.format_partitions(ordered))
     for s in statuses:
         lines.extend(f"{s.handler}: {w}" for w in s.warnings)
         lines.extend(f"{s.handler}: ERROR: {p}" for p in s.problems)
@@ -336,6 +398,9 @@ def _cell(key: str, s: HandlerStatus) -> str:
             return "?"
         limit = str(s.max_ack_pending) if s.max_ack_pending else "unlimited"
         full = " FULL" if any("window full" in w for w in s.warnings) else ""
+        if s.ordered is not None:
+            # The sum over the partitions' consumers, each with its own window.
+            return f"{s.ack_pending} (max {limit} each){full}"
         return f"{s.ack_pending}/{limit}{full}"
     if key == "dead":
         if s.dead_letters is None:

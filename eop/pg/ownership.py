@@ -167,3 +167,20 @@ async def read_status(engine: AsyncEngine, tables: models.Tables) -> list[Partit
         )
         for r in rows
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberRow:
+    """A live member of an ordered handler, as ``eop status`` shows it."""
+
+    subscription: str
+    host: str
+    pid: int
+    joined_at: datetime.datetime | None
+
+
+async def read_members(engine: AsyncEngine, tables: models.Tables) -> list[MemberRow]:
+    """Every ordered handler's live members (their lease not run out)."""
+    async with engine.connect() as conn:
+        rows = (await conn.execute(sql.member_status(tables))).all()
+    return [MemberRow(subscription=r[0], host=r[1], pid=int(r[2]), joined_at=r[3]) for r in rows]

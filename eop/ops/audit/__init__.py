@@ -3,7 +3,9 @@
 The audit walks a handler consumer's range of the stream (the consumer's
 subject filters, skipping deleted messages) with a throwaway ordered
 consumer, headers only when few inbox rows need a fingerprint, and reads
-the inbox and the dead letters by sequence ranges beside it.
+the inbox and the dead letters by sequence ranges beside it. An ordered
+handler has a consumer per partition instead: the walk takes all their
+filters and judges each message by its own partition's consumer.
 
 Each message checked falls into one class, counted per handler with a few
 sample sequences: processed; dead-lettered by one of eop's rules
@@ -61,6 +63,7 @@ from eop.ops.audit.report import (
     LISTED_PER_KIND,
     SAMPLED_PER_CLASS,
     HandlerAudit,
+    PartitionConsumer,
     Report,
     Tally,
     render,
@@ -93,6 +96,7 @@ __all__ = [
     # the report
     "HandlerAudit",
     "LISTED_PER_KIND",
+    "PartitionConsumer",
     "Report",
     "SAMPLED_PER_CLASS",
     "Tally",

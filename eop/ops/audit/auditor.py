@@ -5,12 +5,17 @@ must hold), then the stream is walked in batches; each batch is checked
 against the rows and dead letters of its whole sequence range, and the rows
 the walk did not meet (after its end, of earlier epochs) are checked by the
 messages the stream holds at their sequences.
+
+An ordered handler's partitions each have their consumer: a message is
+judged by its partition's ack floor and delivered sequence, and the
+unacknowledged and stuck checks run per partition.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping
 
 from nats.aio.client import Client as NATS
@@ -22,9 +27,9 @@ from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.ops.audit import rules
 from eop.ops.audit.outcomes import Outcomes, Recorded
-from eop.ops.audit.report import HandlerAudit, Report
+from eop.ops.audit.report import HandlerAudit, PartitionConsumer, Report
 from eop.ops.audit.rules import Anomaly, Position, Verdict
-from eop.ops.audit.walk import Stream, Walked, Walker
+from eop.ops.audit.walk import Consumer, Stream, Walked, Walker, combined
 from eop.pg import migrate
 
 #: Walk with full payloads when at least this share of the range has inbox rows to verify.
@@ -76,14 +81,18 @@ class _Auditor:
         self.walker = Walker(nc, spec)
         self.outcomes = Outcomes(app, spec)
         self.report = HandlerAudit(handler=spec.name, stream=spec.stream, durable=spec.durable)
-        self._open_count = 0
-        self._open_sample: list[int] = []
-        self._first_open: Walked | None = None
+        self.by_partition: dict[int, Consumer] = {}
+        """An ordered handler's consumer of each partition (empty for another handler)."""
+        # Per partition (None for a handler without partitions): delivered messages
+        # without an outcome, a sample of them, and the first one above the ack floor.
+        self._open_count: Counter[int | None] = Counter()
+        self._open_sample: dict[int | None, list[int]] = {}
+        self._first_open: dict[int | None, Walked] = {}
 
     async def run(self) -> HandlerAudit:
         """Read the consumer first (its ack floor bounds what the inbox must hold), then walk."""
         self.stream = await self.walker.stream()
-        self.consumer = await self.walker.consumer(self.report.notes)
+        await self._read_consumers()
         r, s, c = self.report, self.stream, self.consumer
         r.epoch, r.filters = s.epoch, list(c.filters)
         r.stream_first_seq, r.stream_last_seq = s.first_seq, s.last_seq
@@ -118,16 +127,55 @@ class _Auditor:
             raise errors.EopError(f"stream {s.name!r} was recreated during the audit: run it again")
         return r
 
+    async def _read_consumers(self) -> None:
+        """The handler's consumer, or an ordered handler's partition consumers (and them
+        combined, for the report)."""
+        notes = self.report.notes
+        if self.spec.order_by is None:
+            self.consumer = await self.walker.consumer(notes)
+            return
+        names = await self.outcomes.partition_consumers()
+        self.by_partition = await self.walker.partition_consumers(names, notes)
+        self.consumer = combined(self.by_partition)
+        self.report.durable = f"{self.spec.durable}-p*-e*"
+        self.report.partitions = [
+            PartitionConsumer(
+                partition=p,
+                consumer=names.get(p) if c.exists else None,
+                ack_floor=c.ack_floor,
+                delivered=c.delivered,
+                pending=c.pending,
+                ack_pending=c.ack_pending,
+                redelivered=c.redelivered,
+            )
+            for p, c in sorted(self.by_partition.items())
+        ]
+
+    def _consumer_of(self, m: Walked) -> Consumer:
+        """The consumer whose ack floor ``m`` stands under."""
+        if m.partition is None:
+            return self.consumer
+        return self.by_partition.get(m.partition, self.consumer)
+
     def _finish(self) -> None:
-        c = self.consumer
-        found = rules.unacked_without_outcome(self._open_count, self._open_sample, c)
-        if found is not None:
-            self.report.add(found)
+        groups: dict[int | None, Consumer] = {p: c for p, c in self.by_partition.items()}
+        if not groups:
+            groups[None] = self.consumer
         after_s = self.options.stuck_after_s
-        for anomaly in rules.stuck(
-            self._first_open, c, self.stream.now, 3 * c.ack_wait_s if after_s is None else after_s
-        ):
-            self.report.add(anomaly)
+        now = self.stream.now
+        for key, c in groups.items():
+            found = rules.unacked_without_outcome(
+                self._open_count[key], self._open_sample.get(key, []), c
+            )
+            anomalies = [found] if found is not None else []
+            anomalies += rules.stuck(
+                self._first_open.get(key), c, now, 3 * c.ack_wait_s if after_s is None else after_s
+            )
+            for anomaly in anomalies:
+                if key is not None:
+                    detail = f"partition {key}: {anomaly.detail}"
+                    anomaly = dataclasses.replace(anomaly, detail=detail)
+                self.report.add(anomaly)
 
     async def _sparse(self, start: int, end: int) -> bool:
         """Few rows to verify in the range: walk headers only, fetch the few payloads."""
@@ -151,9 +199,9 @@ class _Auditor:
             watermark = await self.outcomes.watermark(session, epoch)
         self.report.watermark = max(self.report.watermark, watermark)
         batch = await self._with_fingerprints(batch, set(by_seq) | set(dead_by_seq))
-        c = self.consumer
-        pos = Position(watermark=watermark, ack_floor=c.ack_floor, delivered=c.delivered)
         for m in batch:
+            c = self._consumer_of(m)
+            pos = Position(watermark=watermark, ack_floor=c.ack_floor, delivered=c.delivered)
             row, at = by_seq.get(m.seq), dead_by_seq.get(m.seq, [])
             verdict, detail = rules.classify(m, row, at, by_msg_id.get(m.msg_id or ""), pos)
             self._tally(m, verdict, detail, pos, at)
@@ -198,8 +246,9 @@ class _Auditor:
         """Count one walked message in its class (or as an anomaly)."""
         r = self.report
         r.checked += 1
-        if m.seq > self.consumer.ack_floor and self._first_open is None:
-            self._first_open = m
+        key = m.partition if self.by_partition else None
+        if m.seq > pos.ack_floor and key not in self._first_open:
+            self._first_open[key] = m
         if verdict in _SETTLED and m.seq <= pos.watermark:
             r.verified_below_watermark += 1
         if verdict is Verdict.OUTCOME:
@@ -214,9 +263,10 @@ class _Auditor:
             r.tally(r.in_flight, detail, m.seq)
         elif verdict is Verdict.DELIVERED:
             r.tally(r.in_flight, rules.DELIVERED_NO_OUTCOME, m.seq)
-            self._open_count += 1
-            if len(self._open_sample) < 20:
-                self._open_sample.append(m.seq)
+            self._open_count[key] += 1
+            sample = self._open_sample.setdefault(key, [])
+            if len(sample) < 20:
+                sample.append(m.seq)
         elif verdict is Verdict.NEVER_DELIVERED:
             r.never_delivered.add(m.seq)
         else:

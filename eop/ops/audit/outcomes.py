@@ -18,6 +18,7 @@ from eop import errors, log
 from eop.app import App
 from eop.handler import HandlerSpec
 from eop.pg import failures, models, sql
+from eop.pg.sql import ownership
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,12 @@ class Outcomes:
         stmt = sql.watermark(self.tables, self.spec.name, self.spec.stream, epoch)
         value = (await session.execute(stmt)).scalar()
         return int(value or 0)
+
+    async def partition_consumers(self) -> dict[int, str | None]:
+        """An ordered handler's current consumer of each partition (None: never owned)."""
+        stmt = ownership.consumers(self.tables, self.spec.name)
+        async with self.session() as session:
+            return {int(p): name for p, name in await session.execute(stmt)}
 
     async def epochs(self) -> list[str]:
         """Every epoch of the stream with recorded outcomes, sorted."""

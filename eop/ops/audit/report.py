@@ -31,6 +31,20 @@ class Tally:
 
 
 @dataclasses.dataclass
+class PartitionConsumer:
+    """The consumer of one partition of an ordered handler, as the audit read it."""
+
+    partition: int
+    consumer: str | None
+    """None when the partition was never owned."""
+    ack_floor: int = 0
+    delivered: int = 0
+    pending: int = 0
+    ack_pending: int = 0
+    redelivered: int = 0
+
+
+@dataclasses.dataclass
 class HandlerAudit:
     """The audit of one handler: what was walked, what was found."""
 
@@ -51,6 +65,9 @@ class HandlerAudit:
     ack_pending: int = 0
     redelivered: int = 0
     consumer_pending: int = 0
+    partitions: list[PartitionConsumer] = dataclasses.field(default_factory=list)
+    """An ordered handler's consumers, one per partition (the consumer figures above are
+    theirs combined: the lowest ack floor, the highest delivered, the counts summed)."""
     checked: int = 0
     processed: Tally = dataclasses.field(default_factory=Tally)
     dead_lettered_by_rule: dict[str, Tally] = dataclasses.field(default_factory=dict)
@@ -179,8 +196,11 @@ def _render_handler(h: HandlerAudit) -> list[str]:
     walked = f"{h.range_from}..{h.range_to}" if h.range_to >= h.range_from else "nothing"
     if h.truncated:
         walked += f" (stopped at --limit; go on with --from-seq {h.next_seq})"
+    consumer = f"consumer {h.durable}"
+    if h.partitions:
+        consumer = f"consumers {h.durable} ({len(h.partitions)} partitions)"
     lines = [
-        f"handler {h.handler}: stream {h.stream} (epoch {h.epoch}), consumer {h.durable}, "
+        f"handler {h.handler}: stream {h.stream} (epoch {h.epoch}), {consumer}, "
         f"filter {', '.join(h.filters) or '(all subjects)'}",
         f"  range walked      {walked}; the stream holds {h.stream_first_seq}..{h.stream_last_seq}",
         f"  messages checked  {h.checked}",
@@ -197,6 +217,12 @@ def _render_handler(h: HandlerAudit) -> list[str]:
         f"sequence {h.delivered}",
         f"  consumer          ack floor {h.ack_floor}, delivered {h.delivered}, "
         f"pending {h.consumer_pending}, ack pending {h.ack_pending}, redelivered {h.redelivered}",
+        *(
+            f"  partition {p.partition:<7} {p.consumer or '(none yet)'}: ack floor {p.ack_floor}, "
+            f"delivered {p.delivered}, pending {p.pending}, ack pending {p.ack_pending}, "
+            f"redelivered {p.redelivered}"
+            for p in h.partitions
+        ),
         f"  other outcomes    {h.removed_with_outcome} of messages removed by retention, "
         f"{h.outside_filter} of messages outside the consumer's filter or start",
     ]

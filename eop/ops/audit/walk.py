@@ -3,6 +3,14 @@
 The walk goes over a handler consumer's range of the stream with a
 throwaway ordered consumer; single messages are fetched by sequence where a
 recorded outcome needs its message's fingerprint.
+
+An ordered handler has a consumer per partition instead of its durable
+(:mod:`eop.broker.partitions`): the walk takes all their filters, and each
+message's partition says whose ack floor it stands under. With several
+partitions the stream stores each subject behind its partition
+(``3.ledger.acc1.step``) while the handler, and so the inbox's fingerprint,
+saw it as published (``ledger.acc1.step``): the walk takes the partition
+off before it fingerprints a message.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 
 from eop import errors, message
-from eop.broker import jetstream
+from eop.broker import jetstream, partitions
 from eop.handler import HandlerSpec
 
 _GETS_IN_FLIGHT = 64
@@ -37,6 +45,8 @@ class Walked:
     stored_at: datetime.datetime | None = None
     fingerprint: bytes | None = None
     """Known when the walk carried payloads or the message was fetched to verify a row."""
+    partition: int | None = None
+    """An ordered handler's partition of the message (None for another handler)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +174,32 @@ class Walker:
 
     async def consumer(self, notes: list[str]) -> Consumer:
         """The handler's durable consumer now; why the audit is limited goes to ``notes``."""
-        stream, durable = self.spec.stream, self.spec.durable
+        return await self._consumer(self.spec.durable, self.spec.subject, notes)
+
+    async def partition_consumers(
+        self, names: Mapping[int, str | None], notes: list[str]
+    ) -> dict[int, Consumer]:
+        """An ordered handler's consumer of each partition (``names``, as the database
+        records them), now; a partition without one has no ack floor."""
+        found = {}
+        for partition in range(self.spec.partitions):
+            name = names.get(partition)
+            subject = partitions.filter_subject(self.spec, partition)
+            if name is None:
+                notes.append(
+                    f"partition {partition} has no consumer yet (never owned): no ack floor, "
+                    "so nothing of it can be shown acked without an outcome"
+                )
+                found[partition] = Consumer(exists=False, filters=(subject,))
+                continue
+            consumer = await self._consumer(name, subject, notes)
+            # Each ownership's consumer starts at the floor of the ones before it: the
+            # messages below were the earlier owners', acked all the same.
+            found[partition] = dataclasses.replace(consumer, start_seq=1)
+        return found
+
+    async def _consumer(self, durable: str, subject: str, notes: list[str]) -> Consumer:
+        stream = self.spec.stream
         info: dict[str, Any] = await jetstream.api_request(
             self.nc,
             f"CONSUMER.INFO.{stream}.{durable}",
@@ -175,7 +210,7 @@ class Walker:
                 f"consumer {durable!r} not found ({info['error'].get('description')}): "
                 "no ack floor, so nothing can be shown acked without an outcome"
             )
-            return Consumer(exists=False, filters=(self.spec.subject,))
+            return Consumer(exists=False, filters=(subject,))
         return consumer_from_info(info, notes)
 
     async def walk(
@@ -240,7 +275,7 @@ class Walker:
                 if isinstance(exc.__cause__, (nats.errors.TimeoutError, asyncio.TimeoutError)):
                     return
                 raise
-            batch, done = _batch(msgs, end, headers_only)
+            batch, done = _batch(self.spec, msgs, end, headers_only)
             if batch:
                 yield batch
             if done or not msgs:
@@ -263,18 +298,39 @@ class Walker:
                         return seq, None
                     raise
             headers = raw.headers or {}
-            subject = message.pg_text(str(raw.subject))
+            partition, subject = partitions.published(self.spec, str(raw.subject))
+            subject = message.pg_text(subject)
             return seq, Walked(
                 seq=seq,
                 subject=subject,
                 msg_id=headers.get(message.MSG_ID_HEADER),
                 fingerprint=fingerprint(subject, headers, raw.data),
+                partition=partition,
             )
 
         return dict(await asyncio.gather(*(get(seq) for seq in sorted(set(seqs)))))
 
 
-def _batch(msgs: list[Any], end: int, headers_only: bool) -> tuple[list[Walked], bool]:
+def combined(parts: Mapping[int, Consumer]) -> Consumer:
+    """An ordered handler's partition consumers as one, for the report: every filter,
+    the lowest ack floor, the highest delivered sequence, the counts summed."""
+    cs = list(parts.values())
+    return Consumer(
+        exists=all(c.exists for c in cs),
+        filters=tuple(dict.fromkeys(f for c in cs for f in c.filters)),
+        ack_floor=min((c.ack_floor for c in cs), default=0),
+        delivered=max((c.delivered for c in cs), default=0),
+        pending=sum(c.pending for c in cs),
+        ack_pending=sum(c.ack_pending for c in cs),
+        redelivered=sum(c.redelivered for c in cs),
+        max_ack_pending=max((c.max_ack_pending for c in cs), default=0),
+        ack_wait_s=max((c.ack_wait_s for c in cs), default=30.0),
+    )
+
+
+def _batch(
+    spec: HandlerSpec, msgs: list[Any], end: int, headers_only: bool
+) -> tuple[list[Walked], bool]:
     """The fetched messages up to ``end``, and whether the walk is done."""
     batch: list[Walked] = []
     for m in msgs:
@@ -283,13 +339,15 @@ def _batch(msgs: list[Any], end: int, headers_only: bool) -> tuple[list[Walked],
         if seq > end:
             return batch, True
         headers = m.headers or {}
+        partition, subject = partitions.published(spec, m.subject)
         batch.append(
             Walked(
                 seq=seq,
-                subject=message.pg_text(m.subject),
+                subject=message.pg_text(subject),
                 msg_id=headers.get(message.MSG_ID_HEADER),
                 stored_at=meta.timestamp,
-                fingerprint=None if headers_only else fingerprint(m.subject, headers, m.data),
+                fingerprint=None if headers_only else fingerprint(subject, headers, m.data),
+                partition=partition,
             )
         )
         if seq >= end or meta.num_pending == 0:

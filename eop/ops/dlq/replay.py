@@ -13,7 +13,7 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 
 from eop import errors, message, redaction
-from eop.broker import jetstream
+from eop.broker import jetstream, partitions
 from eop.ops.dlq import rerun, state
 from eop.pg import models, sql
 
@@ -89,6 +89,7 @@ class Replayer:
         self.allow_fanout = allow_fanout
         self.tables = models.tables(app.settings.schema)
         self._checked_fanout: set[tuple[str, str, str]] = set()
+        self._transforms: dict[str, tuple[str, str] | None] = {}
 
     async def replay_many(
         self, ids: Iterable[int], *, mode: state.ReplayMode = "publish", again: bool = False
@@ -175,13 +176,16 @@ class Replayer:
             raise errors.ReplayRefused(
                 f"stream {row['stream']!r} does not exist: nothing to publish the replay into"
             ) from None
+        stored = await self._stored_subject(row)
         for info in consumers:
             config = info.config
-            if not config.durable_name or config.durable_name == own:
+            name = config.durable_name
+            # An ordered handler's own consumers are its partitions' (see eop.broker.partitions).
+            if not name or name == own or partitions.is_consumer_of(own, name):
                 continue
             filters = jetstream.consumer_filters(config.filter_subjects, config.filter_subject)
-            if any(jetstream.subject_matches(f, row["subject"]) for f in filters or (">",)):
-                others.append(config.durable_name)
+            if any(jetstream.subject_matches(f, stored) for f in filters or (">",)):
+                others.append(name)
         if others:
             raise errors.ReplayRefused(
                 f"a published replay of {row['subject']!r} would also reach consumers "
@@ -190,22 +194,35 @@ class Replayer:
             )
         self._checked_fanout.add(key)
 
+    async def _stored_subject(self, row: Mapping[str, Any]) -> str:
+        """The subject the stream stores the replay under: behind its partition when the
+        stream spreads an ordered handler's subjects over partitions (a dead letter
+        keeps the subject as published, as its handler saw it)."""
+        stream = row["stream"]
+        if stream not in self._transforms:
+            try:
+                info = await self._nats.stream_info(stream)
+            except nats.js.errors.NotFoundError:
+                return str(row["subject"])
+            have = info.config.subject_transform
+            self._transforms[stream] = (have.src, have.dest) if have is not None else None
+        return partitions.stored_subject(self._transforms[stream], row["subject"])
+
     async def _find_in_stream(self, intent: _Intent) -> int | None:
         """Look for the intent's msg-id among the messages stored since the intent."""
         row = intent.row
         start = row["replay_requested_at"] - SCAN_MARGIN
+        stored = await self._stored_subject(row)
         config = api.ConsumerConfig(
             ack_policy=api.AckPolicy.NONE,
             deliver_policy=api.DeliverPolicy.BY_START_TIME,
             opt_start_time=start.astimezone(datetime.timezone.utc).isoformat(),
-            filter_subject=row["subject"],
+            filter_subject=stored,
             inactive_threshold=30.0,
             mem_storage=True,
         )
         try:
-            psub = await self._nats.pull_subscribe(
-                row["subject"], stream=row["stream"], config=config
-            )
+            psub = await self._nats.pull_subscribe(stored, stream=row["stream"], config=config)
         except nats.js.errors.NotFoundError:
             return None
         try:
