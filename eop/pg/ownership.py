@@ -82,8 +82,9 @@ class Ownership:
                     f"handler {s!r} has {', '.join(map(str, counts))} partitions in the database "
                     f"but declares partitions={self.count}: a key would move to another "
                     "partition while its earlier messages wait in the old one. Keep "
-                    f"partitions={counts[0]}, or drain the handler (stop every worker once "
-                    f"its consumers have nothing pending), then `eop ordered reset {s}`"
+                    f"partitions={counts[0]}, or change it as docs/ordering.md says (drain "
+                    f"the handler, stop its workers, delete its rows from {t.schema}.partitions, "
+                    "recreate the stream with the new transform)"
                 )
             await conn.execute(sql.create_partitions(t, s, self.count))
 
