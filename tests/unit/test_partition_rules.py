@@ -1,0 +1,116 @@
+"""What several partitions ask of a handler, its stream and its server, and the refusals."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import eop
+from eop.broker import partitions
+from eop.handler import HandlerSpec
+
+
+async def _handler(msg: eop.Message, session: object) -> None:
+    return None
+
+
+def _spec(
+    subject: str = "ledger.*.step",
+    order_by: str | None = "subject:1",
+    *,
+    partitions: int = 4,
+    name: str = "ledger",
+) -> HandlerSpec:
+    return HandlerSpec(
+        func=_handler,
+        name=name,
+        stream="LEDGER",
+        subject=subject,
+        durable=f"eop-{name}",
+        order_by=order_by,
+        partitions=partitions,
+    )
+
+
+def test_the_transform_hashes_the_key_token_and_puts_the_partition_in_front() -> None:
+    """The key is the first `*` here, the second there; `>` passes through."""
+    assert partitions.transform(_spec()) == (
+        "ledger.*.step",
+        "{{partition(4,1)}}.ledger.{{wildcard(1)}}.step",
+    )
+    assert partitions.transform(_spec("t.*.*.>", "subject:2")) == (
+        "t.*.*.>",
+        "{{partition(4,2)}}.t.{{wildcard(1)}}.{{wildcard(2)}}.>",
+    )
+    assert partitions.transform(_spec(partitions=1)) is None
+
+
+@pytest.mark.parametrize(
+    ("subject", "order_by", "partitions", "words"),
+    [
+        ("ledger.*.step", None, 2, "needs order_by"),
+        ("ledger.*.step", "header:X-Account", 2, "token N"),
+        ("ledger.acc.step", "subject:1", 2, "token N"),
+        ("ledger.>", "subject:1", 2, "token N"),
+        ("ledger.*.step", "subject:1", 0, "from 1 to 1024"),
+    ],
+)
+def test_several_partitions_need_a_star_token_key(
+    subject: str, order_by: str | None, partitions: int, words: str
+) -> None:
+    """Header keys, a literal token or one under `>` cannot be hashed by the stream: refused
+    when the handler is declared, with what to do instead."""
+    with pytest.raises(eop.ConfigurationError, match=words):
+        _spec(subject, order_by, partitions=partitions)
+
+
+def test_one_partition_takes_any_key() -> None:
+    """partitions=1 (the default) asks nothing of the key, the stream or the server."""
+    spec = _spec("ledger.>", "header:X-Account", partitions=1)
+    assert partitions.transform(spec) is None
+    partitions.check_server(types.SimpleNamespace(connected_server_version=None), spec)  # type: ignore[arg-type]
+
+
+def test_an_old_nats_server_is_refused_for_several_partitions() -> None:
+    """nats-server before 2.10 ignores a stream's subject transform: no message would reach
+    a partition's consumer, so eop refuses in one line naming the fix."""
+    old = types.SimpleNamespace(connected_server_version=types.SimpleNamespace(major=2, minor=9))
+    with pytest.raises(eop.ConfigurationError, match=r"needs nats-server 2\.10 or newer"):
+        partitions.check_server(old, _spec())  # type: ignore[arg-type]
+    new = types.SimpleNamespace(connected_server_version=types.SimpleNamespace(major=2, minor=10))
+    partitions.check_server(new, _spec())  # type: ignore[arg-type]
+
+
+def test_a_stream_without_the_transform_is_refused_with_the_transform_to_set() -> None:
+    """The refusal names the exact src and dest to set, and the alternatives."""
+    bare = types.SimpleNamespace(config=types.SimpleNamespace(subject_transform=None))
+    with pytest.raises(eop.ConfigurationError) as refused:
+        partitions.check_transform(bare, _spec())  # type: ignore[arg-type]
+    text = str(refused.value)
+    assert 'src "ledger.*.step"' in text
+    assert 'dest "{{partition(4,1)}}.ledger.{{wildcard(1)}}.step"' in text
+    assert "partitions=1" in text
+    good = types.SimpleNamespace(
+        config=types.SimpleNamespace(
+            subject_transform=types.SimpleNamespace(
+                src="ledger.*.step", dest="{{partition(4,1)}}.ledger.{{wildcard(1)}}.step"
+            )
+        )
+    )
+    partitions.check_transform(good, _spec())  # type: ignore[arg-type]
+
+
+def test_handlers_that_would_not_see_a_partitioned_streams_subjects_are_refused() -> None:
+    """A stream has one transform: two partitioned handlers must agree, and another handler
+    reading the rewritten subjects would never match them."""
+    ledger = _spec()
+    assert partitions.stream_transforms([ledger]) == {"LEDGER": partitions.transform(ledger)}
+    other = _spec(partitions=8, name="other")
+    with pytest.raises(eop.ConfigurationError, match="both spread their keys"):
+        partitions.stream_transforms([ledger, other])
+    reader = _spec("ledger.>", None, partitions=1, name="reader")
+    with pytest.raises(eop.ConfigurationError, match="would never see them"):
+        partitions.stream_transforms([ledger, reader])
+    elsewhere = _spec("audit.>", None, partitions=1, name="audit")
+    assert set(partitions.stream_transforms([ledger, elsewhere])) == {"LEDGER"}
