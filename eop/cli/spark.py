@@ -225,12 +225,14 @@ def py_files(args: argparse.Namespace) -> list[str]:
 
 
 def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, jobs.ReadOptions]:
-    from eop.spark import jobs, sink
+    from eop.spark import fleet, jobs, sink
 
     app = options.configured_app(args, _FLAG_FIELDS)
     (spec,) = select_handlers(app, [args.handler])
     s = app.settings
     options.run_with(app, _check_schema(app))
+    # Before Spark starts (seconds of JVM), not only at the job's start.
+    fleet.check_idle(app, spec)
     env: dict[str, str] = {}
     secret_env: tuple[tuple[str, str], ...] = ()
     if args.executor_credentials:

@@ -19,7 +19,7 @@ from typing import IO, TYPE_CHECKING, Any
 from eop import access
 from eop import errors as eop_errors
 from eop.handler import HandlerSpec, parse_order_by
-from eop.spark import connect, errors, failures, probe, report, sink, watch
+from eop.spark import connect, errors, failures, fleet, probe, report, sink, watch
 from eop.spark.apply import Counts
 
 if TYPE_CHECKING:
@@ -47,10 +47,11 @@ class ReadOptions:
     instead: the options and the partitions carry the name, not the value."""
 
     def options(self, spec: HandlerSpec) -> dict[str, str]:
-        """The ``jetstream`` source options for ``spec``'s stream and subject."""
+        """The ``jetstream`` source options for ``spec``'s stream and subject (as stored:
+        :func:`stored_subject`)."""
         opts = {
             "stream": spec.stream,
-            "subject": spec.subject,
+            "subject": stored_subject(spec),
             "natsUrl": self.nats_url,
             "startSequence": self.from_seq,
             "endSequence": self.to_seq,
@@ -67,12 +68,25 @@ class ReadOptions:
         return {**auth, **{k: str(v) for k, v in opts.items() if v is not None}}
 
 
+def stored_subject(spec: HandlerSpec) -> str:
+    """The filter of ``spec``'s messages as the stream stores them.
+
+    With ``partitions`` > 1 the stream puts each message's partition in front
+    of its subject (:mod:`eop.broker.partitions`): ``3.ledger.acc1.step`` for
+    ``ledger.acc1.step``. The sink takes that token off again
+    (:func:`eop.spark.sink.messages_from_rows`), as the workers do.
+    """
+    return f"*.{spec.subject}" if spec.partitions > 1 else spec.subject
+
+
 def ordered(df: DataFrame, spec: HandlerSpec) -> DataFrame:
     """For handlers with ``order_by``: a key's messages in one partition.
 
     Partitions run in parallel, so sequence ranges would let a key's later
     message commit before its earlier one in another range. The sink runs
     each partition's messages in stream order (:class:`eop.spark.sink.PartitionFunction`).
+    ``df``'s subjects are as stored: with ``partitions`` > 1 the key's token
+    comes after the partition's.
     """
     if spec.order_by is None:
         return df
@@ -80,7 +94,9 @@ def ordered(df: DataFrame, spec: HandlerSpec) -> DataFrame:
 
     kind, arg = parse_order_by(spec.order_by)
     if kind == "subject":
-        key = F.try_element_at(F.split("subject", r"\."), F.lit(int(arg) + 1))
+        # try_element_at counts from 1; a partition token shifts the key by one more.
+        index = int(arg) + 1 + (1 if spec.partitions > 1 else 0)
+        key = F.try_element_at(F.split("subject", r"\."), F.lit(index))
     else:
         key = F.try_element_at(F.col("headers"), F.lit(arg))
     if df.isStreaming or connect.is_connect(df.sparkSession):
@@ -105,8 +121,10 @@ def backfill(
     ``check`` first probes the executors (:mod:`eop.spark.probe`); ``watching``
     says when a job that no executor takes is warned about or ended
     (``progress`` is the shorthand for its ``out``); ``app`` is where the
-    counts are read (default: the target's, imported here).
+    counts are read (default: the target's, imported here). An ordered
+    handler's job refuses to start while workers run it (:mod:`eop.spark.fleet`).
     """
+    fleet.check_idle(app or sink.caller_app(target), spec)
     watching = watching or watch.Watch(out=progress)
     what = f"backfill of {spec.stream} for {spec.name}"
     with translated(target.app), watch.watched(spark, what, watching):
@@ -155,8 +173,10 @@ def stream(
     warned about and ended like a backfill's job, not waited on in silence.
     ``on_batch`` gets each micro-batch's counts once its commit left them
     (read from ``app``'s database, by default the target's, in a thread of
-    this process): :func:`wait` returns after the last.
+    this process): :func:`wait` returns after the last. An ordered handler's
+    query refuses to start while workers run it (:mod:`eop.spark.fleet`).
     """
+    fleet.check_idle(app or sink.caller_app(target), spec)
     with translated(target.app):
         if check:
             _probe_watched(spark, target, spec, read, watching or watch.Watch())

@@ -34,7 +34,7 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
-from eop import errors, log, message
+from eop import errors, log, message, wire
 from eop.spark import connect, report
 from eop.spark.apply import Counts, Partition
 
@@ -259,36 +259,70 @@ class PartitionFunction:
         ``order_by`` handler's (rows repartitioned by key) comes unsorted.
         """
         partition = partition_for(self.target)
+        spec = partition.spec
+        rows = list(rows)
         messages = sorted(
-            messages_from_rows(rows, partition.spec.name), key=lambda m: (m.stream_epoch, m.seq)
+            messages_from_rows(rows, spec.name, spec.partitions),
+            key=lambda m: (m.stream_epoch, m.seq),
         )
+        # Rows without a partition token: no worker's consumer would deliver them.
+        skipped = Counts(skipped=len(rows) - len(messages))
         # A shuffle leaves partitions empty: no transaction for them.
-        return partition.run(messages) if messages else Counts()
+        return skipped + partition.run(messages) if messages else skipped
 
     def __call__(self, rows: Iterable[Row]) -> Iterator[Counts]:
         yield self.run(rows)
 
 
-def messages_from_rows(rows: Iterable[Row], subscription: str) -> Iterator[message.Message]:
-    """The messages of ``jetstream`` rows, as the handler sees them."""
+def messages_from_rows(
+    rows: Iterable[Row], subscription: str, partitions: int = 1
+) -> Iterator[message.Message]:
+    """The messages of ``jetstream`` rows, as the handler sees them.
+
+    Built as :func:`eop.message.from_nats` builds a worker's, so that a
+    message's fingerprint is the same whoever processes it. With
+    ``partitions`` > 1 the stream stored each subject behind its partition's
+    number (``3.ledger.acc1.step``): the handler and the fingerprint get the
+    subject as published (``ledger.acc1.step``), as the workers' fetches
+    strip it (:mod:`eop.runtime.ordered`), and a row without such a token,
+    which no partition's consumer would deliver, is left out.
+    """
     for row in rows:
         fields = row.asDict()
+        subject = fields["subject"]
+        if partitions > 1:
+            token, _, subject = subject.partition(".")
+            if not _partition_token(token, partitions):
+                continue
         stamp = fields.get("timestamp")
         if isinstance(stamp, datetime.datetime) and stamp.tzinfo is None:
             # PySpark hands timestamps over in the worker's local time, without a zone.
             stamp = stamp.astimezone(datetime.timezone.utc)
+        headers = {str(k): str(v) for k, v in (fields["headers"] or {}).items()}
+        if any(_unstorable(k) or _unstorable(v) for k, v in headers.items()):
+            headers = {wire.storable(k): wire.storable(v) for k, v in headers.items()}
         yield message.Message(
             subscription=subscription,
-            subject=fields["subject"],
+            subject=wire.storable(subject),
             # BinaryType arrives as a bytearray; the fingerprint hashes bytes alike.
             data=bytes(fields["data"] or b""),
-            headers=dict(fields["headers"] or {}),
+            headers=headers,
             stream=fields["stream"],
             stream_epoch=fields["epoch"],
             seq=int(fields["seq"]),
             num_delivered=1,
             timestamp=stamp,
         )
+
+
+def _partition_token(token: str, partitions: int) -> bool:
+    """Whether ``token`` is a partition's number as the stream's transform writes it."""
+    return token.isdecimal() and str(int(token)) == token and int(token) < partitions
+
+
+def _unstorable(text: str) -> bool:
+    # As eop.message.from_nats decides it: NUL, or bytes that were not UTF-8.
+    return "\x00" in text or wire.escaped(text)
 
 
 _PARTITIONS: dict[Target, Partition] = {}

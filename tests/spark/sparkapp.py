@@ -2,7 +2,9 @@
 
 Its handlers write one effect row per message (see tests/integration/bed.py),
 reject bodies starting with ``reject`` and always fail on ``poison``.
-``spark_ordered`` handles each account's messages in stream order.
+``spark_ordered`` handles each account's messages in stream order;
+``spark_partitioned`` too, its accounts spread over 3 partitions (subject
+``ORDERS.<account>.step``, which the stream stores as ``<partition>.ORDERS...``).
 """
 
 from __future__ import annotations
@@ -50,3 +52,16 @@ def record_ordered(msg: eop.Message, session: Session) -> None:
     """One effect row, keyed by the account header (its id tells the order of application)."""
     key = f"{msg.headers.get('X-Account')}:{msg.seq}"
     session.execute(_INSERT, {"h": "spark_ordered", "k": key, "b": msg.data.decode()})
+
+
+@app.handler(
+    stream=STREAM,
+    subject="ORDERS.*.step",
+    name="spark_partitioned",
+    order_by="subject:1",
+    partitions=3,
+)
+def record_partitioned(msg: eop.Message, session: Session) -> None:
+    """One effect row per message: its account and sequence, and the subject it was given."""
+    key = f"{msg.subject.split('.')[1]}:{msg.seq}"
+    session.execute(_INSERT, {"h": "spark_partitioned", "k": key, "b": msg.subject})

@@ -69,8 +69,8 @@ def test_the_source_carries_the_nats_passwords_variable_not_its_value(
     read = jobs.ReadOptions(
         "nats://n:4222", nats=settings.nats_access, secret_env=(("password", "EOP_NATS_PASSWORD"),)
     )
-    spec = type("Spec", (), {"stream": "ORDERS", "subject": "ORDERS.>"})()
-    options = read.options(spec)  # type: ignore[arg-type]  # only stream and subject are read
+    spec = type("Spec", (), {"stream": "ORDERS", "subject": "ORDERS.>", "partitions": 1})()
+    options = read.options(spec)  # type: ignore[arg-type]  # reads stream, subject, partitions
     assert options["natsPasswordEnv"] == "EOP_NATS_PASSWORD"
     assert CANARY not in repr(options)
 
