@@ -59,8 +59,9 @@ def project(django_database: str) -> str:
 
     with connection.cursor() as cursor:
         cursor.execute(
-            "TRUNCATE shop_effect, shop_account, shop_order, eop.inbox, eop.dead_letters, "
-            "eop.watermarks, eop.retries, eop.outbox, eop.relay_leases RESTART IDENTITY"
+            "TRUNCATE shop_effect, shop_account, shop_order, shop_step, eop.inbox, "
+            "eop.dead_letters, eop.watermarks, eop.retries, eop.outbox, eop.relay_leases, "
+            "eop.partitions, eop.members RESTART IDENTITY"
         )
     connection.close()
     return django_database

@@ -10,6 +10,7 @@ dead-lettered or parked, and the worker must stop on SIGTERM (no stall).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import subprocess
 import threading
@@ -290,3 +291,124 @@ def test_a_pooler_set_as_none_in_front_of_transaction_mode_is_one_clear_error(
         assert run.stderr.startswith("eop: error: "), run.stderr
         assert "EOP_DB_POOLER=transaction" in run.stderr.splitlines()[0]
         assert "Traceback" not in run.stderr
+
+
+async def _owners(engine: AsyncEngine) -> dict[int, tuple[str | None, int | None, int]]:
+    """The ledger's partitions: partition -> (owner, owner's pid, epoch); a lease that ran
+    out counts as no owner."""
+    query = (
+        "SELECT partition, CASE WHEN expires_at >= now() THEN owner END,"
+        " CASE WHEN expires_at >= now() THEN owner_pid END, epoch"
+        " FROM eop.partitions WHERE subscription = 'ledger'"
+    )
+    async with engine.connect() as conn:
+        rows = (await conn.execute(sa.text(query))).all()
+    return {int(p): (owner, pid, int(epoch)) for p, owner, pid, epoch in rows}
+
+
+async def _owned_by(engine: AsyncEngine, pids: set[int], partitions: int) -> bool:
+    """Every partition has a live owner, and the owners are exactly the processes ``pids``."""
+    found = await _owners(engine)
+    owners = {pid for _owner, pid, _epoch in found.values()}
+    return len(found) == partitions and owners == pids
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+async def test_an_ordered_handler_keeps_each_key_in_order_through_transaction_mode(
+    pgbouncer_path: str,
+    postgres: embedded.PostgresCluster,
+    database_url: str,
+    engine: AsyncEngine,
+    js: Any,
+    nats_url: str,
+    tmp_path: Path,
+    stop: str,
+) -> None:
+    """Two `eop worker` processes on an ordered handler with 2 partitions, both through
+    PgBouncer in transaction mode (db_pooler=transaction, 3 server connections shared by
+    every client): the stream eop creates has the partition transform, each worker owns one
+    partition, and one of them stopped (SIGTERM, or SIGKILL) mid-burst hands its partition
+    to the other (at once, or when its lease runs out): every step of every account applied
+    once and in order, and the ownership ticks never failed through the pooler (their
+    transactions share server connections with the handlers')."""
+    import signal
+
+    from .test_ordered_fleet import create_ledger, ledger_counts, publish_burst
+
+    accounts, steps, partitions = 8, 50, 2
+    await create_ledger(engine, accounts)
+    name = sa.make_url(database_url).database
+    assert name is not None
+    with bouncer.PgBouncer(
+        pgbouncer_path,
+        postgres,
+        "transaction",
+        pool_size=3,
+        settings=bouncer.no_prepared_statements(pgbouncer_path),
+    ) as pgb:
+        env = eop_env(
+            pgb.url_for(name),
+            nats_url,
+            EOP_DB_POOLER="transaction",
+            EOP_PARTITION_LEASE_S="3",
+            EOP_CONCURRENCY="32",
+            LEDGER_PARTITIONS=str(partitions),
+        )
+        pool = Workers(env, tmp_path, app="tests.integration.ledgerapp:app")
+        first, second = pool.start(), pool.start()
+        try:
+            await wait_for(
+                lambda: _owned_by(engine, {first.pid, second.pid}, partitions),
+                timeout_s=60,
+                what=f"a partition owned by each worker; their log:\n{pool.logs()[-3000:]}",
+            )
+            config = (await js.stream_info("LEDGER")).config
+            assert config.subject_transform is not None
+            assert config.subject_transform.dest == (
+                "{{partition(2,1)}}.ledger.{{wildcard(1)}}.step"
+            )
+            epochs = {p: epoch for p, (_o, _pid, epoch) in (await _owners(engine)).items()}
+            with _Sampler(pgb, name) as sampler:
+                await publish_burst(nats_url, accounts, steps)
+                await wait_for(
+                    lambda: _applied_steps(engine, accounts * steps // 4),
+                    timeout_s=60,
+                    what="a quarter of the steps",
+                )
+                second.send_signal(getattr(signal, stop))
+                at_stop = int(await scalar(engine, "SELECT count(*) FROM applied"))
+                await asyncio.to_thread(second.wait, 60)
+                await wait_for(
+                    lambda: _owned_by(engine, {first.pid}, partitions),
+                    timeout_s=60,
+                    what="the survivor owning both partitions",
+                )
+                await wait_for(
+                    lambda: _applied_steps(engine, accounts * steps),
+                    timeout_s=120,
+                    what=f"every step; the workers' log:\n{pool.logs()[-3000:]}",
+                )
+            after = {p: epoch for p, (_o, _pid, epoch) in (await _owners(engine)).items()}
+            assert pool.stop_all() == [0, 0 if stop == "SIGTERM" else -signal.SIGKILL]
+        finally:
+            for proc in pool.procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    log = pool.logs()
+    print(f"\n[ordered through PgBouncer, {stop}] steps applied at the stop: {at_stop}")
+    assert at_stop < accounts * steps  # mid-burst
+    assert await ledger_counts(engine) == (accounts * steps, 0, 0)
+    # The stopped worker's partition changed hands: a new epoch; the survivor's did not.
+    assert sum(after[p] > epochs[p] for p in epochs) == 1, (epochs, after)
+    # More clients than server connections: transactions of both workers (the ticks
+    # included) took turns on the same few server connections.
+    assert sampler.peak > 3
+    assert '"event": "partition.failed"' not in log
+    assert '"event": "partition.lost"' not in log
+    assert "prepared statement" not in log
+    assert "Traceback" not in log
+
+
+async def _applied_steps(engine: AsyncEngine, count: int) -> bool:
+    return int(await scalar(engine, "SELECT count(*) FROM applied")) >= count

@@ -9,13 +9,15 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db.models import F
-from djproject.shop.models import Account, Effect
+from djproject.shop.models import Account, Effect, Step
 
 import eop
 import eop.contrib.django
 
 app = eop.App()
 app.stream("DJ", subjects=["dj.>"])
+# The ordered ledger's stream: its own, since it carries the transform of the ledger's partitions.
+app.stream("DJLEDGER", subjects=["djledger.>"])
 
 
 def saw_claim(connection: Any, message: eop.Message) -> bool:
@@ -76,3 +78,21 @@ def slow(message: eop.Message, connection: Any) -> None:
     Effect.objects.create(key=_key(message), handler="slow", saw_claim=True)
     Account.objects.filter(name="hot").update(balance=F("balance") + 1)
     time.sleep(float(os.environ.get("DJPROJECT_DELAY_S", "0")))
+
+
+@app.handler(
+    stream="DJLEDGER",
+    subject="djledger.*.step",
+    name="ledger",
+    order_by="subject:1",  # the account
+    partitions=2,
+)
+def ledger(message: eop.Message, connection: Any) -> None:
+    """A per-account state machine: lock the account, record whether this step is its next
+    one, make it the account's last; slowly enough that a stop lands mid-burst."""
+    account = message.subject.split(".")[1]
+    step = int(message.data)
+    last = Account.objects.select_for_update().get(name=account).balance
+    Step.objects.create(account=account, step=step, in_order=step == last + 1)
+    Account.objects.filter(name=account).update(balance=step)
+    time.sleep(0.003)

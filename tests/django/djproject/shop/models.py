@@ -1,4 +1,5 @@
-"""What the handlers write: one Effect per message run, Accounts as hot rows, Orders."""
+"""What the handlers write: one Effect per message run, Accounts as hot rows (and as the
+ledger's accounts), Orders, the ledger's Steps."""
 
 from __future__ import annotations
 
@@ -26,3 +27,12 @@ class Order(models.Model):
 
     ref = models.TextField(unique=True)
     total = models.IntegerField()
+
+
+class Step(models.Model):
+    """One step the ordered ledger handler applied to an account (an Account's balance is
+    its last step): ``in_order`` is whether it was the account's next one."""
+
+    account = models.TextField()
+    step = models.IntegerField()
+    in_order = models.BooleanField()
