@@ -47,7 +47,8 @@ _ACK_RETRY_MAX_S = 1.0
 
 # Failures of one in_progress(): the lease may lapse (a redelivery, which the
 # inbox skips), so they are logged and the heartbeat goes on.
-_HEARTBEAT_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, asyncio.TimeoutError)
+HEARTBEAT_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, asyncio.TimeoutError)
+"""What a failed ``in_progress()`` raises: a warning, and the beats go on."""
 
 # Sending a batch of acks stops at any client error: those not confirmed then
 # take the per-message path, which knows which errors are worth a retry.
@@ -289,7 +290,7 @@ async def heartbeats(
                 *(d.in_progress() for d in deliveries), return_exceptions=True
             )
             for logger, result in zip(loggers, results, strict=True):
-                if isinstance(result, _HEARTBEAT_ERRORS):
+                if isinstance(result, HEARTBEAT_ERRORS):
                     logger.warning(log.Event.HEARTBEAT_FAILED, error=type(result).__name__)
                 elif isinstance(result, BaseException):
                     raise result

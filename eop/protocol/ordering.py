@@ -19,10 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 
 from eop import log
-from eop.broker import ack
 from eop.handler import HandlerSpec, parse_order_by
 from eop.types import Delivery, Outcome
 
@@ -43,7 +42,7 @@ class BlockedKeys:
     """Keys held back behind a retried message, until it has an outcome.
 
     The later messages of a blocked key wait in their lane (their leases kept
-    by heartbeats) instead of being nak'ed, since every redelivery would count
+    by the lane's heartbeats) instead of being nak'ed, since every redelivery would count
     against their attempts. They wait for as long as it takes: the retried
     message comes back to this process's consumer of the key's partition,
     unless the process loses the partition (then they are left for its new
@@ -63,31 +62,31 @@ class BlockedKeys:
         self,
         handler: str,
         key: str,
-        deliveries: Sequence[Delivery],
-        beat_s: float,
+        waiting: int,
         *,
         lost: asyncio.Event,
         stored: Callable[[int], Awaitable[bool]],
         hold_s: float,
+        poll_s: float = 1.0,
     ) -> bool:
-        """Wait until the key is unblocked, keeping the waiting deliveries' leases;
-        False if the partition was lost meanwhile (the deliveries are left)."""
+        """Wait until the key is unblocked (the caller keeps the ``waiting`` messages'
+        leases); False if the partition was lost meanwhile (they are left)."""
         logger = log.get_logger(handler=handler)
         check_at = time.monotonic() + hold_s
-        async with ack.heartbeats(deliveries, beat_s, [logger] * len(deliveries)):
-            while (entry := self._blocked.get((handler, key))) is not None:
-                if lost.is_set():
-                    return False
-                if time.monotonic() >= check_at:
-                    check_at = time.monotonic() + hold_s
-                    if not await stored(entry[0]):
-                        # Deleted from the stream (limits, a purge): it will never come back.
-                        self._release(handler, key)
-                        break
-                    logger.info(log.Event.PARTITION_KEY_HELD, seq=entry[0], waiting=len(deliveries))
-                # Woken at least every beat_s: the entry may have been replaced.
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(entry[1].wait(), beat_s)
+        while (entry := self._blocked.get((handler, key))) is not None:
+            if lost.is_set():
+                return False
+            if time.monotonic() >= check_at:
+                check_at = time.monotonic() + hold_s
+                if not await stored(entry[0]):
+                    # Deleted from the stream (limits, a purge): it will never come back.
+                    self._release(handler, key)
+                    break
+                logger.info(log.Event.PARTITION_KEY_HELD, seq=entry[0], waiting=waiting)
+            # Woken at least every poll_s: the entry may have been replaced, or the
+            # partition lost.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(entry[1].wait(), poll_s)
         return not lost.is_set()
 
     def update(self, handler: str, key: str, msg: Delivery, outcome: Outcome) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from eop import errors, log, redaction
 from eop.app import App
-from eop.broker import connection, jetstream
+from eop.broker import connection, jetstream, partitions
 from eop.handler import HandlerSpec
 from eop.pg import migrate
 from eop.protocol import relay
@@ -90,8 +90,13 @@ async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
     process.nats = nc
     try:
         js = nc.jetstream()
+        # A stream this relay creates first gets the partition transform its ordered
+        # handlers need (eop.broker.partitions).
+        transforms = partitions.stream_transforms(app.handlers.values())
         for stream in app.streams.values():
-            await jetstream.ensure_stream(js, stream, create=s.create)
+            await jetstream.ensure_stream(
+                js, stream, create=s.create, transform=transforms.get(stream.name)
+            )
         log.get_logger().info(log.Event.RELAY_STARTED)
         process.ready.set()
         await relay.Relay(app.engine, nc, s, observer=observer).run(process.stopping)

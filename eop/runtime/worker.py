@@ -92,6 +92,7 @@ class Worker(hosting.Hosted):
         self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
         self._blocked = ordering.BlockedKeys()
         self._runners: dict[str, ordered.OrderedRunner] = {}
+        self._transforms: dict[str, tuple[str, str]] = {}
         self._compactors: dict[str, compaction.Compactor] = {}
         self._logger = log.get_logger()
         self.processed = 0
@@ -198,7 +199,9 @@ class Worker(hosting.Hosted):
             acker = ack.Acker(nc)
             loops = []
             compacting: list[asyncio.Task[None]] = []
-            transforms = partitions.stream_transforms(self.specs)
+            # From every handler of the app, not only this worker's: whichever process
+            # creates a stream first must give it the partition transform it needs.
+            transforms = self._transforms = partitions.stream_transforms(self.app.handlers.values())
             for spec in self.specs:
                 proc = processor.Processor(
                     # The handler as the observer sees it run (timed, traced).
@@ -240,7 +243,9 @@ class Worker(hosting.Hosted):
                     )
             # The streams only the outbox publishes to, before anything is published.
             for stream in self.app.streams.values():
-                await jetstream.ensure_stream(js, stream, create=s.create)
+                await jetstream.ensure_stream(
+                    js, stream, create=s.create, transform=transforms.get(stream.name)
+                )
             relaying: list[asyncio.Task[None]] = []
             if s.relay:
                 self.relay = relay.Relay(self.app.engine, nc, s, observer=self._observer)
@@ -463,19 +468,16 @@ class Worker(hosting.Hosted):
         name = proc.spec.name
         self._observer.received(proc.spec, msgs)
         try:
-            # The retried message the previous lane waits for must not wait for it.
-            awaited = self._blocked.blocked_seq(name, key)
-            first = [m for m in msgs if awaited is not None and _seq(m) <= awaited]
-            rest = [m for m in msgs if m not in first]
-            if await self._run_lane(proc, key, first, received_at, part):
-                if previous is not None and not previous.done():
-                    beat_s = proc.ack_wait_s / 3
-                    async with (
-                        self._held(rest, part),
-                        ack.heartbeats(rest, beat_s, [self._logger] * len(rest)),
-                    ):
-                        await asyncio.wait({previous})
-                await self._run_lane(proc, key, rest, received_at, part)
+            async with ordered.LaneBeat(msgs, received_at, proc.ack_wait_s / 3) as beat:
+                # The retried message the previous lane waits for must not wait for it.
+                awaited = self._blocked.blocked_seq(name, key)
+                first = [m for m in msgs if awaited is not None and _seq(m) <= awaited]
+                rest = [m for m in msgs if m not in first]
+                if await self._run_lane(proc, key, first, beat, part):
+                    if previous is not None and not previous.done():
+                        async with self._held(rest, part):
+                            await asyncio.wait({previous})
+                    await self._run_lane(proc, key, rest, beat, part)
         finally:
             part.inflight -= len(msgs)
             part.room.set()
@@ -487,7 +489,7 @@ class Worker(hosting.Hosted):
         proc: processor.Processor,
         key: str,
         msgs: Sequence[Delivery],
-        received_at: float,
+        beat: ordered.LaneBeat,
         part: ordered.Partition,
     ) -> bool:
         """Run ``msgs`` in order; False once the partition is lost (the rest are left
@@ -501,14 +503,14 @@ class Worker(hosting.Hosted):
             awaited = self._blocked.blocked_seq(name, key)
             if awaited is not None and _seq(msg) > awaited:
                 held = msgs[index:]
-                beat_s = proc.ack_wait_s / 3
                 async with self._held(held, part):
+                    # The lane's beat keeps their leases meanwhile.
                     went_on = await self._blocked.wait(
-                        name, key, held, beat_s, lost=part.lost, stored=runner.stored, hold_s=hold_s
+                        name, key, len(held), lost=part.lost, stored=runner.stored, hold_s=hold_s
                     )
                 if not went_on:
                     return False
-            outcome = await proc.handle(msg, received_at)
+            outcome = await proc.handle(msg, beat.take(msg))
             self._blocked.update(name, key, msg, outcome)
             if outcome in (Outcome.RETRY, Outcome.LEFT):
                 part.keys.add(key)
@@ -557,7 +559,10 @@ class Worker(hosting.Hosted):
                 errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError
             ):
                 await jetstream.ensure_stream(
-                    js, self.app.stream_spec(spec.stream), create=self.settings.create
+                    js,
+                    self.app.stream_spec(spec.stream),
+                    create=self.settings.create,
+                    transform=self._transforms.get(spec.stream),
                 )
                 await jetstream.ensure_consumer(
                     js, spec, self.settings, create=self.settings.create

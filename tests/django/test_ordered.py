@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from eop.errors import ConfigurationError
 from tests.integration.bed import wait_for
 
 from .test_handlers import rows, worker
@@ -145,12 +144,6 @@ async def test_two_eop_workers_share_an_ordered_handlers_partitions_and_keep_ord
     assert "Traceback" not in log()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ConfigurationError,
-    reason="eop/runtime/worker.py:242 (and eop/runtime/relaying.py:93) create the app's "
-    "declared streams without the partition transform its ordered handlers need",
-)
 async def test_a_worker_of_other_handlers_started_first_creates_the_ledgers_stream_right(
     project: str, nats_url: str, js: Any
 ) -> None:

@@ -23,29 +23,35 @@ async def _never(seq: int) -> bool:
     return False
 
 
-async def test_messages_waiting_behind_a_retried_one_keep_their_leases() -> None:
-    """While a key is blocked, the deliveries held back get in_progress() heartbeats."""
-    blocked = ordering.BlockedKeys()
-    retried = testing.FakeDelivery.make(seq=1)
+async def test_a_lanes_waiting_messages_keep_their_leases_until_they_start() -> None:
+    """Messages waiting their turn in a key's lane (behind a running or retried one) get
+    in_progress() heartbeats until they start, and the processor is told when each lease
+    was last renewed, not when the message was fetched."""
     waiting = [testing.FakeDelivery.make(seq=2), testing.FakeDelivery.make(seq=3)]
-    blocked.update("h", "k", retried, Outcome.RETRY)
-    assert blocked.blocked_seq("h", "k") == 1
-
-    async def settle_once_beaten() -> None:
+    async with ordered.LaneBeat(waiting, received_at=0.0, beat_s=0.01) as beat:
         for d in waiting:
             await asyncio.wait_for(d.wait_for_in_progress(2), timeout=10)
-        blocked.update("h", "k", retried, Outcome.PROCESSED)
+        renewed = beat.take(waiting[0])
+        calls = waiting[0].in_progress_calls
+        await asyncio.wait_for(waiting[1].wait_for_in_progress(calls + 2), timeout=10)
+    assert renewed > 0.0
+    assert waiting[0].in_progress_calls <= calls + 1  # started: no more beats of the lane's
 
-    settler = asyncio.create_task(settle_once_beaten())
-    lost = asyncio.Event()
-    went_on = await asyncio.wait_for(
-        blocked.wait("h", "k", list(waiting), 0.01, lost=lost, stored=_always, hold_s=60),
-        timeout=10,
+
+async def test_a_retried_message_blocks_its_key_until_it_settles() -> None:
+    """The key waits while its retried message has no outcome and goes on once it has."""
+    blocked = ordering.BlockedKeys()
+    retried = testing.FakeDelivery.make(seq=1)
+    blocked.update("h", "k", retried, Outcome.RETRY)
+    assert blocked.blocked_seq("h", "k") == 1
+    task = asyncio.ensure_future(
+        blocked.wait("h", "k", 2, lost=asyncio.Event(), stored=_always, hold_s=60, poll_s=0.01)
     )
-    await settler
-    assert went_on
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    blocked.update("h", "k", retried, Outcome.PROCESSED)
+    assert await asyncio.wait_for(task, 10)
     assert blocked.blocked_seq("h", "k") is None
-    assert all(d.in_progress_calls >= 2 for d in waiting)
 
 
 async def test_a_blocked_key_waits_past_any_time_while_its_message_is_stored() -> None:
@@ -59,7 +65,9 @@ async def test_a_blocked_key_waits_past_any_time_while_its_message_is_stored() -
         asked.append(seq)
         return True
 
-    waiting = blocked.wait("h", "k", [], 0.01, lost=asyncio.Event(), stored=stored, hold_s=0.02)
+    waiting = blocked.wait(
+        "h", "k", 0, lost=asyncio.Event(), stored=stored, hold_s=0.02, poll_s=0.01
+    )
     task = asyncio.ensure_future(waiting)
     await asyncio.sleep(0.3)
     assert not task.done()
@@ -75,7 +83,8 @@ async def test_a_blocked_key_is_released_when_the_stream_no_longer_holds_the_mes
     blocked = ordering.BlockedKeys()
     blocked.update("h", "k", testing.FakeDelivery.make(seq=5), Outcome.RETRY)
     went_on = await asyncio.wait_for(
-        blocked.wait("h", "k", [], 0.01, lost=asyncio.Event(), stored=_never, hold_s=0.02), 5
+        blocked.wait("h", "k", 0, lost=asyncio.Event(), stored=_never, hold_s=0.02, poll_s=0.01),
+        5,
     )
     assert went_on
     assert blocked.blocked_seq("h", "k") is None
@@ -88,7 +97,7 @@ async def test_a_key_stops_waiting_when_its_partition_is_lost() -> None:
     blocked.update("h", "k", testing.FakeDelivery.make(seq=5), Outcome.RETRY)
     lost = asyncio.Event()
     task = asyncio.ensure_future(
-        blocked.wait("h", "k", [], 0.01, lost=lost, stored=_always, hold_s=60)
+        blocked.wait("h", "k", 0, lost=lost, stored=_always, hold_s=60, poll_s=0.01)
     )
     await asyncio.sleep(0.05)
     lost.set()
