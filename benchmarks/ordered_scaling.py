@@ -1,7 +1,7 @@
 """Throughput of an I/O-bound ordered handler on 1, 2 and 4 worker commands.
 
     python benchmarks/ordered_scaling.py [--messages 60000] [--keys 64] [--partitions 16]
-        [--commands 1,2,4] [--window-s 15]
+        [--commands 1,2,4] [--window-s 15] [--unordered]
 
 Starts its own nats-server and PostgreSQL (the ``embedded`` extra). For each
 count N: a fresh stream, ``--messages`` published over ``--keys`` keys, then
@@ -11,6 +11,8 @@ default settings. Start-up is excluded: the window opens once every command
 owns its share of the partitions and lasts ``--window-s``. Prints messages/s
 over the window, the ratio to N times the one-command figure, and CPU per
 message: the workers', PostgreSQL's and nats-server's (psutil, over the window).
+``--unordered`` runs the same handler without ``order_by`` (each command's
+default processes then share one consumer): the baseline.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ async def one_run(
         EOP_PROCESSES="1",
         BENCH_STREAM=stream,
         BENCH_PARTITIONS=str(args.partitions),
+        BENCH_UNORDERED="1" if args.unordered else "0",
     )
     # The first command creates the stream (with its partition transform); then the backlog.
     procs = [start_worker(env)]
@@ -121,8 +124,11 @@ async def one_run(
             )
         )
     procs += [start_worker(env) for _ in range(n - 1)]
-    while not await balanced(engine, handler, n):  # noqa: ASYNC110  # polls the database
-        await asyncio.sleep(0.2)
+    if args.unordered:
+        await asyncio.sleep(3)  # every command started and fetching
+    else:
+        while not await balanced(engine, handler, n):  # noqa: ASYNC110  # polls the database
+            await asyncio.sleep(0.2)
     servers = [psutil.Process(ns.pid or 0), psutil.Process(pg.pid or 0)]
     workers = [psutil.Process(p.pid) for p in procs]
     left0, t0 = await remaining(js, stream), time.perf_counter()
@@ -153,8 +159,9 @@ async def main(args: argparse.Namespace) -> None:
         migrate.upgrade(pg.url)
         results = {n: await one_run(ns, pg, args, n) for n in counts}
     base = results[counts[0]]["rate"] / counts[0]
+    kind = "unordered" if args.unordered else "ordered"
     print(
-        f"ordered I/O-bound handler: {args.keys} keys, {args.partitions} partitions, "
+        f"{kind} I/O-bound handler: {args.keys} keys, {args.partitions} partitions, "
         f"5 ms a message, window {args.window_s} s"
     )
     print("commands  msg/s   vs N x one   worker us/msg  pg us/msg  nats us/msg")
@@ -172,4 +179,5 @@ if __name__ == "__main__":
     parser.add_argument("--partitions", type=int, default=16)
     parser.add_argument("--commands", default="1,2,4")
     parser.add_argument("--window-s", type=float, default=15.0)
+    parser.add_argument("--unordered", action="store_true")
     asyncio.run(main(parser.parse_args()))
