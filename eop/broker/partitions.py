@@ -138,11 +138,12 @@ def check_server(nc: NATS, spec: HandlerSpec) -> None:
         return
     version = nc.connected_server_version
     have = (version.major, version.minor)
+    shown = f"{version.major}.{version.minor}.{getattr(version, 'patch', 0)}"
     if have < TRANSFORM_SERVER:
         raise errors.ConfigurationError(
             f"handler {spec.name!r} spreads its keys over {spec.partitions} partitions, which "
             f"needs nats-server {'.'.join(map(str, TRANSFORM_SERVER))} or newer (stream subject "
-            f"transforms); this server is {version}. Upgrade it, or declare partitions=1 "
+            f"transforms); this server is {shown}. Upgrade it, or declare partitions=1 "
             "(one process at a time runs the handler)"
         )
 

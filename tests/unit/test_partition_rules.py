@@ -75,8 +75,10 @@ def test_one_partition_takes_any_key() -> None:
 def test_an_old_nats_server_is_refused_for_several_partitions() -> None:
     """nats-server before 2.10 ignores a stream's subject transform: no message would reach
     a partition's consumer, so eop refuses in one line naming the fix."""
-    old = types.SimpleNamespace(connected_server_version=types.SimpleNamespace(major=2, minor=9))
-    with pytest.raises(eop.ConfigurationError, match=r"needs nats-server 2\.10 or newer"):
+    old = types.SimpleNamespace(
+        connected_server_version=types.SimpleNamespace(major=2, minor=9, patch=10)
+    )
+    with pytest.raises(eop.ConfigurationError, match=r"2\.10 or newer .*this server is 2\.9\.10\."):
         partitions.check_server(old, _spec())  # type: ignore[arg-type]
     new = types.SimpleNamespace(connected_server_version=types.SimpleNamespace(major=2, minor=10))
     partitions.check_server(new, _spec())  # type: ignore[arg-type]
