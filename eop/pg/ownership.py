@@ -17,7 +17,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from eop import errors
 from eop.pg import models
 from eop.pg.sql import ownership as sql
-from eop.pg.sql import set_local_timeouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +92,7 @@ class Ownership:
         more partitions than it keeps; one transaction."""
         t, s, m, lease = self.tables, self.subscription, self.member, self.lease_s
         async with self.engine.begin() as conn:
-            await conn.execute(set_local_timeouts(2000, 5000))
+            await conn.execute(sql.tick_timeouts(2000, 5000, int(lease * 500)))
             await conn.execute(sql.join(t, s, m.name, m.host, m.pid, lease))
             await conn.execute(sql.prune(t, s))
             if releasing:

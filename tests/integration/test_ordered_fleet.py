@@ -251,3 +251,29 @@ async def test_sigkilled_workers_of_a_fleet_keep_every_key_in_order(
         pool.stop_all()
     assert await ledger_counts(engine) == (accounts * steps, 0, 0)
     assert [proc.returncode for proc in live] == [0, 0]
+
+
+async def test_a_process_frozen_in_the_middle_of_its_tick_does_not_keep_its_partitions(
+    engine: AsyncEngine,
+) -> None:
+    """A tick holds its partitions' rows locked until it commits: a process frozen in the
+    middle of one (SIGSTOP) would keep anyone from taking them for as long as it stays
+    frozen. The tick's idle-in-transaction timeout ends its transaction on the server."""
+    from eop.pg import models, ownership
+    from eop.pg.sql import ownership as ownership_sql
+
+    tables = models.tables("eop")
+    member = ownership.Member(name="b", host="h", pid=2)
+    other = ownership.Ownership(engine, tables, "frozen", 2, member, lease_s=1.0)
+    await other.prepare()
+    frozen = await engine.connect()
+    try:
+        await frozen.begin()
+        await frozen.execute(ownership_sql.tick_timeouts(2000, 5000, 300))
+        await frozen.execute(ownership_sql.acquire(tables, "frozen", "a", "h", 1, 60.0, 2))
+        await asyncio.sleep(1.0)  # frozen: no COMMIT, no statement
+        tick = await other.tick(2, [])
+    finally:
+        with contextlib.suppress(Exception):
+            await frozen.close()
+    assert set(tick.owned) == {0, 1}

@@ -14,6 +14,18 @@ from sqlalchemy.dialects import postgresql
 from eop.pg import models
 
 
+def tick_timeouts(lock_ms: int, statement_ms: int, idle_ms: int) -> sa.TextClause:
+    """The tick transaction's local timeouts, ``idle_in_transaction_session_timeout``
+    included: a process frozen (SIGSTOP, a pause) in the middle of its tick would
+    otherwise keep its partitions' rows locked, and nobody could take them over,
+    for as long as it stays frozen."""
+    return sa.text(
+        "SELECT set_config('lock_timeout', :lock, true), "
+        "set_config('statement_timeout', :stmt, true), "
+        "set_config('idle_in_transaction_session_timeout', :idle, true)"
+    ).bindparams(lock=f"{lock_ms}ms", stmt=f"{statement_ms}ms", idle=f"{idle_ms}ms")
+
+
 def _ttl(seconds: float) -> Any:
     return sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, seconds)
 
