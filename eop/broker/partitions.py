@@ -248,15 +248,6 @@ async def _ack_floor(js: JetStreamContext, stream: str, name: str) -> int | None
     return int(info.ack_floor.stream_seq if info.ack_floor else 0)
 
 
-async def lag(js: JetStreamContext, stream: str, name: str) -> tuple[int, int] | None:
-    """A partition consumer's messages not yet delivered and delivered but not acked."""
-    try:
-        info = await js.consumer_info(stream, name)
-    except (nats.js.errors.NotFoundError, nats.errors.Error):
-        return None
-    return int(info.num_pending or 0), int(info.num_ack_pending or 0)
-
-
 async def floor(js: JetStreamContext, stream: str, names: list[str]) -> int | None:
     """The lowest of the consumers' floors: every message they filter at or below it
     was acked; None if one is missing.
@@ -340,5 +331,8 @@ async def handler_consumers(js: JetStreamContext, spec: HandlerSpec) -> list[api
             return [await js.consumer_info(spec.stream, spec.durable)]
         except nats.js.errors.NotFoundError:
             return []
-    prefix = f"{spec.durable}-p"
-    return [i for i in await js.consumers_info(spec.stream) if (i.name or "").startswith(prefix)]
+    return [
+        i
+        for i in await js.consumers_info(spec.stream)
+        if is_consumer_of(spec.durable, i.name or "")
+    ]

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import eop
 from eop import settings as settings_mod
+from eop.broker import partitions
 from eop.runtime.worker import Worker
 
 STREAM = "ORDERS"
@@ -101,7 +102,7 @@ async def drained(
         infos = [
             info
             for info in await js.consumers_info(stream)
-            if info.name == durable or (info.name or "").startswith(f"{durable}-p")
+            if info.name == durable or partitions.is_consumer_of(durable, info.name or "")
         ]
     except Exception:
         return False
