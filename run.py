@@ -9,7 +9,8 @@ then runs the command inside that virtualenv.
     python3 run.py demo [ARGS]    the demo: embedded NATS + PostgreSQL, crashes, duplicates
     python3 run.py test [ARGS]    ruff check, ruff format --check, mypy, the docs, pytest [ARGS]
     python3 run.py lint           ruff check, ruff format --check, mypy
-    python3 run.py docs [ARGS]    build the docs site strictly into site/ (`docs serve`: live)
+    python3 run.py docs [ARGS]    build the docs site strictly into site/ (`docs serve`: live;
+                                  `docs --update`: rewrite the settings table from the code)
     python3 run.py pytest [ARGS]  only pytest [ARGS]
     python3 run.py fmt            ruff format and ruff check --fix
     python3 run.py bench [ARGS]   the benchmark (eop bench)
@@ -48,6 +49,7 @@ ROOT = Path(__file__).resolve().parent
 PYPROJECT = ROOT / "pyproject.toml"
 INSTALL_SPEC = ".[dev]"
 STAMP_NAME = "eop-install.stamp"
+SETTINGS_TABLE = ROOT / "docs" / "hooks" / "settings_table.py"
 WINDOWS = os.name == "nt"
 
 USAGE = """\
@@ -58,7 +60,8 @@ commands:
   test [ARGS]    ruff check, ruff format --check, mypy, the docs build, then pytest with ARGS
   lint           ruff check, ruff format --check, mypy
   docs [ARGS]    build the docs site into site/ (mkdocs build --strict); with ARGS,
-                 run mkdocs ARGS instead, e.g. `docs serve` for a live preview
+                 run mkdocs ARGS instead, e.g. `docs serve` for a live preview;
+                 `docs --update` rewrites docs/configuration.md's settings table
   pytest [ARGS]  only pytest with ARGS (quicker while iterating)
   fmt            ruff format, then ruff check --fix
   bench [ARGS]   run the benchmark (eop bench)
@@ -606,6 +609,9 @@ def cmd_fmt(venv: Venv, args: list[str]) -> int:
 def cmd_docs(venv: Venv, args: list[str]) -> int:
     if not args:
         return run_steps(venv, [docs_step(venv)])
+    if args == ["--update"]:
+        # The pages' generated parts live in the Markdown (readable on GitHub too).
+        return run_steps(venv, [("settings table", [venv.python, SETTINGS_TABLE])])
     return venv.exec([venv.tool("mkdocs"), *args])
 
 
