@@ -116,10 +116,10 @@ class Processor:
     clock: Callable[[], float] = time.monotonic
     observer: observe.Observer = observe.NOOP
     acker: ack.Acker | None = None
+    """Confirms a batch's acks together; None: one ``ack_sync`` per message."""
     leases: leases.Leases = dataclasses.field(default_factory=leases.Leases)
     """Where the leases of the deliveries it holds are renewed: the worker's, which holds
     them from their fetch (a processor of its own otherwise, on the default :attr:`clock`)."""
-    """Confirms a batch's acks together; None: one ``ack_sync`` per message."""
     stopping: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     """Set when the worker stops: a message waiting to retry is handed back at once."""
     contended: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
