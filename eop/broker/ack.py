@@ -1,4 +1,5 @@
-"""Settling a delivery with the server: the confirmed ack, nak, term, heartbeats.
+"""Settling a delivery with the server: the confirmed ack, nak and term (leases are
+renewed in :mod:`eop.broker.leases`).
 
 The confirmed ack only cuts redeliveries; the inbox row committed before it is
 the guarantee. So an ack that keeps failing is given up after a bound, with a
@@ -9,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import operator
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import nats.errors
 import tenacity
@@ -44,11 +44,6 @@ _RETRYABLE_ACK_ERRORS: tuple[type[BaseException], ...] = (
 # The waits between resent acks: 50 ms, doubling up to 1 s, until give_up_s.
 _ACK_RETRY_FIRST_S = 0.05
 _ACK_RETRY_MAX_S = 1.0
-
-# Failures of one in_progress(): the lease may lapse (a redelivery, which the
-# inbox skips), so they are logged and the heartbeat goes on.
-HEARTBEAT_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, asyncio.TimeoutError)
-"""What a failed ``in_progress()`` raises: a warning, and the beats go on."""
 
 # Sending a batch of acks stops at any client error: those not confirmed then
 # take the per-message path, which knows which errors are worth a retry.
@@ -254,51 +249,3 @@ async def term(delivery: Delivery, logger: log.Logger) -> None:
         await delivery.term()
     except (nats.errors.Error, asyncio.TimeoutError) as exc:
         logger.debug(log.Event.ACK_GAVE_UP, action=log.Action.TERM, error=type(exc).__name__)
-
-
-@contextlib.asynccontextmanager
-async def heartbeat(
-    delivery: Delivery, interval_s: float, logger: log.Logger, *, at_once: bool = False
-) -> AsyncIterator[None]:
-    """Keep one delivery's lease while the body runs: :func:`heartbeats` of one."""
-    async with heartbeats([delivery], interval_s, [logger], at_once=at_once):
-        yield
-
-
-@contextlib.asynccontextmanager
-async def heartbeats(
-    deliveries: Sequence[Delivery],
-    interval_s: float,
-    loggers: Sequence[log.Logger],
-    *,
-    at_once: bool = False,
-) -> AsyncIterator[None]:
-    """Send ``in_progress()`` for every delivery each ``interval_s`` while the body runs.
-
-    One task keeps the leases of a message or of a whole batch. A failed
-    ``in_progress()`` is a warning on that delivery's logger, and the beats
-    go on. ``at_once``: the first beat right away (the lease may be nearly
-    spent already).
-    """
-
-    async def beat() -> None:
-        wait_s = 0.0 if at_once else interval_s
-        while True:
-            await asyncio.sleep(wait_s)
-            wait_s = interval_s
-            results = await asyncio.gather(
-                *(d.in_progress() for d in deliveries), return_exceptions=True
-            )
-            for logger, result in zip(loggers, results, strict=True):
-                if isinstance(result, HEARTBEAT_ERRORS):
-                    logger.warning(log.Event.HEARTBEAT_FAILED, error=type(result).__name__)
-                elif isinstance(result, BaseException):
-                    raise result
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

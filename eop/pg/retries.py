@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from eop import message
@@ -49,7 +50,14 @@ class ParkedDelivery:
     reply = ""
     """No reply subject: nothing is sent to NATS for a parked message."""
 
-    def __init__(self, msg: message.Message, *, failures: int, runs: int) -> None:
+    def __init__(
+        self,
+        msg: message.Message,
+        *,
+        failures: int,
+        runs: int,
+        renew: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.message = msg
         """The message as it was stored, ``num_delivered`` being this run's attempt."""
         self.failures = failures
@@ -59,6 +67,7 @@ class ParkedDelivery:
         self.subject = msg.subject
         self.data = msg.data
         self.headers: dict[str, str] | None = dict(msg.headers)
+        self._renew = renew
 
     @property
     def metadata(self) -> _Metadata:
@@ -76,7 +85,11 @@ class ParkedDelivery:
         """Nothing to do: the dead letter committed is the whole settlement."""
 
     async def in_progress(self) -> None:
-        """Nothing to do: the run holds the row's lock while its transaction is open."""
+        """Move the run's lease ahead in the retries table, as ``in_progress()`` does a
+        delivery's: a run waiting (for a lock, a pooled connection, a thread) is not
+        taken again by another poll, which would count one more run."""
+        if self._renew is not None:
+            await self._renew()
 
 
 async def take_due(
@@ -86,10 +99,26 @@ async def take_due(
     stmt, params = sql.take_due(store.tables, spec.name, limit, lease_s)
     async with store.session() as session, session.begin():
         rows = (await session.execute(stmt, params)).all()
-    return [_delivery(spec, tuple(row)) for row in rows]
+    return [_delivery(store, spec, tuple(row), lease_s) for row in rows]
 
 
-def _delivery(spec: HandlerSpec, row: tuple[Any, ...]) -> ParkedDelivery:
+def _renewal(
+    store: store.PostgresStore, spec: HandlerSpec, msg: message.Message, runs: int, lease_s: float
+) -> Callable[[], Awaitable[None]]:
+    stmt, params = sql.renew_run(
+        store.tables, spec.name, msg.stream, msg.stream_epoch, msg.seq, runs, lease_s
+    )
+
+    async def renew() -> None:
+        async with store.session() as session, session.begin():
+            await session.execute(stmt, params)
+
+    return renew
+
+
+def _delivery(
+    store: store.PostgresStore, spec: HandlerSpec, row: tuple[Any, ...], lease_s: float
+) -> ParkedDelivery:
     stream, epoch, seq, failures, runs, subject, headers, payload, stored_at = row
     msg = message.Message(
         subscription=spec.name,
@@ -102,4 +131,5 @@ def _delivery(spec: HandlerSpec, row: tuple[Any, ...]) -> ParkedDelivery:
         num_delivered=int(failures) + 1,
         timestamp=stored_at,
     )
-    return ParkedDelivery(msg, failures=int(failures), runs=int(runs))
+    renew = _renewal(store, spec, msg, int(runs), lease_s)
+    return ParkedDelivery(msg, failures=int(failures), runs=int(runs), renew=renew)

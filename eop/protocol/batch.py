@@ -21,7 +21,6 @@ import functools
 from collections.abc import Awaitable, Callable, Sequence
 
 from eop import errors, faults, log, message
-from eop.broker import ack
 from eop.pg import inbox, models
 from eop.protocol.processor import Processor, contention, transient
 from eop.types import Delivery, Outcome
@@ -154,7 +153,8 @@ class BatchProcessor:
             meta = delivery.metadata
             epoch = shared or await self.single.epochs.epoch_of(meta.stream, meta.timestamp)
             # After the epoch: reading it may have waited for a stream leader's election.
-            lease_left = self.single.ack_wait_s - (self.single.clock() - received_at)
+            renewed_at = self.single.leases.renewed_at(delivery, received_at)
+            lease_left = self.single.ack_wait_s - (self.single.clock() - renewed_at)
             usual = (
                 epoch is not None
                 and lease_left >= self.settings.lease_margin_s
@@ -212,9 +212,7 @@ class BatchProcessor:
             await faults.point("after_claim")
             mine = [i for i in items if i.msg.seq in claimed]
             leftovers = [i for i in items if i.msg.seq not in claimed]
-            async with ack.heartbeats(
-                [i.delivery for i in mine], self.single.ack_wait_s / 3, [i.logger for i in mine]
-            ):
+            async with self.single.leases.keep([i.delivery for i in mine], self.single.ack_wait_s):
                 if isolate:
                     failures = await self._run_handlers(tx, mine)
                 else:

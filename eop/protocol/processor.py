@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from eop import errors, faults, log, message, retry
-from eop.broker import ack
+from eop.broker import ack, leases
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import failures, inbox, models, retries
@@ -117,6 +117,9 @@ class Processor:
     observer: observe.Observer = observe.NOOP
     acker: ack.Acker | None = None
     """Confirms a batch's acks together; None: one ``ack_sync`` per message."""
+    leases: leases.Leases = dataclasses.field(default_factory=leases.Leases)
+    """Where the leases of the deliveries it holds are renewed: the worker's, which holds
+    them from their fetch (a processor of its own otherwise, on the default :attr:`clock`)."""
     stopping: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     """Set when the worker stops: a message waiting to retry is handed back at once."""
     contended: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
@@ -172,7 +175,7 @@ class Processor:
             logger.warning(log.Event.MESSAGE_STREAM_GONE, action=log.Action.LEFT)
             return self.left(delivery)
         msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
-        remaining = self.ack_wait_s - (self.clock() - received_at)
+        remaining = self.ack_wait_s - (self.clock() - self.leases.renewed_at(delivery, received_at))
         if remaining < self.settings.lease_margin_s:
             # The server may already have handed this message to someone else.
             logger.info(log.Event.MESSAGE_LEASE_SPENT, action=log.Action.LEFT, lease_s=remaining)
@@ -281,7 +284,7 @@ class Processor:
                 level(log.Event.TRANSACTION_RETRY, attempt=attempt, error=describe(exc)[:500])
                 # The lease is renewed while the message waits: an outage of any
                 # length costs it no redelivery.
-                async with ack.heartbeat(delivery, self.ack_wait_s / 3, logger, at_once=True):
+                async with self.leases.keep([delivery], self.ack_wait_s):
                     stopped = await self._stopped_within(delay_s)
                 if stopped:
                     return await self.nak(delivery, msg, 0.0, logger)
@@ -305,7 +308,7 @@ class Processor:
             await faults.point("after_claim")
 
             async def run() -> None:
-                async with ack.heartbeat(delivery, self.ack_wait_s / 3, logger):
+                async with self.leases.keep([delivery], self.ack_wait_s):
                     await tx.run(msg)
                     await faults.point("mid_handler")
                 if msg.num_delivered > 1 and not self.parks:

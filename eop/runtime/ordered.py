@@ -31,13 +31,12 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from eop import errors, log, retry
-from eop.broker import ack, fetcher, partitions
+from eop.broker import fetcher, partitions
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import ownership
 from eop.protocol import ordering
 from eop.settings import Settings
-from eop.types import Delivery
 
 #: JetStream's error code for a sequence the stream does not hold (deleted, or below its
 #: first sequence); "stream not found" is another 404.
@@ -71,55 +70,6 @@ class Partition:
 
 
 Dispatch = Callable[[Sequence[Msg], float, Partition], None]
-
-
-class LaneBeat:
-    """Keeps the leases of a lane's messages that have not started yet.
-
-    A key's messages run one after another: the last of a long lane, or of
-    one queued behind an earlier lane, would otherwise outwait its AckWait
-    and be redelivered, or be left (its lease spent) when its turn came. Each
-    ``beat_s`` every waiting message gets ``in_progress()``; :meth:`received_at`
-    tells the processor when its lease was last renewed.
-    """
-
-    def __init__(self, msgs: Sequence[Delivery], received_at: float, beat_s: float) -> None:
-        self._renewed: dict[int, tuple[Delivery, float]] = {id(m): (m, received_at) for m in msgs}
-        self._beat_s = beat_s
-        self._task: asyncio.Task[None] | None = None
-        self._logger = log.get_logger()
-
-    async def __aenter__(self) -> LaneBeat:
-        self._task = asyncio.create_task(self._beat())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    def take(self, msg: Delivery) -> float:
-        """``msg`` starts now (the processor keeps its lease from here): when its lease
-        was last renewed, for the processor's check that enough of it is left."""
-        _, renewed = self._renewed.pop(id(msg), (msg, 0.0))
-        return renewed
-
-    async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(self._beat_s)
-            waiting = list(self._renewed.values())
-            asked_at = time.monotonic()
-            results = await asyncio.gather(
-                *(m.in_progress() for m, _ in waiting), return_exceptions=True
-            )
-            for (msg, _), result in zip(waiting, results, strict=True):
-                if result is None and id(msg) in self._renewed:
-                    self._renewed[id(msg)] = (msg, asked_at)
-                elif isinstance(result, ack.HEARTBEAT_ERRORS):
-                    self._logger.warning(log.Event.HEARTBEAT_FAILED, error=type(result).__name__)
-                elif isinstance(result, BaseException):
-                    raise result
 
 
 def member() -> ownership.Member:

@@ -28,7 +28,7 @@ from nats.js import JetStreamContext
 
 from eop import errors, log, redaction, retry
 from eop.app import App, select_handlers
-from eop.broker import ack, connection, fetcher, jetstream, partitions
+from eop.broker import ack, connection, fetcher, jetstream, leases, partitions
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import migrate, ownership, retries
@@ -89,6 +89,8 @@ class Worker(hosting.Hosted):
         self._slots = slots.Slots(self.settings.concurrency)
         self._inflight: set[asyncio.Task[Any]] = set()
         self._critical = processor.Critical()
+        # Every delivery from its fetch to its settlement: the one place leases are kept.
+        self._leases = leases.Leases()
         self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
         self._blocked = ordering.BlockedKeys()
         self._runners: dict[str, ordered.OrderedRunner] = {}
@@ -216,6 +218,7 @@ class Worker(hosting.Hosted):
                     critical=self._critical,
                     observer=self._observer,
                     acker=acker,
+                    leases=self._leases,
                     stopping=self._stopping,
                 )
                 await jetstream.ensure_stream(
@@ -275,6 +278,7 @@ class Worker(hosting.Hosted):
             await asyncio.gather(*relaying, return_exceptions=True)
         finally:
             await self._critical.drain()
+            await self._leases.close()
             # Not nc.drain(): it waits on the pull subscriptions' inboxes until its
             # own timeout. Every ack was confirmed already; flush sends the naks
             # (unless NATS gave up on the worker: they could never be sent).
@@ -380,6 +384,7 @@ class Worker(hosting.Hosted):
                 failures += 1
                 await self._recover(js, spec, exc, failures, proc)
             received_at = time.monotonic()
+            self._leases.hold(msgs, proc.ack_wait_s, at=received_at)
             self._slots.give(wanted - len(msgs))
             groups = [msgs] if self.settings.batch_transactions else [[m] for m in msgs]
             for group in groups:
@@ -418,9 +423,11 @@ class Worker(hosting.Hosted):
             # A poll's due retries run in one transaction (eop.protocol.retrying), as a
             # fetched batch does; one transaction each without batch transactions.
             polls = [parked] if self.settings.batch_transactions else [[p] for p in parked]
+            taken_at = time.monotonic()
+            self._leases.hold(parked, proc.ack_wait_s, at=taken_at)
             for poll in polls:
                 if poll:
-                    self._spawn(self._process(proc, poll, time.monotonic()))
+                    self._spawn(self._process(proc, poll, taken_at))
             if parked and len(parked) == free:
                 wait_s = 0.0
 
@@ -446,6 +453,7 @@ class Worker(hosting.Hosted):
         part: ordered.Partition,
     ) -> None:
         """One lane per key: a key's messages run one after another, in stream order."""
+        self._leases.hold(msgs, proc.ack_wait_s, at=at)
         by_key: dict[str, list[Delivery]] = {}
         for msg in msgs:
             by_key.setdefault(ordering.key_of(proc.spec, msg), []).append(msg)
@@ -472,17 +480,18 @@ class Worker(hosting.Hosted):
         name = proc.spec.name
         self._observer.received(proc.spec, msgs)
         try:
-            async with ordered.LaneBeat(msgs, received_at, proc.ack_wait_s / 3) as beat:
-                # The retried message the previous lane waits for must not wait for it.
-                awaited = self._blocked.blocked_seq(name, key)
-                first = [m for m in msgs if awaited is not None and _seq(m) <= awaited]
-                rest = [m for m in msgs if m not in first]
-                if await self._run_lane(proc, key, first, beat, part):
-                    if previous is not None and not previous.done():
-                        async with self._held(rest, part):
-                            await asyncio.wait({previous})
-                    await self._run_lane(proc, key, rest, beat, part)
+            # The retried message the previous lane waits for must not wait for it.
+            awaited = self._blocked.blocked_seq(name, key)
+            first = [m for m in msgs if awaited is not None and _seq(m) <= awaited]
+            rest = [m for m in msgs if m not in first]
+            if await self._run_lane(proc, key, first, received_at, part):
+                if previous is not None and not previous.done():
+                    async with self._held(rest, part):
+                        await asyncio.wait({previous})
+                await self._run_lane(proc, key, rest, received_at, part)
         finally:
+            # Those it did not run are left for the partition's next consumer.
+            self._leases.release(msgs)
             part.inflight -= len(msgs)
             part.room.set()
             self._observer.done(proc.spec, msgs)
@@ -493,7 +502,7 @@ class Worker(hosting.Hosted):
         proc: processor.Processor,
         key: str,
         msgs: Sequence[Delivery],
-        beat: ordered.LaneBeat,
+        received_at: float,
         part: ordered.Partition,
     ) -> bool:
         """Run ``msgs`` in order; False once the partition is lost (the rest are left
@@ -508,13 +517,14 @@ class Worker(hosting.Hosted):
             if awaited is not None and _seq(msg) > awaited:
                 held = msgs[index:]
                 async with self._held(held, part):
-                    # The lane's beat keeps their leases meanwhile.
+                    # Their leases are kept meanwhile (they are held since their fetch).
                     went_on = await self._blocked.wait(
                         name, key, len(held), lost=part.lost, stored=runner.stored, hold_s=hold_s
                     )
                 if not went_on:
                     return False
-            outcome = await proc.handle(msg, beat.take(msg))
+            outcome = await proc.handle(msg, received_at)
+            self._leases.release([msg])
             self._blocked.update(name, key, msg, outcome)
             if outcome in (Outcome.RETRY, Outcome.LEFT):
                 part.keys.add(key)
@@ -597,6 +607,7 @@ class Worker(hosting.Hosted):
         except Exception as exc:
             await self._failed(proc, msgs, exc)
         finally:
+            self._leases.release(msgs)
             self._observer.done(proc.spec, msgs)
             self._slots.give(len(msgs))
 

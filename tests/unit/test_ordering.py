@@ -1,4 +1,4 @@
-"""Per-key ordering: a key blocked behind a retried message, and the leases of those waiting."""
+"""Per-key ordering: a key blocked behind a retried message."""
 
 from __future__ import annotations
 
@@ -21,21 +21,6 @@ async def _always(seq: int) -> bool:
 
 async def _never(seq: int) -> bool:
     return False
-
-
-async def test_a_lanes_waiting_messages_keep_their_leases_until_they_start() -> None:
-    """Messages waiting their turn in a key's lane (behind a running or retried one) get
-    in_progress() heartbeats until they start, and the processor is told when each lease
-    was last renewed, not when the message was fetched."""
-    waiting = [testing.FakeDelivery.make(seq=2), testing.FakeDelivery.make(seq=3)]
-    async with ordered.LaneBeat(waiting, received_at=0.0, beat_s=0.01) as beat:
-        for d in waiting:
-            await asyncio.wait_for(d.wait_for_in_progress(2), timeout=10)
-        renewed = beat.take(waiting[0])
-        calls = waiting[0].in_progress_calls
-        await asyncio.wait_for(waiting[1].wait_for_in_progress(calls + 2), timeout=10)
-    assert renewed > 0.0
-    assert waiting[0].in_progress_calls <= calls + 1  # started: no more beats of the lane's
 
 
 async def test_a_retried_message_blocks_its_key_until_it_settles() -> None:

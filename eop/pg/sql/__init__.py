@@ -941,6 +941,41 @@ def _take_due(t: models.Tables) -> sa.Executable:
     )
 
 
+def renew_run(
+    t: models.Tables,
+    subscription: str,
+    stream: str,
+    epoch: str,
+    seq: int,
+    runs: int,
+    lease_s: float,
+) -> Bound:
+    """Move a parked message's lease ahead while this run (``runs``) holds it.
+
+    SKIP LOCKED: a row this run's own transaction has locked needs no renewal
+    (:func:`take_due` skips it too), and the renewal must never wait on it.
+    """
+    params = {**_key_params(subscription, stream, epoch, seq), "p_runs": runs}
+    return _renew_run(t), {**params, "p_lease_s": lease_s}
+
+
+@functools.cache
+def _renew_run(t: models.Tables) -> sa.Executable:
+    c = t.retries.c
+    runs = sa.bindparam("p_runs", type_=sa.Integer)
+    held = (
+        sa.select(c.subscription, c.stream, c.stream_epoch, c.stream_seq)
+        .where(*_in_bound_key(c), c.parked, c.runs == runs)
+        .with_for_update(skip_locked=True)
+    )
+    lease_s = sa.bindparam("p_lease_s", type_=sa.Float)
+    return (
+        sa.update(t.retries)
+        .where(sa.tuple_(c.subscription, c.stream, c.stream_epoch, c.stream_seq).in_(held))
+        .values(due_at=sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, lease_s))
+    )
+
+
 def lock_run(
     t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, runs: int
 ) -> Bound:
