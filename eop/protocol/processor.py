@@ -27,6 +27,7 @@ from eop.broker import ack
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import failures, inbox, models, retries
+from eop.protocol import misconfiguration
 from eop.settings import Settings
 from eop.types import Delivery, Outcome
 
@@ -119,6 +120,10 @@ class Processor:
     """Confirms a batch's acks together; None: one ``ack_sync`` per message."""
     stopping: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     """Set when the worker stops: a message waiting to retry is handed back at once."""
+    misconfigured: misconfiguration.Watch = dataclasses.field(
+        default_factory=misconfiguration.Watch
+    )
+    """The process's count of failures only a change of configuration ends (one per worker)."""
     contended: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     """Held by a transaction retried after a deadlock or lock timeout (see :meth:`_retrying`)."""
     contention_until: float = 0.0
@@ -269,6 +274,8 @@ class Processor:
             except Exception as exc:
                 if not transient(exc):
                     raise
+                # A misconfiguration retried for ever would stall without a word.
+                self.misconfigured.note(exc, f"handler {self.spec.name!r}", self.settings)
                 if contention(exc):
                     contended = True
                     self.note_contention()

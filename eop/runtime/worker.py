@@ -33,7 +33,7 @@ from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import migrate, ownership, retries
 from eop.pg.store import PostgresStore
-from eop.protocol import batch, compaction, ordering, processor, relay, retrying
+from eop.protocol import batch, compaction, misconfiguration, ordering, processor, relay, retrying
 from eop.runtime import hosting, ordered, shutdown, slots, startup, telemetry
 from eop.types import Delivery, Outcome
 
@@ -98,7 +98,9 @@ class Worker(hosting.Hosted):
         self.processed = 0
         self.nats: Any = None
         """The NATS connection while the worker runs."""
-        self._lost: errors.NatsUnavailable | None = None
+        self._lost: errors.EopError | None = None
+        """Why the worker stopped by itself: NATS gave up on it, or it is misconfigured."""
+        self._misconfigured = misconfiguration.Watch(stop=self._give_up)
         self.telemetry = telemetry.Telemetry(self, report_to=report_to, registry=metrics_registry)
         """Metrics, health endpoints and tracing (see :mod:`eop.runtime.telemetry`)."""
         self._observer = self.telemetry.observer
@@ -133,13 +135,17 @@ class Worker(hosting.Hosted):
         """
         if self._lost is not None:
             return
-        self._lost = error
         if isinstance(error, errors.NatsReauthenticationFailed):
             self._logger.error(
                 log.Event.NATS_AUTH_REFUSED, refusals=error.refusals, error=str(error)
             )
         else:
             self._logger.error(log.Event.NATS_CLOSED, error=str(error))
+        self._give_up(error)
+
+    def _give_up(self, error: errors.EopError) -> None:
+        """Stop as on SIGTERM; :meth:`run` raises ``error`` (the first one) once stopped."""
+        self._lost = self._lost or error
         self.stop()
 
     def _on_signal(self, signum: int) -> None:
@@ -161,7 +167,9 @@ class Worker(hosting.Hosted):
         When NATS refuses the worker's credentials on ``nats_auth_refusals``
         reconnects in a row, or closes its connection for good, the worker
         stops as on SIGTERM and raises :class:`~eop.errors.NatsReauthenticationFailed`
-        (or :class:`~eop.errors.NatsUnavailable`).
+        (or :class:`~eop.errors.NatsUnavailable`); on a database error only a change
+        of configuration ends (:mod:`eop.protocol.misconfiguration`), it stops alike
+        and raises :class:`~eop.errors.ConfigurationError`.
         """
         await self.telemetry.start()
         try:
@@ -169,7 +177,7 @@ class Worker(hosting.Hosted):
         except Exception as exc:
             if self._lost is None:
                 raise
-            # Whatever failed after NATS gave up on the worker follows from it.
+            # Whatever failed after the worker gave up follows from why it did.
             raise self._lost from exc
         finally:
             await self.telemetry.close()
@@ -217,6 +225,7 @@ class Worker(hosting.Hosted):
                     observer=self._observer,
                     acker=acker,
                     stopping=self._stopping,
+                    misconfigured=self._misconfigured,
                 )
                 await jetstream.ensure_stream(
                     js,
@@ -252,7 +261,13 @@ class Worker(hosting.Hosted):
                 )
             relaying: list[asyncio.Task[None]] = []
             if s.relay:
-                self.relay = relay.Relay(self.app.engine, nc, s, observer=self._observer)
+                self.relay = relay.Relay(
+                    self.app.engine,
+                    nc,
+                    s,
+                    observer=self._observer,
+                    misconfigured=self._misconfigured,
+                )
                 relaying.append(asyncio.create_task(self.relay.run(self._stopping)))
             self._logger.info(log.Event.WORKER_STARTED)
             self.ready.set()
@@ -279,7 +294,7 @@ class Worker(hosting.Hosted):
             # own timeout. Every ack was confirmed already; flush sends the naks
             # (unless NATS gave up on the worker: they could never be sent).
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
-                if self._lost is None:
+                if not isinstance(self._lost, errors.NatsUnavailable):
                     await nc.flush(timeout=2)
             # A connection that is down may fail to write what it still had pending
             # (naks): those messages come back after their AckWait anyway.
