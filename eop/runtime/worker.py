@@ -99,8 +99,7 @@ class Worker(hosting.Hosted):
         self.nats: Any = None
         """The NATS connection while the worker runs."""
         self._lost: errors.EopError | None = None
-        """Why the worker stopped by itself: NATS gave up on it, or it is misconfigured."""
-        self._misconfigured = misconfiguration.Watch(stop=self._give_up)
+        self._watch = misconfiguration.Watch(stop=self._give_up)
         self.telemetry = telemetry.Telemetry(self, report_to=report_to, registry=metrics_registry)
         """Metrics, health endpoints and tracing (see :mod:`eop.runtime.telemetry`)."""
         self._observer = self.telemetry.observer
@@ -127,25 +126,22 @@ class Worker(hosting.Hosted):
             for callback in self.on_stop:
                 callback()
 
-    def _nats_lost(self, error: errors.NatsUnavailable) -> None:
-        """NATS will not take the worker back (credentials refused): stop, then raise ``error``.
+    def _give_up(self, error: errors.EopError) -> None:
+        """NATS will not take the worker back (credentials refused), or the database is
+        misconfigured (:mod:`eop.protocol.misconfiguration`): stop, then raise ``error``.
 
         The stop is a SIGTERM's: in-flight messages finish or are left for
         redelivery, and none is acked without its COMMIT.
         """
         if self._lost is not None:
             return
+        self._lost = error
         if isinstance(error, errors.NatsReauthenticationFailed):
             self._logger.error(
                 log.Event.NATS_AUTH_REFUSED, refusals=error.refusals, error=str(error)
             )
-        else:
+        elif isinstance(error, errors.NatsUnavailable):
             self._logger.error(log.Event.NATS_CLOSED, error=str(error))
-        self._give_up(error)
-
-    def _give_up(self, error: errors.EopError) -> None:
-        """Stop as on SIGTERM; :meth:`run` raises ``error`` (the first one) once stopped."""
-        self._lost = self._lost or error
         self.stop()
 
     def _on_signal(self, signum: int) -> None:
@@ -167,9 +163,7 @@ class Worker(hosting.Hosted):
         When NATS refuses the worker's credentials on ``nats_auth_refusals``
         reconnects in a row, or closes its connection for good, the worker
         stops as on SIGTERM and raises :class:`~eop.errors.NatsReauthenticationFailed`
-        (or :class:`~eop.errors.NatsUnavailable`); on a database error only a change
-        of configuration ends (:mod:`eop.protocol.misconfiguration`), it stops alike
-        and raises :class:`~eop.errors.ConfigurationError`.
+        (or :class:`~eop.errors.NatsUnavailable`); misconfigured, a ConfigurationError.
         """
         await self.telemetry.start()
         try:
@@ -197,7 +191,7 @@ class Worker(hosting.Hosted):
         name = f"eop-worker-{'-'.join(sp.name for sp in self.specs)}"
         await startup.retrying(lambda: migrate.ensure_ready(self.app.engine, s.schema), s)
         nc = await startup.retrying(
-            lambda: jetstream.connect(s, name=name, on_lost=self._nats_lost), s
+            lambda: jetstream.connect(s, name=name, on_lost=self._give_up), s
         )
         self.nats = nc
         store = self.app.make_store()
@@ -225,7 +219,7 @@ class Worker(hosting.Hosted):
                     observer=self._observer,
                     acker=acker,
                     stopping=self._stopping,
-                    misconfigured=self._misconfigured,
+                    misconfigured=self._watch,
                 )
                 await jetstream.ensure_stream(
                     js,
@@ -262,11 +256,7 @@ class Worker(hosting.Hosted):
             relaying: list[asyncio.Task[None]] = []
             if s.relay:
                 self.relay = relay.Relay(
-                    self.app.engine,
-                    nc,
-                    s,
-                    observer=self._observer,
-                    misconfigured=self._misconfigured,
+                    self.app.engine, nc, s, observer=self._observer, misconfigured=self._watch
                 )
                 relaying.append(asyncio.create_task(self.relay.run(self._stopping)))
             self._logger.info(log.Event.WORKER_STARTED)
@@ -423,6 +413,7 @@ class Worker(hosting.Hosted):
                 # The database is away: the parked messages wait there; try later.
                 # One warning per outage, not one per poll.
                 failures += 1
+                proc.misconfigured.note(exc, f"handler {proc.spec.name!r}", self.settings)
                 (self._logger.warning if failures == 1 else self._logger.debug)(
                     log.Event.RETRY_LOOP_FAILED,
                     handler=proc.spec.name,

@@ -14,6 +14,7 @@ processes every message, with a warning where eop can tell.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import time
 from pathlib import Path
@@ -187,3 +188,57 @@ async def test_a_missing_table_stops_the_worker_instead_of_dead_lettering(
     async with engine.begin() as conn:
         await conn.execute(sa.text(EFFECTS_DDL))
     await _then_each_message_once(env, handler, engine, tmp_path)
+
+
+@pytest.mark.parametrize("target", ["postgresql", "session"])
+async def test_transaction_where_no_transaction_pooler_is_only_slower(
+    pgbouncer_path: str,  # noqa: F811
+    postgres: embedded.PostgresCluster,
+    database_url: str,
+    engine: AsyncEngine,
+    js: Any,
+    nats_url: str,
+    tmp_path: Path,
+    target: str,
+) -> None:
+    """db_pooler=transaction straight to PostgreSQL, or through PgBouncer in session mode:
+    nothing breaks (no prepared statement outlives a transaction anywhere), it only gives
+    up statement caching and LISTEN. Both handlers process each message once and the
+    worker runs on, no error; straight to PostgreSQL each engine warns once
+    (db.pooler_unneeded); behind a session pooler eop cannot tell the mode, no warning."""
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(EFFECTS_DDL))
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    for handler in SUBJECTS:
+        for i in range(MESSAGES):
+            await publish(js, f"m{i}", msg_id=f"{handler}-{i}", subject=SUBJECTS[handler])
+    with contextlib.ExitStack() as stack:
+        url = database_url
+        if target == "session":
+            pgb = stack.enter_context(bouncer.PgBouncer(pgbouncer_path, postgres, "session"))
+            url = pgb.url_for(_database(database_url))
+        env = eop_env(url, nats_url, EOP_DB_POOLER="transaction", EOP_DB_POOL_SIZE="4", **_BUSY)
+        workers = Workers(env, tmp_path, APP)
+        proc = workers.start()
+        try:
+            await wait_for(
+                lambda: _effects_reach(engine, 2 * MESSAGES),
+                timeout_s=60,
+                what=f"every message's effect; the worker's log:\n{workers.logs()[-3000:]}",
+            )
+            assert proc.poll() is None
+            assert workers.stop_all() == [0]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    log = workers.logs()
+    query = "SELECT handler, count(*), count(DISTINCT body) FROM effects GROUP BY handler"
+    async with engine.connect() as conn:
+        rows = {h: (int(n), int(d)) for h, n, d in (await conn.execute(sa.text(query))).all()}
+    assert rows == {h: (MESSAGES, MESSAGES) for h in SUBJECTS}
+    assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
+    assert '"event": "db.misconfigured"' not in log
+    assert "eop: error:" not in log
+    warnings = log.count('"event": "db.pooler_unneeded"')
+    assert warnings == (2 if target == "postgresql" else 0), log[-3000:]
