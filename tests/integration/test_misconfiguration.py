@@ -156,6 +156,11 @@ async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_s
         line = next(line for line in log.splitlines() if line.startswith("eop: error: "))
         assert "EOP_DB_POOLER=transaction" in line, line
         assert _error_logged(log, "pooler", handler), log[-3000:]
+        # The handler's own transactions (asyncpg's or psycopg's statements) met it.
+        assert any(
+            '"event": "transaction.retry"' in line and f'"handler": "{handler}"' in line
+            for line in log.splitlines()
+        ), log[-3000:]
         await _then_each_message_once(
             eop_env(url, nats_url, EOP_DB_POOLER="transaction", **_BUSY),
             handler,
