@@ -71,6 +71,11 @@ class Watch:
         if self.stop is not None:
             self.stop(self.error)
 
+    def reset(self) -> None:
+        """Forget what was counted and the error (the test kit goes on after raising it)."""
+        self.error = None
+        self._seen.clear()
+
 
 def described(
     kind: failures.Misconfiguration, exc: BaseException, where: str, settings: Settings
