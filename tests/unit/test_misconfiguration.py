@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from structlog.testing import capture_logs
 
 from eop import errors
 from eop.pg import failures
-from eop.protocol import misconfiguration
+from eop.protocol import misconfiguration, relay
 from eop.settings import Settings
 
 from .test_inbox import DriverError, wrapped
@@ -108,3 +110,43 @@ def test_without_a_stop_the_watch_only_logs() -> None:
             watch.note(TABLE, "handler 'orders'", SETTINGS)
     assert watch.error is not None
     assert [e["event"] for e in logs] == ["db.misconfigured"]
+
+
+class _FailingEngine:
+    """An engine whose every transaction fails as through a mismatched pooler."""
+
+    def begin(self) -> _FailingEngine:
+        return self
+
+    async def __aenter__(self) -> None:
+        raise POOLER
+
+    async def __aexit__(self, *_: object) -> None:
+        return None
+
+
+class _Nats:
+    def jetstream(self, **_: object) -> object:
+        return object()
+
+
+async def test_the_outbox_relay_counts_its_failures_and_stops_through_the_watch() -> None:
+    """The relay retries a failed round with backoff for ever; a misconfigured one goes to
+    the watch, whose stop (the worker's, or `eop relay`'s) ends its loop with the error."""
+    stopping = asyncio.Event()
+    stopped: list[errors.ConfigurationError] = []
+
+    def stop(error: errors.ConfigurationError) -> None:
+        stopped.append(error)
+        stopping.set()
+
+    watch = misconfiguration.Watch(stop=stop)
+    publisher = relay.Relay(
+        _FailingEngine(),  # type: ignore[arg-type]  # only begin() is used
+        _Nats(),  # type: ignore[arg-type]
+        SETTINGS,
+        misconfigured=watch,
+    )
+    await asyncio.wait_for(publisher.run(stopping), 30)
+    assert len(stopped) == 1
+    assert "EOP_DB_POOLER=transaction" in str(stopped[0])
