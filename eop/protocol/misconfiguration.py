@@ -8,9 +8,9 @@ created yet. They are never a message's fault: dead-lettering would cost good
 messages, and retrying them for ever, as an outage is, would stall the worker
 without a word. So they are retried uncounted, as an outage is, and counted
 here: the same kind :data:`STRIKES` times within :data:`WINDOW_S` seconds, in
-any transaction of the process, and the worker stops as on SIGTERM (every
-message left for redelivery, none dead-lettered) with one error naming the
-fix.
+the process's handler transactions (fetched or parked), parked-retry polls or
+outbox relay rounds, and the worker stops as on SIGTERM (every message left
+for redelivery, none dead-lettered) with one error naming the fix.
 
 A transaction that succeeds in between does not reset the count: through a
 mismatched pooler some transactions land where their statements happen to

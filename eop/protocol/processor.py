@@ -9,7 +9,9 @@ Attempts are the handler's failures, counted in the database. Failures of
 the database itself (:data:`eop.pg.failures.INFRASTRUCTURE`: an outage, read-only,
 lock and statement timeouts, deadlocks, an exhausted pool) are retried here,
 in the process, with jittered backoff, for as long as the worker runs: they
-never count, so no outage is long enough to dead-letter a good message.
+never count, so no outage is long enough to dead-letter a good message. Those
+only a change of configuration ends (a mismatched pooler, a missing table)
+stop the worker instead (:mod:`eop.protocol.misconfiguration`).
 """
 
 from __future__ import annotations
