@@ -87,6 +87,8 @@ class Event(str, enum.Enum):
     OUTBOX_PARKED = "outbox.parked"
     OUTBOX_PURGED = "outbox.purged"
     DB_POOLER_FOUND = "db.pooler_found"
+    DB_POOLER_UNNEEDED = "db.pooler_unneeded"
+    DB_MISCONFIGURED = "db.misconfigured"
     SPARK_JOB_STALLED = "spark.job_stalled"
     SPARK_REPORT_UNREAD = "spark.report_unread"
     SPARK_UNWATCHED = "spark.unwatched"

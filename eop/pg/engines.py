@@ -169,7 +169,9 @@ def uncached(driver: str) -> dict[str, Any]:
 def for_pooler(engine: sa.Engine, pooler: settings_mod.DbPooler) -> sa.Engine:
     """Make ``engine`` (an ``AsyncEngine``'s ``sync_engine`` for an async one) fit ``pooler``.
 
-    ``transaction``: every connection is :func:`uncached`. ``none``,
+    ``transaction``: every connection is :func:`uncached`; the first is asked
+    whether a pooler stands in between, and a warning says when none does
+    (the caches and ``LISTEN`` are off for nothing). ``none``,
     ``session`` and ``transaction_prepared`` (a pooler that keeps prepared
     statements itself): as it is. ``auto``: the engine's first connection is opened
     uncached and asked whether a pooler stands in between
@@ -187,11 +189,16 @@ class _Connector:
 
     def __init__(self, pooled: bool | None) -> None:
         self.pooled = pooled
+        # Set by ``transaction``: its first connection is asked whether a pooler serves it.
+        self._unverified = bool(pooled)
 
     def connect(
         self, dialect: sa.Dialect, record: object, cargs: list[Any], cparams: dict[str, Any]
     ) -> Any:
         safe = uncached(str(dialect.driver))
+        if self._unverified and safe:
+            self._unverified = False
+            return self._checking(dialect, cargs, {**cparams, **safe})
         if self.pooled is None and safe:
             # Concurrent first connections may each probe: the answer is the same.
             conn = dialect.connect(*cargs, **{**cparams, **safe})
@@ -207,6 +214,26 @@ class _Connector:
         if self.pooled:
             cparams.update(safe)
         return None  # SQLAlchemy connects with cparams
+
+    def _checking(self, dialect: sa.Dialect, cargs: list[Any], cparams: dict[str, Any]) -> Any:
+        """``transaction`` set: the first connection, and a warning if no pooler serves it.
+
+        Only a cost: a session-mode pooler cannot be told from a transaction-mode
+        one, and is not warned about."""
+        conn = dialect.connect(*cargs, **cparams)
+        try:
+            pooled = _probe(conn)
+        except BaseException:
+            conn.close()
+            raise
+        if not pooled:
+            log.get_logger().warning(
+                log.Event.DB_POOLER_UNNEEDED,
+                db_pooler="transaction",
+                statement_cache="off",
+                fix="EOP_DB_POOLER=auto (or none): PostgreSQL is reached directly",
+            )
+        return conn
 
 
 def _probe(conn: Any) -> bool:

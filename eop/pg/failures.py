@@ -1,9 +1,10 @@
 """What went wrong in the database, in eop's terms: the edge where driver errors are translated.
 
 :func:`classify` names the kind of a failure (a conflict, a lock timeout, a
-lost connection, a busy or read-only server, or none of those), whichever
-driver raised it; :data:`INFRASTRUCTURE` are the kinds that are never a
-handler's fault, so :func:`transient` retries them without counting.
+lost connection, a busy or read-only server, a misconfiguration, or none of
+those), whichever driver raised it; :data:`INFRASTRUCTURE` are the kinds that
+are never a handler's fault, so :func:`transient` retries them without
+counting. :func:`misconfiguration` says which fix a misconfiguration needs.
 """
 
 from __future__ import annotations
@@ -28,12 +29,32 @@ class DbFailure(enum.Enum):
     BUSY = "busy"
     """The database cannot serve now (statement timeout, read-only, out of connections or
     resources, a pool with no free connection): retry the transaction later."""
+    MISCONFIGURED = "misconfigured"
+    """Fails the same way on every attempt until the configuration or the schema changes
+    (:func:`misconfiguration`): retried uncounted while the worker stops
+    (:mod:`eop.protocol.misconfiguration`)."""
     OTHER = "other"
+
+
+class Misconfiguration(enum.Enum):
+    """What a :attr:`DbFailure.MISCONFIGURED` failure needs fixed."""
+
+    POOLER = "pooler"
+    """A transaction-mode pooler lost or doubled a prepared statement: ``db_pooler``."""
+    SCHEMA = "schema"
+    """A table, column, function, type or schema the statement names does not exist:
+    a migration that did not run, or another database or schema."""
 
 
 #: Failures of the database, not of a handler: they never count as a message's attempt.
 INFRASTRUCTURE = frozenset(
-    {DbFailure.CONFLICT, DbFailure.LOCK_TIMEOUT, DbFailure.CONNECTION, DbFailure.BUSY}
+    {
+        DbFailure.CONFLICT,
+        DbFailure.LOCK_TIMEOUT,
+        DbFailure.CONNECTION,
+        DbFailure.BUSY,
+        DbFailure.MISCONFIGURED,
+    }
 )
 
 _CONFLICT_STATES = {"40001", "40P01"}
@@ -45,6 +66,11 @@ _BUSY_STATES = {"57014", "25006", "55006"}
 # transaction-mode pooler does to a connection that caches statements
 # (db_pooler set to none or session in front of one). Never a handler's fault.
 _POOLER_STATES = {"42P05", "26000"}
+# undefined_table, undefined_column, undefined_function (operators too),
+# undefined_object (a type...), invalid_schema_name: the statement is the same
+# for every message, so is the answer, until a migration runs. Dead-lettering
+# would cost good messages for a deployment's mistake.
+_SCHEMA_STATES = {"42P01", "42703", "42883", "42704", "3F000"}
 # 57P01-57P03: the server is shutting down or terminated the backend;
 # class 08: connection exceptions.
 _CONNECTION_STATES = {"57P01", "57P02", "57P03"}
@@ -73,16 +99,9 @@ def classify(exc: BaseException) -> DbFailure:
         from_database = from_database or state is not None or _is_database_error(current)
         if isinstance(current, sa_exc.DBAPIError) and current.connection_invalidated:
             return DbFailure.CONNECTION
-        if state in _CONFLICT_STATES:
-            return DbFailure.CONFLICT
-        if state == "55P03":
-            return DbFailure.LOCK_TIMEOUT
-        if state is not None and (state in _CONNECTION_STATES or state.startswith("08")):
-            return DbFailure.CONNECTION
-        if state is not None and (
-            state in _BUSY_STATES or state in _POOLER_STATES or state.startswith("53")
-        ):
-            return DbFailure.BUSY
+        kind = _of_state(state) if state is not None else None
+        if kind is not None:
+            return kind
         if isinstance(current, sa_exc.TimeoutError):
             # QueuePool's "QueuePool limit ... reached, connection timed out".
             return DbFailure.BUSY
@@ -97,6 +116,21 @@ def classify(exc: BaseException) -> DbFailure:
         # an OperationalError without one is the connection's, not a statement's.
         return DbFailure.CONNECTION
     return DbFailure.OTHER
+
+
+def _of_state(state: str) -> DbFailure | None:
+    """The kind of a failure with SQLSTATE ``state``; None: not one of them."""
+    if state in _CONFLICT_STATES:
+        return DbFailure.CONFLICT
+    if state == "55P03":
+        return DbFailure.LOCK_TIMEOUT
+    if state in _CONNECTION_STATES or state.startswith("08"):
+        return DbFailure.CONNECTION
+    if state in _POOLER_STATES or state in _SCHEMA_STATES:
+        return DbFailure.MISCONFIGURED
+    if state in _BUSY_STATES or state.startswith("53"):
+        return DbFailure.BUSY
+    return None
 
 
 def transient(exc: BaseException, failures: frozenset[DbFailure] = INFRASTRUCTURE) -> bool:
@@ -145,15 +179,40 @@ def refuses_values(exc: BaseException) -> bool:
 
 def pooler_mismatch(exc: BaseException) -> bool:
     """Whether ``exc`` is a prepared statement lost or doubled by a transaction-mode pooler."""
+    return misconfiguration(exc) is Misconfiguration.POOLER
+
+
+def misconfiguration(exc: BaseException) -> Misconfiguration | None:
+    """Which misconfiguration ``exc`` shows (a :attr:`DbFailure.MISCONFIGURED`), if any."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if _sqlstate(current) in _POOLER_STATES:
-            return True
+        state = _sqlstate(current)
+        if state in _POOLER_STATES:
+            return Misconfiguration.POOLER
+        if state in _SCHEMA_STATES:
+            return Misconfiguration.SCHEMA
         nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
         current = nxt or current.__cause__ or current.__context__
-    return False
+    return None
+
+
+def database_message(exc: BaseException) -> str:
+    """The first line of the database's own message in ``exc``'s chain, and its SQLSTATE
+    (``relation "orders" does not exist (SQLSTATE 42P01)``): names, never bound values."""
+    found = _short(exc)
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        state = _sqlstate(current)
+        if state is not None:
+            # The deepest is the driver's own, without SQLAlchemy's adapter prefix.
+            found = f"{_short(current)} (SQLSTATE {state})"
+        nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
+        current = nxt or current.__cause__ or current.__context__
+    return found
 
 
 def _is_database_error(exc: BaseException) -> bool:

@@ -9,7 +9,9 @@ Attempts are the handler's failures, counted in the database. Failures of
 the database itself (:data:`eop.pg.failures.INFRASTRUCTURE`: an outage, read-only,
 lock and statement timeouts, deadlocks, an exhausted pool) are retried here,
 in the process, with jittered backoff, for as long as the worker runs: they
-never count, so no outage is long enough to dead-letter a good message.
+never count, so no outage is long enough to dead-letter a good message. Those
+only a change of configuration ends (a mismatched pooler, a missing table)
+stop the worker instead (:mod:`eop.protocol.misconfiguration`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from eop.broker import ack, leases
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import failures, inbox, models, retries
+from eop.protocol import misconfiguration
 from eop.settings import Settings
 from eop.types import Delivery, Outcome
 
@@ -122,6 +125,10 @@ class Processor:
     them from their fetch (a processor of its own otherwise, on the default :attr:`clock`)."""
     stopping: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     """Set when the worker stops: a message waiting to retry is handed back at once."""
+    misconfigured: misconfiguration.Watch = dataclasses.field(
+        default_factory=misconfiguration.Watch
+    )
+    """The process's count of failures only a change of configuration ends (one per worker)."""
     contended: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     """Held by a transaction retried after a deadlock or lock timeout (see :meth:`_retrying`)."""
     contention_until: float = 0.0
@@ -272,6 +279,8 @@ class Processor:
             except Exception as exc:
                 if not transient(exc):
                     raise
+                # A misconfiguration retried for ever would stall without a word.
+                self.misconfigured.note(exc, f"handler {self.spec.name!r}", self.settings)
                 if contention(exc):
                     contended = True
                     self.note_contention()

@@ -49,6 +49,7 @@ from eop.message import MSG_ID_HEADER
 from eop.observe.observer import NOOP, Observer
 from eop.pg import engines, failures, models
 from eop.pg.sql import outbox as sql
+from eop.protocol import misconfiguration
 from eop.settings import Settings
 
 # The waits after failed rounds: 0.2 s doubling to 5 s (an outage is retried for ever).
@@ -102,8 +103,11 @@ class Relay:
         *,
         observer: Observer = NOOP,
         holder: str | None = None,
+        misconfigured: misconfiguration.Watch | None = None,
     ) -> None:
         self.engine = engine
+        self.misconfigured = misconfigured or misconfiguration.Watch()
+        """Counts the failures only a change of configuration ends (the worker's, in one)."""
         self.nc = nc
         self.settings = settings
         self.tables = models.tables(settings.schema)
@@ -151,6 +155,7 @@ class Relay:
                     failures_in_row = 0
                 except Exception as exc:
                     failures_in_row += 1
+                    self.misconfigured.note(exc, "the outbox relay", self.settings)
                     (self._logger.warning if failures_in_row == 1 else self._logger.debug)(
                         log.Event.RELAY_FAILED,
                         failures=failures_in_row,

@@ -20,7 +20,7 @@ from eop.app import App
 from eop.broker import connection, jetstream, partitions
 from eop.handler import HandlerSpec
 from eop.pg import migrate
-from eop.protocol import relay
+from eop.protocol import misconfiguration, relay
 from eop.runtime import shutdown, startup, telemetry
 from eop.settings import Settings
 
@@ -36,7 +36,8 @@ class RelayProcess:
         """Set once connected to both servers and relaying."""
         self.nats: Any = None
         self.stopping = asyncio.Event()
-        self.lost: errors.NatsUnavailable | None = None
+        self.lost: errors.EopError | None = None
+        """Why the relay stopped by itself: NATS gave up on it, or it is misconfigured."""
 
     @property
     def draining(self) -> bool:
@@ -46,8 +47,13 @@ class RelayProcess:
     def nats_lost(self, error: errors.NatsUnavailable) -> None:
         """NATS gave up on the relay (credentials refused): stop, then exit with the error."""
         if self.lost is None:
-            self.lost = error
             log.get_logger().error(log.Event.NATS_CLOSED, error=str(error))
+        self.give_up(error)
+
+    def give_up(self, error: errors.EopError) -> None:
+        """Stop, then exit with ``error`` (the first one): NATS gave up on the relay, or its
+        database is misconfigured (:mod:`eop.protocol.misconfiguration`, logged there)."""
+        self.lost = self.lost or error
         self.stopping.set()
 
 
@@ -101,7 +107,10 @@ async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
             )
         log.get_logger().info(log.Event.RELAY_STARTED)
         process.ready.set()
-        await relay.Relay(app.engine, nc, s, observer=observer).run(process.stopping)
+        watch = misconfiguration.Watch(stop=process.give_up)
+        await relay.Relay(app.engine, nc, s, observer=observer, misconfigured=watch).run(
+            process.stopping
+        )
     finally:
         with contextlib.suppress(Exception):
             await nc.flush(timeout=2)

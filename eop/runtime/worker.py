@@ -33,7 +33,7 @@ from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import migrate, ownership, retries
 from eop.pg.store import PostgresStore
-from eop.protocol import batch, compaction, ordering, processor, relay, retrying
+from eop.protocol import batch, compaction, misconfiguration, ordering, processor, relay, retrying
 from eop.runtime import hosting, ordered, shutdown, slots, startup, telemetry
 from eop.types import Delivery, Outcome
 
@@ -100,7 +100,8 @@ class Worker(hosting.Hosted):
         self.processed = 0
         self.nats: Any = None
         """The NATS connection while the worker runs."""
-        self._lost: errors.NatsUnavailable | None = None
+        self._lost: errors.EopError | None = None
+        self._watch = misconfiguration.Watch(stop=self._give_up)
         self.telemetry = telemetry.Telemetry(self, report_to=report_to, registry=metrics_registry)
         """Metrics, health endpoints and tracing (see :mod:`eop.runtime.telemetry`)."""
         self._observer = self.telemetry.observer
@@ -127,8 +128,9 @@ class Worker(hosting.Hosted):
             for callback in self.on_stop:
                 callback()
 
-    def _nats_lost(self, error: errors.NatsUnavailable) -> None:
-        """NATS will not take the worker back (credentials refused): stop, then raise ``error``.
+    def _give_up(self, error: errors.EopError) -> None:
+        """NATS will not take the worker back (credentials refused), or the database is
+        misconfigured (:mod:`eop.protocol.misconfiguration`): stop, then raise ``error``.
 
         The stop is a SIGTERM's: in-flight messages finish or are left for
         redelivery, and none is acked without its COMMIT.
@@ -140,7 +142,7 @@ class Worker(hosting.Hosted):
             self._logger.error(
                 log.Event.NATS_AUTH_REFUSED, refusals=error.refusals, error=str(error)
             )
-        else:
+        elif isinstance(error, errors.NatsUnavailable):
             self._logger.error(log.Event.NATS_CLOSED, error=str(error))
         self.stop()
 
@@ -163,7 +165,7 @@ class Worker(hosting.Hosted):
         When NATS refuses the worker's credentials on ``nats_auth_refusals``
         reconnects in a row, or closes its connection for good, the worker
         stops as on SIGTERM and raises :class:`~eop.errors.NatsReauthenticationFailed`
-        (or :class:`~eop.errors.NatsUnavailable`).
+        (or :class:`~eop.errors.NatsUnavailable`); misconfigured, a ConfigurationError.
         """
         await self.telemetry.start()
         try:
@@ -171,7 +173,7 @@ class Worker(hosting.Hosted):
         except Exception as exc:
             if self._lost is None:
                 raise
-            # Whatever failed after NATS gave up on the worker follows from it.
+            # Whatever failed after the worker gave up follows from why it did.
             raise self._lost from exc
         finally:
             await self.telemetry.close()
@@ -191,7 +193,7 @@ class Worker(hosting.Hosted):
         name = f"eop-worker-{'-'.join(sp.name for sp in self.specs)}"
         await startup.retrying(lambda: migrate.ensure_ready(self.app.engine, s.schema), s)
         nc = await startup.retrying(
-            lambda: jetstream.connect(s, name=name, on_lost=self._nats_lost), s
+            lambda: jetstream.connect(s, name=name, on_lost=self._give_up), s
         )
         self.nats = nc
         store = self.app.make_store()
@@ -220,6 +222,7 @@ class Worker(hosting.Hosted):
                     acker=acker,
                     leases=self._leases,
                     stopping=self._stopping,
+                    misconfigured=self._watch,
                 )
                 await jetstream.ensure_stream(
                     js,
@@ -255,7 +258,9 @@ class Worker(hosting.Hosted):
                 )
             relaying: list[asyncio.Task[None]] = []
             if s.relay:
-                self.relay = relay.Relay(self.app.engine, nc, s, observer=self._observer)
+                self.relay = relay.Relay(
+                    self.app.engine, nc, s, observer=self._observer, misconfigured=self._watch
+                )
                 relaying.append(asyncio.create_task(self.relay.run(self._stopping)))
             self._logger.info(log.Event.WORKER_STARTED)
             self.ready.set()
@@ -283,7 +288,7 @@ class Worker(hosting.Hosted):
             # own timeout. Every ack was confirmed already; flush sends the naks
             # (unless NATS gave up on the worker: they could never be sent).
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError, OSError):
-                if self._lost is None:
+                if not isinstance(self._lost, errors.NatsUnavailable):
                     await nc.flush(timeout=2)
             # A connection that is down may fail to write what it still had pending
             # (naks): those messages come back after their AckWait anyway.
@@ -413,6 +418,7 @@ class Worker(hosting.Hosted):
                 # The database is away: the parked messages wait there; try later.
                 # One warning per outage, not one per poll.
                 failures += 1
+                proc.misconfigured.note(exc, f"handler {proc.spec.name!r}", self.settings)
                 (self._logger.warning if failures == 1 else self._logger.debug)(
                     log.Event.RETRY_LOOP_FAILED,
                     handler=proc.spec.name,

@@ -31,6 +31,7 @@ from eop import errors, message
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.pg import migrate
+from eop.protocol import misconfiguration
 from eop.protocol.batch import BatchProcessor
 from eop.protocol.processor import Processor
 from eop.testing.backends import Backend, MemoryBackend, PostgresBackend
@@ -82,7 +83,10 @@ class TestApp:
     after its delivery settled, as :class:`eop.errors.HandlerFailed` from
     the error, unless ``raise_errors=False`` (here, or per call). A delivery
     that does not settle within ``timeout_s`` (a database that keeps failing,
-    a handler that hangs) raises :class:`eop.errors.DeliveryStalled`.
+    a handler that hangs) raises :class:`eop.errors.DeliveryStalled`; one
+    that meets a failure only a change of configuration ends (a table no
+    migration created: :mod:`eop.protocol.misconfiguration`) raises the
+    :class:`eop.errors.ConfigurationError` ``eop worker`` would exit with.
     """
 
     __test__ = False  # a test kit, not a test class for pytest to collect
@@ -117,6 +121,7 @@ class TestApp:
         self._backend: Backend | None = None
         self._recorder = Recorder()
         self._processors: dict[str, Processor] = {}
+        self._misconfigured = misconfiguration.Watch(stop=self._stop_deliveries)
         self._seqs: dict[str, int] = {}
         self._messages: dict[InboxKey, message.Message] = {}
         self._naked: list[tuple[HandlerSpec, FakeDelivery]] = []
@@ -144,8 +149,23 @@ class TestApp:
                 store=backend.store,
                 epochs=self.epochs,
                 observer=self._recorder,
+                misconfigured=self._misconfigured,
             )
         return self
+
+    def _stop_deliveries(self, error: errors.ConfigurationError) -> None:
+        # As the worker stops: whatever waits to be retried is handed back at once.
+        for proc in self._processors.values():
+            proc.stopping.set()
+
+    def _raise_misconfiguration(self) -> None:
+        error = self._misconfigured.error
+        if error is None:
+            return
+        self._misconfigured.reset()
+        for proc in self._processors.values():
+            proc.stopping = asyncio.Event()
+        raise error
 
     async def __aexit__(
         self,
@@ -446,6 +466,7 @@ class TestApp:
         task = asyncio.ensure_future(work)
         done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
         if done:
+            self._raise_misconfiguration()
             return task.result()
         # As a stopping worker does: a transaction waiting to be retried hands its
         # message back at once; a handler still running is cancelled.

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine.interfaces import ExecuteStyle
+from structlog.testing import capture_logs
 
 import eop
 from eop import settings as settings_mod
@@ -86,10 +87,37 @@ def test_poolers_that_keep_prepared_statements_leave_the_engine_as_it_is(pooler:
 
 
 def test_transaction_makes_every_connection_uncached() -> None:
+    """The first connection is opened uncached (and asked about a pooler), every later
+    one is given the uncached arguments."""
     hook = _hook("transaction")
+    dialect = FakeDialect(protocol_pid=-12345, sql_pid=4242)
+    first = hook(dialect, None, [], {"host": "h"})
+    assert first is dialect.made[0][1]
+    assert dialect.made[0][0] == {"host": "h", "prepare_threshold": None}
     cparams: dict[str, Any] = {"host": "h"}
-    assert hook(FakeDialect(1, 1), None, [], cparams) is None
+    assert hook(dialect, None, [], cparams) is None
     assert cparams == {"host": "h", "prepare_threshold": None}
+    assert len(dialect.made) == 1
+
+
+@pytest.mark.parametrize(("protocol_pid", "warned"), [(4242, True), (-12345, False)])
+def test_transaction_warns_once_when_no_pooler_is_in_between(
+    protocol_pid: int, warned: bool
+) -> None:
+    """db_pooler=transaction straight to PostgreSQL works, only slower (no statement
+    cache, the relay polls): one db.pooler_unneeded warning naming the fix; none behind
+    a pooler (whose mode eop cannot tell)."""
+    hook = _hook("transaction")
+    dialect = FakeDialect(protocol_pid=protocol_pid, sql_pid=4242)
+    with capture_logs() as logs:
+        kept = hook(dialect, None, [], {"host": "h"})
+        hook(dialect, None, [], {"host": "h"})
+    assert kept is dialect.made[0][1]
+    assert not kept.closed
+    events = [(e["event"], e["log_level"]) for e in logs]
+    assert events == ([("db.pooler_unneeded", "warning")] if warned else [])
+    if warned:
+        assert "EOP_DB_POOLER=auto" in logs[0]["fix"]
 
 
 def test_auto_keeps_the_probe_connection_when_the_pids_differ() -> None:

@@ -58,9 +58,17 @@ def wrapped(orig: BaseException, *, invalidated: bool = False) -> sa_exc.DBAPIEr
         ("53300", DbFailure.BUSY),  # too_many_connections
         ("53100", DbFailure.BUSY),  # disk_full
         # A transaction-mode pooler lost or doubled a prepared statement (db_pooler
-        # set wrong): the infrastructure's fault, never an attempt of the handler.
-        ("42P05", DbFailure.BUSY),  # duplicate_prepared_statement
-        ("26000", DbFailure.BUSY),  # invalid_sql_statement_name
+        # set wrong), or the schema lacks what a statement names (a migration that did
+        # not run): the same on every attempt, never one of the handler's; the worker
+        # stops on them (eop.protocol.misconfiguration).
+        ("42P05", DbFailure.MISCONFIGURED),  # duplicate_prepared_statement
+        ("26000", DbFailure.MISCONFIGURED),  # invalid_sql_statement_name
+        ("42P01", DbFailure.MISCONFIGURED),  # undefined_table
+        ("42703", DbFailure.MISCONFIGURED),  # undefined_column
+        ("42883", DbFailure.MISCONFIGURED),  # undefined_function
+        ("42704", DbFailure.MISCONFIGURED),  # undefined_object
+        ("3F000", DbFailure.MISCONFIGURED),  # invalid_schema_name
+        ("42601", DbFailure.OTHER),  # syntax_error: the handler's
     ],
 )
 def test_classify_reads_the_sqlstate(sqlstate: str, expected: DbFailure) -> None:
@@ -75,6 +83,30 @@ def test_pooler_mismatch_names_the_prepared_statement_errors_of_a_transaction_po
 ) -> None:
     """What `eop db ...` and the worker's start-up check turn into the EOP_DB_POOLER advice."""
     assert failures.pooler_mismatch(wrapped(DriverError(sqlstate))) is expected
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "expected"),
+    [
+        ("26000", failures.Misconfiguration.POOLER),
+        ("42P01", failures.Misconfiguration.SCHEMA),
+        ("3F000", failures.Misconfiguration.SCHEMA),
+        ("40001", None),
+    ],
+)
+def test_misconfiguration_names_the_fix_a_misconfigured_failure_needs(
+    sqlstate: str, expected: failures.Misconfiguration | None
+) -> None:
+    """Pooler (EOP_DB_POOLER) or schema (a migration): the two fixes the worker names."""
+    assert failures.misconfiguration(wrapped(DriverError(sqlstate))) is expected
+    assert failures.transient(wrapped(DriverError(sqlstate))) is (sqlstate != "42601")
+
+
+def test_database_message_is_the_drivers_first_line_and_sqlstate() -> None:
+    """The text the worker stops with: the database's own words, without SQLAlchemy's
+    wrapper or the statement (whose literals may be payload)."""
+    exc = wrapped(DriverError("42P01", 'relation "effects" does not exist\nLINE 1: x'))
+    assert failures.database_message(exc) == ('relation "effects" does not exist (SQLSTATE 42P01)')
 
 
 class OperationalError(Exception):

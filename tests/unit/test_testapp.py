@@ -229,6 +229,35 @@ async def test_a_delivery_that_never_settles_raises_delivery_stalled() -> None:
             await t.deliver("ORDERS.created", {"id": "o-1"}, handler="billing")
 
 
+class UndefinedTable(Exception):
+    """What a driver raises for a table no migration created."""
+
+    sqlstate = "42P01"
+
+
+async def test_a_missing_table_raises_the_workers_configuration_error_not_a_stall() -> None:
+    """A handler whose table does not exist fails every attempt the same way: the test kit
+    raises the ConfigurationError `eop worker` would stop with (naming the migration),
+    soon, instead of dead-lettering or stalling until timeout_s; the next delivery runs."""
+    app = eop.App()
+    calls: list[str] = []
+
+    @app.handler(stream="ORDERS", subject="ORDERS.created", name="billing")
+    async def billing(msg: eop.Message, session: object) -> None:
+        """Reaches a table that is not there, the first times."""
+        calls.append(msg.text())
+        if msg.text() == "missing":
+            raise UndefinedTable('relation "invoices" does not exist')
+
+    app = app.with_settings(backoff_base_s=0.01, backoff_max_s=0.01)
+    async with testing.TestApp(app, timeout_s=20) as t:
+        with pytest.raises(eop.ConfigurationError, match="run the migration") as info:
+            await t.deliver("ORDERS.created", b"missing")
+        assert 'relation "invoices" does not exist (SQLSTATE 42P01)' in str(info.value)
+        assert calls == ["missing"] * 3
+        assert (await t.deliver("ORDERS.created", b"fine")).processed
+
+
 async def test_a_pydantic_payload_is_sent_as_json_and_decoded_for_the_handler() -> None:
     """A pydantic model given to deliver is encoded as JSON; the handler typed with it gets
     it decoded; one missing a field is dead-lettered as undecodable."""

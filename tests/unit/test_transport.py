@@ -298,8 +298,8 @@ async def test_a_worker_nats_gave_up_on_logs_once_and_stops() -> None:
     assert error is not None
     with capture_logs() as logs:
         worker = Worker(app)
-        worker._nats_lost(error)
-        worker._nats_lost(errors.NatsUnavailable("later"))
+        worker._give_up(error)
+        worker._give_up(errors.NatsUnavailable("later"))
     assert worker.draining
     assert [(e["event"], e["log_level"]) for e in logs] == [("nats.auth_refused", "error")]
     assert logs[0]["refusals"] == 1
