@@ -48,6 +48,9 @@ _POOLER_STATES = {"42P05", "26000"}
 # 57P01-57P03: the server is shutting down or terminated the backend;
 # class 08: connection exceptions.
 _CONNECTION_STATES = {"57P01", "57P02", "57P03"}
+# 28000 / 28P01: the server refuses the role or its password (pg_hba.conf, a wrong
+# password); 3D000: no such database. Connecting again cannot change the answer.
+_LOGIN_STATES = {"28000", "28P01", "3D000"}
 
 
 def classify(exc: BaseException) -> DbFailure:
@@ -150,6 +153,19 @@ def pooler_mismatch(exc: BaseException) -> bool:
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if _sqlstate(current) in _POOLER_STATES:
+            return True
+        nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
+        current = nxt or current.__cause__ or current.__context__
+    return False
+
+
+def login_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is PostgreSQL refusing the role, its password or the database."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _sqlstate(current) in _LOGIN_STATES:
             return True
         nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
         current = nxt or current.__cause__ or current.__context__
