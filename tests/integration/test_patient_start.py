@@ -10,20 +10,31 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 import eop
 from eop import embedded
 from eop.broker import jetstream
 from eop.pg import migrate
 
-from .bed import create_effects_table, drained, effects_by_body, publish, wait_for
+from .bed import (
+    STREAM,
+    bed_settings,
+    create_effects_table,
+    drained,
+    effects_by_body,
+    equals,
+    publish,
+    record_effect,
+    wait_for,
+)
 from .test_bad_input import assert_clear_error
 from .test_cli import APP, ROOT, Workers, eop_env
 from .test_cli import eop as run_eop
@@ -129,33 +140,71 @@ async def test_a_worker_of_two_processes_started_while_nats_is_down_waits_unread
     assert codes == [0]
 
 
-async def test_nats_restarting_between_connect_and_provisioning_is_waited_for(
+def _ordered_app(database_url: str, nats_url: str) -> eop.App:
+    """An app with one ordered handler of two partitions, one effect per message."""
+    app = eop.App(settings=bed_settings(database_url, nats_url))
+    app.stream(STREAM, subjects=["ORDERS.>"])
+
+    @app.handler(
+        stream=STREAM, subject="ORDERS.*", name="ordered", order_by="subject:1", partitions=2
+    )
+    async def handle(msg: eop.Message, session: AsyncSession) -> None:
+        await record_effect(session, "ordered", msg)
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("call", "when", "outage_s", "app_of", "durable"),
+    [
+        ("connect", "after", 7, make_app, "eop-embedded"),
+        # Longer: the consumer's creation first asks for the stream's subjects (5 s at
+        # most, a failure shrugged off), then for the consumer (5 s more).
+        ("ensure_consumer", "before", 12, make_app, "eop-embedded"),
+        ("ensure_stream", "after", 7, _ordered_app, "eop-ordered"),
+    ],
+    ids=["stream-after-connect", "consumer", "ordered-prepare-after-stream"],
+)
+async def test_nats_restarting_during_provisioning_is_waited_for(
+    call: str,
+    when: str,
+    outage_s: float,
+    app_of: Callable[[str, str], eop.App],
+    durable: str,
     database_url: str,
     nats_server: embedded.NatsServer,
     engine: AsyncEngine,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """NATS restarts just after the worker connected, before its stream is provisioned,
-    and stays down longer than a JetStream request waits (5 s): the stream's lookup is
-    retried like the connection (it used to end the start with "stream 'ORDERS': NATS did
-    not answer"); the worker is not ready meanwhile, then starts and processes messages."""
+    """NATS restarts between two JetStream calls of the start (after connecting, before the
+    consumer's creation, after the stream's) and stays down longer than a JetStream request
+    waits (5 s): the call that finds it down (the stream's lookup, the consumer's, an
+    ordered handler's stream check) is retried like the connection; it used to end the
+    start with "stream 'ORDERS': NATS did not answer". The worker is not ready meanwhile,
+    then starts and processes messages."""
     await create_effects_table(engine)
-    connect = jetstream.connect
+    real = getattr(jetstream, call)
     restarts: list[asyncio.Task[None]] = []
 
     async def restart() -> None:
-        await asyncio.sleep(7)
+        await asyncio.sleep(outage_s)
         await asyncio.to_thread(nats_server.start)
 
-    async def connect_then_restart(*args: Any, **kwargs: Any) -> Any:
-        nc = await connect(*args, **kwargs)
+    async def outage() -> None:
         if not restarts:
             await asyncio.to_thread(nats_server.stop)
             restarts.append(asyncio.create_task(restart()))
-        return nc
 
-    monkeypatch.setattr(jetstream, "connect", connect_then_restart)
-    worker = eop.Worker(make_app(database_url, nats_server.url))
+    async def then_restart(*args: Any, **kwargs: Any) -> Any:
+        if when == "before":
+            await outage()
+        result = await real(*args, **kwargs)
+        if when == "after":
+            await outage()
+        return result
+
+    monkeypatch.setattr(jetstream, call, then_restart)
+    worker = eop.Worker(app_of(database_url, nats_server.url))
     starting = asyncio.create_task(worker.start())
     await wait_for(lambda: _restarted(restarts), timeout_s=60, what="NATS restarted")
     assert not worker.ready.is_set()
@@ -164,10 +213,13 @@ async def test_nats_restarting_between_connect_and_provisioning_is_waited_for(
         nc = await nats.connect(nats_server.url)
         try:
             await publish(nc.jetstream(), "after-restart")
-            await wait_for(lambda: drained(nc.jetstream(), "eop-embedded"), what="the message")
+            # The effect, not the consumers: an ordered handler's take their partitions
+            # after it is ready.
+            done = {"after-restart": 1}
+            await wait_for(lambda: equals(effects_by_body(engine), done), what="the effect")
+            await wait_for(lambda: drained(nc.jetstream(), durable), what="the ack")
         finally:
             await nc.close()
-        assert await effects_by_body(engine) == {"after-restart": 1}
     finally:
         await worker.shutdown()
 
