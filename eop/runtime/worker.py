@@ -171,6 +171,7 @@ class Worker(hosting.Hosted):
             await self._run()
         except startup.Stopped:
             startup.stopped("worker")
+            await self._dispose()  # its pools closed, as a worker that ran closes them
         except Exception as exc:
             if self._lost is None:
                 raise
