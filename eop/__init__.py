@@ -16,6 +16,7 @@ from eop.broker.publish import publish
 from eop.errors import (
     AmbiguousCommit,
     ConfigurationError,
+    DatabaseLoginRefused,
     DatabaseUnavailable,
     EopError,
     NatsAuthenticationFailed,
@@ -54,6 +55,7 @@ __all__ = [
     "EopError",
     "AmbiguousCommit",
     "ConfigurationError",
+    "DatabaseLoginRefused",
     "DatabaseUnavailable",
     "NatsAuthenticationFailed",
     "NatsTlsError",

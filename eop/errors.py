@@ -53,6 +53,10 @@ class DatabaseUnavailable(ServiceUnavailable):
     """PostgreSQL is unreachable."""
 
 
+class DatabaseLoginRefused(ConfigurationError, DatabaseUnavailable):
+    """PostgreSQL refused the connection's role, password or database: check database_url."""
+
+
 class SchemaNotReady(EopError):
     """eop's tables are missing or out of date: run `eop db upgrade`."""
 

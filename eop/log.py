@@ -36,6 +36,7 @@ class Event(str, enum.Enum):
     WORKER_STOPPED = "worker.stopped"
     WORKER_EXIT_FORCED = "worker.exit_forced"
     WORKER_STARTUP_RETRY = "worker.startup_retry"
+    WORKER_STARTUP_STOPPED = "worker.startup_stopped"
     PROCESSES_STARTED = "processes.started"
     PROCESS_EXITED = "processes.exited"
     SUBSCRIPTION_BOUND = "subscription.bound"

@@ -10,8 +10,9 @@ retried under a heartbeat) call :func:`backoff_s` or :func:`jittered_s`.
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import tenacity
 
@@ -58,16 +59,23 @@ def retrying(
     base_s: float,
     max_s: float,
     before_sleep: Callable[[tenacity.RetryCallState], None],
+    sleep: Callable[[float], Awaitable[None]] | None = None,
 ) -> tenacity.AsyncRetrying:
     """tenacity's retrier with eop's backoff (:func:`wait`), raising the last error when it stops.
 
     ``before_sleep`` logs each retry (tenacity's state says which attempt
-    failed, how, and how long the wait is).
+    failed, how, and how long the wait is). ``sleep`` waits instead of
+    :func:`asyncio.sleep` (one that a stop cuts short).
     """
     return tenacity.AsyncRetrying(
+        sleep=sleep or _sleep,
         stop=stop,
         wait=wait(base_s, max_s),
         retry=retry,
         before_sleep=before_sleep,
         reraise=True,
     )
+
+
+async def _sleep(delay_s: float) -> None:
+    await asyncio.sleep(delay_s)

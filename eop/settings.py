@@ -199,10 +199,13 @@ class Settings:
     )
     # -- bad input (start-up retries)
     startup_attempts: int = _field(
-        4,
-        "Attempts to reach PostgreSQL and NATS when a worker starts, with backoff, "
-        "before it exits with an error.",
-        minimum=1,
+        0,
+        "Tries of each step of a worker's or relay's start (the schema check, the "
+        "connection, each stream and consumer) while PostgreSQL or NATS is unreachable, "
+        "waiting 0.5 s, doubled each time up to 5 s, before it exits with an error "
+        "(4: after 3.5 s). 0: until they answer or the process is stopped, alive and "
+        "not ready meanwhile.",
+        minimum=0,
     )
     nats_auth_refusals: int = _field(
         3,

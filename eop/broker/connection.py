@@ -210,6 +210,10 @@ async def connect_nats(
     except _Refused as exc:
         await close_quietly(nc)
         raise exc.error from None
+    except asyncio.CancelledError:
+        # A worker stopped while it waits for NATS: no connection left reconnecting.
+        await close_quietly(nc)
+        raise
     except NATS_ERRORS as exc:
         await close_quietly(nc)
         cause = last[0] if last else exc

@@ -84,8 +84,9 @@ async def connect(
             give_up(refusals.closed(nc.last_error))
 
     # A few tries only for the first connection, so that a worker started
-    # against a dead server exits with a clear error (and at once when the
-    # server refuses its credentials or certificate)...
+    # against a dead server says so within seconds (its start-up retries the
+    # whole connection, logging each retry: eop.runtime.startup), and fails at
+    # once when the server refuses its credentials or certificate...
     nc = await connection.connect_nats(
         access,
         name=name,
@@ -100,6 +101,9 @@ async def connect(
     nc.options["max_reconnect_attempts"] = -1
     try:
         await _jetstream_answers(nc)
+    except asyncio.CancelledError:
+        await connection.close_quietly(nc)
+        raise
     except NATS_ERRORS as exc:
         await nc.close()
         raise errors.NatsUnavailable(
@@ -284,7 +288,7 @@ async def ensure_stream(
     operator's call: scaling down gives up copies, and every worker would race
     to update it).
     """
-    with _translated(f"stream {spec.name!r}"):
+    with translated(f"stream {spec.name!r}"):
         try:
             info = await js.stream_info(spec.name)
         except nats.js.errors.NotFoundError:
@@ -363,7 +367,7 @@ async def ensure_consumer(
     An existing consumer must ack explicitly and filter the handler's subject;
     anything else would break the protocol, so it is an error, not a warning.
     """
-    with _translated(f"consumer {spec.durable!r} on stream {spec.stream!r}"):
+    with translated(f"consumer {spec.durable!r} on stream {spec.stream!r}"):
         subjects = await _stream_subjects(js, spec.stream)
         if subjects is not None and not any(subject_matches(s, spec.subject) for s in subjects):
             # The server accepts such a consumer: it would wait for ever, silently.
@@ -427,10 +431,18 @@ def _describe(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _translated(what: str) -> Iterator[None]:
-    """nats-py errors while provisioning, as eop's: unexpected API errors and lost servers."""
+def translated(what: str) -> Iterator[None]:
+    """nats-py errors while provisioning, as eop's: unexpected API errors and lost servers.
+
+    A 503 (JetStream not available for now: a cluster without its meta leader,
+    a server starting or stopping) is a lost server, not a refusal.
+    """
     try:
         yield
+    except nats.js.errors.ServiceUnavailableError as exc:
+        raise errors.NatsUnavailable(
+            f"{what}: JetStream is not available for now ({_describe(exc)})"
+        ) from exc
     except nats.js.errors.APIError as exc:
         raise errors.ConfigurationError(f"{what}: the server refused: {_describe(exc)}") from exc
     except NATS_ERRORS as exc:

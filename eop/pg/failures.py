@@ -74,6 +74,9 @@ _SCHEMA_STATES = {"42P01", "42703", "42883", "42704", "3F000"}
 # 57P01-57P03: the server is shutting down or terminated the backend;
 # class 08: connection exceptions.
 _CONNECTION_STATES = {"57P01", "57P02", "57P03"}
+# 28000 / 28P01: the server refuses the role or its password (pg_hba.conf, a wrong
+# password); 3D000: no such database. Connecting again cannot change the answer.
+_LOGIN_STATES = {"28000", "28P01", "3D000"}
 
 
 def classify(exc: BaseException) -> DbFailure:
@@ -213,6 +216,19 @@ def database_message(exc: BaseException) -> str:
         nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
         current = nxt or current.__cause__ or current.__context__
     return found
+
+
+def login_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is PostgreSQL refusing the role, its password or the database."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _sqlstate(current) in _LOGIN_STATES:
+            return True
+        nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
+        current = nxt or current.__cause__ or current.__context__
+    return False
 
 
 def _is_database_error(exc: BaseException) -> bool:

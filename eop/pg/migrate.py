@@ -248,9 +248,14 @@ def _translated(database_url: str) -> Iterator[None]:
                 "pooler (PgBouncer?) that lost or doubled a prepared statement: set "
                 "EOP_DB_POOLER=transaction (or auto), see docs/pgbouncer.md"
             ) from exc
+        reason = getattr(exc, "orig", None) or exc
+        if failures.login_refused(exc):
+            raise errors.DatabaseLoginRefused(
+                f"PostgreSQL at {redact(database_url)} refused the connection: {reason} "
+                "(check the role, password and database name in database_url)"
+            ) from exc
         if not _is_connection_error(exc):
             raise
-        reason = getattr(exc, "orig", None) or exc
         raise errors.DatabaseUnavailable(
             f"cannot use PostgreSQL at {redact(database_url)}: {reason}"
         ) from exc

@@ -49,8 +49,11 @@ class Hosted:
     async def start(self) -> None:
         """Start the worker in a task of the running loop; return once it fetches messages.
 
-        Raises what kept the worker from starting (an unreachable server after
-        ``startup_attempts``, an unmigrated schema). Installs no signal handler.
+        While PostgreSQL or NATS is unreachable it waits for them, as ``eop
+        worker`` does (until they answer, or for ``startup_attempts`` tries
+        of each step when set). Raises what kept the worker from starting
+        (refused credentials, an unmigrated schema, an unreachable server
+        after ``startup_attempts``). Installs no signal handler.
         """
         if self._task is not None:
             raise RuntimeError("this worker was started already: make a new eop.Worker")

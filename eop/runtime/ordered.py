@@ -31,10 +31,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from eop import errors, log, retry
-from eop.broker import fetcher, partitions
+from eop.broker import fetcher, jetstream, partitions
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
-from eop.pg import ownership
+from eop.pg import failures, ownership
 from eop.protocol import ordering
 from eop.settings import Settings
 
@@ -373,11 +373,12 @@ async def prepare(runner: OrderedRunner) -> None:
     """Check what the handler needs of the stream, and create its rows (the worker
     checked the server's version before it created any stream)."""
     if runner.spec.partitions > 1:
-        try:
-            info = await runner.js.stream_info(runner.spec.stream)
-        except nats.js.errors.NotFoundError as exc:
-            raise errors.ConfigurationError(
-                f"stream {runner.spec.stream!r} does not exist"
-            ) from exc
+        with jetstream.translated(f"stream {runner.spec.stream!r}"):
+            try:
+                info = await runner.js.stream_info(runner.spec.stream)
+            except nats.js.errors.NotFoundError as exc:
+                raise errors.ConfigurationError(
+                    f"stream {runner.spec.stream!r} does not exist"
+                ) from exc
         partitions.check_transform(info, runner.spec)
-    await runner.owners.prepare()
+    await failures.connected(runner.owners.prepare())

@@ -80,6 +80,8 @@ async def run_relay(app: App) -> int:
     await reports.start()
     try:
         await _relay(app, process, reports.observer)
+    except startup.Stopped:
+        startup.stopped("relay")
     finally:
         await reports.close()
     if process.lost is not None:
@@ -89,10 +91,10 @@ async def run_relay(app: App) -> int:
 
 async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
     s = app.settings
-    await startup.retrying(lambda: migrate.ensure_ready(app.engine, s.schema), s)
-    nc = await startup.retrying(
-        lambda: jetstream.connect(s, name="eop-relay", on_lost=process.nats_lost), s
-    )
+    # Until ready, each call to the servers waits for them (eop.runtime.startup).
+    wait = startup.Patience(s, process.stopping)
+    await wait(lambda: migrate.ensure_ready(app.engine, s.schema))
+    nc = await wait(lambda: jetstream.connect(s, name="eop-relay", on_lost=process.nats_lost))
     process.nats = nc
     try:
         js = nc.jetstream()
@@ -101,10 +103,7 @@ async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
         transforms = partitions.stream_transforms(app.handlers.values())
         for handler in app.handlers.values():
             partitions.check_server(nc, handler)
-        for stream in app.streams.values():
-            await jetstream.ensure_stream(
-                js, stream, create=s.create, transform=transforms.get(stream.name)
-            )
+        await wait.streams(js, app.streams.values(), transforms)
         log.get_logger().info(log.Event.RELAY_STARTED)
         process.ready.set()
         watch = misconfiguration.Watch(stop=process.give_up)

@@ -85,6 +85,7 @@ class Worker(hosting.Hosted):
         self.ready = asyncio.Event()
         """Set once every subscription is bound and fetching has started."""
         self._stopping = asyncio.Event()
+        self._startup = startup.Patience(self.settings, self._stopping)
         self._force = asyncio.Event()
         self._slots = slots.Slots(self.settings.concurrency)
         self._inflight: set[asyncio.Task[Any]] = set()
@@ -160,6 +161,8 @@ class Worker(hosting.Hosted):
     async def run(self) -> None:
         """Connect, bind the subscriptions, process until stopped, then drain.
 
+        Until ready, every call to PostgreSQL or NATS waits for the servers
+        (:mod:`eop.runtime.startup`); a stop meanwhile ends the run at once.
         With ``metrics_port`` set, ``/metrics``, ``/healthz`` and ``/readyz``
         are served from before connecting until the worker has stopped.
         When NATS refuses the worker's credentials on ``nats_auth_refusals``
@@ -170,6 +173,9 @@ class Worker(hosting.Hosted):
         await self.telemetry.start()
         try:
             await self._run()
+        except startup.Stopped:
+            startup.stopped("worker")
+            await self._dispose()  # its pools closed, as a worker that ran closes them
         except Exception as exc:
             if self._lost is None:
                 raise
@@ -191,10 +197,10 @@ class Worker(hosting.Hosted):
             batch=s.batch,
         )
         name = f"eop-worker-{'-'.join(sp.name for sp in self.specs)}"
-        await startup.retrying(lambda: migrate.ensure_ready(self.app.engine, s.schema), s)
-        nc = await startup.retrying(
-            lambda: jetstream.connect(s, name=name, on_lost=self._give_up), s
-        )
+        # Each call to the servers until ready waits for them (eop.runtime.startup).
+        wait = self._startup
+        await wait(lambda: migrate.ensure_ready(self.app.engine, s.schema))
+        nc = await wait(lambda: jetstream.connect(s, name=name, on_lost=self._give_up))
         self.nats = nc
         store = self.app.make_store()
         try:
@@ -224,12 +230,7 @@ class Worker(hosting.Hosted):
                     stopping=self._stopping,
                     misconfigured=self._watch,
                 )
-                await jetstream.ensure_stream(
-                    js,
-                    self.app.stream_spec(spec.stream),
-                    create=s.create,
-                    transform=transforms.get(spec.stream),
-                )
+                await wait.streams(js, [self.app.stream_spec(spec.stream)], transforms)
                 floor = None
                 if spec.order_by is not None:
                     runner = await self._ordered(nc, js, spec, proc, store)
@@ -240,7 +241,7 @@ class Worker(hosting.Hosted):
                 if spec.order_by is not None:
                     loops.append(asyncio.create_task(self._runners[spec.name].run()))
                 else:
-                    sub = await self._bind(nc, js, spec)
+                    sub = await wait.bind(nc, js, spec)
                     loops.append(asyncio.create_task(self._fetch_loop(js, spec, sub, proc)))
                 if proc.parks:
                     loops.append(asyncio.create_task(self._retry_loop(store, proc)))
@@ -252,10 +253,7 @@ class Worker(hosting.Hosted):
                         )
                     )
             # The streams only the outbox publishes to, before anything is published.
-            for stream in self.app.streams.values():
-                await jetstream.ensure_stream(
-                    js, stream, create=s.create, transform=transforms.get(stream.name)
-                )
+            await wait.streams(js, self.app.streams.values(), transforms)
             relaying: list[asyncio.Task[None]] = []
             if s.relay:
                 self.relay = relay.Relay(
@@ -351,21 +349,9 @@ class Worker(hosting.Hosted):
             observer=self._observer,
             blocked=self._blocked,
         )
-        await ordered.prepare(runner)
+        await self._startup(functools.partial(ordered.prepare, runner))
         self._runners[spec.name] = runner
         return runner
-
-    async def _bind(self, nc: NATS, js: JetStreamContext, spec: HandlerSpec) -> fetcher.Fetcher:
-        create = self.settings.create
-        await jetstream.ensure_consumer(js, spec, self.settings, create=create)
-        sub = await jetstream.subscribe(nc, spec)
-        self._logger.info(
-            log.Event.SUBSCRIPTION_BOUND,
-            handler=spec.name,
-            stream=spec.stream,
-            durable=spec.durable,
-        )
-        return sub
 
     async def _fetch_loop(
         self,

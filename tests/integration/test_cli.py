@@ -158,9 +158,11 @@ async def _has_ack_pending(js: Any) -> bool:
 
 
 def test_unreachable_nats_at_start_is_a_clear_error_and_non_zero_exit(database_url: str) -> None:
-    """NATS down at start: exit 1, a one-line cause with the password redacted, no traceback."""
+    """NATS down at start, failing fast (startup_attempts 1): exit 1, a one-line cause with
+    the password redacted, no traceback."""
     port = embedded.free_port()
-    result = eop("worker", APP, env=eop_env(database_url, f"nats://u:hunter2@127.0.0.1:{port}"))
+    url = f"nats://u:hunter2@127.0.0.1:{port}"
+    result = eop("worker", APP, env=eop_env(database_url, url, EOP_STARTUP_ATTEMPTS="1"))
     assert result.returncode == 1
     assert "NATS is unreachable" in result.stderr
     assert "hunter2" not in result.stderr + result.stdout
@@ -168,9 +170,10 @@ def test_unreachable_nats_at_start_is_a_clear_error_and_non_zero_exit(database_u
 
 
 def test_unreachable_postgres_at_start_is_a_clear_error_and_non_zero_exit(nats_url: str) -> None:
-    """PostgreSQL down at start: exit 1 and a clear cause, password redacted."""
+    """PostgreSQL down at start, failing fast (startup_attempts 1): exit 1 and a clear
+    cause, password redacted."""
     url = f"postgresql+asyncpg://postgres:hunter2@127.0.0.1:{embedded.free_port()}/x"
-    result = eop("worker", APP, env=eop_env(url, nats_url))
+    result = eop("worker", APP, env=eop_env(url, nats_url, EOP_STARTUP_ATTEMPTS="1"))
     assert result.returncode == 1
     assert "PostgreSQL" in result.stderr
     assert "hunter2" not in result.stderr + result.stdout
