@@ -33,7 +33,7 @@ from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import migrate, ownership, retries
 from eop.pg.store import PostgresStore
-from eop.protocol import batch, compaction, ordering, processor, relay, retrying
+from eop.protocol import batch, compaction, ordering, processor, relay, retrying, unacked
 from eop.runtime import hosting, ordered, shutdown, slots, startup, telemetry
 from eop.types import Delivery, Outcome
 
@@ -224,10 +224,10 @@ class Worker(hosting.Hosted):
                     create=s.create,
                     transform=transforms.get(spec.stream),
                 )
-                floor = None
+                floor = names = None
                 if spec.order_by is not None:
                     runner = await self._ordered(nc, js, spec, proc, store)
-                    floor = runner.floor
+                    floor, names = runner.floor, runner.owners.consumers
                 compactor = compaction.Compactor(js, store, spec, epochs, floor=floor)
                 # The watermark row before fetching; a failure only delays compaction.
                 await compactor.quietly(compactor.prepare)
@@ -245,6 +245,8 @@ class Worker(hosting.Hosted):
                             compactor.run_forever(s.compaction_interval_s, self._stopping)
                         )
                     )
+                watch = unacked.UnackedWatch(nc, self.app.engine, s, spec, self._observer, names)
+                compacting.append(asyncio.create_task(watch.run_forever(self._stopping)))
             # The streams only the outbox publishes to, before anything is published.
             for stream in self.app.streams.values():
                 await jetstream.ensure_stream(
