@@ -147,6 +147,11 @@ async def stuck_in_audit(app: eop.App) -> list[audit.Anomaly]:
     return found
 
 
+async def accounts_past(engine: AsyncEngine, count: int) -> bool:
+    """Whether the handler has created ``count`` account rows (acked their messages)."""
+    return int(await scalar(engine, "SELECT count(*) FROM accounts")) >= count
+
+
 async def _positive(value: Any) -> bool:
     return bool(await value > 0)
 
@@ -211,11 +216,9 @@ async def test_sigstopped_worker_holding_a_delivery_is_reported_by_the_others(
     audit` and `eop status` exit 1 naming seq 1. Woken (SIGCONT), it drains, message 1
     once."""
     await heldapp.create_accounts(engine)
-    env = {
-        "EOP_ACK_WAIT_S": str(ACK_WAIT_S),
-        "EOP_LOCK_TIMEOUT_S": "5",
-    }
-    frozen = workers.start(app=HELD_APP, env=env)
+    env = {"EOP_ACK_WAIT_S": str(ACK_WAIT_S)}
+    # Its statement still waits on the held row when it is frozen (and the row let go).
+    frozen = workers.start(app=HELD_APP, env={**env, "EOP_LOCK_TIMEOUT_S": "10"})
     await wait_for(lambda: consumer_exists(js, DURABLE), timeout_s=60, what="the consumer")
     async with held_row(engine):
         await publish(js, "hot")
@@ -224,10 +227,15 @@ async def test_sigstopped_worker_holding_a_delivery_is_reported_by_the_others(
     # Let go of the row: the frozen worker's statement takes it, and its transaction,
     # holding the row and message 1's claim, stays open for as long as it is frozen.
     try:
-        workers.start(app=HELD_APP, env=env)
+        # Its claim of message 1 gives up soon, so that the batches it came in go on.
+        workers.start(app=HELD_APP, env={**env, "EOP_LOCK_TIMEOUT_S": "0.5"})
         async with acking(js):
+            # The other worker is up and acks the later messages, all along.
+            await wait_for(lambda: accounts_past(engine, 5), timeout_s=60, what="acks flowing")
             found = await stuck_in_audit(make_app(database_url, nats_url))
             assert [a.seq for a in found] == [1]
+            acked = int(await scalar(engine, "SELECT count(*) FROM accounts"))
+            await wait_for(lambda: accounts_past(engine, acked + 5), what="later messages acked")
             await wait_for(
                 lambda: _true("delivery.stuck" in workers.logs()), what="delivery.stuck logged"
             )
