@@ -268,3 +268,80 @@ def _stuck_in(report: Any) -> list[dict[str, Any]]:
     for h in report["handlers"]:
         found += [a for a in h["anomalies"] if a["kind"] == "stuck_delivery"]
     return found
+
+
+async def test_floor_record_keeps_a_wait_while_the_floor_stays_and_restarts_it_when_it_moves(
+    engine: AsyncEngine,
+) -> None:
+    """The ack_floors record: a wait begins at the first reading with a delivery above
+    the floor, lasts while readings find the same floor, restarts when the floor rises,
+    ends when nothing waits; an older reading (a lower floor) changes nothing."""
+    from eop.pg import floors, models
+
+    t = models.tables()
+
+    async def read(floor: int, delivered: int, pending: int) -> floors.Observed | None:
+        return await floors.observe(
+            engine,
+            t,
+            subscription="ledger",
+            stream=STREAM,
+            consumer=DURABLE,
+            partition=None,
+            created=None,
+            floor=floor,
+            delivered=delivered,
+            ack_pending=pending,
+        )
+
+    first = await read(5, 7, 2)
+    assert first is not None
+    assert first.waiting_since is not None
+    later = await read(5, 9, 3)
+    assert later is not None
+    assert (later.waiting_since, later.delivered) == (first.waiting_since, 7)
+    assert await read(4, 9, 3) is None
+    moved = await read(8, 9, 1)
+    assert moved is not None
+    assert moved.waiting_since is not None
+    assert moved.waiting_since > first.waiting_since
+    assert moved.delivered == 9
+    idle = await read(9, 9, 0)
+    assert idle is not None
+    assert idle.waiting_since is None
+    assert floors.waited_s(idle, 9, None) is None
+
+
+async def test_partition_handed_over_at_the_same_floor_keeps_its_wait(
+    engine: AsyncEngine,
+) -> None:
+    """An ordered handler's partition taken over at the same floor: the new consumer's
+    record continues the old one's wait (same message, still unacknowledged), and the
+    old consumer's record goes."""
+    from eop.pg import floors, models
+
+    t = models.tables()
+
+    async def read(consumer: str, floor: int) -> floors.Observed | None:
+        return await floors.observe(
+            engine,
+            t,
+            subscription="ledger",
+            stream=STREAM,
+            consumer=consumer,
+            partition=0,
+            created=None,
+            floor=floor,
+            delivered=floor + 1,
+            ack_pending=1,
+        )
+
+    before = await read("eop-ledger-p0-e1", 10)
+    after = await read("eop-ledger-p0-e2", 10)
+    assert before is not None
+    assert after is not None
+    assert after.waiting_since == before.waiting_since
+    assert list(await floors.read(engine, t, "ledger", STREAM)) == ["eop-ledger-p0-e2"]
+    elsewhere = await read("eop-ledger-p0-e3", 11)
+    assert elsewhere is not None
+    assert elsewhere.waiting_since != before.waiting_since
