@@ -345,3 +345,57 @@ async def test_partition_handed_over_at_the_same_floor_keeps_its_wait(
     elsewhere = await read("eop-ledger-p0-e3", 11)
     assert elsewhere is not None
     assert elsewhere.waiting_since != before.waiting_since
+
+
+async def test_ordered_handlers_stuck_delivery_is_found_on_its_partition(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """An ordered handler (two partitions, a consumer each): the held account's message
+    waits while the other keys' messages, on both partitions, are acked. The audit names
+    the partition and seq 1; the status shows it on that partition's row."""
+    await heldapp.create_accounts(engine)
+    app = eop.App(settings=bed_settings(database_url, nats_url, ack_wait_s=ACK_WAIT_S))
+    app.stream("ACCTS", subjects=["acct.>"], storage="file")
+
+    @app.handler(
+        stream="ACCTS", subject="acct.*", name="ledger", order_by="subject:1", partitions=2
+    )
+    async def post(msg: eop.Message, session: Any) -> None:
+        await session.execute(
+            sa.text(
+                "INSERT INTO accounts (id, n) VALUES (:id, 1) "
+                "ON CONFLICT (id) DO UPDATE SET n = accounts.n + 1"
+            ),
+            {"id": msg.subject.split(".")[1]},
+        )
+
+    async def others() -> None:
+        i = 0
+        while True:
+            await js.publish(f"acct.k{i}", b"")
+            i += 1
+            await asyncio.sleep(0.2)
+
+    async with running(app), held_row(engine):
+        await js.publish("acct.hot", b"")
+        await wait_for(lambda: _locked_out(engine), what="message 1's handler on the held row")
+        task = asyncio.create_task(others())
+        try:
+            found = await stuck_in_audit(app)
+            copy = app.with_settings()
+            try:
+                [s] = await status.collect(copy)
+            finally:
+                await copy.dispose()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert [a.seq for a in found] == [1]
+    assert found[0].detail.startswith("partition ")
+    assert s.ordered is not None
+    [waiting] = [p for p in s.ordered.partitions if p.oldest_unacked_seq == 1]
+    assert (waiting.oldest_unacked_s or 0) > STUCK_AFTER_S
+    assert s.oldest_unacked_seq == 1
+    assert len(s.anomalies) == 1
+    assert await scalar(engine, "SELECT n FROM accounts WHERE id = 'hot'") == 1
