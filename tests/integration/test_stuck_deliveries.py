@@ -114,7 +114,11 @@ async def test_held_row_keeps_a_delivery_unacked_behind_acked_ones_and_it_is_stu
                 found = await stuck_in_audit(app)
                 assert [a.seq for a in found] == [1]
                 assert waited(found[0].detail) >= STUCK_AFTER_S
-                assert registry.get_sample_value("eop_stuck_deliveries", labels) == 1
+                # The worker's own reading comes within half an AckWait.
+                await wait_for(
+                    lambda: _true(registry.get_sample_value("eop_stuck_deliveries", labels)),
+                    what="the worker's stuck gauge",
+                )
                 copy = app.with_settings()
                 try:
                     [s] = await status.collect(copy)
