@@ -134,7 +134,7 @@ class ReplayRefused(EopError):
 
 
 class StatusProblem(EopError):
-    """A handler's stream or consumer is missing: see `eop status`."""
+    """A handler's stream or consumer is missing, or a delivery is stuck: see `eop status`."""
 
 
 class UnpublishableMessage(EopError):

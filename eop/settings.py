@@ -119,6 +119,12 @@ class Settings:
     lease_margin_s: float = _field(
         2.0, "A delivery with less lease left than this is not started (it will be redelivered)."
     )
+    stuck_after_ack_waits: float = _field(
+        3.0,
+        "A delivery unacknowledged for longer than this many AckWaits is stuck: the workers' "
+        "metric and log, ``eop status`` and ``eop audit`` report it (docs/operations.md).",
+        minimum=1,
+    )
     compaction_interval_s: float = _field(
         5.0, "How often the inbox rows below the consumer's ack floor are deleted (0: never)."
     )

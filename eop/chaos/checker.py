@@ -156,6 +156,9 @@ class LogEvidence:
     """Deliveries skipped by the msg-id guard (a republish after the duplicate window), by
     handler."""
     deadlocks: int = 0
+    stuck: list[str] = dataclasses.field(default_factory=list)
+    """Every ``delivery.stuck`` a worker logged: a message unacknowledged for longer than
+    ``stuck_after_ack_waits`` AckWaits (file, sequence, consumer and how long)."""
     leaks: list[str] = dataclasses.field(default_factory=list)
     """Where a canary appeared (file, line number and which canary; never its value)."""
     foreign_lines: int = 0
@@ -202,6 +205,11 @@ def _count_line(ev: LogEvidence, line: str, name: str) -> None:
         ev.guard_skips[str(record.get("handler"))] += 1
     elif event == "transaction.retry" and "eadlock" in str(record.get("error", "")):
         ev.deadlocks += 1
+    elif event == "delivery.stuck":
+        ev.stuck.append(
+            f"{name}: seq {record.get('seq')} of {record.get('consumer')} unacknowledged for "
+            f"{record.get('waited_s')} s (> {record.get('stuck_after_s')} s)"
+        )
 
 
 EVIDENCE_EVENTS = {

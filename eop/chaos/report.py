@@ -117,6 +117,7 @@ class Report:
             "good_dead_letters_by_reason": dict(o.good_dead_by_reason),
             "poison_dead_letters_by_reason": dict(o.poison_dead_by_reason),
             "stalls": len(self.stalls),
+            "stuck_deliveries": len(self.logs.stuck),
             "stops": [dataclasses.asdict(stop) for stop in self.stops],
             "stop_limit_s": self.stop_limit_s,
             "figures": self.figures,
@@ -152,7 +153,9 @@ class Report:
             f"{_counts(o.good_dead_by_reason)}, of poison {_counts(o.poison_dead_by_reason)}",
             f"  stalls: {len(self.stalls)}; stops after SIGTERM: {stops} "
             f"(limit {self.stop_limit_s:g} s)",
+            f"  stuck deliveries (delivery.stuck logged): {len(self.logs.stuck)}",
         ]
+        lines += [f"    {item}" for item in self.logs.stuck[:10]]
         lines += [
             f"    stop of worker {s.worker} (pid {s.pid}, {s.when}): {s.seconds:.1f} s"
             for s in self.stops

@@ -35,7 +35,8 @@ def add_audit(sub: options.Subparsers) -> None:
         "--stuck-after-s",
         type=float,
         metavar="S",
-        help="a delivery unacknowledged this long is stuck (default: 3 AckWaits)",
+        help="a delivery unacknowledged this long is stuck (default: stuck_after_ack_waits, 3, "
+        "AckWaits of its consumer)",
     )
     audit.add_argument(
         "--current-epoch-only",

@@ -238,7 +238,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         print(status.format_table(statuses))
         print(backlog.describe())
-    problems = [f"{s.handler}: {p}" for s in statuses for p in s.problems]
+    problems = [f"{s.handler}: {p}" for s in statuses for p in [*s.problems, *s.anomalies]]
     if problems:
         raise errors.StatusProblem("; ".join(problems))
     return 0

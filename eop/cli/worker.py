@@ -33,6 +33,7 @@ WORKER_FIELDS = (
     "tx_retries",
     "lease_margin_s",
     "partition_lease_s",
+    "stuck_after_ack_waits",
     "compaction_interval_s",
     "compaction_after_messages",
     "msg_id_retention_s",

@@ -91,6 +91,8 @@ class _HandlerSeries:
         self.in_flight = m.in_flight.labels(*key)
         self.handler_s = m.handler_s.labels(*key)
         self.commit_to_ack_s = m.commit_to_ack_s.labels(*key)
+        self.oldest_unacked_s = m.oldest_unacked_s.labels(*key)
+        self.stuck = m.stuck.labels(*key)
         self.dead: dict[str, prometheus_client.Counter] = {
             reason: m.dead_lettered.labels(*key, reason) for reason in _REASONS
         }
@@ -244,6 +246,24 @@ class WorkerMetrics(observe.Observer):
             ("handler", "action"),
             registry=r,
         )
+        # Every process running a handler reads the same consumers: the largest value
+        # of the live ones (a frozen process's stays out once it is marked gone).
+        self.oldest_unacked_s = Gauge(
+            "eop_oldest_unacked_seconds",
+            "How long the handler's oldest unacknowledged delivery has waited, at least "
+            "(0: none waits), as this process last read its consumers.",
+            _LABELS,
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.stuck = Gauge(
+            "eop_stuck_deliveries",
+            "The handler's consumers whose oldest delivery has waited unacknowledged longer "
+            "than stuck_after_ack_waits AckWaits (alert on > 0).",
+            _LABELS,
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self._series = {spec.name: _HandlerSeries(self, spec) for spec in specs}
 
     def _of(self, spec: HandlerSpec) -> _HandlerSeries:
@@ -311,3 +331,9 @@ class WorkerMetrics(observe.Observer):
         """Count the change of ownership; set the partitions owned."""
         self.rebalances.labels(spec.name, action).inc()
         self.partitions_owned.labels(spec.name).set(owned)
+
+    def unacked(self, spec: HandlerSpec, oldest_s: float, stuck: int) -> None:
+        """Set the oldest unacknowledged delivery's wait and the stuck consumers."""
+        s = self._of(spec)
+        s.oldest_unacked_s.set(oldest_s)
+        s.stuck.set(stuck)

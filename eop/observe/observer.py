@@ -84,6 +84,10 @@ class Observer:
         """This process ``acquired``, ``released`` or ``lost`` a partition of ``spec``'s;
         it owns ``owned`` now."""
 
+    def unacked(self, spec: HandlerSpec, oldest_s: float, stuck: int) -> None:
+        """``spec``'s oldest unacknowledged delivery has waited ``oldest_s`` at least (0:
+        none waits); ``stuck`` of its consumers have one waiting past the stuck bound."""
+
 
 NOOP = Observer()
 """The observer of a worker without metrics and tracing."""
@@ -150,6 +154,11 @@ class Fanout(Observer):
         """Pass :meth:`Observer.partitions_changed` on."""
         for o in self.observers:
             o.partitions_changed(spec, action, owned)
+
+    def unacked(self, spec: HandlerSpec, oldest_s: float, stuck: int) -> None:
+        """Pass :meth:`Observer.unacked` on."""
+        for o in self.observers:
+            o.unacked(spec, oldest_s, stuck)
 
 
 def combine(observers: Sequence[Observer]) -> Observer:

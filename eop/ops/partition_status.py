@@ -44,6 +44,10 @@ class PartitionStatus:
     ack_pending: int | None = None
     """Delivered to the owner and not acked yet."""
     redelivered: int | None = None
+    oldest_unacked_seq: int | None = None
+    """Its delivery that has waited unacknowledged longest (None: none is known to wait)."""
+    oldest_unacked_s: float | None = None
+    """How long that delivery has waited, at least."""
 
     @property
     def owner(self) -> str | None:

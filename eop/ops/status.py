@@ -22,14 +22,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import nats.js.errors
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 
 from eop import errors
 from eop.app import App, select_handlers
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
-from eop.ops import partition_status, tables
-from eop.pg import migrate, models, ownership, sql
+from eop.ops import partition_status, stuck, tables
+from eop.pg import floors, migrate, models, ownership, sql
 
 #: Share of max_ack_pending from which the window is reported as nearly full.
 NEARLY_FULL = 0.9
@@ -100,6 +101,15 @@ class HandlerStatus:
     warnings: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     """What makes this subscription unable to work (a missing stream or consumer)."""
+    oldest_unacked_seq: int | None = None
+    """The stream sequence of the delivery that has waited unacknowledged longest (of
+    every partition, for an ordered handler); None when none is known to wait."""
+    oldest_unacked_s: float | None = None
+    """How long it has waited, at least (:mod:`eop.ops.stuck`)."""
+    stuck_after_s: float | None = None
+    """A delivery unacknowledged longer is stuck: ``stuck_after_ack_waits`` AckWaits."""
+    anomalies: list[str] = dataclasses.field(default_factory=list)
+    """Deliveries stuck longer than :attr:`stuck_after_s`: the command exits 1."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able values (times in ISO 8601, UTC)."""
@@ -161,7 +171,12 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
             if spec.order_by is not None:
                 status.consumer = partition_status.consumer_pattern(spec)
                 status.ordered = partition_status.from_rows(spec, *owners)
+            # Before the consumers: a recorded wait holds if their floors did not move since.
+            observed = await floors.read(
+                app.engine, models.tables(app.settings.schema), spec.name, spec.stream
+            )
             await _from_nats(js, epochs, spec, status)
+            await _unacked(nc, app, spec, status, observed)
             await _from_database(app, spec, status)
             if status.ordered is not None:
                 warnings, problems = partition_status.findings(spec, status.ordered)
@@ -219,6 +234,36 @@ async def _from_nats(
         status.ack_floor = int(info.ack_floor.stream_seq)
         status.last_ack_at = info.ack_floor.last_active
     status.warnings.extend(window_warnings(status.ack_pending, status.max_ack_pending))
+
+
+async def _unacked(
+    nc: NATS,
+    app: App,
+    spec: HandlerSpec,
+    status: HandlerStatus,
+    observed: dict[str, floors.Observed],
+) -> None:
+    """The oldest unacknowledged delivery of each consumer, and those that are stuck."""
+    status.stuck_after_s = app.settings.stuck_after_ack_waits * (
+        spec.ack_wait_s or app.settings.ack_wait_s
+    )
+    names: dict[int | None, str | None] = {None: spec.durable}
+    if status.ordered is not None:
+        names = {p.partition: p.consumer for p in status.ordered.partitions}
+    try:
+        found = await stuck.oldest(nc, spec.stream, names, observed, app.settings)
+    except errors.NatsUnavailable as exc:
+        status.warnings.append(f"WARNING: cannot time the unacknowledged deliveries: {exc}")
+        return
+    by_partition = {w.partition: w for w in found}
+    for p in status.ordered.partitions if status.ordered is not None else []:
+        if p.partition in by_partition:
+            p.oldest_unacked_seq = by_partition[p.partition].seq
+            p.oldest_unacked_s = round(by_partition[p.partition].waited_s, 1)
+    if found:
+        first = max(found, key=lambda w: w.waited_s)
+        status.oldest_unacked_seq, status.oldest_unacked_s = first.seq, round(first.waited_s, 1)
+    status.anomalies.extend(w.describe() for w in found if w.stuck)
 
 
 async def _ownership(
@@ -358,6 +403,7 @@ def format_table(statuses: Sequence[HandlerStatus]) -> str:
     for s in statuses:
         lines.extend(f"{s.handler}: {w}" for w in s.warnings)
         lines.extend(f"{s.handler}: ERROR: {p}" for p in s.problems)
+        lines.extend(f"{s.handler}: ANOMALY: {a}" for a in s.anomalies)
     return "\n".join(lines)
 
 

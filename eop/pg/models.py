@@ -70,6 +70,7 @@ class Tables:
     spark_reports: sa.Table
     partitions: sa.Table
     members: sa.Table
+    ack_floors: sa.Table
 
 
 @functools.cache
@@ -225,6 +226,7 @@ def tables(schema: str = "eop") -> Tables:
         spark_reports=_spark_reports(metadata),
         partitions=partitions,
         members=members,
+        ack_floors=_ack_floors(metadata),
     )
 
 
@@ -317,6 +319,40 @@ def _ownership_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
         ),
     )
     return partitions, members
+
+
+def _ack_floors(metadata: sa.MetaData) -> sa.Table:
+    """Where each consumer's ack floor stood when a worker last read it, and since when
+    (the database's clock) a delivery above it has waited unacknowledged.
+
+    JetStream tells no delivery's time, and the floor's ``last_active`` moves with
+    every ack, not only when the floor does: this is what ``eop audit``, ``eop
+    status`` and the workers' metric measure a stuck delivery by (docs/design.md,
+    'Stuck deliveries').
+    """
+    return sa.Table(
+        "ack_floors",
+        metadata,
+        sa.Column("stream", sa.Text, primary_key=True),
+        sa.Column("consumer", sa.Text, primary_key=True),
+        sa.Column("subscription", sa.Text, nullable=False),
+        # An ordered handler's partition (None for another handler's durable).
+        sa.Column("partition", sa.Integer, nullable=True),
+        # Tells a recreated consumer of the same name from the one observed before.
+        sa.Column("consumer_created", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("floor_seq", sa.BigInteger, nullable=False),
+        # The consumer's delivered sequence when the wait began: the waiting
+        # delivery is at or below it.
+        sa.Column("delivered_seq", sa.BigInteger, nullable=False),
+        sa.Column("waiting_since", sa.DateTime(timezone=True), nullable=True),
+        sa.Column(
+            "observed_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+        sa.Index("ack_floors_subscription_idx", "subscription"),
+    )
 
 
 #: ``spark_reports.batch_id`` of a batch job (a stream's micro-batches are 0, 1, ...).

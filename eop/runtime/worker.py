@@ -33,7 +33,16 @@ from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import migrate, ownership, retries
 from eop.pg.store import PostgresStore
-from eop.protocol import batch, compaction, misconfiguration, ordering, processor, relay, retrying
+from eop.protocol import (
+    batch,
+    compaction,
+    misconfiguration,
+    ordering,
+    processor,
+    relay,
+    retrying,
+    unacked,
+)
 from eop.runtime import hosting, ordered, shutdown, slots, startup, telemetry
 from eop.types import Delivery, Outcome
 
@@ -231,10 +240,10 @@ class Worker(hosting.Hosted):
                     misconfigured=self._watch,
                 )
                 await wait.streams(js, [self.app.stream_spec(spec.stream)], transforms)
-                floor = None
+                floor = names = None
                 if spec.order_by is not None:
                     runner = await self._ordered(nc, js, spec, proc, store)
-                    floor = runner.floor
+                    floor, names = runner.floor, runner.owners.consumers
                 compactor = compaction.Compactor(js, store, spec, epochs, floor=floor)
                 # The watermark row before fetching; a failure only delays compaction.
                 await compactor.quietly(compactor.prepare)
@@ -252,6 +261,8 @@ class Worker(hosting.Hosted):
                             compactor.run_forever(s.compaction_interval_s, self._stopping)
                         )
                     )
+                watch = unacked.UnackedWatch(nc, self.app.engine, s, spec, self._observer, names)
+                compacting.append(asyncio.create_task(watch.run_forever(self._stopping)))
             # The streams only the outbox publishes to, before anything is published.
             await wait.streams(js, self.app.streams.values(), transforms)
             relaying: list[asyncio.Task[None]] = []

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 import eop
 from eop.broker import jetstream
 from eop.ops import audit
+from eop.protocol import unacked
 
 from . import auditapp
 from .bed import STREAM, SUBJECT, bed_settings, drained, publish, running, wait_for
@@ -175,13 +176,15 @@ async def test_recreated_stream_reuses_sequences(
 async def test_message_left_pending_and_redelivered_is_stuck(
     database_url: str, nats_url: str, js: Any, nc: Any, engine: AsyncEngine
 ) -> None:
-    """A delivery never acked (redelivered each AckWait) is a stuck delivery."""
+    """A delivery never acked (redelivered each AckWait) is a stuck delivery, timed from
+    the first reading of the consumer that found it waiting (a worker's, here by hand)."""
     app = make_app(database_url, nats_url, ack_wait_s=1.0)
     spec = app.handlers["billing"]
     await jetstream.ensure_stream(js, app.stream_spec(STREAM), create=True)
     await jetstream.ensure_consumer(js, spec, app.settings, create=True)
     await publish(js, "m0")
     sub = await js.pull_subscribe_bind(durable=spec.durable, stream=STREAM)
+    watch = unacked.UnackedWatch(nc, engine, app.settings, spec)
     deliveries = 0
     while deliveries < 3:
         try:
@@ -189,6 +192,8 @@ async def test_message_left_pending_and_redelivered_is_stuck(
         except asyncio.TimeoutError:
             continue
         deliveries = msg.metadata.num_delivered
+        if deliveries == 1:
+            assert [w.floor for w in await watch.check_once()] == [0]
     h = await audit_of(app, stuck_after_s=0.5)
     assert kinds(h) == {"stuck_delivery": [1]}
     assert counted(h.in_flight) == {audit.DELIVERED_NO_OUTCOME: (1, [1])}

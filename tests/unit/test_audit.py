@@ -8,6 +8,7 @@ import json
 from eop.ops import audit
 from eop.ops.audit import Position, Recorded, Verdict, Walked
 from eop.pg import models
+from eop.pg.floors import Observed
 
 FP, OTHER = b"fp-now", b"fp-before"
 POS = Position(watermark=10, ack_floor=20, delivered=30)
@@ -148,22 +149,50 @@ def test_counting_proves_acks_without_outcome_above_the_floor() -> None:
     assert "at least 2" in found.detail
 
 
-def test_stuck_delivery_needs_age_and_a_pending_delivery() -> None:
-    """Unacked longer than the threshold since the floor last moved and since it was stored."""
-    old = NOW - datetime.timedelta(seconds=200)
-    first = Walked(seq=21, subject="s", msg_id=None, stored_at=old)
-    c = consumer(ack_pending=1, redelivered=1, ack_floor_at=old)
-    (found,) = audit.stuck(first, c, NOW, 90.0)
+def observed(floor: int = 20, waited_s: float | None = 200.0, delivered: int = 100) -> Observed:
+    """The consumer as a worker recorded it: a wait above ``floor`` for ``waited_s``."""
+    return Observed(
+        consumer="eop-orders",
+        partition=None,
+        consumer_created=None,
+        floor=floor,
+        delivered=delivered,
+        waiting_since=None if waited_s is None else NOW - datetime.timedelta(seconds=waited_s),
+        waited_s=waited_s,
+        observed_at=NOW,
+    )
+
+
+def test_stuck_delivery_needs_a_recorded_wait_at_the_same_floor() -> None:
+    """Stuck: the floor is where a recorded wait began, longer ago than the bound."""
+    first = Walked(seq=21, subject="s", msg_id=None, stored_at=NOW)
+    c = consumer(ack_pending=1, redelivered=1)
+    (found,) = audit.stuck(first, c, observed(), 90.0)
     assert (found.kind, found.seq) == (audit.STUCK_DELIVERY, 21)
-    assert audit.stuck(first, c, NOW, 300.0) == []
-    assert audit.stuck(first, consumer(ack_pending=0, ack_floor_at=old), NOW, 90.0) == []
-    recent = consumer(ack_pending=1, ack_floor_at=NOW - datetime.timedelta(seconds=5))
-    assert audit.stuck(first, recent, NOW, 90.0) == []
+    assert "at least 200 s" in found.detail
+    assert audit.stuck(first, c, observed(), 300.0) == []
+    assert audit.stuck(first, consumer(ack_pending=0), observed(), 90.0) == []
+    # The floor moved since the wait was recorded: nothing is known to have waited.
+    assert audit.stuck(first, c, observed(floor=19), 90.0) == []
+    assert audit.stuck(first, c, observed(waited_s=None), 90.0) == []
+    assert audit.stuck(first, c, None, 90.0) == []
+    # The message above the floor lies beyond what was delivered when the wait began.
+    assert audit.stuck(first, c, observed(delivered=20), 90.0) == []
+
+
+def test_stuck_delivery_ignores_the_floors_last_active_time() -> None:
+    """The server moves ``ack_floor.last_active`` at every ack, the floor's or not: a
+    message held behind others being acked is stuck however recent that time is."""
+    first = Walked(seq=21, subject="s", msg_id=None, stored_at=NOW)
+    acking = consumer(ack_pending=1, ack_floor_at=NOW - datetime.timedelta(seconds=1))
+    (found,) = audit.stuck(first, acking, observed(), 90.0)
+    assert found.seq == 21
 
 
 def test_full_ack_pending_window_is_stuck() -> None:
     """A full MaxAckPending window stalls fetches silently."""
-    (found,) = audit.stuck(None, consumer(ack_pending=1000, max_ack_pending=1000), NOW, 90.0)
+    full = consumer(ack_pending=1000, max_ack_pending=1000)
+    (found,) = audit.stuck(None, full, None, 90.0)
     assert "window full" in found.detail
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from eop import cli, errors, faults
-from eop.chaos import bank, checker, publisher, schedule, wire
+from eop.chaos import bank, checker, publisher, report, schedule, wire
 from eop.chaos.target import Payload
 
 
@@ -183,6 +183,23 @@ def test_log_scan_counts_events_and_finds_canaries_without_printing_them(tmp_pat
     found = checker.evidence(ev)
     assert found["kills at after_ack"] == 1
     assert "kills at after_fetch" in checker.missing_evidence(found)
+
+
+def test_log_scan_lists_stuck_deliveries_and_the_report_counts_them(tmp_path: Path) -> None:
+    """Each ``delivery.stuck`` a worker logged is listed, and counted in the report."""
+    log = tmp_path / "worker-0003.log"
+    stuck = {
+        "event": "delivery.stuck",
+        "seq": 17,
+        "consumer": "eop-chaos",
+        "waited_s": 31.5,
+        "stuck_after_s": 30.0,
+    }
+    log.write_text(json.dumps(stuck) + "\n")
+    ev = checker.scan_logs([log], {})
+    assert ev.stuck == ["worker-0003.log: seq 17 of eop-chaos unacknowledged for 31.5 s (> 30.0 s)"]
+    found = report.Report(seed=1, command="eop chaos", messages=1, logs=ev)
+    assert found.to_dict()["stuck_deliveries"] == 1
 
 
 def test_chaos_command_names_its_variables_and_refuses_half_a_target(

@@ -30,8 +30,10 @@ a report with any of them is not settled, and says so. The anomalies:
   or of an epoch whose stream was deleted).
 - ``reused_sequence``: an outcome recorded at a sequence that now holds
   another message (another fingerprint in the same epoch, or a new epoch).
-- ``stuck_delivery``: a delivered message left unacknowledged for several
-  AckWaits, or a full ack-pending window.
+- ``stuck_delivery``: a delivered message left unacknowledged for longer
+  than ``stuck_after_ack_waits`` AckWaits, timed from the workers' record of
+  when the consumer's ack floor stopped below it (:mod:`eop.pg.floors`), or a
+  full ack-pending window.
 
 What the watermark hides: eop deletes inbox rows at or below the watermark,
 which only ever rises to the consumer's ack floor (or below the stream's first

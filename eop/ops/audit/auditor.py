@@ -49,7 +49,8 @@ class Options:
     """Stop after checking this many messages (the report names where to go on)."""
     batch: int = 500
     stuck_after_s: float | None = None
-    """A delivery unacked for longer is stuck (default: 3 AckWaits of the consumer)."""
+    """A delivery unacked for longer is stuck (default: ``stuck_after_ack_waits``, 3,
+    AckWaits of the consumer)."""
     current_epoch_only: bool = False
     """Ignore outcomes recorded for earlier incarnations of the stream."""
 
@@ -77,7 +78,7 @@ class _Auditor:
     """The audit of one handler."""
 
     def __init__(self, nc: NATS, app: App, spec: HandlerSpec, options: Options) -> None:
-        self.spec, self.options = spec, options
+        self.spec, self.options, self.settings = spec, options, app.settings
         self.walker = Walker(nc, spec)
         self.outcomes = Outcomes(app, spec)
         self.report = HandlerAudit(handler=spec.name, stream=spec.stream, durable=spec.durable)
@@ -92,6 +93,8 @@ class _Auditor:
     async def run(self) -> HandlerAudit:
         """Read the consumer first (its ack floor bounds what the inbox must hold), then walk."""
         self.stream = await self.walker.stream()
+        # Before the consumers: a recorded wait holds if their floors did not move since.
+        self.observed = await self.outcomes.observed_floors()
         await self._read_consumers()
         r, s, c = self.report, self.stream, self.consumer
         r.epoch, r.filters = s.epoch, list(c.filters)
@@ -161,15 +164,23 @@ class _Auditor:
         groups: dict[int | None, Consumer] = {p: c for p, c in self.by_partition.items()}
         if not groups:
             groups[None] = self.consumer
-        after_s = self.options.stuck_after_s
-        now = self.stream.now
+        after_s, multiple = self.options.stuck_after_s, self.settings.stuck_after_ack_waits
         for key, c in groups.items():
             found = rules.unacked_without_outcome(
                 self._open_count[key], self._open_sample.get(key, []), c
             )
             anomalies = [found] if found is not None else []
+            observed = self.observed.get(c.name)
+            if observed is None and c.exists and c.ack_pending:
+                self.report.notes.append(
+                    f"consumer {c.name!r}: no worker has recorded its ack floor yet, so how "
+                    "long its unacknowledged deliveries have waited is not known"
+                )
             anomalies += rules.stuck(
-                self._first_open.get(key), c, now, 3 * c.ack_wait_s if after_s is None else after_s
+                self._first_open.get(key),
+                c,
+                observed,
+                multiple * c.ack_wait_s if after_s is None else after_s,
             )
             for anomaly in anomalies:
                 if key is not None:

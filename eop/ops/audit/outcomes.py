@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from eop import errors, log
 from eop.app import App
 from eop.handler import HandlerSpec
-from eop.pg import failures, models, sql
+from eop.pg import failures, floors, models, sql
 from eop.pg.sql import ownership
 
 
@@ -50,6 +50,17 @@ class Outcomes:
         try:
             async with self.app.sessionmaker() as session:
                 yield session
+        except Exception as exc:
+            if failures.unreachable(exc):
+                raise errors.DatabaseUnavailable(
+                    f"PostgreSQL failed during the audit: {log.describe_error(exc)}"
+                ) from exc
+            raise
+
+    async def observed_floors(self) -> dict[str, floors.Observed]:
+        """The handler's consumers as the workers last recorded them, by name."""
+        try:
+            return await floors.read(self.app.engine, self.tables, self.spec.name, self.spec.stream)
         except Exception as exc:
             if failures.unreachable(exc):
                 raise errors.DatabaseUnavailable(

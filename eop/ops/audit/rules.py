@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from eop.ops.audit.outcomes import Recorded
 from eop.ops.audit.walk import Consumer, Stream, Walked
-from eop.pg import models
+from eop.pg import floors, models
 
 ACKED_WITHOUT_OUTCOME = "acked_without_outcome"
 OUTCOME_MESSAGE_GONE = "outcome_message_gone"
@@ -226,9 +226,20 @@ def unacked_without_outcome(
 
 
 def stuck(
-    first_open: Walked | None, consumer: Consumer, now: datetime.datetime, after_s: float
+    first_open: Walked | None,
+    consumer: Consumer,
+    observed: floors.Observed | None,
+    after_s: float,
 ) -> list[Anomaly]:
-    """Deliveries that are not moving: the oldest unacked message, a full window."""
+    """Deliveries that are not moving: the oldest unacked message, a full window.
+
+    ``observed`` is the consumer as the workers last recorded it (read before
+    ``consumer``): while the ack floor stays where a recorded wait began, the
+    message just above it has waited unacknowledged since then
+    (:func:`eop.pg.floors.waited_s`). Not the floor's ``last_active``: the server
+    moves it at every ack, so a message held behind others being acked would
+    never look old.
+    """
     found = []
     if consumer.max_ack_pending > 0 and consumer.ack_pending >= consumer.max_ack_pending:
         found.append(
@@ -242,22 +253,27 @@ def stuck(
         )
     if first_open is None or first_open.seq > consumer.delivered or consumer.ack_pending == 0:
         return found
-    # The floor has not moved since it was last active, and the message was
-    # stored no earlier than that: both bound how long it has been unacked.
-    since = [t for t in (consumer.ack_floor_at or consumer.created_at, first_open.stored_at) if t]
-    if not since:
+    waited_s = floors.waited_s(observed, consumer.ack_floor, consumer.created_at)
+    if waited_s is None or observed is None or first_open.seq > observed.delivered:
+        # No recorded wait, or the message above the floor is not the one it began with.
         return found
-    age_s = (now - max(since)).total_seconds()
-    if age_s > after_s:
+    if waited_s > after_s:
         found.append(
             Anomaly(
                 STUCK_DELIVERY,
                 first_open.seq,
                 None,
-                f"delivered but unacknowledged for at least {age_s:.0f} s (> {after_s:g} s, "
-                f"AckWait {consumer.ack_wait_s:g} s); the consumer holds "
+                f"delivered but unacknowledged for at least {waited_s:.0f} s (> {after_s:g} s, "
+                f"AckWait {consumer.ack_wait_s:g} s): the ack floor {consumer.ack_floor} has "
+                f"not moved since {_utc(observed.waiting_since)}; the consumer holds "
                 f"{consumer.ack_pending} unacknowledged, {consumer.redelivered} of them "
                 "redelivered",
             )
         )
     return found
+
+
+def _utc(at: datetime.datetime | None) -> str:
+    if at is None:
+        return "?"
+    return at.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -57,6 +57,8 @@ class Consumer:
     filters: tuple[str, ...]
     ack_floor: int = 0
     ack_floor_at: datetime.datetime | None = None
+    """When the server last acted on an ack: it moves with every ack, not only the
+    floor's (so no stuck delivery is timed by it)."""
     delivered: int = 0
     """The highest stream sequence delivered: every message above it is undelivered."""
     pending: int = 0
@@ -68,6 +70,7 @@ class Consumer:
     created_at: datetime.datetime | None = None
     start_seq: int = 1
     deliver_policy: str = "all"
+    name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +144,7 @@ def consumer_from_info(info: Mapping[str, Any], notes: list[str]) -> Consumer:
         created_at=_time(info.get("created")),
         start_seq=start,
         deliver_policy=policy,
+        name=str(info.get("name", "")),
     )
 
 

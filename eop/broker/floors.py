@@ -1,0 +1,87 @@
+"""A consumer's ack floor, as NATS tells it, and the message waiting just above it.
+
+Read raw (``CONSUMER.INFO``), so that the consumer's creation time is parsed
+the one way every reader of :mod:`eop.pg.floors` compares it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import nats.js.errors
+from nats.aio.client import Client as NATS
+
+from eop.broker import jetstream
+
+#: Go's zero time: what the server sends for "never".
+_NEVER = "0001-"
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    """A consumer's ack floor and what it has delivered, at one reading."""
+
+    consumer: str
+    created: datetime.datetime | None
+    floor: int
+    """Every message it filters at or below this stream sequence was acked."""
+    delivered: int
+    """The highest stream sequence it delivered."""
+    ack_pending: int
+    ack_wait_s: float
+    filters: tuple[str, ...]
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a delivery above the floor is unacknowledged."""
+        return self.ack_pending > 0 and self.delivered > self.floor
+
+
+def from_info(name: str, info: Mapping[str, Any]) -> Floor:
+    """A consumer's floor from its raw ``CONSUMER.INFO`` reply."""
+    config = info.get("config", {})
+    created = info.get("created")
+    return Floor(
+        consumer=name,
+        created=None
+        if not created or str(created).startswith(_NEVER)
+        else jetstream.parse_time(str(created)),
+        floor=int(info.get("ack_floor", {}).get("stream_seq", 0)),
+        delivered=int(info.get("delivered", {}).get("stream_seq", 0)),
+        ack_pending=int(info.get("num_ack_pending", 0)),
+        ack_wait_s=int(config.get("ack_wait") or 30_000_000_000) / 1e9,
+        filters=jetstream.consumer_filters(
+            config.get("filter_subjects"), config.get("filter_subject")
+        ),
+    )
+
+
+async def read(nc: NATS, stream: str, name: str) -> Floor | None:
+    """``name``'s floor now; None when the consumer does not exist.
+
+    Raises :class:`eop.NatsUnavailable` when NATS does not answer.
+    """
+    info = await jetstream.api_request(
+        nc, f"CONSUMER.INFO.{stream}.{name}", what=f"cannot read consumer {name!r}"
+    )
+    if "error" in info:
+        return None
+    return from_info(name, info)
+
+
+async def first_above(nc: NATS, stream: str, filters: Sequence[str], floor: int) -> int | None:
+    """The stream sequence of the first message above ``floor`` under ``filters`` (the
+    one a floor that does not move waits on); None when there is none, or NATS does not
+    tell."""
+    js = nc.jetstream()
+    found = []
+    for subject in filters or (">",):
+        with contextlib.suppress(nats.js.errors.NotFoundError, *jetstream.NATS_ERRORS):
+            msg = await js.get_msg(stream, seq=floor + 1, subject=subject, next=True)
+            if msg.seq is not None:
+                found.append(int(msg.seq))
+    return min(found, default=None)
