@@ -70,6 +70,7 @@ class Tables:
     spark_reports: sa.Table
     partitions: sa.Table
     members: sa.Table
+    handovers: sa.Table
 
 
 @functools.cache
@@ -212,7 +213,7 @@ def tables(schema: str = "eop") -> Tables:
         ),
     )
     outbox, relay_leases = _outbox_tables(metadata)
-    partitions, members = _ownership_tables(metadata)
+    partitions, members, handovers = _ownership_tables(metadata)
     return Tables(
         schema=schema,
         metadata=metadata,
@@ -225,6 +226,7 @@ def tables(schema: str = "eop") -> Tables:
         spark_reports=_spark_reports(metadata),
         partitions=partitions,
         members=members,
+        handovers=handovers,
     )
 
 
@@ -280,7 +282,7 @@ def _outbox_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
     return outbox, relay_leases
 
 
-def _ownership_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
+def _ownership_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table, sa.Table]:
     """Who owns which partition of an ordered handler, and which processes run it
     (docs/ordering.md). Leases run on the database's clock."""
     partitions = sa.Table(
@@ -316,7 +318,25 @@ def _ownership_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
             server_default=sa.func.now(),
         ),
     )
-    return partitions, members
+    # A new owner's consumer delivers again what its predecessors' delivered without an
+    # ack (first_seq..last_seq): its delivery count starts at 1, so these ranges carry
+    # the earlier deliveries, which the crash-loop bound counts (docs/ordering.md).
+    handovers = sa.Table(
+        "handovers",
+        metadata,
+        sa.Column("subscription", sa.Text, primary_key=True),
+        sa.Column("partition", sa.Integer, primary_key=True),
+        sa.Column("epoch", sa.BigInteger, primary_key=True),
+        sa.Column("first_seq", sa.BigInteger, nullable=False),
+        sa.Column("last_seq", sa.BigInteger, nullable=False),
+        sa.Column(
+            "handed_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+    )
+    return partitions, members, handovers
 
 
 #: ``spark_reports.batch_id`` of a batch job (a stream's micro-batches are 0, 1, ...).
