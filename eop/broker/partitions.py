@@ -17,8 +17,11 @@ function, set on streams eop creates), and each consumer filters its own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -29,6 +32,7 @@ from eop import errors
 from eop.broker import jetstream
 from eop.handler import HandlerSpec, parse_order_by
 from eop.settings import Settings
+from eop.types import Delivery, Metadata, Sequences
 
 #: The oldest nats-server that applies a stream's subject transform (older ones ignore
 #: it silently, and no message would reach a partition's consumer).
@@ -174,8 +178,8 @@ async def open_consumer(
     partition: int,
     epoch: int,
     previous: str | None,
-) -> tuple[str, int | None]:
-    """Create the consumer of ``partition``'s ownership ``epoch``; (name, start sequence).
+) -> Opened:
+    """Create the consumer of ``partition``'s ownership ``epoch``.
 
     It starts above the lowest ack floor of the partition's earlier consumers
     (``previous``, any other of its name left by an owner that died while
@@ -187,13 +191,14 @@ async def open_consumer(
         # Made already by this ownership (its fetches failed, or recording it did): its
         # own floor is where it is, and creating it again with another start would fail.
         await js.consumer_info(spec.stream, name)
-        return name, None
-    floors = [
-        floor
+        return Opened(name)
+    positions = [
+        position
         for old in await earlier_consumers(js, spec, partition, epoch, previous)
-        if (floor := await _ack_floor(js, spec.stream, old)) is not None
+        if (position := await _position(js, spec.stream, old)) is not None
     ]
-    start = min(floors) + 1 if floors else None
+    start = min(f for f, _ in positions) + 1 if positions else None
+    delivered = max((d for _, d in positions), default=0)
     config = api.ConsumerConfig(
         durable_name=name,
         ack_policy=api.AckPolicy.EXPLICIT,
@@ -214,7 +219,57 @@ async def open_consumer(
             f"cannot create consumer {name!r} on stream {spec.stream!r} for handler "
             f"{spec.name!r}: {exc.description or exc}"
         ) from exc
-    return name, start
+    return Opened(name, start, None if start is None else (start, delivered))
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """An ownership's consumer, as :func:`open_consumer` found or made it."""
+
+    name: str
+    start: int | None = None
+    """Where it starts (None: it existed already, or starts at the stream's start)."""
+    redelivers: tuple[int, int] | None = None
+    """The sequences it delivers again that earlier consumers delivered (first, last):
+    empty when first > last."""
+
+
+class Redelivery:
+    """A delivery of a message that earlier owners' consumers delivered too.
+
+    A new ownership's consumer counts deliveries from 1: this one adds the
+    earlier consumers' (one per handover whose range holds the message), so
+    that the handler's ``num_delivered`` and the crash-loop bound see them.
+    """
+
+    def __init__(self, delivery: Delivery, earlier: int) -> None:
+        self._delivery = delivery
+        self._earlier = earlier
+        self.subject = delivery.subject
+        self.data = delivery.data
+        self.headers = delivery.headers
+        self.reply = delivery.reply
+
+    @property
+    def metadata(self) -> Metadata:
+        """The delivery's metadata, its count including the earlier deliveries."""
+        return _Counted(self._delivery.metadata, self._earlier)
+
+    async def ack_sync(self, timeout: float = 1.0) -> Any:
+        """Ack and wait for the server's confirmation."""
+        return await self._delivery.ack_sync(timeout)
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Ask for a redelivery, after ``delay`` seconds."""
+        await self._delivery.nak(delay)
+
+    async def term(self) -> None:
+        """Tell the server never to redeliver."""
+        await self._delivery.term()
+
+    async def in_progress(self) -> None:
+        """Reset the delivery's AckWait timer."""
+        await self._delivery.in_progress()
 
 
 async def earlier_consumers(
@@ -240,12 +295,42 @@ async def retire(js: JetStreamContext, stream: str, names: list[str]) -> None:
             await js.delete_consumer(stream, name)
 
 
-async def _ack_floor(js: JetStreamContext, stream: str, name: str) -> int | None:
+class _Counted:
+    """Metadata whose delivery count adds ``earlier`` deliveries."""
+
+    def __init__(self, meta: Metadata, earlier: int) -> None:
+        self._meta = meta
+        self._earlier = earlier
+
+    @property
+    def stream(self) -> str:
+        """The stream that stores the message."""
+        return self._meta.stream
+
+    @property
+    def sequence(self) -> Sequences:
+        """Its sequences."""
+        return self._meta.sequence
+
+    @property
+    def num_delivered(self) -> int:
+        """Deliveries by this consumer and by the earlier owners' consumers."""
+        return self._meta.num_delivered + self._earlier
+
+    @property
+    def timestamp(self) -> datetime.datetime | None:
+        """When the stream stored it."""
+        return self._meta.timestamp
+
+
+async def _position(js: JetStreamContext, stream: str, name: str) -> tuple[int, int] | None:
+    """A consumer's ack floor and last delivered sequence; None when it is gone."""
     try:
         info = await js.consumer_info(stream, name)
     except nats.js.errors.NotFoundError:
         return None
-    return int(info.ack_floor.stream_seq if info.ack_floor else 0)
+    floor = int(info.ack_floor.stream_seq if info.ack_floor else 0)
+    return floor, int(info.delivered.stream_seq if info.delivered else 0)
 
 
 async def floor(js: JetStreamContext, stream: str, names: list[str]) -> int | None:

@@ -92,6 +92,10 @@ class Transaction(Protocol):
         now by a worker's retry loop) rather than by a nak'ed redelivery.
         """
 
+    async def count_run(self, message: Message) -> int:
+        """Count a run of a redelivered message, before its handler starts (the caller
+        commits it on its own); its runs without an outcome, 0 if it has its outcome."""
+
     async def forget_failures(self, message: Message) -> None:
         """Drop the message's failure count and parked copy (it has its outcome)."""
 

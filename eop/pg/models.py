@@ -71,6 +71,7 @@ class Tables:
     partitions: sa.Table
     members: sa.Table
     ack_floors: sa.Table
+    handovers: sa.Table
 
 
 @functools.cache
@@ -213,7 +214,7 @@ def tables(schema: str = "eop") -> Tables:
         ),
     )
     outbox, relay_leases = _outbox_tables(metadata)
-    partitions, members = _ownership_tables(metadata)
+    partitions, members, handovers = _ownership_tables(metadata)
     return Tables(
         schema=schema,
         metadata=metadata,
@@ -227,6 +228,7 @@ def tables(schema: str = "eop") -> Tables:
         partitions=partitions,
         members=members,
         ack_floors=_ack_floors(metadata),
+        handovers=handovers,
     )
 
 
@@ -282,7 +284,7 @@ def _outbox_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
     return outbox, relay_leases
 
 
-def _ownership_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
+def _ownership_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table, sa.Table]:
     """Who owns which partition of an ordered handler, and which processes run it
     (docs/ordering.md). Leases run on the database's clock."""
     partitions = sa.Table(
@@ -318,7 +320,25 @@ def _ownership_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
             server_default=sa.func.now(),
         ),
     )
-    return partitions, members
+    # A new owner's consumer delivers again what its predecessors' delivered without an
+    # ack (first_seq..last_seq): its delivery count starts at 1, so these ranges carry
+    # the earlier deliveries, which the crash-loop bound counts (docs/ordering.md).
+    handovers = sa.Table(
+        "handovers",
+        metadata,
+        sa.Column("subscription", sa.Text, primary_key=True),
+        sa.Column("partition", sa.Integer, primary_key=True),
+        sa.Column("epoch", sa.BigInteger, primary_key=True),
+        sa.Column("first_seq", sa.BigInteger, nullable=False),
+        sa.Column("last_seq", sa.BigInteger, nullable=False),
+        sa.Column(
+            "handed_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.now(),
+        ),
+    )
+    return partitions, members, handovers
 
 
 def _ack_floors(metadata: sa.MetaData) -> sa.Table:

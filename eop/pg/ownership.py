@@ -47,6 +47,18 @@ class Tick:
     acquired: tuple[Acquired, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Handovers:
+    """The ranges of a partition that earlier owners' consumers delivered and a later
+    one delivered again: each counts one earlier delivery of the messages in it."""
+
+    ranges: tuple[tuple[int, int], ...] = ()
+
+    def earlier(self, seq: int) -> int:
+        """Deliveries of message ``seq`` by consumers of earlier owners."""
+        return sum(1 for first, last in self.ranges if first <= seq <= last)
+
+
 class Ownership:
     """The statements of one ordered handler's ownership, on ``engine``."""
 
@@ -111,13 +123,28 @@ class Ownership:
                     owned[int(row[0])] = int(row[1])
         return Tick(members=members, owned=owned, acquired=tuple(acquired))
 
-    async def record_consumer(self, partition: int, epoch: int, consumer: str) -> bool:
-        """Name the consumer of this ownership; False if the partition moved on meanwhile."""
+    async def record_consumer(
+        self,
+        partition: int,
+        epoch: int,
+        consumer: str,
+        redelivers: tuple[int, int] | None = None,
+    ) -> Handovers | None:
+        """Name the consumer of this ownership, which ``redelivers`` a range its
+        predecessors delivered without an ack; the partition's ranges so redelivered
+        (None if the partition moved on meanwhile)."""
+        t, s = self.tables, self.subscription
         async with self.engine.begin() as conn:
-            result: Any = await conn.execute(
-                sql.record_consumer(self.tables, self.subscription, partition, epoch, consumer)
-            )
-        return bool(result.rowcount)
+            result: Any = await conn.execute(sql.record_consumer(t, s, partition, epoch, consumer))
+            if not result.rowcount:
+                return None
+            if redelivers is not None:
+                first, last = redelivers
+                await conn.execute(sql.forget_handovers(t, s, partition, first))
+                if first <= last:
+                    await conn.execute(sql.record_handover(t, s, partition, epoch, first, last))
+            rows = (await conn.execute(sql.handovers(t, s, partition))).all()
+        return Handovers(tuple((int(r[0]), int(r[1])) for r in rows))
 
     async def leave(self, partitions: list[int]) -> None:
         """Give every partition up and leave (a stopping process)."""

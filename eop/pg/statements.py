@@ -190,6 +190,22 @@ class Statements(abc.ABC):
         rows = await self._rows(*sql.count_failure(self.tables, row))
         return int(rows[0][0])
 
+    async def count_run(self, message: Message) -> int:
+        """Count a run of the redelivered ``message``; its runs without an outcome (0 when
+        it has its outcome already)."""
+        row = {
+            "subscription": message.subscription,
+            "stream": message.stream,
+            "stream_epoch": message.stream_epoch,
+            "stream_seq": message.seq,
+            "subject": message.subject,
+            "headers": json.dumps(dict(message.headers)).encode(),
+            "payload": message.data,
+            "stored_at": message.timestamp,
+        }
+        rows = await self._rows(*sql.count_run(self.tables, row))
+        return int(rows[0][0]) if rows else 0
+
     async def forget_failures(self, message: Message) -> None:
         """Drop the message's failure count and parked copy (it has its outcome)."""
         await self._execute(*sql.forget_failures(self.tables, *_key(message)))

@@ -158,7 +158,8 @@ class BatchProcessor:
             usual = (
                 epoch is not None
                 and lease_left >= self.settings.lease_margin_s
-                and meta.num_delivered <= self.settings.max_deliveries
+                # A redelivery runs alone, its run counted first (Processor._suspect).
+                and meta.num_delivered == 1
                 and message.undecodable(delivery) is None
             )
             if not usual or epoch is None:

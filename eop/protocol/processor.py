@@ -123,6 +123,10 @@ class Processor:
     leases: leases.Leases = dataclasses.field(default_factory=leases.Leases)
     """Where the leases of the deliveries it holds are renewed: the worker's, which holds
     them from their fetch (a processor of its own otherwise, on the default :attr:`clock`)."""
+    suspects: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    """Held by a redelivered message while it runs: one at a time in the process (the
+    worker shares one among its handlers), so a message that kills the process is the
+    only one whose run that death counts."""
     stopping: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     """Set when the worker stops: a message waiting to retry is handed back at once."""
     misconfigured: misconfiguration.Watch = dataclasses.field(
@@ -195,11 +199,19 @@ class Processor:
             return await self._retrying(
                 delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
             )
-        if msg.num_delivered > self.settings.max_deliveries:
-            dead = crash_loop(msg.num_delivered, self.settings.max_deliveries)
-            return await self._claiming(
-                delivery, lambda m: self._dead_letter(delivery, m, dead, logger), msg, logger
-            )
+        if msg.num_delivered > 1:
+            # Maybe a crash loop: its run is counted before it starts, and it runs
+            # alone, so that a message killing its process does not take the runs
+            # of others with it (docs/design.md, 'Crash loops').
+            counted: list[int] = []
+            async with self.suspects:
+                return await self._claiming(
+                    delivery,
+                    lambda m: self._suspect(delivery, m, logger, counted),
+                    msg,
+                    logger,
+                    contended=self.in_contention,
+                )
         return await self._claiming(
             delivery,
             lambda m: self._attempt(delivery, m, logger),
@@ -306,6 +318,22 @@ class Processor:
             return False
         return True
 
+    async def _suspect(
+        self, delivery: Delivery, msg: message.Message, logger: log.Logger, counted: list[int]
+    ) -> Outcome:
+        """A redelivered message: count its run (once, however often the step is retried
+        for the database), committed before the handler starts; dead-letter it as a crash
+        loop past ``max_deliveries`` runs without an outcome, else attempt it."""
+        if not counted:
+            async with self.store.transaction(self.spec) as tx:
+                runs = await tx.count_run(msg)
+                await tx.commit()
+            counted.append(runs)
+        if counted[0] > self.settings.max_deliveries:
+            dead = crash_loop(counted[0], self.settings.max_deliveries)
+            return await self._dead_letter(delivery, msg, dead, logger)
+        return await self._attempt(delivery, msg, logger)
+
     async def _attempt(
         self, delivery: Delivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
@@ -320,8 +348,9 @@ class Processor:
                 async with self.leases.keep([delivery], self.ack_wait_s):
                     await tx.run(msg)
                     await faults.point("mid_handler")
-                if msg.num_delivered > 1 and not self.parks:
-                    # An ordered handler's failures were counted for its nak'ed retries.
+                if msg.num_delivered > 1:
+                    # Its runs were counted (and an ordered handler's failures, for its
+                    # nak'ed retries).
                     await tx.forget_failures(msg)
 
             result = await self._run_and_commit(tx, delivery, msg, run, logger)

@@ -37,6 +37,7 @@ from eop.observe import observer as observe
 from eop.pg import failures, ownership
 from eop.protocol import ordering
 from eop.settings import Settings
+from eop.types import Delivery
 
 #: JetStream's error code for a sequence the stream does not hold (deleted, or below its
 #: first sequence); "stream not found" is another 404.
@@ -67,9 +68,11 @@ class Partition:
     sub: fetcher.Fetcher | None = None
     task: asyncio.Task[None] | None = None
     release_by: float = 0.0
+    handovers: ownership.Handovers = dataclasses.field(default_factory=ownership.Handovers)
+    """What earlier owners' consumers delivered that its consumer delivers again."""
 
 
-Dispatch = Callable[[Sequence[Msg], float, Partition], None]
+Dispatch = Callable[[Sequence[Delivery], float, Partition], None]
 
 
 def member() -> ownership.Member:
@@ -237,13 +240,18 @@ class OrderedRunner:
     async def _open(self, part: Partition) -> None:
         """Create the ownership's consumer at the earlier ones' floor, name it, retire them."""
         await self._stop_fetching(part)
-        name, start = await partitions.open_consumer(
+        opened = await partitions.open_consumer(
             self.js, self.spec, self.settings, part.number, part.epoch, part.previous
         )
-        if not await self.owners.record_consumer(part.number, part.epoch, name):
+        name, start = opened.name, opened.start
+        recorded = await self.owners.record_consumer(
+            part.number, part.epoch, name, opened.redelivers
+        )
+        if recorded is None:
             await partitions.retire(self.js, self.spec.stream, [name])
             await self._lose(part)
             return
+        part.handovers = recorded
         earlier = await partitions.earlier_consumers(
             self.js, self.spec, part.number, part.epoch, part.previous
         )
@@ -316,7 +324,15 @@ class OrderedRunner:
                 for msg in msgs:
                     msg.subject = msg.subject.partition(".")[2]
             part.inflight += len(msgs)
-            self._dispatch(msgs, received_at, part)
+            self._dispatch([self._counted(part, m) for m in msgs], received_at, part)
+
+    @staticmethod
+    def _counted(part: Partition, msg: Msg) -> Delivery:
+        """``msg``, its delivery count including earlier owners' deliveries of it: a
+        message that kills every process it runs in is dead-lettered as a crash loop
+        after ``max_deliveries`` of them, though each new owner's consumer counts from 1."""
+        earlier = part.handovers.earlier(int(msg.metadata.sequence.stream))
+        return partitions.Redelivery(msg, earlier) if earlier else msg
 
     async def floor(self) -> int | None:
         """The lowest sequence below which every partition's messages have their outcome

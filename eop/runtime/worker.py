@@ -99,6 +99,7 @@ class Worker(hosting.Hosted):
         self._slots = slots.Slots(self.settings.concurrency)
         self._inflight: set[asyncio.Task[Any]] = set()
         self._critical = processor.Critical()
+        self._suspects = asyncio.Lock()
         # Every delivery from its fetch to its settlement: the one place leases are kept.
         self._leases = leases.Leases()
         self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
@@ -236,6 +237,7 @@ class Worker(hosting.Hosted):
                     observer=self._observer,
                     acker=acker,
                     leases=self._leases,
+                    suspects=self._suspects,
                     stopping=self._stopping,
                     misconfigured=self._watch,
                 )

@@ -62,6 +62,8 @@ class MemoryStore:
         self.attempts: dict[InboxKey, int] = {}
         """Committed handler failures per message key (dropped once it has its outcome)."""
         self.parked: set[InboxKey] = set()
+        self.runs: dict[InboxKey, int] = {}
+        """Committed runs of redelivered messages per key (dropped with its failures)."""
         """Keys of messages whose retry is held in the store (acked, inbox row ``retrying``)."""
         self.misuse: list[str] = []
         """Misuses a real database session would reject (e.g. closing it mid-COMMIT)."""
@@ -233,6 +235,7 @@ class MemoryTransaction:
         self._ended = asyncio.Event()
         self._committing = False
         self._counts: dict[InboxKey, tuple[int, bool]] = {}
+        self._runs: dict[InboxKey, int] = {}
         self._forgotten: set[InboxKey] = set()
         self._settled: dict[InboxKey, str] = {}
 
@@ -339,6 +342,17 @@ class MemoryTransaction:
         self._counts[key] = (before + 1, parked)
         self._forgotten.discard(key)
         return before + 1
+
+    async def count_run(self, message: Message) -> int:
+        """Count a run of the redelivered ``message`` (at COMMIT); its runs less failures,
+        0 when its inbox row is committed."""
+        self._check_open()
+        key = inbox_key(message)
+        if key in self.store.inbox:
+            return 0
+        runs = self._runs.get(key, self.store.runs.get(key, 0)) + 1
+        self._runs[key] = runs
+        return runs - self.store.attempts.get(key, 0)
 
     async def forget_failures(self, message: Message) -> None:
         """Drop the failure count of ``message`` at COMMIT."""
@@ -492,8 +506,10 @@ class MemoryTransaction:
                 store.dead_letters.append(dead)
         for key, outcome in self._settled.items():
             store.inbox[key] = dataclasses.replace(store.inbox[key], outcome=outcome)
+        store.runs.update(self._runs)
         for key in self._forgotten:
             store.attempts.pop(key, None)
+            store.runs.pop(key, None)
             store.parked.discard(key)
         for key, (count, parked) in self._counts.items():
             store.attempts[key] = count
@@ -517,6 +533,7 @@ class MemoryTransaction:
         self._dead_letters.clear()
         if not self.committed:
             self._counts.clear()
+            self._runs.clear()
             self._forgotten.clear()
             self._settled.clear()
         self.store._release(self)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -26,6 +27,9 @@ app.stream(STREAM, subjects=["ledger.>"])
     partitions=int(os.environ.get("LEDGER_PARTITIONS", "4")),
 )
 async def ledger(msg: eop.Message, session: AsyncSession) -> None:
-    """Apply the step to its account, slowly enough that a SIGKILL lands mid-work."""
+    """Apply the step to its account, slowly enough that a SIGKILL lands mid-work; a
+    ``kill`` message kills the process that runs it (a segfault, an OOM kill)."""
+    if msg.data == b"kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     await asyncio.sleep(0.003)
     await apply_step(session, msg.subject.split(".")[1], int(msg.data))

@@ -60,6 +60,7 @@ def test_fresh_upgrade_matches_the_models(empty_database_url: str) -> None:
         "partitions",
         "members",
         "ack_floors",
+        "handovers",
         "eop_alembic_version",
     }
 
@@ -195,7 +196,7 @@ def test_a_non_default_schema_holds_everything(empty_database_url: str) -> None:
     migrate.upgrade(empty_database_url, schema="billing_eop")
     assert tables_in(empty_database_url, "billing_eop") == {
         "inbox", "dead_letters", "watermarks", "retries", "outbox", "relay_leases",
-        "spark_reports", "partitions", "members", "ack_floors", models.VERSION_TABLE,
+        "spark_reports", "partitions", "members", "ack_floors", "handovers", models.VERSION_TABLE,
     }  # fmt: skip
     migrate.check(empty_database_url, schema="billing_eop")
     assert migrate.current(empty_database_url, schema="eop") is None
@@ -377,6 +378,6 @@ def test_host_environment_can_run_eop_revisions_as_a_branch(
     assert sorted(versions) == [(migrate.head(),), ("host_0001",)]
     assert tables_in(empty_database_url, "host_eop") == {
         "inbox", "dead_letters", "watermarks", "retries", "outbox", "relay_leases",
-        "spark_reports", "partitions", "members", "ack_floors",
+        "spark_reports", "partitions", "members", "ack_floors", "handovers",
     }  # fmt: skip
     assert tables_in(empty_database_url, "public") == {"alembic_version", "accounts"}

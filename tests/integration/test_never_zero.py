@@ -282,3 +282,45 @@ async def test_poison_flood_does_not_starve_good_messages(
     # savepoint-less pass, then its own savepoint), and both count as one failure.
     assert set(runs.values()) <= {3, 4}
     assert await effects_by_body(engine) == {f"good-{i}": 1 for i in range(100)}
+
+
+async def test_a_message_that_kills_its_worker_dead_letters_nothing_but_itself(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, tmp_path: Any
+) -> None:
+    """A message that kills every process it runs in, fetched in one batch with good
+    ones: each death sends the whole batch back. Its neighbours never started, so no run
+    of theirs is counted: only the killer is dead-lettered as a crash loop (they were
+    before: 23 of 29 good messages at max_deliveries=3), the others take effect once."""
+    from .test_cli import Workers, eop_env
+
+    async with engine.begin() as conn:
+        await conn.execute(sa.text("CREATE TABLE done (b text PRIMARY KEY)"))
+    env = eop_env(database_url, nats_url, EOP_MAX_DELIVERIES="3")
+    pool = Workers(env, tmp_path, app="tests.integration.killerapp:app")
+    live = [pool.start(), pool.start()]
+
+    async def bound() -> bool:
+        try:
+            await js.consumer_info("KILL", "eop-killer")
+        except Exception:
+            return False
+        return True
+
+    async def settled() -> bool:
+        # A killed worker is started again, as Kubernetes would.
+        for index, proc in enumerate(live):
+            if proc.poll() is not None:
+                live[index] = pool.start()
+        done = await scalar(engine, "SELECT count(*) FROM done")
+        return int(done) + await dead_letters(engine) >= 30
+
+    try:
+        await wait_for(bound, timeout_s=60, what="the workers bound")
+        for i in range(30):
+            await js.publish("kill.x", b"kill" if i == 10 else f"m{i}".encode())
+        await wait_for(settled, timeout_s=180, what="every message settled")
+    finally:
+        pool.stop_all()
+    assert await scalar(engine, "SELECT count(*) FROM done") == 29
+    reasons = await scalar(engine, "SELECT string_agg(reason, ',') FROM eop.dead_letters")
+    assert reasons == "crash_loop"

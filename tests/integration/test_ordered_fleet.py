@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+import nats
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -277,3 +278,51 @@ async def test_a_process_frozen_in_the_middle_of_its_tick_does_not_keep_its_part
         with contextlib.suppress(Exception):
             await frozen.close()
     assert set(tick.owned) == {0, 1}
+
+
+async def test_a_message_that_kills_every_owner_is_dead_lettered_as_a_crash_loop(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, tmp_path: Any
+) -> None:
+    """A message that kills every process it runs in hands its partition over each time,
+    and each new owner's consumer counts its deliveries from 1 again. The earlier owners'
+    deliveries are counted all the same: after ``max_deliveries`` it is dead-lettered as a
+    crash loop, and its key's later steps and the other keys go on, in order."""
+    from .test_cli import Workers, eop_env
+
+    await create_ledger(engine, 2)
+    env = eop_env(
+        database_url,
+        nats_url,
+        EOP_PARTITION_LEASE_S="2",
+        EOP_MAX_DELIVERIES="3",
+        LEDGER_PARTITIONS="1",
+    )
+    pool = Workers(env, tmp_path, app=LEDGER_APP)
+    live = [pool.start(), pool.start()]
+    nc = await nats.connect(nats_url)
+    try:
+        await wait_for(lambda: _owned_all(engine, 1), what="the partition owned")
+        pub = nc.jetstream()
+        for step in range(1, 6):
+            await pub.publish("ledger.acc0.step", str(step).encode())
+        await pub.publish("ledger.acc0.step", b"kill")
+        for step in range(6, 11):
+            await pub.publish("ledger.acc0.step", str(step).encode())
+        for step in range(1, 11):
+            await pub.publish("ledger.acc1.step", str(step).encode())
+
+        async def settled() -> bool:
+            # A killed worker is started again, as Kubernetes would.
+            for index, proc in enumerate(live):
+                if proc.poll() is not None:
+                    live[index] = pool.start()
+            return await _applied(engine, 20)
+
+        await wait_for(settled, timeout_s=180, what="every step, past the killing message")
+    finally:
+        await nc.close()
+        pool.stop_all()
+    assert await ledger_counts(engine) == (20, 0, 0)
+    async with engine.connect() as conn:
+        reasons = (await conn.execute(sa.text("SELECT reason FROM eop.dead_letters"))).all()
+    assert [r[0] for r in reasons] == ["crash_loop"]

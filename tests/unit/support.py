@@ -58,6 +58,11 @@ class Harness:
         key = (self.spec.name, STREAM, "e1", delivery.metadata.sequence.stream)
         self.store.attempts[key] = failures
 
+    def ran_before(self, delivery: testing.FakeDelivery, runs: int) -> None:
+        """Record ``runs`` earlier runs of ``delivery``'s message that had no outcome."""
+        key = (self.spec.name, STREAM, "e1", delivery.metadata.sequence.stream)
+        self.store.runs[key] = runs
+
     def then(self, *steps: Step) -> Harness:
         """Script the next handler calls."""
         self.script.extend(steps)

@@ -270,14 +270,42 @@ async def test_handler_max_attempts_overrides_settings(make_harness: MakeHarness
 async def test_crash_looping_message_is_dead_lettered_without_running_handler(
     harness: Harness,
 ) -> None:
-    """Delivered more than max_deliveries times: its worker died in every attempt."""
+    """Run max_deliveries times without an outcome (its worker died in each), each run
+    counted before it started: the next delivery is dead-lettered without running."""
     d = delivery(num_delivered=FAST.max_deliveries + 1)
+    harness.ran_before(d, FAST.max_deliveries)
     assert await harness.handle(d) is Outcome.DEAD_LETTERED
     assert harness.calls == []
     [dead] = harness.store.dead_letters
     assert dead.reason == models.REASON_CRASH_LOOP
     assert dead.traceback is None
     assert d.termed
+
+
+async def test_a_redelivery_is_counted_before_it_runs_and_not_when_it_has_its_outcome(
+    harness: Harness,
+) -> None:
+    """A redelivered message's run is committed before its handler starts (a run that
+    kills its process still counts) and forgotten with its outcome; a redelivery of a
+    message that has its outcome counts no run."""
+    d = delivery(num_delivered=2)
+    harness.ran_before(d, 1)
+    key = ("orders", STREAM, "e1", 1)
+    assert await harness.handle(d) is Outcome.PROCESSED
+    assert key not in harness.store.runs
+    again = delivery(num_delivered=3)
+    assert await harness.handle(again) is Outcome.DUPLICATE
+    assert key not in harness.store.runs
+
+
+async def test_neighbours_of_a_killing_message_are_not_counted_runs_they_never_had(
+    harness: Harness,
+) -> None:
+    """Redelivered many times because a neighbour killed their worker before they started,
+    messages with no counted run are attempted, not dead-lettered as a crash loop."""
+    d = delivery(num_delivered=FAST.max_deliveries + 5)
+    assert await harness.handle(d) is Outcome.PROCESSED
+    assert harness.store.dead_letters == []
 
 
 async def test_dead_letter_claim_finding_an_outcome_acks_as_duplicate(harness: Harness) -> None:
@@ -861,7 +889,8 @@ async def test_permanent_error_at_commit_on_last_attempt_is_dead_lettered(
     harness: Harness,
 ) -> None:
     harness.store.fail_commits(1, UniqueViolation("duplicate key value violates orders_pkey"))
-    d = delivery(num_delivered=FAST.max_attempts)
+    # A first delivery (a redelivery's run is counted in a COMMIT of its own first).
+    d = delivery(num_delivered=1)
     harness.failed_before(d, FAST.max_attempts - 1)
     assert await harness.handle(d) is Outcome.DEAD_LETTERED
     assert "orders_pkey" in harness.store.dead_letters[0].error

@@ -831,6 +831,50 @@ _FAILURE_COLUMNS = (
 )
 
 
+_RUN_COLUMNS = tuple(c for c in _FAILURE_COLUMNS if c not in ("last_error", "parked"))
+
+
+def count_run(t: models.Tables, row: dict[str, Any]) -> Bound:
+    """Count one run of a redelivered message before its handler starts; RETURNING its
+    runs without an outcome (runs less failures), or no row when it has its outcome.
+
+    Committed on its own, before the handler's transaction: a run that kills its
+    process still counts (docs/design.md, 'Crash loops'). ``row`` carries the key
+    and the message (subject, headers, payload, stored_at), kept in the row as a
+    failure's are.
+    """
+    if row.keys() != set(_RUN_COLUMNS):
+        raise ValueError(f"a run row has exactly the columns {_RUN_COLUMNS}")
+    return _count_run(t), {f"p_{name}": value for name, value in row.items()}
+
+
+@functools.cache
+def _count_run(t: models.Tables) -> sa.Executable:
+    c, i = t.retries.c, t.inbox.c
+    values = {name: sa.bindparam(f"p_{name}", type_=c[name].type) for name in _RUN_COLUMNS}
+    settled = sa.exists().where(
+        i.subscription == values["subscription"],
+        i.stream == values["stream"],
+        i.stream_epoch == values["stream_epoch"],
+        i.stream_seq == values["stream_seq"],
+    )
+    fresh = {
+        **values,
+        "failures": sa.literal(0),
+        "runs": sa.literal(1),
+        "parked": sa.false(),
+        "due_at": sa.func.now(),
+        "last_error": sa.literal(""),
+    }
+    insert = postgresql.insert(t.retries).from_select(
+        list(fresh), sa.select(*fresh.values()).where(~settled)
+    )
+    return insert.on_conflict_do_update(
+        index_elements=["subscription", "stream", "stream_epoch", "stream_seq"],
+        set_={"runs": c.runs + 1, "updated_at": sa.func.now()},
+    ).returning(c.runs - c.failures)
+
+
 def count_failure(t: models.Tables, row: dict[str, Any]) -> Bound:
     """Add one handler failure to a message's count (the row holds the message); RETURNING it.
 

@@ -147,6 +147,41 @@ def record_consumer(
     )
 
 
+def record_handover(
+    t: models.Tables, subscription: str, partition: int, epoch: int, first: int, last: int
+) -> Any:
+    """Note that ownership ``epoch``'s consumer delivers ``first``..``last`` again."""
+    return (
+        postgresql.insert(t.handovers)
+        .values(
+            subscription=subscription,
+            partition=partition,
+            epoch=epoch,
+            first_seq=first,
+            last_seq=last,
+        )
+        .on_conflict_do_nothing()
+    )
+
+
+def forget_handovers(t: models.Tables, subscription: str, partition: int, below: int) -> sa.Delete:
+    """Drop the ranges wholly below ``below``: every message there has its outcome."""
+    c = t.handovers.c
+    return sa.delete(t.handovers).where(
+        c.subscription == subscription, c.partition == partition, c.last_seq < below
+    )
+
+
+def handovers(t: models.Tables, subscription: str, partition: int) -> sa.Select[Any]:
+    """The partition's redelivered ranges (first_seq, last_seq)."""
+    c = t.handovers.c
+    return (
+        sa.select(c.first_seq, c.last_seq)
+        .where(c.subscription == subscription, c.partition == partition)
+        .order_by(c.epoch)
+    )
+
+
 def release(t: models.Tables, subscription: str, member: str, partitions: list[int]) -> sa.Update:
     """Give ``partitions`` up, so that another member takes them at once."""
     c = t.partitions.c
