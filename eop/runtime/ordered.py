@@ -22,7 +22,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import nats.errors
 import nats.js.errors
@@ -36,6 +36,7 @@ from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import ownership
 from eop.protocol import ordering
+from eop.runtime.slots import Slots
 from eop.settings import Settings
 from eop.types import Delivery
 
@@ -68,6 +69,20 @@ class Partition:
     sub: fetcher.Fetcher | None = None
     task: asyncio.Task[None] | None = None
     release_by: float = 0.0
+
+    @contextlib.asynccontextmanager
+    async def held(self, slots: Slots, count: int) -> AsyncIterator[None]:
+        """While ``count`` of its messages wait behind a retried message of their key,
+        their slots (and this partition's room) are free: the fetch loop must still be
+        able to fetch that message's redelivery, and other keys' messages."""
+        slots.give(count)
+        self.inflight -= count
+        self.room.set()
+        try:
+            yield
+        finally:
+            slots.borrow(count)
+            self.inflight += count
 
 
 Dispatch = Callable[[Sequence[Msg], float, Partition], None]
@@ -382,7 +397,12 @@ class OrderedRunner:
         return max(1, self.settings.concurrency // max(1, len(self.owned)))
 
     async def _wait_for_room(self, part: Partition) -> None:
-        while part.inflight >= self._fair_share() and not part.lost.is_set():
+        # Once full, until half of it is free: its lanes have their keys' next messages
+        # queued meanwhile, and a pull request per finished message costs more (in this
+        # process and in the server) than the message's own ack.
+        if part.inflight < self._fair_share():
+            return
+        while part.inflight > self._fair_share() // 2 and not part.lost.is_set():
             part.room.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(part.room.wait(), 1.0)
