@@ -64,6 +64,8 @@ class Partition:
     """Messages fetched from it whose lane has not finished."""
     room: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     """Set when a lane of it finishes (its fetch loop may have been waiting for room)."""
+    queued: int = 0
+    """Messages held behind a running lane of their key (see :meth:`held`)."""
     keys: set[str] = dataclasses.field(default_factory=set)
     """Its keys that were blocked behind a retried message (forgotten when it goes)."""
     sub: fetcher.Fetcher | None = None
@@ -71,18 +73,22 @@ class Partition:
     release_by: float = 0.0
 
     @contextlib.asynccontextmanager
-    async def held(self, slots: Slots, count: int) -> AsyncIterator[None]:
-        """While ``count`` of its messages wait behind a retried message of their key,
+    async def held(self, slots: Slots, count: int, *, queued: bool = False) -> AsyncIterator[None]:
+        """While ``count`` of its messages wait behind an earlier message of their key,
         their slots (and this partition's room) are free: the fetch loop must still be
-        able to fetch that message's redelivery, and other keys' messages."""
+        able to fetch that message's redelivery (when it is retried), and other keys'
+        messages. ``queued``: they wait behind a running lane, counted against
+        :attr:`OrderedRunner.lookahead`."""
         slots.give(count)
         self.inflight -= count
+        self.queued += count if queued else 0
         self.room.set()
         try:
             yield
         finally:
             slots.borrow(count)
             self.inflight += count
+            self.queued -= count if queued else 0
 
 
 Dispatch = Callable[[Sequence[Msg], float, Partition], None]
@@ -392,17 +398,20 @@ class OrderedRunner:
             return None
         return await partitions.floor(self.js, self.spec.stream, [n for n in names.values() if n])
 
+    @property
+    def lookahead(self) -> int:
+        """How many messages of a partition may wait behind their keys' running lanes with
+        their slots given back (so that its other keys' messages are fetched meanwhile).
+        Beyond it they keep their slots: the fetch loop would otherwise take the whole
+        backlog in, every waiting message's lease renewed every ``ack_wait_s / 3``."""
+        return 4 * self._fair_share()
+
     def _fair_share(self) -> int:
         """The slots one owned partition may hold: the concurrency shared out."""
         return max(1, self.settings.concurrency // max(1, len(self.owned)))
 
     async def _wait_for_room(self, part: Partition) -> None:
-        # Once full, until half of it is free: its lanes have their keys' next messages
-        # queued meanwhile, and a pull request per finished message costs more (in this
-        # process and in the server) than the message's own ack.
-        if part.inflight < self._fair_share():
-            return
-        while part.inflight > self._fair_share() // 2 and not part.lost.is_set():
+        while part.inflight >= self._fair_share() and not part.lost.is_set():
             part.room.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(part.room.wait(), 1.0)

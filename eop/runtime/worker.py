@@ -487,12 +487,12 @@ class Worker(hosting.Hosted):
                 rest = [m for m in msgs if m not in first]
                 if await self._run_lane(proc, key, first, beat, part):
                     while previous is not None and not previous.done():
-                        # Behind a running lane they keep their slots (or the fetch loop takes
-                        # the backlog in); behind a blocked key not: ordered.Partition.held.
-                        if self._blocked.blocked_seq(name, key) is None:
+                        # Past the lookahead they keep their slots, unless the key is blocked.
+                        over = part.queued + len(rest) > self._runners[name].lookahead
+                        if over and self._blocked.blocked_seq(name, key) is None:
                             await asyncio.wait({previous}, timeout=1.0)
                             continue
-                        async with part.held(self._slots, len(rest)):
+                        async with part.held(self._slots, len(rest), queued=True):
                             await asyncio.wait({previous})
                     await self._run_lane(proc, key, rest, beat, part)
         finally:
