@@ -71,6 +71,14 @@ class Heads:
             # A redelivery forgets the failures counted for it (the per-message protocol
             # does that); they are rare.
             return await self._proc.handle(delivery, received_at)
+        if not self._waiting and self._running < self._transactions:
+            # A connection is free and nobody waits: alone, in the lane's own task.
+            self._running += 1
+            try:
+                return await self._proc.handle(delivery, received_at)
+            finally:
+                self._running -= 1
+                self._start()
         waiting = _Waiting(delivery, received_at, asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         self._start()
@@ -91,13 +99,10 @@ class Heads:
 
     async def _run(self, taken: Sequence[_Waiting]) -> None:
         try:
-            if len(taken) == 1:
-                results = [await batch.caught(self._proc.handle(*_args(taken[0])))]
-            else:
-                received_at = min(w.received_at for w in taken)
-                results = await batch.BatchProcessor(self._proc).settle_each(
-                    [w.delivery for w in taken], received_at
-                )
+            received_at = min(w.received_at for w in taken)
+            results = await batch.BatchProcessor(self._proc).settle_each(
+                [w.delivery for w in taken], received_at
+            )
         except BaseException:
             # Cancelled at a stop: the lanes waiting for it end too.
             for waiting in taken:
@@ -113,7 +118,3 @@ class Heads:
                 waiting.outcome.set_result(result)
             else:
                 waiting.outcome.set_exception(result)
-
-
-def _args(waiting: _Waiting) -> tuple[Delivery, float]:
-    return waiting.delivery, waiting.received_at
