@@ -16,6 +16,7 @@ worker, which naks it alone (:class:`Unsettled`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,6 +46,18 @@ class BatchProcessor:
         self.settings = single.settings
         self._unsettled: list[tuple[Delivery, Exception]] = []
         """The messages of the current batch the per-message protocol could not settle."""
+        self._settled: dict[int, Outcome] = {}
+        """The outcome of each message of the current batch settled so far, by its id."""
+
+    async def settle_each(
+        self, deliveries: Sequence[Delivery], received_at: float
+    ) -> list[Outcome | Exception]:
+        """:meth:`handle_batch`, with each message's own result, in the order of
+        ``deliveries``: its outcome, or the error of eop's own that left it unsettled."""
+        with contextlib.suppress(Unsettled):
+            await self.handle_batch(deliveries, received_at)
+        failed = {id(d): exc for d, exc in self._unsettled}
+        return [failed[id(d)] if id(d) in failed else self._settled[id(d)] for d in deliveries]
 
     async def handle_batch(
         self, deliveries: Sequence[Delivery], received_at: float
@@ -55,7 +68,7 @@ class BatchProcessor:
         messages too (eop's own failure beyond its retries): it carries them, for
         the worker to nak each alone, and the outcomes of the others.
         """
-        self._unsettled = []
+        self._unsettled, self._settled = [], {}
         await faults.point("after_fetch")
         items, others = await self._prepare(deliveries, received_at)
         outcomes: list[Outcome] = []
@@ -135,6 +148,7 @@ class BatchProcessor:
         for (delivery, _), result in zip(work, results, strict=True):
             if isinstance(result, Outcome):
                 outcomes.append(result)
+                self._settled[id(delivery)] = result
             else:
                 self._unsettled.append((delivery, result))
         return outcomes
@@ -290,6 +304,7 @@ class BatchProcessor:
             raise _BatchRejected() from exc
         await faults.point("after_commit")
         await self.single.ack_processed([i.delivery for i in done], [i.logger for i in done])
+        self._settled.update((id(i.delivery), Outcome.PROCESSED) for i in done)
         return [Outcome.PROCESSED] * len(done)
 
 

@@ -22,7 +22,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import nats.errors
 import nats.js.errors
@@ -36,6 +36,7 @@ from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import failures, ownership
 from eop.protocol import ordering
+from eop.runtime.slots import Slots
 from eop.settings import Settings
 from eop.types import Delivery
 
@@ -63,6 +64,8 @@ class Partition:
     """Messages fetched from it whose lane has not finished."""
     room: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     """Set when a lane of it finishes (its fetch loop may have been waiting for room)."""
+    queued: int = 0
+    """Messages held behind a running lane of their key (see :meth:`held`)."""
     keys: set[str] = dataclasses.field(default_factory=set)
     """Its keys that were blocked behind a retried message (forgotten when it goes)."""
     sub: fetcher.Fetcher | None = None
@@ -70,6 +73,24 @@ class Partition:
     release_by: float = 0.0
     handovers: ownership.Handovers = dataclasses.field(default_factory=ownership.Handovers)
     """What earlier owners' consumers delivered that its consumer delivers again."""
+
+    @contextlib.asynccontextmanager
+    async def held(self, slots: Slots, count: int, *, queued: bool = False) -> AsyncIterator[None]:
+        """While ``count`` of its messages wait behind an earlier message of their key,
+        their slots (and this partition's room) are free: the fetch loop must still be
+        able to fetch that message's redelivery (when it is retried), and other keys'
+        messages. ``queued``: they wait behind a running lane, counted against
+        :attr:`OrderedRunner.lookahead`."""
+        slots.give(count)
+        self.inflight -= count
+        self.queued += count if queued else 0
+        self.room.set()
+        try:
+            yield
+        finally:
+            slots.borrow(count)
+            self.inflight += count
+            self.queued -= count if queued else 0
 
 
 Dispatch = Callable[[Sequence[Delivery], float, Partition], None]
@@ -342,6 +363,14 @@ class OrderedRunner:
         if not names or any(name is None for name in names.values()):
             return None
         return await partitions.floor(self.js, self.spec.stream, [n for n in names.values() if n])
+
+    @property
+    def lookahead(self) -> int:
+        """How many messages of a partition may wait behind their keys' running lanes with
+        their slots given back (so that its other keys' messages are fetched meanwhile).
+        Beyond it they keep their slots: the fetch loop would otherwise take the whole
+        backlog in, every waiting message's lease renewed every ``ack_wait_s / 3``."""
+        return 4 * self._fair_share()
 
     def _fair_share(self) -> int:
         """The slots one owned partition may hold: the concurrency shared out."""

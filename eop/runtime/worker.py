@@ -36,6 +36,7 @@ from eop.pg.store import PostgresStore
 from eop.protocol import (
     batch,
     compaction,
+    heads,
     misconfiguration,
     ordering,
     processor,
@@ -105,6 +106,7 @@ class Worker(hosting.Hosted):
         self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
         self._blocked = ordering.BlockedKeys()
         self._runners: dict[str, ordered.OrderedRunner] = {}
+        self._heads: dict[str, heads.Heads] = {}
         self._transforms: dict[str, tuple[str, str]] = {}
         self._compactors: dict[str, compaction.Compactor] = {}
         self._logger = log.get_logger()
@@ -364,6 +366,13 @@ class Worker(hosting.Hosted):
         )
         await self._startup(functools.partial(ordered.prepare, runner))
         self._runners[spec.name] = runner
+        self._heads[spec.name] = heads.Heads(
+            proc,
+            transactions=max(self.app.connection_shares()),
+            most=self.settings.batch,
+            spawn=self._spawn,
+            together=self.settings.batch_transactions,
+        )
         return runner
 
     async def _fetch_loop(
@@ -490,8 +499,13 @@ class Worker(hosting.Hosted):
             first = [m for m in msgs if awaited is not None and _seq(m) <= awaited]
             rest = [m for m in msgs if m not in first]
             if await self._run_lane(proc, key, first, received_at, part):
-                if previous is not None and not previous.done():
-                    async with self._held(rest, part):
+                while previous is not None and not previous.done():
+                    # Past the lookahead they keep their slots, unless the key is blocked.
+                    over = part.queued + len(rest) > self._runners[name].lookahead
+                    if over and self._blocked.blocked_seq(name, key) is None:
+                        await asyncio.wait({previous}, timeout=1.0)
+                        continue
+                    async with part.held(self._slots, len(rest), queued=True):
                         await asyncio.wait({previous})
                 await self._run_lane(proc, key, rest, received_at, part)
         finally:
@@ -521,14 +535,14 @@ class Worker(hosting.Hosted):
             awaited = self._blocked.blocked_seq(name, key)
             if awaited is not None and _seq(msg) > awaited:
                 held = msgs[index:]
-                async with self._held(held, part):
+                async with part.held(self._slots, len(held)):
                     # Their leases are kept meanwhile (they are held since their fetch).
                     went_on = await self._blocked.wait(
                         name, key, len(held), lost=part.lost, stored=runner.stored, hold_s=hold_s
                     )
                 if not went_on:
                     return False
-            outcome = await proc.handle(msg, received_at)
+            outcome = await self._heads[name].handle(msg, received_at)
             self._leases.release([msg])
             self._blocked.update(name, key, msg, outcome)
             if outcome in (Outcome.RETRY, Outcome.LEFT):
@@ -536,20 +550,6 @@ class Worker(hosting.Hosted):
             if outcome in (Outcome.PROCESSED, Outcome.DEAD_LETTERED):
                 self._count(proc.spec, 1)
         return True
-
-    @contextlib.asynccontextmanager
-    async def _held(self, msgs: Sequence[Delivery], part: ordered.Partition) -> Any:
-        """While ``msgs`` wait behind an earlier message of their key, their slots (and
-        their partition's room) are free: the fetch loop must still be able to fetch
-        that earlier message's redelivery, and other keys' messages."""
-        self._slots.give(len(msgs))
-        part.inflight -= len(msgs)
-        part.room.set()
-        try:
-            yield
-        finally:
-            self._slots.borrow(len(msgs))
-            part.inflight += len(msgs)
 
     async def _take_slots(self) -> int:
         """Wait for a free slot, then take as many as are free, up to the batch size."""
@@ -673,7 +673,8 @@ class Worker(hosting.Hosted):
                     timeout=deadline - loop.time(),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
-                pending.discard(force)
+                # With the ones started since (an ordered handler's lanes' batches).
+                pending = (pending | self._inflight) - {force}
         finally:
             force.cancel()
         # Cancelling a handler rolls its transaction back and leaves the message

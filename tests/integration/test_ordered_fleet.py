@@ -57,7 +57,7 @@ async def apply_step(session: AsyncSession, account: str, step: int) -> None:
 
 def ledger_app(database_url: str, nats_url: str, partitions: int, **changes: Any) -> eop.App:
     """An app with one ordered ledger handler on ``ledger.<account>.step``."""
-    settings = bed_settings(database_url, nats_url, concurrency=32, **changes)
+    settings = bed_settings(database_url, nats_url, **{"concurrency": 32, **changes})
     app = eop.App(settings=settings)
     app.stream(STREAM, subjects=["ledger.>"])
 
@@ -155,6 +155,36 @@ async def test_a_worker_that_stops_hands_its_partitions_over_and_order_holds(
         await wait_for(lambda: _applied(engine, accounts * steps), timeout_s=60, what="every step")
         assert len(w1._runners["ledger"].owned) == 4
     assert await ledger_counts(engine) == (accounts * steps, 0, 0)
+
+
+async def test_a_keys_messages_queued_behind_its_running_lane_are_bounded(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """One account's 200 steps on a worker of concurrency 8: the steps fetched while the
+    key's lane runs wait behind it, their slots given back only up to the partition's
+    lookahead, so the worker never has more than its slots and that lookahead unacked (it
+    used to fetch the whole backlog into lanes, every one renewing its messages' leases),
+    and every step applies once, in order."""
+    steps, concurrency = 200, 8
+    await create_ledger(engine, 1)
+    app = ledger_app(database_url, nats_url, 1, concurrency=concurrency)
+    unacked: list[int] = []
+    async with running(app) as worker:
+        runner = worker._runners["ledger"]
+        await wait_for(lambda: _consumer_of(runner), what="the partition's consumer")
+        consumer = runner.owned[0].consumer
+        await publish_burst(nats_url, 1, steps)
+        while not await _applied(engine, steps):
+            unacked.append((await js.consumer_info(STREAM, consumer)).num_ack_pending)
+            await asyncio.sleep(0.02)
+        bound = concurrency + runner.lookahead
+    assert await ledger_counts(engine) == (steps, 0, 0)
+    assert len(unacked) > 5
+    assert max(unacked) <= bound < steps, unacked
+
+
+async def _consumer_of(runner: Any) -> bool:
+    return 0 in runner.owned and runner.owned[0].consumer is not None
 
 
 async def _shared(runners: Any, partitions: int) -> bool:

@@ -1,0 +1,120 @@
+"""The head messages of an ordered handler's lanes, settled together.
+
+Each lane of an ordered handler (:mod:`eop.runtime.worker`) runs its key's
+messages one at a time: it hands its next message to :meth:`Heads.handle`
+and waits for that message's outcome before it hands the following one.
+While as many transactions of the handler run as its process has
+connections, the messages handed in wait here; each that ends starts the
+next with all of them (up to ``batch``), a transaction of
+:class:`eop.protocol.batch.BatchProcessor`: one multi-row claim before any
+handler runs, each handler in turn, one COMMIT, the acks confirmed together.
+A lane that spent most of its time in BEGIN, the claim, COMMIT and an ack of
+its own now shares them with the other lanes.
+
+The per-key order holds as before: a batch holds at most one message per key
+(a lane has one message here at a time), and a lane learns its message's
+outcome only once that outcome committed (or the message was left, nak'ed or
+parked, which blocks the key). A failing handler is isolated as in any batch
+(:mod:`eop.protocol.batch`): its message is settled alone, the others commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from eop.protocol import batch
+from eop.protocol.processor import Processor
+from eop.types import Delivery, Outcome
+
+
+@dataclasses.dataclass(eq=False)
+class _Waiting:
+    delivery: Delivery
+    received_at: float
+    outcome: asyncio.Future[Outcome]
+
+
+class Heads:
+    """Runs the messages an ordered handler's lanes hand in, together when they queue.
+
+    ``transactions`` is how many batches may run at once (the process's
+    connections: more would only wait for one), ``most`` the largest batch,
+    ``spawn`` starts a batch's task where the worker waits for it at a stop.
+    With ``together`` False (``batch_transactions``), each message runs alone.
+    """
+
+    def __init__(
+        self,
+        proc: Processor,
+        *,
+        transactions: int,
+        most: int,
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[Any]],
+        together: bool = True,
+    ) -> None:
+        self._proc = proc
+        self._transactions = max(1, transactions)
+        self._most = max(1, most)
+        self._spawn = spawn
+        self._together = together
+        self._waiting: collections.deque[_Waiting] = collections.deque()
+        self._running = 0
+
+    async def handle(self, delivery: Delivery, received_at: float) -> Outcome:
+        """Process ``delivery`` (fetched, or its lease last renewed, at ``received_at``);
+        returns once its outcome committed, or it was left, nak'ed or dead-lettered."""
+        if not self._together or delivery.metadata.num_delivered > 1:
+            # A redelivery forgets the failures counted for it (the per-message protocol
+            # does that); they are rare.
+            return await self._proc.handle(delivery, received_at)
+        if not self._waiting and self._running < self._transactions:
+            # A connection is free and nobody waits: alone, in the lane's own task.
+            self._running += 1
+            try:
+                return await self._proc.handle(delivery, received_at)
+            finally:
+                self._running -= 1
+                self._start()
+        waiting = _Waiting(delivery, received_at, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiting)
+        self._start()
+        try:
+            return await waiting.outcome
+        except asyncio.CancelledError:
+            # Not taken yet: it never runs. Taken: its batch goes on (its own task).
+            if waiting in self._waiting:
+                self._waiting.remove(waiting)
+            raise
+
+    def _start(self) -> None:
+        while self._waiting and self._running < self._transactions:
+            count = min(len(self._waiting), self._most)
+            taken = [self._waiting.popleft() for _ in range(count)]
+            self._running += 1
+            self._spawn(self._run(taken))
+
+    async def _run(self, taken: Sequence[_Waiting]) -> None:
+        try:
+            received_at = min(w.received_at for w in taken)
+            results = await batch.BatchProcessor(self._proc).settle_each(
+                [w.delivery for w in taken], received_at
+            )
+        except BaseException:
+            # Cancelled at a stop: the lanes waiting for it end too.
+            for waiting in taken:
+                waiting.outcome.cancel()
+            raise
+        finally:
+            self._running -= 1
+            self._start()
+        for waiting, result in zip(taken, results, strict=True):
+            if waiting.outcome.done():
+                continue
+            if isinstance(result, Outcome):
+                waiting.outcome.set_result(result)
+            else:
+                waiting.outcome.set_exception(result)

@@ -1,0 +1,99 @@
+"""The head messages of an ordered handler's lanes (:mod:`eop.protocol.heads`), on fakes.
+
+Messages handed in while the handler's transactions are all busy run together
+in the next one, each lane getting its own message's outcome; a failing
+handler among them is settled alone; a redelivery runs alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+from eop import testing
+from eop.message import Message
+from eop.protocol import heads
+from eop.types import Outcome
+
+from .support import MakeHarness, delivery
+
+
+def _heads(make_harness: MakeHarness, transactions: int = 1) -> tuple[heads.Heads, Any]:
+    harness = make_harness(order_by="subject:1")
+    tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        tasks.add(task)
+        return task
+
+    return heads.Heads(harness.processor, transactions=transactions, most=64, spawn=spawn), harness
+
+
+def _keyed(seq: int) -> testing.FakeDelivery:
+    return delivery(str(seq).encode(), seq=seq, subject=f"orders.k{seq}.new")
+
+
+async def test_messages_queued_behind_a_busy_transaction_commit_together_each_with_its_outcome(
+    make_harness: MakeHarness,
+) -> None:
+    """With its one transaction busy, three lanes' messages wait, then share one
+    transaction (one claim, one COMMIT): each lane gets PROCESSED, every message acked."""
+    h, harness = _heads(make_harness, transactions=1)
+    release = asyncio.Event()
+
+    async def slow(msg: Message, session: Any) -> None:
+        await release.wait()
+
+    harness.then(slow)
+    first = asyncio.ensure_future(h.handle(_keyed(1), harness.processor.clock()))
+    await asyncio.sleep(0.01)
+    queued = [_keyed(seq) for seq in (2, 3, 4)]
+    waiting = [asyncio.ensure_future(h.handle(d, harness.processor.clock())) for d in queued]
+    await asyncio.sleep(0.01)
+    assert harness.store.transactions == 1  # the three wait for the busy one
+    release.set()
+    assert await first == Outcome.PROCESSED
+    assert await asyncio.gather(*waiting) == [Outcome.PROCESSED] * 3
+    assert (harness.store.transactions, harness.store.commits) == (2, 2)
+    assert all(d.acked for d in queued)
+    assert [m.seq for m in harness.calls] == [1, 2, 3, 4]
+
+
+async def test_a_failing_handler_among_queued_messages_is_retried_alone_the_others_commit(
+    make_harness: MakeHarness,
+) -> None:
+    """Of three queued messages the second one's handler fails: it alone is nak'ed
+    (RETRY, which blocks its key), the first and third commit; each lane gets its own."""
+    h, harness = _heads(make_harness, transactions=1)
+    release = asyncio.Event()
+
+    async def slow(msg: Message, session: Any) -> None:
+        await release.wait()
+
+    # The first message alone; then the batch without savepoints (the second fails, it
+    # is rolled back whole), then with a savepoint each.
+    harness.then(slow, None, RuntimeError("boom"), None, RuntimeError("boom"), None)
+    first = asyncio.ensure_future(h.handle(_keyed(1), harness.processor.clock()))
+    await asyncio.sleep(0.01)
+    queued = [_keyed(seq) for seq in (2, 3, 4)]
+    waiting = [asyncio.ensure_future(h.handle(d, harness.processor.clock())) for d in queued]
+    await asyncio.sleep(0.01)
+    release.set()
+    assert await first == Outcome.PROCESSED
+    assert await asyncio.gather(*waiting) == [Outcome.PROCESSED, Outcome.RETRY, Outcome.PROCESSED]
+    assert (queued[0].acked, queued[1].naked, queued[2].acked) == (True, True, True)
+    assert not queued[1].acked
+
+
+async def test_a_redelivery_runs_alone_and_forgets_its_counted_failures(
+    make_harness: MakeHarness,
+) -> None:
+    """A redelivered message of an ordered handler goes through the per-message protocol,
+    which forgets the failures counted for its earlier deliveries once it succeeds."""
+    h, harness = _heads(make_harness, transactions=4)
+    again = delivery(b"1", seq=1, num_delivered=2, subject="orders.k1.new")
+    harness.failed_before(again, 1)
+    assert await h.handle(again, harness.processor.clock()) == Outcome.PROCESSED
+    assert harness.store.attempts.get(("orders", "ORDERS", "e1", 1), 0) == 0
