@@ -93,8 +93,6 @@ async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
         # A stream this relay creates first gets the partition transform its ordered
         # handlers need (eop.broker.partitions).
         transforms = partitions.stream_transforms(app.handlers.values())
-        for handler in app.handlers.values():
-            partitions.check_server(nc, handler)
         for stream in app.streams.values():
             await jetstream.ensure_stream(
                 js, stream, create=s.create, transform=transforms.get(stream.name)
