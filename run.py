@@ -629,7 +629,7 @@ def cmd_eop(venv: Venv, args: list[str]) -> int:
     return venv.exec([venv.tool("eop"), *args])
 
 
-# The latest patch of each supported minor on PyPI (docs/deployment.md, "Supported servers").
+# The latest patch of each supported minor on PyPI (docs/servers.md).
 SUPPORTED_NATS = ("2.10.26", "2.11.11", "2.12.8", "2.14.6", "2.15.1")
 CHAOS_TESTS = "tests/chaos/test_chaos.py"
 

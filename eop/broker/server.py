@@ -3,8 +3,7 @@
 One minimum for every command: a worker, a relay, ``eop status``, the DLQ and
 audit tools and the Spark reader all connect through
 :func:`eop.broker.connection.connect_nats`, which refuses an older server in
-one line naming its version and the fix (docs/deployment.md, "Supported
-servers").
+one line naming its version and the fix (docs/servers.md).
 """
 
 from __future__ import annotations
@@ -51,5 +50,5 @@ def check_supported(nc: NATS, where: str) -> None:
         raise errors.ConfigurationError(
             f"nats-server {shown(version)} at {where} is too old: eop needs nats-server "
             f"{shown(MINIMUM)} or newer (stream metadata, subject transforms). Upgrade the "
-            "server (see docs/deployment.md, 'Supported servers')"
+            "server (see docs/servers.md)"
         )

@@ -1,5 +1,5 @@
 """What eop asks of the nats-server it runs on: a minimum version, and streams that keep
-what they acknowledge (docs/deployment.md, "Supported servers")."""
+what they acknowledge (docs/servers.md)."""
 
 from __future__ import annotations
 
