@@ -311,7 +311,8 @@ def persistence_warnings(stream: str, config: api.StreamConfig) -> list[str]:
             f"WARNING: stream {stream!r} has persist_mode async: nats-server acknowledges a "
             "publish before the message is on disk, so a nats-server crash can lose messages "
             "a publisher (or eop's outbox) was told are stored, and no handler ever sees them. "
-            "Recreate the stream without persist_mode (default) to keep every acknowledged message"
+            "nats-server cannot change it on a stream: recreate the stream without it to keep "
+            "every acknowledged message"
         ]
     if config.storage is not None and api.StorageType(config.storage) is api.StorageType.MEMORY:
         return [

@@ -69,7 +69,8 @@ async def test_status_warns_about_a_stream_that_acknowledges_before_the_disk(
 ) -> None:
     """persist_mode async (nats-server 2.12+) sends the PubAck before the message is on disk:
     `eop status` warns that a nats-server crash can lose acknowledged messages, and says
-    the mode cannot be edited away; a default stream gets no such warning."""
+    the mode cannot be edited away; memory storage gets its own warning; a default file
+    stream none."""
     if (server.version_of(nc) or (0, 0))[:2] < server.PERSIST_MODE:
         pytest.skip("persist_mode needs nats-server 2.12 or newer")
     app = eop.App(settings=bed_settings(database_url, nats_url))
@@ -78,8 +79,8 @@ async def test_status_warns_about_a_stream_that_acknowledges_before_the_disk(
     async def bill(msg: eop.Message, session: Any) -> None:
         pass
 
-    async def create(persist_mode: str | None) -> None:
-        config: dict[str, Any] = {"name": STREAM, "subjects": ["ORDERS.>"], "storage": "file"}
+    async def create(persist_mode: str | None, storage: str = "file") -> None:
+        config: dict[str, Any] = {"name": STREAM, "subjects": ["ORDERS.>"], "storage": storage}
         if persist_mode is not None:
             config["persist_mode"] = persist_mode
         # Raw, as an operator's `nats stream add` would: eop never creates such a stream.
@@ -91,8 +92,12 @@ async def test_status_warns_about_a_stream_that_acknowledges_before_the_disk(
         [s] = await status.collect(app)
         [warning] = [w for w in s.warnings if "persist_mode" in w]
         assert "can lose messages" in warning
-        assert "Recreate the stream" in warning
+        assert "cannot change it on a stream: recreate the stream" in warning
         assert f"billing: {warning}" in status.format_table([s])
+        await nc.request(f"$JS.API.STREAM.DELETE.{STREAM}", b"")
+        await create(None, storage="memory")
+        [s] = await status.collect(app)
+        assert any("keeps its messages in memory" in w for w in s.warnings), s.warnings
         await nc.request(f"$JS.API.STREAM.DELETE.{STREAM}", b"")
         await create(None)
         [s] = await status.collect(app)
