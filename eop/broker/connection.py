@@ -22,6 +22,7 @@ from nats.aio.client import Client as NATS
 
 from eop import errors, wire
 from eop.access import NatsAccess, url_credentials
+from eop.broker import server
 
 #: What nats-py raises when the server cannot be reached or does not answer.
 NATS_ERRORS = (OSError, asyncio.TimeoutError, nats.errors.Error)
@@ -179,7 +180,9 @@ async def connect_nats(
     Unreachable servers are tried ``max_reconnect_attempts`` more times, then
     :class:`~eop.errors.NatsUnavailable`; refused credentials and failed TLS
     handshakes end the attempt at once (:class:`~eop.errors.NatsAuthenticationFailed`,
-    :class:`~eop.errors.NatsTlsError`). ``callbacks`` go to nats-py as they are.
+    :class:`~eop.errors.NatsTlsError`); a server older than eop supports is refused
+    (:func:`eop.broker.server.check_supported`). ``callbacks`` go to nats-py as they
+    are, except that ``disconnected_cb`` is not called for a close of eop's own.
     """
     options = access.connect_options()
     nc = _Client()
@@ -196,6 +199,16 @@ async def connect_nats(
                 raise _Refused(refused)
         if error_cb is not None:
             await error_cb(exc)
+
+    disconnected_cb = callbacks.pop("disconnected_cb", None)
+    if disconnected_cb is not None:
+
+        async def on_disconnected() -> None:
+            # Closing the connection (a refused server, a command done) is no news.
+            if not nc.eop_closing:
+                await disconnected_cb()
+
+        callbacks["disconnected_cb"] = on_disconnected
 
     try:
         await nc.connect(
@@ -221,6 +234,11 @@ async def connect_nats(
             f"NATS is unreachable at {access.where}: {type(cause).__name__} {cause}".strip()
         ) from exc
     connected = True
+    try:
+        server.check_supported(nc, access.where)
+    except errors.ConfigurationError:
+        await close_quietly(nc)
+        raise
     return nc
 
 

@@ -25,7 +25,6 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 
 from eop import errors
@@ -33,10 +32,6 @@ from eop.broker import jetstream
 from eop.handler import HandlerSpec, parse_order_by
 from eop.settings import Settings
 from eop.types import Delivery, Metadata, Sequences
-
-#: The oldest nats-server that applies a stream's subject transform (older ones ignore
-#: it silently, and no message would reach a partition's consumer).
-TRANSFORM_SERVER = (2, 10)
 
 
 def consumer_name(spec: HandlerSpec, partition: int, epoch: int) -> str:
@@ -134,22 +129,6 @@ def transform(spec: HandlerSpec) -> tuple[str, str] | None:
         else:
             dest.append(token)
     return spec.subject, f"{{{{partition({spec.partitions},{key_wildcard})}}}}." + ".".join(dest)
-
-
-def check_server(nc: NATS, spec: HandlerSpec) -> None:
-    """Refuse several partitions on a nats-server that does not apply subject transforms."""
-    if spec.partitions == 1:
-        return
-    version = nc.connected_server_version
-    have = (version.major, version.minor)
-    shown = f"{version.major}.{version.minor}.{getattr(version, 'patch', 0)}"
-    if have < TRANSFORM_SERVER:
-        raise errors.ConfigurationError(
-            f"handler {spec.name!r} spreads its keys over {spec.partitions} partitions, which "
-            f"needs nats-server {'.'.join(map(str, TRANSFORM_SERVER))} or newer (stream subject "
-            f"transforms); this server is {shown}. Upgrade it, or declare partitions=1 "
-            "(one process at a time runs the handler)"
-        )
 
 
 def check_transform(stream: api.StreamInfo, spec: HandlerSpec) -> None:

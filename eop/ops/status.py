@@ -205,6 +205,7 @@ async def _from_nats(
     status.stream_replicas = stream.config.num_replicas or 1
     status.stream_leader, status.stream_followers = _group(stream.cluster)
     status.warnings.extend(group_warnings(f"stream {spec.stream!r}", stream.cluster))
+    status.warnings.extend(persistence_warnings(spec.stream, stream.config))
     if status.ordered is not None:
         await _partitions_from_nats(js, spec, status, status.ordered)
         return
@@ -344,6 +345,26 @@ def group_warnings(what: str, cluster: api.ClusterInfo | None) -> list[str]:
                 f"({peer.describe()}; down, or catching up)"
             )
     return found
+
+
+def persistence_warnings(stream: str, config: api.StreamConfig) -> list[str]:
+    """A stream whose storage can lose messages nats-server acknowledged: ``persist_mode:
+    async`` (nats-server 2.12+), or memory storage."""
+    mode = config.persist_mode
+    if mode is not None and api.PersistMode(mode) is api.PersistMode.ASYNC:
+        return [
+            f"WARNING: stream {stream!r} has persist_mode async: nats-server acknowledges a "
+            "publish before the message is on disk, so a nats-server crash can lose messages "
+            "a publisher (or eop's outbox) was told are stored, and no handler ever sees them. "
+            "nats-server cannot change it on a stream: recreate the stream without it to keep "
+            "every acknowledged message"
+        ]
+    if config.storage is not None and api.StorageType(config.storage) is api.StorageType.MEMORY:
+        return [
+            f"WARNING: stream {stream!r} keeps its messages in memory: a nats-server restart "
+            "loses those not yet processed (use file storage to keep them)"
+        ]
+    return []
 
 
 def replicas_warnings(declared: int | None, status: HandlerStatus) -> list[str]:

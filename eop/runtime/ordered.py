@@ -415,8 +415,8 @@ class OrderedRunner:
 
 
 async def prepare(runner: OrderedRunner) -> None:
-    """Check what the handler needs of the stream, and create its rows (the worker
-    checked the server's version before it created any stream)."""
+    """Check what the handler needs of the stream, and create its rows (the connection
+    refused a server without subject transforms, eop.broker.server)."""
     if runner.spec.partitions > 1:
         with jetstream.translated(f"stream {runner.spec.stream!r}"):
             try:

@@ -101,8 +101,6 @@ async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
         # A stream this relay creates first gets the partition transform its ordered
         # handlers need (eop.broker.partitions).
         transforms = partitions.stream_transforms(app.handlers.values())
-        for handler in app.handlers.values():
-            partitions.check_server(nc, handler)
         await wait.streams(js, app.streams.values(), transforms)
         log.get_logger().info(log.Event.RELAY_STARTED)
         process.ready.set()

@@ -224,10 +224,6 @@ class Worker(hosting.Hosted):
             # From every handler of the app, not only this worker's: whichever process
             # creates a stream first must give it the partition transform it needs.
             transforms = self._transforms = partitions.stream_transforms(self.app.handlers.values())
-            # Before any stream is created: an old server would take the transform
-            # silently and store subjects no partition's consumer matches.
-            for handler in self.app.handlers.values():
-                partitions.check_server(nc, handler)
             for spec in self.specs:
                 proc = processor.Processor(
                     # The handler as the observer sees it run (timed, traced).

