@@ -92,7 +92,6 @@ class Event(str, enum.Enum):
     SPARK_UNWATCHED = "spark.unwatched"
     SPARK_LEASE_LOST = "spark.lease_lost"
     SPARK_LEASE_FAILED = "spark.lease_failed"
-    SPARK_CONNECT_LOST = "spark.connect_lost"
     FAULT_ARMED = "fault.armed"
     FAULT_HIT = "fault.hit"
     LOOP_ERROR = "loop.error"
