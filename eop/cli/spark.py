@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -285,9 +286,18 @@ def _session(
                 "(only batch jobs see the session's artifacts): install the app's module "
                 "in the Spark Connect server's Python, or run the stream with --master"
             )
-        spark = session.build(
-            remote=args.remote, conf=_conf(args, remote=True), connect_retry_s=args.connect_retry_s
-        )
+        # PySpark warns when its retries run out; the command's own error line says it.
+        warnings.filterwarnings("ignore", message=r"\[RETRIES_EXCEEDED\]")
+        try:
+            spark = session.build(
+                remote=args.remote,
+                conf=_conf(args, remote=True),
+                connect_retry_s=args.connect_retry_s,
+            )
+        except Exception as exc:
+            if connect.lost(exc):
+                raise connect.lost_error(args.remote, args.connect_retry_s) from None
+            raise
         try:
             session.ship(spark, py_files(args))
             yield spark

@@ -114,7 +114,7 @@ def shown(remote: str) -> str:
 def lost_error(remote: str, retry_s: float) -> errors.SparkConnectLost:
     """The one line for a Spark Connect server that stopped answering."""
     return errors.SparkConnectLost(
-        f"the Spark Connect server {shown(remote)} stopped answering (retried for "
+        f"the Spark Connect server {shown(remote)} does not answer (retried for "
         f"{retry_s:g} s): check that it runs and is reachable, then run the command again "
         "(a stream continues from its checkpoint; a backfill skips what it committed)"
     )
