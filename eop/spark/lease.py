@@ -91,8 +91,8 @@ class JobLease:
                 sql.acquire(t, s, m, self.host, self.pid, self.lease_s, count)
             ).all()
             if len(taken) < count:
-                # A worker started between the fleet check and here: it keeps them.
-                session.rollback()
+                # A worker started between the fleet check and here: it keeps them (the
+                # transaction rolls back, this member and its partitions with it).
                 raise eop_errors.ConfigurationError(
                     f"handler {s!r} keeps its keys in order and a worker process took "
                     f"{count - len(taken)} of its {count} partitions as the Spark job "
@@ -103,12 +103,13 @@ class JobLease:
         """Extend the lease; False when it was found gone (ran out, or taken over)."""
         t, s, m = self.tables, self.spec.name, self.member
         with self._session() as session, session.begin():
-            alive = session.execute(sql.fence_member(t, s, m)).first() is not None
+            if session.execute(sql.fence_member(t, s, m)).first() is None:
+                return False  # ran out: tasks may have failed on it already; not revived
             session.execute(sql.join(t, s, m, self.host, self.pid, self.lease_s))
             if self.ordered:
                 renewed = session.execute(sql.renew(t, s, m, self.lease_s)).all()
-                alive = alive and len(renewed) == self.spec.partitions
-        return alive
+                return len(renewed) == self.spec.partitions
+        return True
 
     def give_up(self) -> None:
         """Release the partitions and leave the members: the workers take over."""
