@@ -68,6 +68,7 @@ async def finished(command: list[str], tmp_path: Path) -> tuple[int, str]:
     return status, err.read_text()
 
 
+@pytest.mark.timeout(600)  # a server of its own, two runs of the command
 async def test_a_stream_whose_connect_server_dies_ends_in_one_line_and_resumes_elsewhere(
     connect_server: ConnectServer,
     database_url: str,
@@ -94,7 +95,10 @@ async def test_a_stream_whose_connect_server_dies_ends_in_one_line_and_resumes_e
         await wait_for(lambda: _equal(effects_by_body(bed_engine), expected), 180, "the stream")
         server.kill()
         killed_at = time.monotonic()
-        status = await asyncio.to_thread(client.wait, EXIT_WITHIN_S)
+        try:
+            status = await asyncio.to_thread(client.wait, EXIT_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the command still runs after its server died:\n{err.read_text()}")
         took_s = time.monotonic() - killed_at
     finally:
         if client.poll() is None:
@@ -120,6 +124,7 @@ async def test_a_stream_whose_connect_server_dies_ends_in_one_line_and_resumes_e
     assert await effects_by_body(bed_engine) == {f"order-{i}": 1 for i in range(1, 31)}
 
 
+@pytest.mark.timeout(600)  # two runs of the command
 async def test_a_stream_whose_client_died_stops_on_the_server_and_the_next_run_reports_it(
     connect_server: ConnectServer,
     database_url: str,
