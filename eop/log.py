@@ -98,6 +98,8 @@ class Event(str, enum.Enum):
     SPARK_JOB_STALLED = "spark.job_stalled"
     SPARK_REPORT_UNREAD = "spark.report_unread"
     SPARK_UNWATCHED = "spark.unwatched"
+    SPARK_LEASE_LOST = "spark.lease_lost"
+    SPARK_LEASE_FAILED = "spark.lease_failed"
     FAULT_ARMED = "fault.armed"
     FAULT_HIT = "fault.hit"
     LOOP_ERROR = "loop.error"

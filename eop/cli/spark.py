@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -113,6 +114,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "a Spark Connect server (sc://host:port) to run the job on, instead of a Spark driver "
         "in this process; its Python workers import eop and the app",
         metavar="URL",
+    )
+    _env_flag(
+        parser,
+        "--connect-retry-s",
+        float,
+        "with --remote: how long a call the Spark Connect server does not answer is retried "
+        "before the command fails",
+        default=30.0,
     )
     _env_flag(
         parser,
@@ -262,7 +271,7 @@ def _session(
     args: argparse.Namespace, name: str, *, streaming: bool = False
 ) -> Iterator[SparkSession]:
     """The command's SparkSession, stopped after it unless it was running before."""
-    from eop.spark import session
+    from eop.spark import connect, session
 
     if args.remote:
         if args.master:
@@ -277,13 +286,30 @@ def _session(
                 "(only batch jobs see the session's artifacts): install the app's module "
                 "in the Spark Connect server's Python, or run the stream with --master"
             )
-        spark = session.build(remote=args.remote, conf=_conf(args, remote=True))
-        session.ship(spark, py_files(args))
+        # PySpark warns when its retries run out; the command's own error line says it.
+        warnings.filterwarnings("ignore", message=r"\[RETRIES_EXCEEDED\]")
         try:
+            spark = session.build(
+                remote=args.remote,
+                conf=_conf(args, remote=True),
+                connect_retry_s=args.connect_retry_s,
+            )
+        except Exception as exc:
+            if connect.lost(exc):
+                raise connect.lost_error(args.remote, args.connect_retry_s) from None
+            raise
+        try:
+            session.ship(spark, py_files(args))
             yield spark
-        finally:
-            # The client's session; the server and its Spark go on.
-            spark.stop()
+        except Exception as exc:
+            if not connect.lost(exc):
+                spark.stop()
+                raise
+            # Stopping would retry the dead server once more: let it go.
+            connect.abandon(spark)
+            raise connect.lost_error(args.remote, args.connect_retry_s) from None
+        # The client's session; the server and its Spark go on.
+        spark.stop()
         return
 
     from pyspark import SparkContext

@@ -41,6 +41,7 @@ from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.message import Message
 from eop.pg import failures, inbox, models, sql, transactions
+from eop.spark import lease
 from eop.spark.transaction import (
     AsyncPartitionTx,
     PartitionTx,
@@ -115,9 +116,11 @@ class Counts:
 class Partition:
     """Runs one handler over partitions of messages; one per handler per process."""
 
-    def __init__(self, app: App, spec: HandlerSpec) -> None:
+    def __init__(self, app: App, spec: HandlerSpec, *, lease: str | None = None) -> None:
         self.app = app
         self.spec = spec
+        self.lease = lease
+        """The job's lease, checked in every transaction (:mod:`eop.spark.lease`)."""
         self.settings = app.settings
         self.tables = models.tables(app.settings.schema)
         s = app.settings
@@ -224,6 +227,8 @@ class _Pass:
         counts = Counts()
         mine = self._select(batch, counts)
         async with self.p.open() as tx:
+            if self.p.lease is not None:
+                await lease.check(tx, self.spec, self.p.settings.schema, self.p.lease)
             todo: list[Message] = []
             for group in _by_epoch(mine):
                 claimed = await tx.claim_many(group, models.OUTCOME_PROCESSED)

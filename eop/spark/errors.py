@@ -34,3 +34,11 @@ class ExecutorsUnready(errors.ConfigurationError):
 
 class JobStalled(errors.EopError):
     """No task of the Spark job ran for longer than the stall timeout: no executor took it."""
+
+
+class JobLeaseLost(errors.EopError):
+    """The Spark job's lease in PostgreSQL ran out or was taken over: its tasks commit no more."""
+
+
+class SparkConnectLost(errors.EopError):
+    """The Spark Connect server stopped answering (it died, restarted or became unreachable)."""

@@ -2,12 +2,14 @@
 
 The workers keep a key's messages in order across processes by owning each
 partition of the handler's keys through a lease (:mod:`eop.pg.ownership`,
-docs/ordering.md). A Spark job knows nothing of those leases: it runs a
+docs/ordering.md). A Spark job runs a
 key's messages in stream order within its own partition, while a worker may
 run the same key's next message at the same time. So a job of an ordered
 handler starts only when no worker process is a live member of the handler
 and no partition has an unexpired owner; the check runs on the driver (the
-process that starts the job), on the app's database.
+process that starts the job), on the app's database. The job then holds every
+partition's lease until it ends (:mod:`eop.spark.lease`), so a worker started
+meanwhile owns nothing until the job gives them up.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 from eop import errors
 from eop.pg import models
 from eop.pg.sql import ownership as sql
+from eop.spark import lease
 
 if TYPE_CHECKING:
     from eop.app import App
@@ -27,19 +30,30 @@ _HOSTS_NAMED = 3
 
 
 def check_idle(app: App, spec: HandlerSpec) -> None:
-    """ConfigurationError, in one line, while worker processes hold ``spec``'s keys.
+    """ConfigurationError, in one line, while worker processes (or another Spark job) hold
+    ``spec``'s keys.
 
     Nothing to check for a handler without ``order_by``: workers and Spark
     may process its messages at once (the inbox settles who applies each).
+    A job that passes takes every partition's lease for its run
+    (:mod:`eop.spark.lease`): workers started meanwhile wait for it.
     """
     if spec.order_by is None:
         return
     holders = _holders(app, spec.name)
+    jobs = sorted({host for name, host, _ in holders if lease.is_spark(name)})
+    if jobs:
+        raise errors.ConfigurationError(
+            f"handler {spec.name!r} keeps its keys in order and a Spark job started on "
+            f"{', '.join(jobs[:_HOSTS_NAMED])} runs it: wait for it to end (or stop it), "
+            "then run this one"
+        )
     if not holders:
         return
-    hosts = sorted({host for host, _ in holders})
+    hosts = sorted({host for _, host, _ in holders})
     named = ", ".join(hosts[:_HOSTS_NAMED]) + (", ..." if len(hosts) > _HOSTS_NAMED else "")
-    processes = f"{len(holders)} worker process{'es' if len(holders) != 1 else ''}"
+    count = len({(host, pid) for _, host, pid in holders})
+    processes = f"{count} worker process{'es' if count != 1 else ''}"
     raise errors.ConfigurationError(
         f"handler {spec.name!r} keeps its keys in order and {processes} on "
         f"{len(hosts)} host{'s' if len(hosts) != 1 else ''} ({named}) run it: a Spark job "
@@ -49,17 +63,9 @@ def check_idle(app: App, spec: HandlerSpec) -> None:
     )
 
 
-def _holders(app: App, subscription: str) -> set[tuple[str, int | None]]:
-    """(host, pid) of every live member of the handler and every unexpired partition owner."""
+def _holders(app: App, subscription: str) -> set[tuple[str, str, int | None]]:
+    """(member, host, pid) of every live member of the handler and unexpired partition owner."""
     tables = models.tables(app.settings.schema)
     with app.sync_sessionmaker() as session:
-        members = list(session.execute(sql.member_status(tables)).all())
-        partitions = list(session.execute(sql.status(tables)).all())
-    found: set[tuple[str, int | None]] = set()
-    for name, host, pid, _ in members:
-        if name == subscription:
-            found.add((str(host), pid))
-    for name, _, _, host, pid, _, _, _, expires_in_s in partitions:
-        if name == subscription and host is not None and (expires_in_s or 0) > 0:
-            found.add((str(host), pid))
-    return found
+        rows = session.execute(sql.holders(tables, subscription)).all()
+    return {(str(name), str(host), pid) for name, host, pid in rows}

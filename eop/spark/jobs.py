@@ -19,7 +19,7 @@ from typing import IO, TYPE_CHECKING, Any
 from eop import access
 from eop import errors as eop_errors
 from eop.handler import HandlerSpec, parse_order_by
-from eop.spark import connect, errors, failures, fleet, probe, report, sink, watch
+from eop.spark import connect, errors, failures, fleet, lease, probe, report, sink, watch
 from eop.spark.apply import Counts
 
 if TYPE_CHECKING:
@@ -124,10 +124,16 @@ def backfill(
     counts are read (default: the target's, imported here). An ordered
     handler's job refuses to start while workers run it (:mod:`eop.spark.fleet`).
     """
-    fleet.check_idle(app or sink.caller_app(target), spec)
+    home = app or sink.caller_app(target)
+    fleet.check_idle(home, spec)
     watching = watching or watch.Watch(out=progress)
     what = f"backfill of {spec.stream} for {spec.name}"
-    with translated(target.app), watch.watched(spark, what, watching):
+    with (
+        lease.held(home, spec) as held,
+        translated(target.app),
+        watch.watched(spark, what, watching),
+    ):
+        target = dataclasses.replace(target, lease=held.member)
         if check:
             probe.check(spark, target.app, _executor_env(target, read))
         df = spark.read.format("jetstream").options(**read.options(spec)).load()
@@ -173,15 +179,59 @@ def stream(
     warned about and ended like a backfill's job, not waited on in silence.
     ``on_batch`` gets each micro-batch's counts once its commit left them
     (read from ``app``'s database, by default the target's, in a thread of
-    this process): :func:`wait` returns after the last. An ordered handler's
-    query refuses to start while workers run it (:mod:`eop.spark.fleet`).
+    this process): :func:`wait` returns after the last, and they live in
+    PostgreSQL under the checkpoint's id until read (:func:`report_id_of`).
+    An ordered handler's query refuses to start while workers run it
+    (:mod:`eop.spark.fleet`). The query's lease (:mod:`eop.spark.lease`) is
+    renewed by this process until :func:`wait` returns: call it.
     """
-    fleet.check_idle(app or sink.caller_app(target), spec)
+    home = app or sink.caller_app(target)
+    fleet.check_idle(home, spec)
+    report_id = report_id_of(spec, checkpoint) if on_batch is not None else None
+    held = lease.JobLease(home, spec)
+    held.take()
+    held.start()
+    target = dataclasses.replace(target, lease=held.member)
+    try:
+        query = _start(
+            spark,
+            target,
+            spec,
+            read,
+            checkpoint=checkpoint,
+            trigger_s=trigger_s,
+            available_now=available_now,
+            check=check,
+            watching=watching,
+            report_id=report_id,
+        )
+    except BaseException:
+        held.finish()
+        raise
+    _LEASES[query.id] = held
+    if on_batch is not None and report_id is not None:
+        poller = report.Poller(home, report_id, on_batch, lambda: query.isActive)
+        _POLLERS[query.id] = poller.start()
+    return query
+
+
+def _start(
+    spark: SparkSession,
+    target: sink.Target,
+    spec: HandlerSpec,
+    read: ReadOptions,
+    *,
+    checkpoint: str,
+    trigger_s: float | None,
+    available_now: bool,
+    check: bool,
+    watching: watch.Watch | None,
+    report_id: str | None,
+) -> StreamingQuery:
     with translated(target.app):
         if check:
             _probe_watched(spark, target, spec, read, watching or watch.Watch())
         df = spark.readStream.format("jetstream").options(**read.options(spec)).load()
-        report_id = uuid.uuid4().hex if on_batch is not None else None
         writer = (
             ordered(df, spec)
             .writeStream.format(sink.NAME)
@@ -194,16 +244,20 @@ def stream(
         elif trigger_s:
             writer = writer.trigger(processingTime=f"{round(trigger_s * 1000)} milliseconds")
         connect.activate(spark)
-        query = writer.start()
-    if on_batch is not None and report_id is not None:
-        reports = app or sink.caller_app(target)
-        poller = report.Poller(reports, report_id, on_batch, lambda: query.isActive)
-        _POLLERS[query.id] = poller.start()
-    return query
+        return writer.start()
 
 
 # Each started query's poller, for wait() to see its last batches reported.
 _POLLERS: dict[str, report.Poller] = {}
+# Each started query's lease, for wait() to give up once the query ended.
+_LEASES: dict[str, lease.JobLease] = {}
+
+
+def report_id_of(spec: HandlerSpec, checkpoint: str) -> str:
+    """The id a stream's micro-batch counts are left under: the same for every run on one
+    checkpoint, so a run reports the batches an earlier run committed but never read
+    (its process died)."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"eop-stream:{spec.name}:{checkpoint}").hex
 
 
 def _executor_env(target: sink.Target, read: ReadOptions) -> list[str]:
@@ -225,24 +279,36 @@ def wait(
     """
     last_id: Any = None
     next_report = time.monotonic() + every_s
-    with translated():
-        while not query.awaitTermination(1):
-            if stop is not None and stop.is_set():
-                query.stop()
-                break
-            progress = query.lastProgress
-            if report and progress and time.monotonic() >= next_report:
-                next_report = time.monotonic() + every_s
-                if progress.get("batchId") != last_id:
-                    last_id = progress.get("batchId")
-                    print(_describe_progress(progress), file=report, flush=True)
-        try:
+    ended = False
+    try:
+        with translated():
+            while not query.awaitTermination(1):
+                if stop is not None and stop.is_set():
+                    query.stop()
+                    break
+                progress = query.lastProgress
+                if report and progress and time.monotonic() >= next_report:
+                    next_report = time.monotonic() + every_s
+                    if progress.get("batchId") != last_id:
+                        last_id = progress.get("batchId")
+                        print(_describe_progress(progress), file=report, flush=True)
+            ended = True
             # awaitTermination raises the query's failure only when asked without a timeout.
             query.awaitTermination()
-        finally:
-            poller = _POLLERS.pop(query.id, None)
-            if poller is not None:
-                poller.finish()
+    finally:
+        _finish(query.id, ended)
+
+
+def _finish(query_id: str, ended: bool) -> None:
+    """The query's poller and lease, ended: after its last report once it ended; at once if
+    waiting failed (its server lost: the reports stay for the next run on its checkpoint)."""
+    poller = _POLLERS.pop(query_id, None)
+    if poller is not None:
+        poller.finish(timeout_s=30.0 if ended else 1.0)
+    held = _LEASES.pop(query_id, None)
+    if held is not None:
+        # Given up: a query that runs on without this process commits no more.
+        held.finish()
 
 
 def _describe_progress(progress: dict[str, Any]) -> str:
@@ -273,7 +339,8 @@ def translated(app: str | None = None) -> Iterator[None]:
     except eop_errors.EopError:
         raise
     except Exception as exc:
-        if not _from_spark(exc):
+        if not _from_spark(exc) or connect.lost(exc):
+            # A lost Connect server is told by its session's owner, who knows its URL.
             raise
         text = str(exc)
         fix = failures.hint(text, app.partition(":")[0] if app else None)

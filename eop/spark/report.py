@@ -46,7 +46,8 @@ def take(app: App, report_id: str) -> dict[int, Counts]:
 class Poller:
     """Hands a stream's micro-batch counts to ``on_batch`` as they commit, in a thread.
 
-    It stops once ``active()`` says the query ended, after a last look.
+    It stops once ``active()`` says the query ended, after a last look, or
+    at :meth:`finish`; ``active()`` failing is not its end.
     """
 
     def __init__(
@@ -75,9 +76,17 @@ class Poller:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
 
+    def _active(self) -> bool:
+        try:
+            return self.active()
+        except Exception:
+            # The query's state is unknown (a Spark Connect server lost): the caller's
+            # wait for the query fails with the reason and ends this thread (finish).
+            return True
+
     def _run(self) -> None:
         while True:
-            ending = self._stop.is_set() or not self.active()
+            ending = self._stop.is_set() or not self._active()
             try:
                 taken = take(self.app, self.report_id)
             except Exception as exc:

@@ -37,12 +37,14 @@ def build(
     app_name: str = "eop",
     conf: Mapping[str, str] | None = None,
     remote: str | None = None,
+    connect_retry_s: float = connect.RETRY_S,
 ) -> SparkSession:
     """Get or create the SparkSession, with the ``jetstream`` and ``eop`` data sources registered.
 
     ``remote`` (``sc://host:port``) connects to a Spark Connect server instead:
     no JVM here, and ``master`` is the server's. Its Python workers, not this
-    process's, import eop and the app.
+    process's, import eop and the app. A call the server does not answer is
+    retried for about ``connect_retry_s`` (:func:`eop.spark.connect.bound_retries`).
 
     ``master`` defaults to spark-submit's when run by spark-submit, else
     ``local[2]``. For local masters: Spark binds to 127.0.0.1, its Python
@@ -50,7 +52,7 @@ def build(
     """
     builder_cls = _pyspark_session()
     if remote is not None:
-        return _connect(builder_cls, remote, conf or {})
+        return _connect(builder_cls, remote, conf or {}, connect_retry_s)
     submitted = SUBMITTED_ENV in os.environ
     if master is None and not submitted:
         master = DEFAULT_MASTER
@@ -74,7 +76,9 @@ def build(
     return spark
 
 
-def _connect(builder_cls: type[SparkSession], remote: str, conf: Mapping[str, str]) -> SparkSession:
+def _connect(
+    builder_cls: type[SparkSession], remote: str, conf: Mapping[str, str], retry_s: float
+) -> SparkSession:
     if not remote.startswith("sc://"):
         raise errors_mod.ConfigurationError(
             f"a Spark Connect URL starts with sc://, not {remote!r}"
@@ -88,6 +92,7 @@ def _connect(builder_cls: type[SparkSession], remote: str, conf: Mapping[str, st
     # A session of its own (Connect sessions are cheap, server-side): stopping it
     # leaves a caller's session on the same server alone.
     spark = builder_cls.builder.remote(remote).create()
+    connect.bound_retries(spark, retry_s)
     for key, value in conf.items():
         # The server's own settings are its; a session sets its runtime ones.
         spark.conf.set(key, value)

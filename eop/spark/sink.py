@@ -63,6 +63,9 @@ class Target:
     handler: str
     settings_json: str = "{}"
     env_json: str = "{}"
+    lease: str = ""
+    """The member name of the job's lease, which each task checks (:mod:`eop.spark.lease`);
+    empty: no check (a DataFrame written to the sink by the caller's own code)."""
 
     @classmethod
     def create(
@@ -109,6 +112,8 @@ class Target:
         """
         opts = {"app": self.app, "handler": self.handler, "secretSettings": self.settings_json}
         opts["env"] = self.env_json
+        if self.lease:
+            opts["lease"] = self.lease
         if report_id is not None:
             opts["reportId"] = report_id
         return opts
@@ -123,7 +128,8 @@ class Target:
                 f"the eop data source needs the options {missing} (see eop.spark.sink.Target)"
             )
         settings = opts.get("secretsettings", "{}")
-        return cls(opts["app"], opts["handler"], settings, opts.get("env", "{}"))
+        env = opts.get("env", "{}")
+        return cls(opts["app"], opts["handler"], settings, env, opts.get("lease", ""))
 
 
 def apply(df: DataFrame, target: Target, *, app: App | None = None) -> Counts:
@@ -345,7 +351,7 @@ def partition_for(target: Target) -> Partition:
         old.close()
     _PARTITIONS.clear()
     log.configure(app.settings.log_format, app.settings.log_level)
-    found = _PARTITIONS[target] = Partition(app, spec)
+    found = _PARTITIONS[target] = Partition(app, spec, lease=target.lease or None)
     return found
 
 

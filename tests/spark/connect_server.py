@@ -10,6 +10,7 @@ would import them from its environment.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -77,6 +78,12 @@ class ConnectServer:
                 raise RuntimeError(f"the Spark Connect server did not start:\n{tail}")
             time.sleep(0.2)
         return self
+
+    def kill(self) -> None:
+        """SIGKILL the server and its Python workers (a crash: nothing is told)."""
+        if self.daemon is not None and self.daemon.process.poll() is None:
+            os.killpg(self.daemon.process.pid, signal.SIGKILL)
+            self.daemon.process.wait(timeout=30)
 
     def stop(self) -> None:
         """Stop the server and the Python workers it started."""

@@ -192,3 +192,32 @@ async def test_a_batch_handler_failing_on_one_message_still_commits_the_others(
     assert (counts.processed, counts.dead_lettered) == (5, 1)
     assert await effects_by_body(bed_engine) == {f"m{i}": 1 for i in (1, 2, 4, 5, 6)}
     assert max(calls) == 4  # the partition is handed over in lists of at most `batch`
+
+
+async def test_a_task_commits_only_while_its_jobs_lease_holds(
+    database_url: str, bed_engine: AsyncEngine
+) -> None:
+    """A partition run under a job's lease commits while the lease holds; once it is given
+    up (or ran out) the partition fails with JobLeaseLost and commits nothing. An ordered
+    handler's lease holds all its partitions, share-locked by a task until it commits."""
+    from eop.spark import errors, lease
+
+    app = make_app(database_url)
+    for name in ("spark_sync", "spark_partitioned"):
+        spec = app.handlers[name]
+        held = lease.JobLease(app, spec)
+        await asyncio.to_thread(held.take)
+        partition = Partition(app, spec, lease=held.member)
+        subject = "ORDERS.acc1.step" if name == "spark_partitioned" else SUBJECT
+        try:
+            assert await run(partition, [msg(1, f"{name}-1", subject=subject)]) == Counts(
+                processed=1
+            )
+            await asyncio.to_thread(held.give_up)
+            with pytest.raises(errors.JobLeaseLost, match=f"handler '{name}' ran out"):
+                await run(partition, [msg(2, f"{name}-2", subject=subject)])
+        finally:
+            await asyncio.to_thread(partition.close)
+    # The partitioned handler writes the subject it was given.
+    assert await effects_by_body(bed_engine) == {"spark_sync-1": 1, "ORDERS.acc1.step": 1}
+    await app.dispose()

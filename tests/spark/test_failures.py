@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from eop.spark import failures, probe
+from eop.spark import connect, failures, probe
 
 # Shortened from what PySpark 4.3 raised on a standalone cluster whose executors lacked eop.
 DATA_SOURCE = """[PYTHON_DATA_SOURCE_ERROR] Failed to create Python data source instance: \
@@ -111,3 +113,43 @@ def test_executors_lacking_the_credential_variables_are_named() -> None:
     line = probe.describe(report, "myapp")
     assert line is not None
     assert line.startswith("Spark's executors lack the environment variables EOP_DATABASE_URL")
+
+
+def test_a_connect_url_is_shown_without_its_credentials() -> None:
+    """The token and user of an sc:// URL stay out of messages; host and port stay in."""
+    assert connect.shown("sc://u:pw@spark.example:15002/;token=abc;user_id=me") == (
+        "sc://spark.example:15002"
+    )
+    assert connect.shown("sc://localhost") == "sc://localhost"
+
+
+def test_connect_retries_fit_their_bound() -> None:
+    """The backfill's waits (0.1 s doubling to 5 s) add up to no more than the bound."""
+    for within_s in (0.05, 5.0, 30.0, 120.0):
+        retries = connect.retries_within(within_s)
+        waits = [min(0.1 * 2**i, 5.0) for i in range(retries)]
+        assert sum(waits) <= within_s
+        assert sum(waits) + min(0.1 * 2**retries, 5.0) > within_s
+    assert connect.retries_within(30.0) == 10
+
+
+class _Unavailable(Exception):
+    """What grpc raises, as far as connect.lost reads it."""
+
+    __module__ = "grpc._channel"
+
+    def code(self) -> Any:
+        return type("Code", (), {"name": "UNAVAILABLE"})()
+
+
+def test_an_unanswering_connect_server_is_told_from_a_job_failure() -> None:
+    """gRPC UNAVAILABLE, raw or as the cause of another error, is a lost server; a task's
+    failure is not."""
+    assert connect.lost(_Unavailable())
+    wrapped = RuntimeError("wrapped")
+    wrapped.__cause__ = _Unavailable()
+    assert connect.lost(wrapped)
+    assert not connect.lost(RuntimeError(TASK))
+    line = str(connect.lost_error("sc://h:15002/;token=secret", 30.0))
+    assert line.startswith("the Spark Connect server sc://h:15002 does not answer")
+    assert "secret" not in line

@@ -148,3 +148,82 @@ async def test_a_spark_job_of_an_ordered_handler_refuses_to_start_while_workers_
         ), err
         assert "scale them to 0" in err
         assert len(err.strip().splitlines()) == 1
+
+
+async def _publish(js: Any, start: int, count: int) -> None:
+    for i in range(start, start + count):
+        await js.publish(f"ORDERS.acc{i % 4}.step", f"{i}".encode())
+
+
+async def _owners(engine: AsyncEngine) -> list[str | None]:
+    rows = await _rows(engine, f"SELECT owner FROM eop.partitions WHERE subscription = '{HANDLER}'")
+    return [owner for (owner,) in rows]
+
+
+async def test_a_worker_started_during_a_spark_stream_waits_for_it_then_goes_on_in_order(
+    spark: SparkSession,
+    database_url: str,
+    nats_url: str,
+    js: Any,
+    bed_engine: AsyncEngine,
+    tmp_path: Any,
+) -> None:
+    """The stream holds every partition's lease while it runs: a worker started meanwhile
+    owns no partition and processes nothing (the stream does, the messages published
+    after the worker started included); once the stream stops it gives the leases up,
+    the worker takes them and handles what comes next, each account in stream order."""
+    await js.add_stream(
+        jetstream.stream_config(sparkapp.app.stream_spec(STREAM), partitions.transform(SPEC))
+    )
+    settings = bed_settings(database_url, nats_url, partition_lease_s=3.0)
+    app = sparkapp.app.with_settings(**vars(settings))
+    target = sink.Target.create(sparkapp.PATH, HANDLER, database_url=database_url)
+    effects = "SELECT count(*) FROM effects"
+    await _publish(js, 0, 20)
+    query = await asyncio.to_thread(
+        jobs.stream,
+        spark,
+        target,
+        SPEC,
+        jobs.ReadOptions(nats_url),
+        checkpoint=str(tmp_path / "checkpoint"),
+        trigger_s=0.5,
+        on_batch=lambda *_: None,
+        app=app,
+    )
+    waiting = asyncio.ensure_future(asyncio.to_thread(jobs.wait, query))
+    try:
+        await wait_for(lambda: _equals(_rows(bed_engine, effects), [(20,)]), 60, "the stream")
+        async with running(app, handlers=[HANDLER]) as worker:
+            await _publish(js, 20, 20)
+            await wait_for(lambda: _equals(_rows(bed_engine, effects), [(40,)]), 60, "40")
+            # Several of the worker's ticks (a second apart): it found nothing to own.
+            await asyncio.sleep(3)
+            owners = await _owners(bed_engine)
+            assert worker.processed == 0
+            assert len(owners) == 3
+            assert all(owner is not None and ":spark-" in owner for owner in owners), owners
+            query.stop()
+            await waiting
+            await wait_for(lambda: _all_owned_by_workers(bed_engine), 30, "the worker to take over")
+            await _publish(js, 40, 20)
+            await wait_for(lambda: _equals(_rows(bed_engine, effects), [(60,)]), 60, "60")
+            assert worker.processed >= 20
+    finally:
+        query.stop()
+        await waiting
+    rows = await _rows(bed_engine, "SELECT msg_key FROM effects ORDER BY id")
+    for account in range(4):
+        seqs = [int(k.split(":")[1]) for (k,) in rows if k.startswith(f"acc{account}:")]
+        assert seqs == sorted(seqs)
+        assert len(seqs) == 15
+    assert await _rows(bed_engine, "SELECT count(*) FROM eop.dead_letters") == [(0,)]
+
+
+async def _equals(rows: Any, expected: list[tuple[Any, ...]]) -> bool:
+    return bool(await rows == expected)
+
+
+async def _all_owned_by_workers(engine: AsyncEngine) -> bool:
+    owners = await _owners(engine)
+    return bool(owners) and all(o is not None and ":spark-" not in o for o in owners)

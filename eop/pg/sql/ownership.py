@@ -230,3 +230,35 @@ def member_status(t: models.Tables) -> sa.Select[Any]:
         .where(c.expires_at >= sa.func.now())
         .order_by(c.subscription, c.host, c.pid)
     )
+
+
+def fence_partitions(t: models.Tables, subscription: str, member: str) -> sa.Select[Any]:
+    """The partitions ``member`` owns on an unexpired lease, share-locked to the end of the
+    transaction: a member's ``acquire`` (``FOR UPDATE SKIP LOCKED``) passes them by, while
+    the owner's own renewal (no key column changes) is not held up."""
+    c = t.partitions.c
+    return (
+        sa.select(c.partition)
+        .where(c.subscription == subscription, c.owner == member, c.expires_at >= sa.func.now())
+        .with_for_update(read=True, key_share=True)
+    )
+
+
+def fence_member(t: models.Tables, subscription: str, member: str) -> sa.Select[Any]:
+    """``member``'s row if its lease has not run out."""
+    c = t.members.c
+    return sa.select(c.member).where(
+        c.subscription == subscription, c.member == member, c.expires_at >= sa.func.now()
+    )
+
+
+def holders(t: models.Tables, subscription: str) -> sa.CompoundSelect[Any]:
+    """(name, host, pid) of the subscription's live members and unexpired partition owners."""
+    m, p = t.members.c, t.partitions.c
+    members = sa.select(m.member, m.host, m.pid).where(
+        m.subscription == subscription, m.expires_at >= sa.func.now()
+    )
+    owners = sa.select(p.owner, p.owner_host, p.owner_pid).where(
+        p.subscription == subscription, p.owner.is_not(None), p.expires_at >= sa.func.now()
+    )
+    return sa.union(members, owners)
