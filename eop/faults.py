@@ -14,8 +14,8 @@ probability at every pass, or exactly once at the NTH pass. Actions:
 - ``kill``: SIGKILL this process (``kill:S`` from a timer within S seconds,
   while the code goes on: a crash *during* the step that follows);
 - ``raise``: raise :class:`FaultInjected` at the point;
-- ``stall:S``: sleep S seconds without blocking the event loop (past AckWait,
-  so that the server redelivers while this delivery still runs);
+- ``stall:S``: sleep S seconds without blocking the event loop (a live worker's
+  long step: the leases of what it holds are renewed meanwhile);
 - ``freeze:S``: block the whole process for S seconds, like a long GC pause
   or a starved CPU (heartbeats stop too).
 

@@ -336,9 +336,14 @@ def kill_plan(
 
 
 def stall_plan(seed: int, incarnation: int, ack_wait_s: float) -> WorkerPlan:
-    """Hold the claims of the first four deliveries for 2 x AckWait each."""
+    """Freeze the process at its first two claims for 2 x AckWait each.
+
+    A live worker keeps its deliveries' leases however long a claim takes
+    (eop.broker.leases): only a frozen process lets them run out while it still
+    holds the claim, so that the redelivery's claim waits it out.
+    """
     stall_s = round(ack_wait_s * 2.0, 2)
-    rules = tuple(faults.Rule("after_claim", "stall", stall_s, nth=n) for n in range(1, 5))
+    rules = tuple(faults.Rule("after_claim", "freeze", stall_s, nth=n) for n in range(1, 3))
     return WorkerPlan(rules, seed + incarnation)
 
 
@@ -352,14 +357,17 @@ def worker_plan(
 ) -> WorkerPlan:
     """Arm a kill at each of ``spots`` (at a random pass), plus rare raises and stalls.
 
-    With ``stall`` it is a staller: half its claims are held past AckWait and past
-    the lock timeout of the redeliveries that wait on them (overlapping deliveries).
+    With ``stall`` it is a staller: half its claims are held past AckWait, its
+    leases renewed meanwhile (a live worker's long claim), and a few of them in a
+    frozen process, past the lock timeout of the redeliveries that wait on them
+    (overlapping deliveries).
     """
     rng = random.Random(f"eop-chaos-worker:{seed}:{incarnation}")
     rules: list[faults.Rule] = []
     stall_s = round(ack_wait_s * 2.0, 2)
     if stall:
         rules.append(faults.Rule("after_claim", "stall", stall_s, probability=0.5))
+        rules.append(faults.Rule("before_commit", "freeze", stall_s, probability=0.02))
     rules += [spot.rule(rng.randint(1, spot.passes)) for spot in spots]
     extra = [
         faults.Rule(rng.choice(faults.DELIVERY_POINTS), "raise", probability=0.01),

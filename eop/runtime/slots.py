@@ -32,10 +32,20 @@ class Slots:
         if self._closed:
             return 0
         if self.free <= 0 or self._waiters:
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter: asyncio.Future[None] = loop.create_future()
             self._waiters.append(waiter)
             try:
-                await waiter
+                while True:
+                    await waiter
+                    if self._closed or self.free > 0:
+                        break
+                    # Woken, but the slots went back out (borrow()) before this loop ran:
+                    # 0 would read as a stop, and its fetch loop would end for good. It
+                    # waits again, still first in line.
+                    renewed: asyncio.Future[None] = loop.create_future()
+                    self._waiters[self._waiters.index(waiter)] = renewed
+                    waiter = renewed
             except asyncio.CancelledError:
                 self._waiters.remove(waiter)
                 self._wake_next()  # its turn, if it had come, passes on

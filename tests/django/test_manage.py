@@ -243,6 +243,17 @@ async def test_sigterm_ends_a_worker_whose_orm_handler_hangs_and_the_message_com
         return bool((await js.consumer_info("DJ", "eop-slow")).num_ack_pending)
 
     await wait_for(in_flight, timeout_s=30, what="the message in flight")
+
+    async def in_handler() -> bool:
+        # Delivered is not yet running: the handler's thread is in its sleep once its
+        # transaction waits, idle, after the balance's UPDATE.
+        found = await rows(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE state = 'idle in transaction' AND query ILIKE '%%balance%%'"
+        )
+        return bool(found[0][0])
+
+    await wait_for(in_handler, timeout_s=30, what="the handler in its sleep")
     stuck.send_signal(signal.SIGTERM)
     # A liveness bound far above the stop deadline (grace 2 + ack_give_up 10 + 5 s).
     assert await asyncio.to_thread(stuck.wait, 60) == shutdown.EXIT_FORCED
