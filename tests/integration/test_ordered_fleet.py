@@ -356,3 +356,36 @@ async def test_a_message_that_kills_every_owner_is_dead_lettered_as_a_crash_loop
     async with engine.connect() as conn:
         reasons = (await conn.execute(sa.text("SELECT reason FROM eop.dead_letters"))).all()
     assert [r[0] for r in reasons] == ["crash_loop"]
+
+
+async def test_two_ordered_handlers_in_one_process_drain_a_burst_at_default_concurrency(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """Two ordered handlers of four partitions each share one process's slots at the
+    default concurrency; a burst keeps keys' messages queued behind their running lanes,
+    whose slots are given back and borrowed again all the time. No partition's fetch
+    loop may end while its lease is renewed: every step is applied, once and in order
+    (a new user's run stalled at 709 and 1005 of 1,200 for good)."""
+    accounts, steps = 30, 40
+    await create_ledger(engine, accounts)
+    app = ledger_app(database_url, nats_url, 4, concurrency=eop.Settings().concurrency)
+
+    @app.handler(
+        stream=STREAM,
+        subject="ledger.*.step",
+        name="ledger_copy",
+        order_by="subject:1",
+        partitions=4,
+    )
+    async def copy(msg: eop.Message, session: AsyncSession) -> None:
+        await asyncio.sleep(0.001)
+
+    async with running(app):
+        await publish_burst(nats_url, accounts, steps)
+        for name in ("eop-ledger", "eop-ledger_copy"):
+            await wait_for(
+                lambda name=name: drained(js, name, STREAM),
+                timeout_s=120,
+                what=f"{name}'s partitions drained",
+            )
+    assert await ledger_counts(engine) == (accounts * steps, 0, 0)
