@@ -40,9 +40,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("stream", "consumer", name="ack_floors_pkey"),
         schema=schema,
     )
-    op.create_index(
-        "ack_floors_subscription_idx", "ack_floors", ["subscription"], schema=schema
-    )
+    op.create_index("ack_floors_subscription_idx", "ack_floors", ["subscription"], schema=schema)
 
 
 def downgrade() -> None:
