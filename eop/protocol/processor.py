@@ -204,14 +204,13 @@ class Processor:
             # alone, so that a message killing its process does not take the runs
             # of others with it (docs/design.md, 'Crash loops').
             counted: list[int] = []
-            async with self.suspects:
-                return await self._claiming(
-                    delivery,
-                    lambda m: self._suspect(delivery, m, logger, counted),
-                    msg,
-                    logger,
-                    contended=self.in_contention,
-                )
+            return await self._claiming(
+                delivery,
+                lambda m: self._suspect(delivery, m, logger, counted),
+                msg,
+                logger,
+                contended=self.in_contention,
+            )
         return await self._claiming(
             delivery,
             lambda m: self._attempt(delivery, m, logger),
@@ -324,15 +323,18 @@ class Processor:
         """A redelivered message: count its run (once, however often the step is retried
         for the database), committed before the handler starts; dead-letter it as a crash
         loop past ``max_deliveries`` runs without an outcome, else attempt it."""
-        if not counted:
-            async with self.store.transaction(self.spec) as tx:
-                runs = await tx.count_run(msg)
-                await tx.commit()
-            counted.append(runs)
-        if counted[0] > self.settings.max_deliveries:
-            dead = crash_loop(counted[0], self.settings.max_deliveries)
-            return await self._dead_letter(delivery, msg, dead, logger)
-        return await self._attempt(delivery, msg, logger)
+        # Held for the run only: a retry's backoff (an outage, a lock held elsewhere)
+        # must not keep the process's other redeliveries waiting.
+        async with self.suspects:
+            if not counted:
+                async with self.store.transaction(self.spec) as tx:
+                    runs = await tx.count_run(msg)
+                    await tx.commit()
+                counted.append(runs)
+            if counted[0] > self.settings.max_deliveries:
+                dead = crash_loop(counted[0], self.settings.max_deliveries)
+                return await self._dead_letter(delivery, msg, dead, logger)
+            return await self._attempt(delivery, msg, logger)
 
     async def _attempt(
         self, delivery: Delivery, msg: message.Message, logger: log.Logger
