@@ -127,11 +127,12 @@ def test_consumer_is_recreated_at_most_once_a_minute() -> None:
 
 
 def test_stall_plan_holds_the_first_claims_past_ack_wait() -> None:
-    """The drain's staller holds its first four claims for twice AckWait, then runs calm."""
+    """The drain's staller freezes at its first two claims for twice AckWait (a live
+    worker would renew their leases), then runs calm."""
     plan = schedule.stall_plan(3, 7, ack_wait_s=4.0)
     assert plan.kill_point is None
     assert [(r.point, r.action, r.nth) for r in plan.rules] == [
-        ("after_claim", "stall", n) for n in range(1, 5)
+        ("after_claim", "freeze", n) for n in range(1, 3)
     ]
     assert all(r.seconds == 8.0 for r in plan.rules)
     assert faults.parse(plan.env()[faults.FAULTS_VAR]) == list(plan.rules)
