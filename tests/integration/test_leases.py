@@ -36,6 +36,20 @@ ACK_WAIT_S = 2.0
 MAX_DELIVERIES = 2
 
 
+def _scaled_settings(database_url: str, nats_url: str, **changes: Any) -> eop.Settings:
+    """eop's defaults, with AckWait and the lock timeout scaled down together (30 s and
+    5 s by default) so that a hold outlasts every delivery in seconds."""
+    return eop.Settings(
+        database_url=database_url,
+        nats_url=nats_url,
+        ack_wait_s=ACK_WAIT_S,
+        lease_margin_s=0.5,
+        lock_timeout_s=ACK_WAIT_S / 6,
+        max_deliveries=MAX_DELIVERIES,
+        **changes,
+    )
+
+
 async def test_a_hot_row_held_past_every_delivery_dead_letters_nothing(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
@@ -47,16 +61,7 @@ async def test_a_hot_row_held_past_every_delivery_dead_letters_nothing(
     async with engine.begin() as conn:
         await conn.execute(sa.text("CREATE TABLE hot (id int PRIMARY KEY, n int NOT NULL)"))
         await conn.execute(sa.text("INSERT INTO hot VALUES (1, 0), (2, 0)"))
-    # eop's defaults, with AckWait and the lock timeout scaled down together (30 s
-    # and 5 s by default) so that the hold outlasts every delivery in seconds.
-    settings = eop.Settings(
-        database_url=database_url,
-        nats_url=nats_url,
-        ack_wait_s=ACK_WAIT_S,
-        lease_margin_s=0.5,
-        lock_timeout_s=ACK_WAIT_S / 6,
-        max_deliveries=MAX_DELIVERIES,
-    )
+    settings = _scaled_settings(database_url, nats_url)
     app = eop.App(settings=settings)
 
     @app.handler(stream=STREAM, subject=SUBJECT, name="hot_async")
@@ -109,16 +114,7 @@ async def test_parked_retries_waiting_on_a_hot_row_keep_their_runs_leases(
     async with engine.begin() as conn:
         await conn.execute(sa.text("CREATE TABLE hot (id int PRIMARY KEY, n int NOT NULL)"))
         await conn.execute(sa.text("INSERT INTO hot VALUES (1, 0)"))
-    settings = eop.Settings(
-        database_url=database_url,
-        nats_url=nats_url,
-        ack_wait_s=ACK_WAIT_S,
-        lease_margin_s=0.5,
-        lock_timeout_s=ACK_WAIT_S / 6,
-        max_deliveries=MAX_DELIVERIES,
-        backoff_base_s=0.05,
-        retry_poll_s=0.1,
-    )
+    settings = _scaled_settings(database_url, nats_url, backoff_base_s=0.05, retry_poll_s=0.1)
     app = eop.App(settings=settings)
 
     @app.handler(stream=STREAM, subject=SUBJECT, name="parked_hot")
