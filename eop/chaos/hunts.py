@@ -38,6 +38,8 @@ from eop.chaos import publisher, schedule, workers
 from eop.chaos.target import Payload, Target
 
 LONG_MSG_ID_CHARS = 5000
+TERM_WAIT_S = 30.0
+"""How long a scheduled SIGTERM waits for a running worker before it is skipped."""
 _RAW_INBOX = b"_INBOX.eopchaos.raw"
 
 
@@ -147,13 +149,20 @@ class Hunts:
         """SIGTERM a running worker and time its stop (the pool replaces it).
 
         The target slot's, or the next running one's: armed workers die often, and a
-        worker still starting or already stopping has no stop to time.
+        worker still starting or already stopping has no stop to time. When none is
+        running (every slot restarting at once), wait for one rather than skip: a
+        run whose scheduled SIGTERMs all fall into such a moment would time no stop.
         """
         slots = len(self.pool.slots)
-        running = (self.pool.started((fault.target + k) % slots) for k in range(slots))
-        inc = next((inc for inc in running if inc is not None), None)
-        if inc is None:
-            return False
+        give_up = time.monotonic() + TERM_WAIT_S
+        while True:
+            running = (self.pool.started((fault.target + k) % slots) for k in range(slots))
+            inc = next((inc for inc in running if inc is not None), None)
+            if inc is not None:
+                break
+            if time.monotonic() >= give_up:
+                return False
+            await asyncio.sleep(0.25)
         self.pool.send_term(inc)
         with contextlib.suppress(subprocess.TimeoutExpired):
             await asyncio.to_thread(inc.proc.wait, self.pool.stop_limit_s + 5.0)
