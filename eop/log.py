@@ -75,6 +75,8 @@ class Event(str, enum.Enum):
     STREAM_INFO_RETRY = "stream.info_retry"
     JETSTREAM_INFO_RETRY = "jetstream.info_retry"
     STREAM_REPLICAS_DIFFER = "stream.replicas_differ"
+    CONSUMER_ACK_WAIT_CHANGED = "consumer.ack_wait_changed"
+    """A worker gave its handler's existing consumer the AckWait of its settings."""
     NATS_DISCONNECTED = "nats.disconnected"
     NATS_RECONNECTED = "nats.reconnected"
     NATS_ERROR = "nats.error"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import json
 import uuid
@@ -388,6 +389,7 @@ async def ensure_consumer(
                 ) from None
         else:
             _check_consumer(info.config, spec, settings)
+            await _match_ack_wait(js, info.config, spec, settings, create=create)
             return
         config = api.ConsumerConfig(
             durable_name=spec.durable,
@@ -416,6 +418,46 @@ async def ensure_consumer(
                 f"cannot create consumer {spec.durable!r} on stream {spec.stream!r} for "
                 f"handler {spec.name!r}: {_describe(exc)}{hint}"
             ) from None
+
+
+async def _match_ack_wait(
+    js: JetStreamContext,
+    config: api.ConsumerConfig,
+    spec: HandlerSpec,
+    settings: Settings,
+    *,
+    create: bool,
+) -> None:
+    """Give an existing consumer the AckWait the worker times its leases by.
+
+    The server takes a durable's AckWait from the config it was created with;
+    a worker that renews and checks leases by another one would either let
+    them lapse (a longer setting: redeliveries of messages still held) or
+    count them short. So a changed ``ack_wait_s`` updates the consumer (the
+    last worker started sets it, as for any rollout), and where eop may not
+    touch consumers the mismatch is an error naming both fixes.
+    """
+    want = spec.ack_wait_s or settings.ack_wait_s
+    have = config.ack_wait
+    if have is None or abs(have - want) < 0.001:
+        return
+    if not create:
+        raise errors.ConfigurationError(
+            f"consumer {spec.durable!r} on stream {spec.stream!r} has AckWait {have:g} s but "
+            f"handler {spec.name!r} times its leases by ack_wait_s {want:g} s, and creating "
+            f"consumers is off (--no-create): set EOP_ACK_WAIT_S={have:g} (or the handler's "
+            f"ack_wait_s=), or `nats consumer edit {spec.stream} {spec.durable} "
+            f"--wait {want:g}s`"
+        )
+    await js.add_consumer(spec.stream, dataclasses.replace(config, ack_wait=want))
+    log.get_logger().info(
+        log.Event.CONSUMER_ACK_WAIT_CHANGED,
+        handler=spec.name,
+        stream=spec.stream,
+        durable=spec.durable,
+        ack_wait_s=want,
+        was_s=have,
+    )
 
 
 async def _stream_subjects(js: JetStreamContext, stream: str) -> list[str] | None:

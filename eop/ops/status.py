@@ -31,6 +31,7 @@ from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.ops import partition_status, stuck, tables
 from eop.pg import floors, migrate, models, ownership, sql
+from eop.settings import Settings
 
 #: Share of max_ack_pending from which the window is reported as nearly full.
 NEARLY_FULL = 0.9
@@ -106,6 +107,8 @@ class HandlerStatus:
     every partition, for an ordered handler); None when none is known to wait."""
     oldest_unacked_s: float | None = None
     """How long it has waited, at least (:mod:`eop.ops.stuck`)."""
+    ack_wait_s: float | None = None
+    """The consumer's AckWait, as the server holds it (None: not read)."""
     stuck_after_s: float | None = None
     """A delivery unacknowledged longer is stuck: ``stuck_after_ack_waits`` AckWaits."""
     anomalies: list[str] = dataclasses.field(default_factory=list)
@@ -175,7 +178,7 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
             observed = await floors.read(
                 app.engine, models.tables(app.settings.schema), spec.name, spec.stream
             )
-            await _from_nats(js, epochs, spec, status)
+            await _from_nats(js, epochs, spec, status, app.settings)
             await _unacked(nc, app, spec, status, observed)
             await _from_database(app, spec, status)
             if status.ordered is not None:
@@ -191,7 +194,11 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
 
 
 async def _from_nats(
-    js: JetStreamContext, epochs: jetstream.StreamEpochs, spec: HandlerSpec, status: HandlerStatus
+    js: JetStreamContext,
+    epochs: jetstream.StreamEpochs,
+    spec: HandlerSpec,
+    status: HandlerStatus,
+    settings: Settings,
 ) -> None:
     try:
         stream = await js.stream_info(spec.stream)
@@ -230,6 +237,14 @@ async def _from_nats(
     status.ack_pending = int(info.num_ack_pending or 0)
     status.max_ack_pending = int(info.config.max_ack_pending or 0)
     status.redelivered = int(info.num_redelivered or 0)
+    status.ack_wait_s = info.config.ack_wait
+    want = spec.ack_wait_s or settings.ack_wait_s
+    if status.ack_wait_s is not None and abs(status.ack_wait_s - want) >= 0.001:
+        status.warnings.append(
+            f"WARNING: consumer {spec.durable!r} has AckWait {status.ack_wait_s:g} s, but "
+            f"these settings say {want:g} s: workers started with them set it to theirs "
+            "(with creating consumers off they refuse to start)"
+        )
     status.waiting_pulls = int(info.num_waiting or 0)
     if info.ack_floor is not None:
         status.ack_floor = int(info.ack_floor.stream_seq)
@@ -246,7 +261,7 @@ async def _unacked(
 ) -> None:
     """The oldest unacknowledged delivery of each consumer, and those that are stuck."""
     status.stuck_after_s = app.settings.stuck_after_ack_waits * (
-        spec.ack_wait_s or app.settings.ack_wait_s
+        status.ack_wait_s or spec.ack_wait_s or app.settings.ack_wait_s
     )
     names: dict[int | None, str | None] = {None: spec.durable}
     if status.ordered is not None:

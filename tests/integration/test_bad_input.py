@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from nats.js import api
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import eop
 from eop import embedded
@@ -84,6 +85,72 @@ async def test_conflicting_consumer_names_each_differing_field_and_the_fix(
         "nats consumer rm ORDERS eop-cli",
     ):
         assert part in line
+
+
+async def test_a_consumer_with_another_ack_wait_gets_the_settings_one_at_bind(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, workers: Workers
+) -> None:
+    """A changed EOP_ACK_WAIT_S reaches the existing consumer: `eop status` shows the
+    difference as a warning, and the next worker gives the consumer its AckWait (logged)
+    and works."""
+    await create_effects_table(engine)
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    await js.add_consumer(
+        STREAM,
+        api.ConsumerConfig(
+            durable_name="eop-cli",
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=30.0,
+            filter_subject="ORDERS.created",
+        ),
+    )
+    env = eop_env(database_url, nats_url)
+    before = await asyncio.to_thread(run_eop, "status", APP, "--json", env=env)
+    [row] = json.loads(before.stdout)
+    assert row["ack_wait_s"] == 30.0
+    assert any("has AckWait 30 s" in w for w in row["warnings"]), row["warnings"]
+    workers.start()
+
+    async def updated() -> bool:
+        info = await js.consumer_info(STREAM, "eop-cli")
+        return bool(info.config.ack_wait == float(env["EOP_ACK_WAIT_S"]))
+
+    await wait_for(updated, what="the consumer's AckWait to follow the settings")
+    await publish(js, "after")
+    await wait_for(lambda: drained(js, "eop-cli"), what="the message")
+    assert workers.stop_all() == [0]
+    assert await effects_by_body(engine) == {"after": 1}
+    assert '"event": "consumer.ack_wait_changed"' in workers.logs()
+    after = await asyncio.to_thread(run_eop, "status", APP, "--json", env=env)
+    assert json.loads(after.stdout)[0]["warnings"] == []
+
+
+async def test_a_consumer_with_another_ack_wait_without_create_is_one_clear_line(
+    database_url: str, nats_url: str, js: Any
+) -> None:
+    """--no-create: eop may not touch the consumer, so a different AckWait (leases timed
+    wrong) stops the worker at start, naming both fixes."""
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    await js.add_consumer(
+        STREAM,
+        api.ConsumerConfig(
+            durable_name="eop-cli",
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=30.0,
+            filter_subject="ORDERS.created",
+        ),
+    )
+    result = await asyncio.to_thread(
+        run_eop, "worker", APP, "--no-create", env=eop_env(database_url, nats_url)
+    )
+    assert_clear_error(
+        result,
+        "consumer 'eop-cli' on stream 'ORDERS' has AckWait 30 s",
+        "EOP_ACK_WAIT_S=30",
+        "nats consumer edit ORDERS eop-cli --wait 4s",
+    )
+    info = await js.consumer_info(STREAM, "eop-cli")
+    assert info.config.ack_wait == 30.0
 
 
 def test_unknown_handler_lists_the_known_ones(database_url: str, nats_url: str) -> None:

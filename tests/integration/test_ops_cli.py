@@ -176,7 +176,10 @@ async def test_status_cli_json_and_clear_errors_for_missing_consumer_and_schema(
     await js.add_consumer(
         STREAM,
         api.ConsumerConfig(
-            durable_name="eop-billing", ack_policy=api.AckPolicy.EXPLICIT, filter_subject=SUBJECT
+            durable_name="eop-billing",
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=float(env["EOP_ACK_WAIT_S"]),
+            filter_subject=SUBJECT,
         ),
     )
     await js.publish(SUBJECT, b"waiting")
@@ -185,6 +188,7 @@ async def test_status_cli_json_and_clear_errors_for_missing_consumer_and_schema(
     [row] = json.loads(ok.stdout)
     assert (row["num_pending"], row["ack_pending"], row["max_ack_pending"]) == (1, 0, 1000)
     assert row["warnings"] == []
+    assert row["ack_wait_s"] == float(env["EOP_ACK_WAIT_S"])
     unmigrated = run_eop("status", APP, env=eop_env(empty_database_url, nats_url))
     assert unmigrated.returncode == 1
     assert "eop db upgrade" in unmigrated.stderr

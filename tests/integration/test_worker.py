@@ -307,16 +307,17 @@ async def test_two_deliveries_of_one_message_at_once_commit_once(
             await release_first.wait()
 
     await js.add_stream(name=STREAM, subjects=["ORDERS.>"], metadata={"eop_epoch": "e1"})
-    # A short AckWait on the server and a long one in eop: no heartbeat rescues
-    # the first delivery's lease, so the server hands the message out again.
-    await js.add_consumer(
-        STREAM,
-        api.ConsumerConfig(
-            durable_name="eop-race", ack_policy=api.AckPolicy.EXPLICIT, ack_wait=1.0,
-            filter_subject=SUBJECT, max_deliver=-1,
-        ),
-    )  # fmt: skip
     async with running(app), running(app):
+        # A short AckWait on the server and a long one in eop (set behind the bound
+        # workers' backs): no renewal rescues the first delivery's lease, so the
+        # server hands the message out again.
+        await js.add_consumer(
+            STREAM,
+            api.ConsumerConfig(
+                durable_name="eop-race", ack_policy=api.AckPolicy.EXPLICIT, ack_wait=1.0,
+                filter_subject=SUBJECT, max_deliver=-1,
+            ),
+        )  # fmt: skip
         await publish(js, "r")
         await asyncio.wait_for(first_started.wait(), 10)
         await wait_for(lambda: _claim_waiting(bed_engine), what="the second claim to wait")
