@@ -79,3 +79,15 @@ def retrying(
 
 async def _sleep(delay_s: float) -> None:
     await asyncio.sleep(delay_s)
+
+
+async def stopped_within(stopping: asyncio.Event, delay_s: float) -> bool:
+    """Wait ``delay_s`` before a retry; True, at once, if ``stopping`` is set meanwhile.
+
+    A backoff must never hold a stopping worker past its grace.
+    """
+    try:
+        await asyncio.wait_for(stopping.wait(), delay_s)
+    except asyncio.TimeoutError:
+        return False
+    return True

@@ -140,18 +140,11 @@ class BatchProcessor:
         message alone: it does not sink the others. A cancellation is no failure
         (``BaseException``): it passes.
         """
-        if serial:
-            results = [await caught(step()) for _, step in work]
-        else:
-            results = await asyncio.gather(*(caught(step()) for _, step in work))
-        outcomes: list[Outcome] = []
-        for (delivery, _), result in zip(work, results, strict=True):
-            if isinstance(result, Outcome):
-                outcomes.append(result)
-                self._settled[id(delivery)] = result
-            else:
-                self._unsettled.append((delivery, result))
-        return outcomes
+        settled, unsettled = await run_each(work, serial=serial)
+        self._unsettled.extend(unsettled)
+        for delivery, outcome in settled:
+            self._settled[id(delivery)] = outcome
+        return [outcome for _, outcome in settled]
 
     def _log_failure(self, items: list[_Item], exc: Exception) -> None:
         log_failure(self.spec.name, [i.msg for i in items], exc)
@@ -350,6 +343,25 @@ def log_failure(
         error=log.describe_error(exc)[:2000],
         traceback=log.format_traceback(exc),
     )
+
+
+async def run_each(
+    work: Sequence[_Step], *, serial: bool
+) -> tuple[list[tuple[Delivery, Outcome]], list[tuple[Delivery, Exception]]]:
+    """Run each delivery's step, concurrently or one after another: the outcomes, and the
+    deliveries whose step raised with what it raised (one failure sinks no other)."""
+    if serial:
+        results = [await caught(step()) for _, step in work]
+    else:
+        results = await asyncio.gather(*(caught(step()) for _, step in work))
+    settled: list[tuple[Delivery, Outcome]] = []
+    unsettled: list[tuple[Delivery, Exception]] = []
+    for (delivery, _), result in zip(work, results, strict=True):
+        if isinstance(result, Outcome):
+            settled.append((delivery, result))
+        else:
+            unsettled.append((delivery, result))
+    return settled, unsettled
 
 
 async def caught(step: Awaitable[Outcome]) -> Outcome | Exception:

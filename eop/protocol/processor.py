@@ -305,17 +305,9 @@ class Processor:
                 # The lease is renewed while the message waits: an outage of any
                 # length costs it no redelivery.
                 async with self.leases.keep([delivery], self.ack_wait_s):
-                    stopped = await self._stopped_within(delay_s)
+                    stopped = await retry.stopped_within(self.stopping, delay_s)
                 if stopped:
                     return await self.nak(delivery, msg, 0.0, logger)
-
-    async def _stopped_within(self, delay_s: float) -> bool:
-        """Sleep ``delay_s``; True (at once) if the worker stops meanwhile."""
-        try:
-            await asyncio.wait_for(self.stopping.wait(), delay_s)
-        except asyncio.TimeoutError:
-            return False
-        return True
 
     async def _suspect(
         self, delivery: Delivery, msg: message.Message, logger: log.Logger, counted: list[int]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 from eop import errors, faults, log, message
@@ -136,18 +137,10 @@ class RetryBatch:
         """Each run in a transaction of its own (:meth:`Processor.retry_parked`); a run that
         fails for eop's own reason is noted for :class:`eop.protocol.batch.Unsettled`, and
         does not sink the others."""
-        steps = [self.single.retry_parked(d) for d in deliveries]
-        if serial:
-            results = [await batch.caught(step) for step in steps]
-        else:
-            results = list(await asyncio.gather(*(batch.caught(step) for step in steps)))
-        outcomes: list[Outcome] = []
-        for delivery, result in zip(deliveries, results, strict=True):
-            if isinstance(result, Outcome):
-                outcomes.append(result)
-            else:
-                self._unsettled.append((delivery, result))
-        return outcomes
+        work = [(d, functools.partial(self.single.retry_parked, d)) for d in deliveries]
+        settled, unsettled = await batch.run_each(work, serial=serial)
+        self._unsettled.extend(unsettled)
+        return [outcome for _, outcome in settled]
 
     def _log_failure(self, runs: list[_Run], exc: Exception) -> None:
         batch.log_failure(self.spec.name, [r.msg for r in runs], exc, parked=True)

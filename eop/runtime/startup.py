@@ -79,7 +79,7 @@ async def retrying(
     async def sleep(delay_s: float) -> None:
         if stopping is None:
             await asyncio.sleep(delay_s)
-        elif await _stopped_within(stopping, delay_s):
+        elif await retry.stopped_within(stopping, delay_s):
             raise Stopped
 
     retrier = retry.retrying(
@@ -173,14 +173,6 @@ async def _unless_stopped(step: Callable[[], Awaitable[T]], stopping: asyncio.Ev
         raise Stopped
     # Done, even if a stop came at the same moment: what it opened is the caller's to close.
     return task.result()
-
-
-async def _stopped_within(stopping: asyncio.Event, delay_s: float) -> bool:
-    try:
-        await asyncio.wait_for(stopping.wait(), delay_s)
-    except asyncio.TimeoutError:
-        return False
-    return True
 
 
 def _described(exc: BaseException | None) -> str:

@@ -410,7 +410,7 @@ class Worker(hosting.Hosted):
         """
         wait_s = self.settings.retry_poll_s
         failures = 0
-        while not await self._stopped_within(wait_s):
+        while not await retry.stopped_within(self._stopping, wait_s):
             wait_s = self.settings.retry_poll_s
             free = await self._take_slots()
             parked: list[retries.ParkedDelivery] = []
@@ -440,14 +440,6 @@ class Worker(hosting.Hosted):
                     self._spawn(self._process(proc, poll, taken_at))
             if parked and len(parked) == free:
                 wait_s = 0.0
-
-    async def _stopped_within(self, delay_s: float) -> bool:
-        """Sleep ``delay_s``; True (at once) if the worker stops meanwhile."""
-        try:
-            await asyncio.wait_for(self._stopping.wait(), delay_s)
-        except asyncio.TimeoutError:
-            return False
-        return True
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

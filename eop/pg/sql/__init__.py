@@ -421,14 +421,6 @@ def _delete_below_watermark(t: models.Tables) -> sa.Executable:
     )
 
 
-def count_inbox(t: models.Tables, subscription: str | None = None) -> sa.Select[Any]:
-    """Inbox rows, of one subscription or all."""
-    stmt = sa.select(sa.func.count()).select_from(t.inbox)
-    if subscription is not None:
-        stmt = stmt.where(t.inbox.c.subscription == subscription)
-    return stmt
-
-
 def _key_params(subscription: str, stream: str, epoch: str, seq: int) -> dict[str, Any]:
     """The values of :func:`_in_bound_key`'s parameters."""
     return {**_epoch_params(subscription, stream, epoch), "p_seq": seq}
@@ -531,27 +523,6 @@ def _insert_dead_letter(t: models.Tables) -> sa.Executable:
     c = t.dead_letters.c
     values = {name: sa.bindparam(f"p_{name}", type_=c[name].type) for name in _DEAD_LETTER_COLUMNS}
     return postgresql.insert(t.dead_letters).values(values).on_conflict_do_nothing().returning(c.id)
-
-
-def count_effects(t: models.Tables, subscription: str) -> sa.Select[tuple[str, int]]:
-    """Inbox rows of a subscription by outcome."""
-    c = t.inbox.c
-    return (
-        sa.select(c.outcome, sa.func.count())
-        .where(c.subscription == subscription)
-        .group_by(c.outcome)
-    )
-
-
-def list_dead_letters(t: models.Tables, subscription: str | None = None) -> sa.Select[Any]:
-    """Dead letters, newest first, optionally of one subscription."""
-    c = t.dead_letters.c
-    stmt = sa.select(
-        c.id, c.subscription, c.stream, c.stream_seq, c.subject, c.reason, c.error, c.created_at
-    ).order_by(c.id.desc())
-    if subscription is not None:
-        stmt = stmt.where(c.subscription == subscription)
-    return stmt
 
 
 # --- Dead letters (`eop dlq`) and handler status (`eop status`) -------------
