@@ -54,8 +54,9 @@ from eop.chaos.report import Report
 from eop.chaos.target import Payload, Target, WriterResult
 from eop.chaos.workers import BatchMode
 from eop.handler import HandlerSpec
-from eop.pg import migrate, models, sql
+from eop.pg import migrate, models
 from eop.pg.sql import outbox as outbox_sql
+from eop.pg.sql import retries as retries_sql
 from eop.settings import Settings
 
 DATABASE = "chaos"
@@ -469,7 +470,7 @@ class _Run:
             tables = models.tables()
             with engine.connect() as conn:
                 found = sum(
-                    int(conn.execute(sql.count_parked(tables, spec.name)).scalar_one())
+                    int(conn.execute(retries_sql.count_parked(tables, spec.name)).scalar_one())
                     for spec in self.specs
                 )
                 if self.config.target.downstream or self.config.target.writer is not None:

@@ -30,7 +30,10 @@ from eop.app import App, select_handlers
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.ops import partition_status, stuck, tables
-from eop.pg import floors, migrate, models, ownership, sql
+from eop.pg import floors, migrate, models, ownership
+from eop.pg.sql import dead_letters as dead_letters_sql
+from eop.pg.sql import inbox as inbox_sql
+from eop.pg.sql import retries as retries_sql
 from eop.settings import Settings
 
 #: Share of max_ack_pending from which the window is reported as nearly full.
@@ -397,13 +400,17 @@ def replicas_warnings(declared: int | None, status: HandlerStatus) -> list[str]:
 async def _from_database(app: App, spec: HandlerSpec, status: HandlerStatus) -> None:
     t = models.tables(app.settings.schema)
     async with app.sessionmaker() as session:
-        rows, last = (await session.execute(sql.inbox_summary(t, spec.name))).one()
+        rows, last = (await session.execute(dead_letters_sql.inbox_summary(t, spec.name))).one()
         status.inbox_rows, status.last_processed_at = int(rows), last
-        total, unreplayed = (await session.execute(sql.dead_letter_summary(t, spec.name))).one()
+        total, unreplayed = (
+            await session.execute(dead_letters_sql.dead_letter_summary(t, spec.name))
+        ).one()
         status.dead_letters, status.dead_letters_unreplayed = int(total), int(unreplayed)
-        status.retrying = int((await session.execute(sql.count_parked(t, spec.name))).scalar_one())
+        status.retrying = int(
+            (await session.execute(retries_sql.count_parked(t, spec.name))).scalar_one()
+        )
         if status.epoch is not None:
-            stmt = sql.watermark(t, spec.name, spec.stream, status.epoch)
+            stmt = inbox_sql.watermark(t, spec.name, spec.stream, status.epoch)
             value: Any = (await session.execute(stmt)).scalar()
             status.watermark = int(value) if value is not None else 0
 

@@ -18,7 +18,7 @@ from sqlalchemy.engine.interfaces import ExecuteStyle
 
 from eop import errors, log
 from eop import settings as settings_mod
-from eop.pg import sql
+from eop.pg.sql import base as base_sql
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection
@@ -240,7 +240,7 @@ def _probe(conn: Any) -> bool:
     """Whether the DBAPI connection ``conn`` reaches PostgreSQL through a pooler."""
     cursor = conn.cursor()
     try:
-        cursor.execute(sql.BACKEND_PID)
+        cursor.execute(base_sql.BACKEND_PID)
         row = cursor.fetchone()
     finally:
         cursor.close()
@@ -274,7 +274,7 @@ async def transaction_pooled(conn: AsyncConnection, pooler: settings_mod.DbPoole
 async def behind_pooler(conn: AsyncConnection) -> bool:
     """Whether ``conn`` reaches PostgreSQL through a pooler (its transaction is rolled back)."""
     try:
-        pid = (await conn.execute(sql.backend_pid())).scalar_one()
+        pid = (await conn.execute(base_sql.backend_pid())).scalar_one()
     finally:
         await conn.rollback()
     raw = await conn.get_raw_connection()

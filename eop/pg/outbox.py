@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from eop import errors, outgoing, settings, writes
 from eop.pg import models
-from eop.pg import sql as sql_text
+from eop.pg.sql import base as base_sql
 from eop.pg.sql import outbox as sql
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def add(
     elif isinstance(target, orm.Session):
         target.execute(statement, row)
     elif connection is not None:
-        text, values = sql_text.for_psycopg(statement, row)
+        text, values = base_sql.for_psycopg(statement, row)
         with connection.cursor() as cursor:
             cursor.execute(text, values)
     return message.msg_id

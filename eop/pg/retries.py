@@ -20,7 +20,8 @@ from typing import Any
 
 from eop import message
 from eop.handler import HandlerSpec
-from eop.pg import sql, store
+from eop.pg import store
+from eop.pg.sql import retries as retries_sql
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,7 @@ async def take_due(
     store: store.PostgresStore, spec: HandlerSpec, limit: int, lease_s: float
 ) -> list[ParkedDelivery]:
     """Lease up to ``limit`` parked messages of ``spec`` whose retry is due."""
-    stmt, params = sql.take_due(store.tables, spec.name, limit, lease_s)
+    stmt, params = retries_sql.take_due(store.tables, spec.name, limit, lease_s)
     async with store.session() as session, session.begin():
         rows = (await session.execute(stmt, params)).all()
     return [_delivery(store, spec, tuple(row), lease_s) for row in rows]
@@ -105,7 +106,7 @@ async def take_due(
 def _renewal(
     store: store.PostgresStore, spec: HandlerSpec, msg: message.Message, runs: int, lease_s: float
 ) -> Callable[[], Awaitable[None]]:
-    stmt, params = sql.renew_run(
+    stmt, params = retries_sql.renew_run(
         store.tables, spec.name, msg.stream, msg.stream_epoch, msg.seq, runs, lease_s
     )
 

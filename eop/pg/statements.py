@@ -19,8 +19,10 @@ import sqlalchemy as sa
 
 from eop import message as message_mod
 from eop import redaction
-from eop.pg import models, sql
+from eop.pg import models
 from eop.pg.inbox import DeadLetter, Existing
+from eop.pg.sql import inbox as inbox_sql
+from eop.pg.sql import retries as retries_sql
 
 if TYPE_CHECKING:
     from eop.handler import HandlerSpec
@@ -101,11 +103,11 @@ class Statements(abc.ABC):
         """
         if not messages:
             return set()
-        stmt = sql.claim(self.tables, self.claim_arguments(messages, outcome))
+        stmt = inbox_sql.claim(self.tables, self.claim_arguments(messages, outcome))
         return {int(row[0]) for row in await self._rows(stmt)}
 
     def claim_arguments(self, messages: list[Message], outcome: str) -> tuple[Any, ...]:
-        """The claim's parameters for ``messages`` (:func:`eop.pg.sql.claim_arguments`): the
+        """The claim's parameters for ``messages`` (:func:`eop.pg.sql.inbox.claim_arguments`): the
         values of :meth:`claim_row`, shared ones once."""
         first = messages[0]
         subscriptions = [m.subscription for m in messages]
@@ -114,7 +116,7 @@ class Statements(abc.ABC):
             first.stream
         ) != len(messages):
             raise ValueError("a batch claim takes the messages of one subscription and stream")
-        return sql.claim_arguments(
+        return inbox_sql.claim_arguments(
             first.subscription,
             first.stream,
             outcome,
@@ -142,21 +144,23 @@ class Statements(abc.ABC):
 
     async def unclaim(self, message: Message) -> None:
         """Drop this transaction's claim of ``message`` (its handler failed in a batch)."""
-        await self._rows(*sql.unclaim(self.tables, *_key(message)))
+        await self._rows(*inbox_sql.unclaim(self.tables, *_key(message)))
 
     async def find(self, message: Message) -> Existing | None:
         """What the inbox holds under the message's key, else under its msg-id."""
-        rows = await self._rows(*sql.find_by_key(self.tables, *_key(message)))
+        rows = await self._rows(*inbox_sql.find_by_key(self.tables, *_key(message)))
         if rows:
             return Existing(by="key", fingerprint=rows[0][0], outcome=rows[0][1])
         if message.msg_id is not None and self.spec.msg_id_guard:
             rows = await self._rows(
-                *sql.find_by_msg_id(self.tables, message.subscription, message.msg_id)
+                *inbox_sql.find_by_msg_id(self.tables, message.subscription, message.msg_id)
             )
             if rows:
                 return Existing(by="msg_id", fingerprint=None, outcome=rows[0][3])
         rows = await self._rows(
-            sql.watermark(self.tables, message.subscription, message.stream, message.stream_epoch)
+            inbox_sql.watermark(
+                self.tables, message.subscription, message.stream, message.stream_epoch
+            )
         )
         if rows and message.seq <= rows[0][0]:
             # Compacted: its outcome committed before the consumer's ack floor passed it.
@@ -165,7 +169,7 @@ class Statements(abc.ABC):
 
     async def has_dead_letter(self, message: Message) -> bool:
         """Whether a dead letter for this message (key and fingerprint) is recorded."""
-        bound = sql.find_dead_letter(self.tables, *_key(message), message.fingerprint)
+        bound = inbox_sql.find_dead_letter(self.tables, *_key(message), message.fingerprint)
         return bool(await self._rows(*bound))
 
     async def count_failure(
@@ -187,7 +191,7 @@ class Statements(abc.ABC):
             "payload": message.data,
             "stored_at": message.timestamp,
         }
-        rows = await self._rows(*sql.count_failure(self.tables, row))
+        rows = await self._rows(*retries_sql.count_failure(self.tables, row))
         return int(rows[0][0])
 
     async def count_run(self, message: Message) -> int:
@@ -203,31 +207,33 @@ class Statements(abc.ABC):
             "payload": message.data,
             "stored_at": message.timestamp,
         }
-        rows = await self._rows(*sql.count_run(self.tables, row))
+        rows = await self._rows(*retries_sql.count_run(self.tables, row))
         return int(rows[0][0]) if rows else 0
 
     async def forget_failures(self, message: Message) -> None:
         """Drop the message's failure count and parked copy (it has its outcome)."""
-        await self._execute(*sql.forget_failures(self.tables, *_key(message)))
+        await self._execute(*retries_sql.forget_failures(self.tables, *_key(message)))
 
     async def reschedule(self, message: Message, due_in_s: float) -> None:
         """Run a parked message again ``due_in_s`` from now."""
-        await self._execute(*sql.reschedule(self.tables, *_key(message), due_in_s))
+        await self._execute(*retries_sql.reschedule(self.tables, *_key(message), due_in_s))
 
     async def lock_run(self, message: Message, runs: int) -> bool:
         """Lock a parked message for its run number ``runs``; False if another run took it."""
-        return bool(await self._rows(*sql.lock_run(self.tables, *_key(message), runs)))
+        return bool(await self._rows(*retries_sql.lock_run(self.tables, *_key(message), runs)))
 
     async def settle_retrying(self, message: Message, outcome: str) -> bool:
         """Give a retrying message its outcome; False when it is not retrying (any more)."""
-        bound = sql.settle_retrying(self.tables, *_key(message), outcome)
+        bound = retries_sql.settle_retrying(self.tables, *_key(message), outcome)
         return bool(await self._rows(*bound))
 
     async def lock_runs(self, messages: list[Message], runs: list[int]) -> set[int]:
         """Lock a poll's parked messages for their runs in one statement; the sequences locked."""
         if not messages:
             return set()
-        bound = sql.lock_runs(self.tables, *_epoch_of(messages), [m.seq for m in messages], runs)
+        bound = retries_sql.lock_runs(
+            self.tables, *_epoch_of(messages), [m.seq for m in messages], runs
+        )
         return {int(row[0]) for row in await self._rows(*bound)}
 
     async def count_parked_failures(
@@ -236,7 +242,7 @@ class Statements(abc.ABC):
         """Count one more failure of each locked parked message; the new counts by sequence."""
         if not messages:
             return {}
-        bound = sql.count_parked_failures(
+        bound = retries_sql.count_parked_failures(
             self.tables,
             *_epoch_of(messages),
             [m.seq for m in messages],
@@ -250,27 +256,31 @@ class Statements(abc.ABC):
         if not messages:
             return set()
         seqs = [m.seq for m in messages]
-        bound = sql.settle_retrying_many(self.tables, *_epoch_of(messages), seqs, outcomes)
+        bound = retries_sql.settle_retrying_many(self.tables, *_epoch_of(messages), seqs, outcomes)
         return {int(row[0]) for row in await self._rows(*bound)}
 
     async def forget_failures_many(self, messages: list[Message]) -> None:
         """Drop the failure counts and parked copies of ``messages``."""
         if messages:
             seqs = [m.seq for m in messages]
-            await self._execute(*sql.forget_failures_many(self.tables, *_epoch_of(messages), seqs))
+            await self._execute(
+                *retries_sql.forget_failures_many(self.tables, *_epoch_of(messages), seqs)
+            )
 
     async def add_dead_letters(self, messages: list[Message], dead: list[DeadLetter]) -> None:
         """Record each message's dead letter, as one executemany where the connection can."""
         rows = [
-            sql.insert_dead_letter(self.tables, self._dead_letter_row(m, d))[1]
+            inbox_sql.insert_dead_letter(self.tables, self._dead_letter_row(m, d))[1]
             for m, d in zip(messages, dead, strict=True)
         ]
         if rows:
-            await self._execute_many(sql.insert_dead_letters(self.tables), rows)
+            await self._execute_many(retries_sql.insert_dead_letters(self.tables), rows)
 
     async def add_dead_letter(self, message: Message, dead: DeadLetter) -> None:
         """Record the dead letter: reason, error, headers without secrets, payload."""
-        await self._rows(*sql.insert_dead_letter(self.tables, self._dead_letter_row(message, dead)))
+        await self._rows(
+            *inbox_sql.insert_dead_letter(self.tables, self._dead_letter_row(message, dead))
+        )
 
     def _dead_letter_row(self, message: Message, dead: DeadLetter) -> dict[str, Any]:
         """The dead letter's columns: the message, headers without secrets, why."""

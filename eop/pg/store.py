@@ -6,7 +6,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
-from eop.pg import failures, models, outbox, sql
+from eop.pg import failures, models, outbox
+from eop.pg.sql import base as base_sql
 from eop.pg.threads import SyncThreads
 
 if TYPE_CHECKING:
@@ -54,8 +55,8 @@ class PostgresStore:
         self.tables = models.tables(app.settings.schema)
         s = app.settings
         timeouts_ms = (int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000))
-        self._timeouts = sql.set_local_timeouts(*timeouts_ms)
-        self._timeouts_text = sql.set_local_timeouts_text(*timeouts_ms)
+        self._timeouts = base_sql.set_local_timeouts(*timeouts_ms)
+        self._timeouts_text = base_sql.set_local_timeouts_text(*timeouts_ms)
         self._threads: SyncThreads | None = None
         self._outbox = outbox.Context(self.tables, s.outbox_max_payload)
 

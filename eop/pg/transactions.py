@@ -19,7 +19,8 @@ import sqlalchemy as sa
 
 from eop import errors, writes
 from eop.outgoing import DEFAULT_MAX_PAYLOAD
-from eop.pg import direct, models, outbox, sql
+from eop.pg import direct, models, outbox
+from eop.pg.sql import inbox as inbox_sql
 from eop.pg.threads import SyncThreads
 
 if TYPE_CHECKING:
@@ -90,8 +91,9 @@ class SqlTransaction(Statements):
         return exc
 
     async def begin(self, timeouts: sa.Executable, timeouts_text: str) -> None:
-        """BEGIN and set the transaction's local timeouts (:func:`eop.pg.sql.set_local_timeouts`,
-        or the same as plain SQL, ``timeouts_text``): the transaction's first statement."""
+        """BEGIN and set the transaction's local timeouts
+        (:func:`eop.pg.sql.base.set_local_timeouts`, or the same as plain SQL,
+        ``timeouts_text``): the transaction's first statement."""
         await self._rows(timeouts)
 
 
@@ -168,7 +170,7 @@ class AsyncTransaction(SqlTransaction):
         if not messages:
             return set()
         arguments = self.claim_arguments(messages, outcome)
-        records = await driver.fetch(sql.claim_driver_text(self.tables.schema), *arguments)
+        records = await driver.fetch(inbox_sql.claim_driver_text(self.tables.schema), *arguments)
         return {int(record[0]) for record in records}
 
     async def _driver(self) -> Any:
@@ -384,11 +386,11 @@ class SyncTransaction(SqlTransaction):
         def execute() -> set[int]:
             connection = self.session.connection()
             if connection.dialect.driver != "psycopg":
-                rows = self.session.execute(sql.claim(self.tables, arguments))
+                rows = self.session.execute(inbox_sql.claim(self.tables, arguments))
             else:
                 rows = connection.exec_driver_sql(
-                    sql.claim_pyformat_text(self.tables.schema),
-                    sql.claim_pyformat_parameters(arguments),
+                    inbox_sql.claim_pyformat_text(self.tables.schema),
+                    inbox_sql.claim_pyformat_parameters(arguments),
                 )
             return {int(row[0]) for row in rows}
 

@@ -22,7 +22,9 @@ from nats.js import JetStreamContext
 from eop import errors, log
 from eop.broker.jetstream import StreamEpochs
 from eop.handler import HandlerSpec
-from eop.pg import failures, sql, store
+from eop.pg import failures, store
+from eop.pg.sql import base as base_sql
+from eop.pg.sql import inbox as inbox_sql
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +204,9 @@ class Compactor:
             return
         t, name, stream = self.store.tables, self.spec.name, self.spec.stream
         async with self.store.session() as session:
-            created = (await session.execute(sql.create_watermark(t, name, stream, epoch))).all()
+            created = (
+                await session.execute(inbox_sql.create_watermark(t, name, stream, epoch))
+            ).all()
             await session.commit()
         if created:
             self._created[epoch] = time.monotonic()
@@ -221,8 +225,8 @@ class Compactor:
         """
         async with self.store.session() as session:
             try:
-                await session.execute(sql.set_local_timeouts(self.settle_lock_ms, 10_000))
-                await session.execute(sql.lock_inbox_shared(self.store.tables))
+                await session.execute(base_sql.set_local_timeouts(self.settle_lock_ms, 10_000))
+                await session.execute(inbox_sql.lock_inbox_shared(self.store.tables))
                 await session.rollback()
             except Exception as exc:
                 if failures.classify(exc) is not failures.DbFailure.LOCK_TIMEOUT:
@@ -246,7 +250,7 @@ class Compactor:
             del self._created[epoch]
         t, name, stream = self.store.tables, self.spec.name, self.spec.stream
         async with self.store.session() as session:
-            stmt, params = sql.advance_watermark(t, name, stream, epoch, candidate)
+            stmt, params = inbox_sql.advance_watermark(t, name, stream, epoch, candidate)
             value = (await session.execute(stmt, params)).scalar_one_or_none()
             await session.commit()
         if value is None:
@@ -272,7 +276,7 @@ class Compactor:
         after = 0 if full else self._swept.get(epoch, 0)
         total = 0
         while True:
-            stmt, params = sql.delete_below_watermark(
+            stmt, params = inbox_sql.delete_below_watermark(
                 self.store.tables,
                 self.spec.name,
                 self.spec.stream,

@@ -26,7 +26,7 @@ from eop.app import App
 from eop.handler import HandlerSpec
 from eop.observe import health, metrics, reports, tracing
 from eop.observe import observer as observe
-from eop.pg import sql
+from eop.pg.sql import base as base_sql
 from eop.settings import Settings
 
 if TYPE_CHECKING:
@@ -135,4 +135,4 @@ class Telemetry:
 
     async def _ping(self) -> None:
         async with self._worker.app.engine.connect() as conn:
-            await conn.execute(sql.ping())
+            await conn.execute(base_sql.ping())

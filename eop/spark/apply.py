@@ -40,7 +40,9 @@ from eop.app import App
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.message import Message
-from eop.pg import failures, inbox, models, sql, transactions
+from eop.pg import failures, inbox, models, transactions
+from eop.pg.sql import base as base_sql
+from eop.pg.sql import inbox as inbox_sql
 from eop.spark import lease
 from eop.spark.transaction import (
     AsyncPartitionTx,
@@ -124,7 +126,7 @@ class Partition:
         self.settings = app.settings
         self.tables = models.tables(app.settings.schema)
         s = app.settings
-        self.timeouts = sql.set_local_timeouts(
+        self.timeouts = base_sql.set_local_timeouts(
             int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000)
         )
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -377,10 +379,12 @@ async def _existing(
         return []
     first = taken[0]
     seqs = [m.seq for m in taken]
-    stmt = sql.find_by_keys(tables, first.subscription, first.stream, first.stream_epoch, seqs)
+    stmt = inbox_sql.find_by_keys(
+        tables, first.subscription, first.stream, first.stream_epoch, seqs
+    )
     by_key = {int(seq): (fp, outcome) for seq, fp, outcome in await tx.select(stmt)}
     mark = await tx.select(
-        sql.watermark(tables, first.subscription, first.stream, first.stream_epoch)
+        inbox_sql.watermark(tables, first.subscription, first.stream, first.stream_epoch)
     )
     watermark = int(mark[0][0]) if mark else 0
     found: list[tuple[Message, inbox.Existing | None]] = []

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from eop import log
 from eop.app import App
-from eop.pg import models, sql
+from eop.pg import models
+from eop.pg.sql import spark as spark_sql
 from eop.spark.apply import Counts
 
 #: The batch id of a batch write's report.
@@ -31,13 +32,13 @@ def leave(app: App, report_id: str, batch_id: int, counts: Counts) -> None:
     row = {"report_id": report_id, "batch_id": batch_id, **counts.as_dict()}
     tables = models.tables(app.settings.schema)
     with app.sync_sessionmaker() as session, session.begin():
-        session.execute(sql.add_spark_report(tables, row))
-        session.execute(sql.purge_spark_reports(tables, ABANDONED_AFTER_S))
+        session.execute(spark_sql.add_spark_report(tables, row))
+        session.execute(spark_sql.purge_spark_reports(tables, ABANDONED_AFTER_S))
 
 
 def take(app: App, report_id: str) -> dict[int, Counts]:
     """The counts left under ``report_id`` by batch id, deleted as they are read."""
-    stmt = sql.take_spark_reports(models.tables(app.settings.schema), report_id)
+    stmt = spark_sql.take_spark_reports(models.tables(app.settings.schema), report_id)
     with app.sync_sessionmaker() as session, session.begin():
         rows = session.execute(stmt).all()
     return {int(batch_id): Counts(*(int(n) for n in counted)) for batch_id, *counted in rows}

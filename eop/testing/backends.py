@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from eop.outgoing import Outgoing
-from eop.pg import retries, sql
+from eop.pg import retries
 from eop.pg.sql import outbox as outbox_sql
+from eop.pg.sql import testkit as testkit_sql
 from eop.pg.store import PostgresStore
 from eop.testing.rows import DeadLetterRow, InboxKey
 from eop.testing.store import MemoryStore
@@ -113,7 +114,7 @@ class PostgresBackend:
 
     async def start(self) -> None:
         """Skip what the database held before the test."""
-        rows = await self._rows(sql.max_ids(self._tables))
+        rows = await self._rows(testkit_sql.max_ids(self._tables))
         self._dead_after, self._outbox_after = int(rows[0][0]), int(rows[0][1])
 
     async def new_outbox(self) -> list[Outgoing]:
@@ -133,7 +134,7 @@ class PostgresBackend:
 
     async def dead_letters(self) -> list[DeadLetterRow]:
         """The dead letters written since :meth:`start`."""
-        rows = await self._rows(sql.dead_letters_after(self._tables, self._dead_after))
+        rows = await self._rows(testkit_sql.dead_letters_after(self._tables, self._dead_after))
         return [_dead_letter(row) for row in rows]
 
     async def take_parked(
@@ -141,7 +142,7 @@ class PostgresBackend:
     ) -> list[retries.ParkedDelivery]:
         """Make ``spec``'s parked messages due, then lease them as the retry loop does."""
         async with self.postgres.session() as session, session.begin():
-            await session.execute(sql.hurry_parked(self._tables, spec.name))
+            await session.execute(testkit_sql.hurry_parked(self._tables, spec.name))
         ack_wait_s = spec.ack_wait_s or self.app.settings.ack_wait_s
         return await retries.take_due(self.postgres, spec, _TAKE_LIMIT, ack_wait_s)
 

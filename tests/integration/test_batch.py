@@ -12,7 +12,8 @@ from structlog.testing import capture_logs
 
 import eop
 from eop import faults, log
-from eop.pg import models, sql
+from eop.pg import models
+from eop.pg.sql import inbox as inbox_sql
 
 from .bed import (
     STREAM,
@@ -307,7 +308,7 @@ async def test_a_round_deletes_only_above_its_previous_watermark(engine: AsyncEn
     ]  # fmt: skip
     async with engine.begin() as conn:
         await conn.execute(t.inbox.insert(), rows)
-        stmt, params = sql.delete_below_watermark(t, "s", "S", "e", 15, 100, 3600.0, after=5)
+        stmt, params = inbox_sql.delete_below_watermark(t, "s", "S", "e", 15, 100, 3600.0, after=5)
         deleted = (await conn.execute(stmt, params)).rowcount
         left = (await conn.execute(sa.select(t.inbox.c.stream_seq))).scalars().all()
     assert deleted == 10

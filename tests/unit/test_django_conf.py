@@ -100,7 +100,9 @@ def test_for_psycopg_binds_values_as_a_session_on_psycopg_would() -> None:
     value bound, a JSONB value wrapped for psycopg (Django's cursor has no SQLAlchemy)."""
     from psycopg.types.json import Jsonb
 
-    from eop.pg import models, sql
+    from eop.pg import models
+    from eop.pg.sql import base as base_sql
+    from eop.pg.sql import inbox as inbox_sql
     from eop.pg.sql import outbox as outbox_sql
 
     tables = models.tables("custom")
@@ -119,12 +121,12 @@ def test_for_psycopg_binds_values_as_a_session_on_psycopg_would() -> None:
         "traceback": None,
         "delivery_count": 1,
     }
-    text, values = sql.for_psycopg(*sql.insert_dead_letter(tables, row))
+    text, values = base_sql.for_psycopg(*inbox_sql.insert_dead_letter(tables, row))
     assert "custom.dead_letters" in text
     assert "%(p_headers)s" in text
     assert isinstance(values["p_headers"], Jsonb)
     assert values["p_payload"] == b"\x00p"
     outbox_row = {"msg_id": "m", "subject": "S.a", "headers": b"{}", "payload": b"x"}
-    text, values = sql.for_psycopg(outbox_sql.insert(tables), outbox_row)
+    text, values = base_sql.for_psycopg(outbox_sql.insert(tables), outbox_row)
     assert text.startswith('INSERT INTO "custom".outbox')
     assert values == outbox_row

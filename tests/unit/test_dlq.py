@@ -9,7 +9,8 @@ from sqlalchemy.dialects import postgresql
 
 from eop import cli, errors
 from eop.ops import dlq, status
-from eop.pg import models, sql
+from eop.pg import models
+from eop.pg.sql import dead_letters as dead_letters_sql
 
 UTC = datetime.timezone.utc
 NOW = datetime.datetime(2026, 1, 31, 12, 0, tzinfo=UTC)
@@ -49,7 +50,7 @@ def test_parse_when_rejects_anything_else_with_a_hint(text: str) -> None:
 def test_reason_filter_is_case_insensitive_substring_with_wildcards_escaped() -> None:
     """--reason matches reason or error with ILIKE; % and _ in the text are literal."""
     t = models.tables("eop")
-    [cond] = sql.dead_letter_where(t, reason="100%_x")
+    [cond] = dead_letters_sql.dead_letter_where(t, reason="100%_x")
     compiled = cond.compile(dialect=postgresql.dialect())
     assert "ILIKE" in str(compiled).upper()
     assert set(compiled.params.values()) == {"%100\\%\\_x%"}

@@ -13,7 +13,9 @@ from sqlalchemy.dialects import postgresql
 from eop import errors
 from eop.handler import HandlerSpec
 from eop.message import Message
-from eop.pg import failures, inbox, models, sql, transactions
+from eop.pg import failures, inbox, models, transactions
+from eop.pg.sql import inbox as inbox_sql
+from eop.pg.sql import retries as retries_sql
 
 DbFailure = failures.DbFailure
 
@@ -328,7 +330,7 @@ async def test_claim_is_true_when_the_insert_returns_a_row() -> None:
 
 async def test_batch_claim_on_asyncpg_sends_shared_values_once_and_the_rest_as_arrays() -> None:
     """On asyncpg the claim skips SQLAlchemy: the same statement, its parameters positional in
-    the order of sql.CLAIM_PARAMS, the watermark read FOR SHARE. Subscription, stream and
+    the order of inbox_sql.CLAIM_PARAMS, the watermark read FOR SHARE. Subscription, stream and
     outcome are scalars; a column whose rows all hold one value (the epoch, the subject,
     the delivery count here) goes once, its array left empty; the others as arrays."""
     session = FakeAsyncSession(results=[[(3,)]])
@@ -337,10 +339,10 @@ async def test_batch_claim_on_asyncpg_sends_shared_values_once_and_the_rest_as_a
     claimed = await transaction(session).claim_many(msgs, models.OUTCOME_PROCESSED)
     assert claimed == {3}
     [(query, args)] = session.executed
-    assert query == sql.claim_driver_text("eop")
+    assert query == inbox_sql.claim_driver_text("eop")
     assert "FOR SHARE" in query
     assert "ON CONFLICT DO NOTHING" in query
-    params = dict(zip(sql.CLAIM_PARAMS, args, strict=True))
+    params = dict(zip(inbox_sql.CLAIM_PARAMS, args, strict=True))
     assert (params["subscription"], params["stream"], params["outcome"]) == (
         "orders",
         "ORDERS",
@@ -369,7 +371,7 @@ def test_the_psycopg_claim_sends_its_arrays_as_array_text() -> None:
     backslashes in text, bytea as hex), the scalars as they are; an array holding a NULL
     stays a list, for psycopg to adapt (unquoted NULL depends on the server's
     array_nulls)."""
-    args = sql.claim_arguments(
+    args = inbox_sql.claim_arguments(
         "s",
         "S",
         "processed",
@@ -380,7 +382,7 @@ def test_the_psycopg_claim_sends_its_arrays_as_array_text() -> None:
         [1, 2],
         ["m-1", None],
     )
-    params = sql.claim_pyformat_parameters(args)
+    params = inbox_sql.claim_pyformat_parameters(args)
     assert (params["subscription"], params["stream"], params["outcome"]) == ("s", "S", "processed")
     assert params["stream_seq"] == "{7,8}"
     assert params["fingerprint"] == '{"\\\\x00ff","\\\\x6162"}'
@@ -388,8 +390,8 @@ def test_the_psycopg_claim_sends_its_arrays_as_array_text() -> None:
     assert params["subject_each"] == '{"a\\"b","c\\\\d"}'
     assert params["delivery_count_each"] == "{1,2}"
     assert params["msg_id_each"] == ["m-1", None]
-    text = sql.claim_pyformat_text("eop")
-    assert all(f"%({name})s" in text for name in sql.CLAIM_PARAMS)
+    text = inbox_sql.claim_pyformat_text("eop")
+    assert all(f"%({name})s" in text for name in inbox_sql.CLAIM_PARAMS)
 
 
 class FakeSyncSession:
@@ -420,10 +422,10 @@ async def test_a_sync_claim_on_another_driver_runs_the_statement_through_the_ses
 
 def test_claim_arguments_send_an_epoch_per_row_when_a_batch_spans_two_epochs() -> None:
     """A batch may span a stream's recreation: then every row carries its own epoch."""
-    args = sql.claim_arguments(
+    args = inbox_sql.claim_arguments(
         "s", "S", "processed", [1, 2], [b"a", b"b"], ["e1", "e2"], ["x", "x"], [1, 1], [None, None]
     )
-    params = dict(zip(sql.CLAIM_PARAMS, args, strict=True))
+    params = dict(zip(inbox_sql.CLAIM_PARAMS, args, strict=True))
     assert (params["stream_epoch"], params["stream_epoch_each"]) == (None, ["e1", "e2"])
     assert (params["msg_id"], params["msg_id_each"]) == (None, [])
 
@@ -598,19 +600,19 @@ def test_loop_statements_are_built_once_and_take_their_values_as_parameters() ->
         "delivery_count": 1,
     }
     calls = [
-        (sql.take_due, ("orders", 5, 30.0)),
-        (sql.advance_watermark, (*key[:3], 7)),
-        (sql.delete_below_watermark, (*key[:3], 7, 100, 3600.0)),
-        (sql.count_failure, (failure,)),
-        (sql.reschedule, (*key, 2.0)),
-        (sql.forget_failures, key),
-        (sql.lock_run, (*key, 3)),
-        (sql.settle_retrying, (*key, "processed")),
-        (sql.unclaim, key),
-        (sql.find_by_key, key),
-        (sql.find_by_msg_id, ("orders", "m-1")),
-        (sql.find_dead_letter, (*key, b"f")),
-        (sql.insert_dead_letter, (dead,)),
+        (retries_sql.take_due, ("orders", 5, 30.0)),
+        (inbox_sql.advance_watermark, (*key[:3], 7)),
+        (inbox_sql.delete_below_watermark, (*key[:3], 7, 100, 3600.0)),
+        (retries_sql.count_failure, (failure,)),
+        (retries_sql.reschedule, (*key, 2.0)),
+        (retries_sql.forget_failures, key),
+        (retries_sql.lock_run, (*key, 3)),
+        (retries_sql.settle_retrying, (*key, "processed")),
+        (inbox_sql.unclaim, key),
+        (inbox_sql.find_by_key, key),
+        (inbox_sql.find_by_msg_id, ("orders", "m-1")),
+        (inbox_sql.find_dead_letter, (*key, b"f")),
+        (inbox_sql.insert_dead_letter, (dead,)),
     ]
     for make, args in calls:
         first, params = make(t, *args)

@@ -28,7 +28,8 @@ import psycopg
 import sqlalchemy as sa
 
 from eop import errors, redaction
-from eop.pg import failures, sql, statements, transactions
+from eop.pg import failures, statements, transactions
+from eop.pg.sql import base as base_sql
 from eop.pg.store import Database, PostgresStore
 
 if TYPE_CHECKING:
@@ -242,13 +243,15 @@ class DjangoTransaction(statements.Statements):
         self._atomic = atomic
         s = self._store.app.settings
         self._run_sql(
-            sql.set_local_timeouts(int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000))
+            base_sql.set_local_timeouts(
+                int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000)
+            )
         )
 
     def _run_sql(
         self, stmt: sa.Executable, bound: dict[str, Any] | None = None
     ) -> list[tuple[Any, ...]]:
-        text, params = sql.for_psycopg(stmt, bound)
+        text, params = base_sql.for_psycopg(stmt, bound)
         connection = self._connection()
         connection.ensure_connection()
         # Django's own cursors bind client-side unless OPTIONS says otherwise: a batch's

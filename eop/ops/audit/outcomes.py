@@ -17,7 +17,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from eop import errors, log
 from eop.app import App
 from eop.handler import HandlerSpec
-from eop.pg import failures, floors, models, sql
+from eop.pg import failures, floors, models
+from eop.pg.sql import audit as audit_sql
+from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import ownership
 
 
@@ -34,7 +36,7 @@ class Recorded:
     reason: str = ""
     """For a dead letter: its reason (see ``eop.pg.models.REASON_*``)."""
     error: str = ""
-    """For a dead letter: the start of its error (``eop.pg.sql.AUDIT_ERROR_CHARS``)."""
+    """For a dead letter: the start of its error (``eop.pg.sql.audit.AUDIT_ERROR_CHARS``)."""
 
 
 class Outcomes:
@@ -70,7 +72,9 @@ class Outcomes:
 
     async def count(self, epoch: str, lo: int, hi: int) -> int:
         """How many inbox rows of ``epoch`` lie in ``lo..hi``."""
-        stmt = sql.audit_count_inbox(self.tables, self.spec.name, self.spec.stream, epoch, lo, hi)
+        stmt = audit_sql.audit_count_inbox(
+            self.tables, self.spec.name, self.spec.stream, epoch, lo, hi
+        )
         async with self.session() as session:
             return int((await session.execute(stmt)).scalar_one())
 
@@ -79,9 +83,13 @@ class Outcomes:
     ) -> tuple[list[Recorded], list[Recorded]]:
         """Inbox rows and dead letters of one epoch in ``lo..hi``."""
         t, name, stream = self.tables, self.spec.name, self.spec.stream
-        rows = await session.execute(sql.audit_inbox_rows(t, name, stream, epoch, lo, hi, limit))
+        rows = await session.execute(
+            audit_sql.audit_inbox_rows(t, name, stream, epoch, lo, hi, limit)
+        )
         inbox_rows = [Recorded(int(r[0]), bytes(r[1]), str(r[3])) for r in rows]
-        rows = await session.execute(sql.audit_dead_letters(t, name, stream, epoch, lo, hi, limit))
+        rows = await session.execute(
+            audit_sql.audit_dead_letters(t, name, stream, epoch, lo, hi, limit)
+        )
         dead = [
             Recorded(int(r[0]), bytes(r[1]), "dead_letter", f"#{r[2]} ({r[3]})", r[3], r[4] or "")
             for r in rows
@@ -90,12 +98,12 @@ class Outcomes:
 
     async def by_msg_id(self, session: AsyncSession, ids: list[str]) -> dict[str, str]:
         """Where the msg-ids ``ids`` have their outcome, by msg-id."""
-        rows = await session.execute(sql.audit_by_msg_ids(self.tables, self.spec.name, ids))
+        rows = await session.execute(audit_sql.audit_by_msg_ids(self.tables, self.spec.name, ids))
         return {str(r[0]): f"stream {r[1]} sequence {r[3]} (epoch {r[2]}, {r[4]})" for r in rows}
 
     async def watermark(self, session: AsyncSession, epoch: str) -> int:
         """The inbox watermark of ``epoch`` (0 before the first compaction)."""
-        stmt = sql.watermark(self.tables, self.spec.name, self.spec.stream, epoch)
+        stmt = inbox_sql.watermark(self.tables, self.spec.name, self.spec.stream, epoch)
         value = (await session.execute(stmt)).scalar()
         return int(value or 0)
 
@@ -107,7 +115,7 @@ class Outcomes:
 
     async def epochs(self) -> list[str]:
         """Every epoch of the stream with recorded outcomes, sorted."""
-        stmt = sql.audit_epochs(self.tables, self.spec.name, self.spec.stream)
+        stmt = audit_sql.audit_epochs(self.tables, self.spec.name, self.spec.stream)
         async with self.session() as session:
             return sorted(str(e) for (e,) in await session.execute(stmt))
 

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from eop.ops.dlq import state
 from eop.ops.dlq.filters import Filters
-from eop.pg import models, sql
+from eop.pg import models
+from eop.pg.sql import dead_letters as dead_letters_sql
 
 if TYPE_CHECKING:
     from eop.app import App
@@ -21,7 +22,9 @@ class DeadLetters:
 
     async def rows(self, filters: Filters) -> list[dict[str, Any]]:
         """The dead letters matching ``filters``, newest first, without payloads."""
-        stmt = sql.select_dead_letters(self.tables, filters.where(self.tables), filters.limit)
+        stmt = dead_letters_sql.select_dead_letters(
+            self.tables, filters.where(self.tables), filters.limit
+        )
         async with self.app.sessionmaker() as session:
             return [dict(row._mapping) for row in await session.execute(stmt)]
 
@@ -36,7 +39,9 @@ class DeadLetters:
         """The stored payload of one dead letter."""
         async with self.app.sessionmaker() as session:
             value = (
-                await session.execute(sql.dead_letter_payload(self.tables, dead_letter_id))
+                await session.execute(
+                    dead_letters_sql.dead_letter_payload(self.tables, dead_letter_id)
+                )
             ).scalar()
         if value is None:
             raise state.not_found(dead_letter_id)
@@ -44,13 +49,13 @@ class DeadLetters:
 
     async def count(self, filters: Filters) -> int:
         """How many dead letters match ``filters``."""
-        stmt = sql.count_dead_letters(self.tables, filters.where(self.tables))
+        stmt = dead_letters_sql.count_dead_letters(self.tables, filters.where(self.tables))
         async with self.app.sessionmaker() as session:
             return int((await session.execute(stmt)).scalar_one())
 
     async def ids(self, filters: Filters) -> list[int]:
         """The ids matching ``filters``, oldest first, at most ``filters.limit``."""
-        stmt = sql.dead_letter_ids(self.tables, filters.where(self.tables))
+        stmt = dead_letters_sql.dead_letter_ids(self.tables, filters.where(self.tables))
         if filters.limit is not None:
             stmt = stmt.limit(filters.limit)
         async with self.app.sessionmaker() as session:
@@ -62,7 +67,7 @@ class DeadLetters:
         Their inbox rows stay: they are the record that the message had its
         one outcome.
         """
-        stmt = sql.purge_dead_letters(self.tables, filters.where(self.tables))
+        stmt = dead_letters_sql.purge_dead_letters(self.tables, filters.where(self.tables))
         async with self.app.sessionmaker() as session:
             deleted = len((await session.execute(stmt)).all())
             await session.commit()

@@ -8,7 +8,8 @@ import re
 from typing import Any
 
 from eop import errors
-from eop.pg import models, sql
+from eop.pg import models
+from eop.pg.sql import dead_letters as dead_letters_sql
 
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)([smhdw]))", re.IGNORECASE)
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -55,7 +56,7 @@ class Filters:
 
     def where(self, tables: models.Tables) -> list[Any]:
         """The SQL conditions of these filters."""
-        return sql.dead_letter_where(
+        return dead_letters_sql.dead_letter_where(
             tables,
             ids=self.ids,
             handler=self.handler,

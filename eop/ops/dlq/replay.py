@@ -15,7 +15,8 @@ from nats.js import JetStreamContext, api
 from eop import errors, message, redaction
 from eop.broker import jetstream, partitions
 from eop.ops.dlq import rerun, state
-from eop.pg import models, sql
+from eop.pg import models
+from eop.pg.sql import dead_letters as dead_letters_sql
 
 if TYPE_CHECKING:
     from eop.app import App
@@ -144,7 +145,7 @@ class Replayer:
             generation = row["replay_generation"] + 1
             msg_id = replay_msg_id(row, generation)
             await session.execute(
-                sql.start_replay(
+                dead_letters_sql.start_replay(
                     self.tables,
                     dead_letter_id,
                     generation=generation,
@@ -156,7 +157,7 @@ class Replayer:
         return _Intent(row, generation, msg_id, resumed=False)
 
     async def _locked(self, execute: Any, dead_letter_id: int) -> dict[str, Any]:
-        result = await execute(sql.lock_dead_letter(self.tables, dead_letter_id))
+        result = await execute(dead_letters_sql.lock_dead_letter(self.tables, dead_letter_id))
         found = result.mappings().first()
         if found is None:
             raise state.not_found(dead_letter_id)
@@ -248,7 +249,7 @@ class Replayer:
         return int(ack.seq), bool(ack.duplicate), dropped
 
     async def _finish(self, intent: _Intent, seq: int) -> None:
-        stmt = sql.finish_replay(self.tables, intent.row["id"], intent.msg_id, seq)
+        stmt = dead_letters_sql.finish_replay(self.tables, intent.row["id"], intent.msg_id, seq)
         async with self.app.sessionmaker() as session, session.begin():
             # No row: a concurrent run of the same replay finished it first.
             await session.execute(stmt)

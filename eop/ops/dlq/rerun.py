@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from eop import errors, log, message
 from eop.ops.dlq import dead_letters, state
-from eop.pg import models, sql, statements
+from eop.pg import models, statements
+from eop.pg.sql import dead_letters as dead_letters_sql
 
 if TYPE_CHECKING:
     from eop.app import App
@@ -40,7 +41,7 @@ async def _rerun(
         )
     async with store.transaction(spec) as tx:
         assert isinstance(tx, statements.Statements)
-        rows = await tx.select(sql.lock_dead_letter(tables, dead_letter_id))
+        rows = await tx.select(dead_letters_sql.lock_dead_letter(tables, dead_letter_id))
         if not rows:
             raise state.not_found(dead_letter_id)
         row = dict(zip(tables.dead_letters.columns.keys(), rows[0], strict=True))
@@ -67,7 +68,7 @@ async def _rerun(
             )
         generation = row["replay_generation"] + 1
         await tx.select(
-            sql.settle_rerun_inbox(
+            dead_letters_sql.settle_rerun_inbox(
                 tables,
                 row["subscription"],
                 row["stream"],
@@ -77,7 +78,7 @@ async def _rerun(
             )
         )
         await tx.select(
-            sql.start_replay(
+            dead_letters_sql.start_replay(
                 tables,
                 dead_letter_id,
                 generation=generation,

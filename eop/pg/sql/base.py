@@ -1,0 +1,133 @@
+"""What every statement module shares: parameters and conditions of a message's key,
+the session timeouts, the msg-id digest, and psycopg text for a statement."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
+from sqlalchemy.sql.compiler import SQLCompiler
+
+
+@functools.cache
+def _psycopg() -> sa.Dialect:
+    return psycopg_dialect.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy leaves it unannotated
+
+
+def for_psycopg(
+    stmt: sa.Executable, params: dict[str, Any] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """``stmt`` as SQL text with ``%(name)s`` placeholders and its values, ready for a
+    psycopg cursor's ``execute`` (or anything that hands both to one, as Django's does).
+
+    ``params`` supplies the values the statement leaves unbound (an outbox row).
+    The values go through the bind processing a SQLAlchemy session would give
+    them on psycopg (a JSONB column's ``dict`` wrapped as ``Jsonb``), so the
+    statement means the same on either path.
+    """
+    dialect = _psycopg()
+    assert isinstance(stmt, sa.ClauseElement), "eop's statements are SQL expressions"
+    compiled = stmt.compile(dialect=dialect, compile_kwargs={"render_postcompile": True})
+    values = dict(compiled.construct_params(params) or {})
+    assert isinstance(compiled, SQLCompiler)
+    for name, bind in compiled.binds.items():
+        process = bind.type.dialect_impl(dialect).bind_processor(dialect)
+        if process is not None and name in values:
+            values[name] = process(values[name])
+    return compiled.string, values
+
+
+def in_epoch(c: Any, subscription: str, stream: str, epoch: str) -> tuple[Any, ...]:
+    """The conditions selecting one subscription's rows of one stream incarnation.
+
+    ``c`` is the columns of the inbox, the dead letters or the watermarks:
+    all carry (subscription, stream, stream_epoch).
+    """
+    return (c.subscription == subscription, c.stream == stream, c.stream_epoch == epoch)
+
+
+Bound = tuple[sa.Executable, dict[str, Any]]
+"""A statement built once (per schema) and the values of its bind parameters for one call:
+``session.execute(*bound)``. Statements run on every round of a loop (compaction, the
+retry poll) are built once, so SQLAlchemy's cache key of each is computed once too. The
+parameters' names start with ``p_``: an UPDATE takes a value named as a column for SET."""
+
+
+def epoch_params(subscription: str, stream: str, epoch: str) -> dict[str, Any]:
+    """The values of :func:`in_bound_epoch`'s parameters."""
+    return {"p_subscription": subscription, "p_stream": stream, "p_epoch": epoch}
+
+
+def in_bound_epoch(c: Any) -> tuple[Any, ...]:
+    """:func:`in_epoch` with bind parameters ``p_subscription``, ``p_stream``, ``p_epoch``."""
+    return (
+        c.subscription == sa.bindparam("p_subscription", type_=sa.Text),
+        c.stream == sa.bindparam("p_stream", type_=sa.Text),
+        c.stream_epoch == sa.bindparam("p_epoch", type_=sa.Text),
+    )
+
+
+def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.TextClause:
+    """``SET LOCAL lock_timeout`` and ``statement_timeout`` for this transaction only.
+
+    ``set_config(..., true)`` is the parameterisable form of ``SET LOCAL``.
+    """
+    return sa.text(
+        "SELECT set_config('lock_timeout', :lock, true), "
+        "set_config('statement_timeout', :stmt, true)"
+    ).bindparams(lock=f"{lock_timeout_ms}ms", stmt=f"{statement_timeout_ms}ms")
+
+
+#: The backend's process id, as PostgreSQL knows it. A pooler answers the
+#: protocol's BackendKeyData with a pid of its own (it routes cancel requests),
+#: so a difference between the two reveals one (:mod:`eop.pg.engines`).
+BACKEND_PID = "SELECT pg_backend_pid()"
+
+
+def backend_pid() -> sa.TextClause:
+    """:data:`BACKEND_PID` as a statement."""
+    return sa.text(BACKEND_PID)
+
+
+def set_local_timeouts_text(lock_timeout_ms: int, statement_timeout_ms: int) -> str:
+    """:func:`set_local_timeouts` as plain SQL without parameters, for the asyncpg connection
+    under a session: sent as a simple query, it skips SQLAlchemy's execution path."""
+    return (
+        f"SELECT set_config('lock_timeout', '{int(lock_timeout_ms)}ms', true), "
+        f"set_config('statement_timeout', '{int(statement_timeout_ms)}ms', true)"
+    )
+
+
+# The SHA-256 of a msg-id's UTF-8 bytes. convert_to is only STABLE, so this
+# cannot be an index expression: the claim stores it in inbox.msg_id_digest.
+DIGEST_SQL = "sha256(convert_to({}, 'UTF8'))"
+
+
+def msg_id_digest(msg_id: Any) -> sa.ColumnElement[bytes]:
+    """The digest the inbox indexes for ``msg_id`` (a column or a value), as the claim computes it.
+
+    Look-ups by msg-id compare this with ``inbox.msg_id_digest``, so that they
+    use the guard's unique index, whatever the msg-id's length.
+    """
+    value = msg_id if isinstance(msg_id, sa.ColumnElement) else sa.literal(msg_id, sa.Text)
+    return sa.func.sha256(
+        sa.func.convert_to(value, sa.literal_column("'UTF8'")), type_=sa.LargeBinary
+    )
+
+
+def key_params(subscription: str, stream: str, epoch: str, seq: int) -> dict[str, Any]:
+    """The values of :func:`in_bound_key`'s parameters."""
+    return {**epoch_params(subscription, stream, epoch), "p_seq": seq}
+
+
+def in_bound_key(c: Any) -> tuple[Any, ...]:
+    """One message's row by its key: :func:`in_bound_epoch` and ``p_seq``."""
+    return (*in_bound_epoch(c), c.stream_seq == sa.bindparam("p_seq", type_=sa.BigInteger))
+
+
+# health (obs): the readiness probe's ping of an idle worker
+def ping() -> sa.Select[tuple[int]]:
+    """``SELECT 1``: the database answers."""
+    return sa.select(sa.literal(1))

@@ -1,0 +1,409 @@
+"""The inbox: the claim, the watermark and its compaction, look-ups by key and msg-id,
+and the dead letter a worker writes (the worker's hot path)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+from eop.pg import models
+from eop.pg.sql.base import (
+    DIGEST_SQL,
+    Bound,
+    epoch_params,
+    in_bound_epoch,
+    in_bound_key,
+    in_epoch,
+    key_params,
+    msg_id_digest,
+)
+
+# The claim's parameters, in order: (name, SQLAlchemy type, PostgreSQL type).
+# A batch shares its subscription, stream and outcome: those are scalars. Each
+# row has its own sequence and fingerprint: those are arrays. The other columns
+# are usually the same for the whole batch (one epoch, one subject, a first
+# delivery, no msg-id when the guard is off), so each is a pair: a scalar that
+# holds the batch's value when every row has it (the array then empty), else
+# NULL beside the array of every row's value (see :func:`claim_arguments`).
+# asyncpg checks every array element against three ABCs before encoding it,
+# which made nine arrays of a batch's values most of the claim's client cost.
+_CLAIM_SCALARS = (
+    ("subscription", sa.Text, "text"),
+    ("stream", sa.Text, "text"),
+    ("outcome", sa.Text, "text"),
+)
+_CLAIM_ARRAYS = (
+    ("stream_seq", sa.BigInteger, "bigint"),
+    ("fingerprint", sa.LargeBinary, "bytea"),
+)
+_CLAIM_SHARED = (
+    ("stream_epoch", sa.Text, "text"),
+    ("subject", sa.Text, "text"),
+    ("delivery_count", sa.Integer, "integer"),
+    ("msg_id", sa.Text, "text"),
+)
+_CLAIM_PARAMS: tuple[tuple[str, Any, str], ...] = (
+    *_CLAIM_SCALARS,
+    *((name, postgresql.ARRAY(kind), f"{pg}[]") for name, kind, pg in _CLAIM_ARRAYS),
+    *(
+        param
+        for name, kind, pg in _CLAIM_SHARED
+        for param in ((name, kind, pg), (f"{name}_each", postgresql.ARRAY(kind), f"{pg}[]"))
+    ),
+)
+
+CLAIM_PARAMS: tuple[str, ...] = tuple(name for name, _, _ in _CLAIM_PARAMS)
+"""The claim's parameters, in the order of :func:`claim_arguments` (and of
+:func:`claim_driver_text`'s placeholders)."""
+
+
+def claim_arguments(
+    subscription: str,
+    stream: str,
+    outcome: str,
+    seqs: list[int],
+    fingerprints: list[bytes],
+    epochs: list[str],
+    subjects: list[str],
+    delivery_counts: list[int],
+    msg_ids: list[str | None],
+) -> tuple[Any, ...]:
+    """The claim's parameter values for a batch, one list per column, in :data:`CLAIM_PARAMS`
+    order: a column whose rows all hold one value is sent as that scalar."""
+    return (
+        subscription,
+        stream,
+        outcome,
+        seqs,
+        fingerprints,
+        *_shared_or_each(epochs),
+        *_shared_or_each(subjects),
+        *_shared_or_each(delivery_counts),
+        *_shared_or_each(msg_ids),
+    )
+
+
+def _shared_or_each(values: list[Any]) -> tuple[Any, list[Any]]:
+    """``(value, [])`` when every one of ``values`` is ``value``, else ``(None, values)``.
+
+    The claim reads a row's value as ``COALESCE(each, shared)``: the array,
+    shorter than the others, is padded with NULLs by ``unnest``.
+    """
+    # list.count compares in C: cheaper than encoding the array it may spare.
+    if values and values.count(values[0]) == len(values):
+        return values[0], []
+    return None, values
+
+
+def claim(t: models.Tables, arguments: tuple[Any, ...]) -> sa.TextClause:
+    """Insert the inbox rows whose key (or msg-id) is free and which lie above the watermark.
+
+    One statement for a whole batch, its rows passed as arrays and shared
+    values (``arguments``, from :func:`claim_arguments`): the SQL text never
+    changes with the batch, so it is compiled and prepared once. RETURNING
+    names the claimed sequences. A concurrent transaction holding one of the
+    keys makes this wait on the unique index until that one ends: then that
+    row is not inserted.
+
+    The watermark is read FOR SHARE: compaction raises it (an UPDATE of that
+    row) only once no claim that read the old value is still open, and deletes
+    rows only after that, so no claim can slip between the raise and the delete.
+    """
+    return _claim_text(t.schema).bindparams(
+        *(
+            sa.bindparam(name, value, type_=kind)
+            for (name, kind, _), value in zip(_CLAIM_PARAMS, arguments, strict=True)
+        )
+    )
+
+
+@functools.cache
+def _claim_text(schema: str) -> sa.TextClause:
+    return sa.text(
+        _claim_sql(schema, {name: f"CAST(:{name} AS {pg})" for name, _, pg in _CLAIM_PARAMS})
+    )
+
+
+def _claim_sql(schema: str, p: dict[str, str]) -> str:
+    """The claim statement, ``p`` naming each of :data:`CLAIM_PARAMS`'s placeholders.
+
+    The msg-id guard's unique index holds the msg-id's digest (:func:`msg_id_digest`),
+    computed here so that every claim, whatever its caller, fills it in; a
+    taken digest is a conflict that ON CONFLICT DO NOTHING skips.
+    """
+    row_names = [name for name, _, _ in (*_CLAIM_ARRAYS, *_CLAIM_SHARED)]
+    arrays = ", ".join(
+        [p[name] for name, _, _ in _CLAIM_ARRAYS]
+        + [p[f"{name}_each"] for name, _, _ in _CLAIM_SHARED]
+    )
+    values = {name: p[name] for name, _, _ in _CLAIM_SCALARS}
+    values.update({name: f"i.{name}" for name, _, _ in _CLAIM_ARRAYS})
+    values.update({name: f"COALESCE(i.{name}, {p[name]})" for name, _, _ in _CLAIM_SHARED})
+    columns = [name for name, _, _ in (*_CLAIM_SCALARS, *_CLAIM_ARRAYS, *_CLAIM_SHARED)]
+    # The schema name is checked to be an identifier by Settings; quoting keeps
+    # it literal.
+    return (
+        f'INSERT INTO "{schema}".inbox ({", ".join(columns)}, msg_id_digest) '
+        f"SELECT {', '.join(values[c] for c in columns)}, "
+        f"{DIGEST_SQL.format(values['msg_id'])} "
+        f"FROM unnest({arrays}) AS i({', '.join(row_names)}) "
+        "WHERE i.stream_seq > COALESCE(("
+        f'SELECT w.watermark FROM "{schema}".watermarks AS w '
+        f"WHERE w.subscription = {values['subscription']} AND w.stream = {values['stream']} "
+        f"AND w.stream_epoch = {values['stream_epoch']} FOR SHARE), 0) "
+        "ON CONFLICT DO NOTHING RETURNING stream_seq"
+    )
+
+
+# Throughput: the batch claim on the driver's own connection.
+
+
+@functools.cache
+def claim_driver_text(schema: str) -> str:
+    """:func:`claim` as plain SQL for the asyncpg connection under the session.
+
+    The same statement, with positional parameters in the order of
+    :data:`CLAIM_PARAMS`: passing the values straight to the driver skips
+    SQLAlchemy's per-element bind processing of the arrays.
+    """
+    return _claim_sql(
+        schema, {name: f"${i}::{pg}" for i, (name, _, pg) in enumerate(_CLAIM_PARAMS, 1)}
+    )
+
+
+@functools.cache
+def claim_pyformat_text(schema: str) -> str:
+    """:func:`claim` as plain SQL with psycopg's named placeholders (``%(name)s``), for the
+    psycopg connection under a sync session; its values come from
+    :func:`claim_pyformat_parameters`."""
+    return _claim_sql(schema, {name: f"CAST(%({name})s AS {pg})" for name, _, pg in _CLAIM_PARAMS})
+
+
+def claim_pyformat_parameters(arguments: tuple[Any, ...]) -> dict[str, Any]:
+    """:func:`claim_arguments`' values by name for :func:`claim_pyformat_text`, each array
+    as the text of a PostgreSQL array, which the statement casts.
+
+    psycopg adapts a list element by element in Python: the claim's two arrays
+    of a 64-message batch cost 30,000 instructions a message (callgrind); with
+    the text made here the whole sync claim costs 41,000. An array holding a
+    NULL (a batch mixing messages with and without a msg-id) stays a list: an
+    unquoted ``NULL`` in an array's text means NULL only while the server's
+    ``array_nulls`` is on.
+    """
+    params = dict(zip(CLAIM_PARAMS, arguments, strict=True))
+    for name, value in params.items():
+        if isinstance(value, list) and value and None not in value:
+            params[name] = _array_text(value)
+    return params
+
+
+def _array_text(values: list[Any]) -> str:
+    """The text of a one-dimensional PostgreSQL array of ``values``: all ints, all bytes
+    (bytea, as hex) or all str (quoted, ``\\`` and ``"`` escaped)."""
+    first = values[0]
+    if isinstance(first, int):
+        items = list(map(str, values))
+    elif isinstance(first, bytes):
+        # "\\x..." is \x... once the array's own escapes are read: bytea's hex input.
+        items = ['"\\\\x' + v.hex() + '"' for v in values]
+    else:
+        items = ['"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values]
+    return "{" + ",".join(items) + "}"
+
+
+def watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> sa.Select[int]:
+    """The watermark of a subscription on one stream epoch."""
+    w = t.watermarks.c
+    return sa.select(w.watermark).where(*in_epoch(w, subscription, stream, epoch))
+
+
+def create_watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> sa.Insert:
+    """Make sure the watermark row exists (at 0), so raising it is always an UPDATE.
+
+    RETURNING yields a row only when this call created it.
+    """
+    return (
+        postgresql.insert(t.watermarks)
+        .values(subscription=subscription, stream=stream, stream_epoch=epoch, watermark=0)
+        .on_conflict_do_nothing()
+        .returning(t.watermarks.c.watermark)
+    )
+
+
+def lock_inbox_shared(t: models.Tables) -> sa.TextClause:
+    """A SHARE lock on the inbox table: granted once every transaction writing to it ended.
+
+    New claims wait behind it, so it is taken only with a short lock timeout
+    and released at once (see :meth:`eop.protocol.compaction.Compactor.prepare`).
+    """
+    return sa.text(f'LOCK TABLE "{t.schema}".inbox IN SHARE MODE')
+
+
+def advance_watermark(
+    t: models.Tables, subscription: str, stream: str, epoch: str, value: int
+) -> Bound:
+    """Raise the watermark to ``value``; it never goes backwards. RETURNING the new value."""
+    return _advance_watermark(t), {**epoch_params(subscription, stream, epoch), "p_value": value}
+
+
+@functools.cache
+def _advance_watermark(t: models.Tables) -> sa.Executable:
+    w = t.watermarks.c
+    value = sa.bindparam("p_value", type_=sa.BigInteger)
+    return (
+        sa.update(t.watermarks)
+        .where(*in_bound_epoch(w))
+        .values(watermark=sa.func.greatest(w.watermark, value), updated_at=sa.func.now())
+        .returning(w.watermark)
+    )
+
+
+def delete_below_watermark(
+    t: models.Tables,
+    subscription: str,
+    stream: str,
+    epoch: str,
+    value: int,
+    limit: int,
+    msg_id_retention_s: float,
+    after: int = 0,
+) -> Bound:
+    """Delete up to ``limit`` inbox rows above ``after`` and at or below ``value`` (one
+    bounded chunk).
+
+    Rows carrying a msg-id stay for ``msg_id_retention_s``: they are the guard
+    against a republish after the server's duplicate window. ``after`` bounds
+    the index scan from below: the entries of deleted rows stay in the primary
+    key's index until a VACUUM, and a scan from the epoch's first sequence
+    walks all of them (docs/design.md, 'The watermark').
+    """
+    params = {
+        **epoch_params(subscription, stream, epoch),
+        "p_after": after,
+        "p_value": value,
+        "p_limit": limit,
+        "p_retention_s": msg_id_retention_s,
+    }
+    return _delete_below_watermark(t), params
+
+
+@functools.cache
+def _delete_below_watermark(t: models.Tables) -> sa.Executable:
+    c = t.inbox.c
+    retention_s = sa.bindparam("p_retention_s", type_=sa.Float)
+    cutoff = sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, retention_s)
+    chunk: sa.Select[Any] = (
+        sa.select(sa.literal_column("ctid"))
+        .select_from(t.inbox)
+        .where(
+            *in_bound_epoch(c),
+            c.stream_seq > sa.bindparam("p_after", type_=sa.BigInteger),
+            c.stream_seq <= sa.bindparam("p_value", type_=sa.BigInteger),
+            sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),
+            # A retrying row was acked (the ack floor passed it) but has no outcome:
+            # it is the claim of a retry held in the retries table.
+            c.outcome != models.OUTCOME_RETRYING,
+        )
+        .limit(sa.bindparam("p_limit", type_=sa.Integer))
+    )
+    # No RETURNING: the worker needs the count only (rowcount), not a row per deleted row.
+    return sa.delete(t.inbox).where(
+        sa.literal_column("ctid") == sa.any_(sa.func.array(chunk.scalar_subquery()))
+    )
+
+
+def unclaim(t: models.Tables, subscription: str, stream: str, epoch: str, seq: int) -> Bound:
+    """Drop a claim made earlier in this transaction (its handler failed in a batch)."""
+    return _unclaim(t), key_params(subscription, stream, epoch, seq)
+
+
+@functools.cache
+def _unclaim(t: models.Tables) -> sa.Executable:
+    c = t.inbox.c
+    return sa.delete(t.inbox).where(*in_bound_key(c)).returning(c.stream_seq)
+
+
+def find_by_key(t: models.Tables, subscription: str, stream: str, epoch: str, seq: int) -> Bound:
+    """The fingerprint and outcome stored under an inbox key."""
+    return _find_by_key(t), key_params(subscription, stream, epoch, seq)
+
+
+@functools.cache
+def _find_by_key(t: models.Tables) -> sa.Executable:
+    c = t.inbox.c
+    return sa.select(c.fingerprint, c.outcome).where(*in_bound_key(c))
+
+
+def find_by_keys(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seqs: list[int]
+) -> sa.Select[tuple[int, bytes, str]]:
+    """The sequence, fingerprint and outcome of each of ``seqs`` the inbox holds (one query)."""
+    c = t.inbox.c
+    return sa.select(c.stream_seq, c.fingerprint, c.outcome).where(
+        *in_epoch(c, subscription, stream, epoch),
+        c.stream_seq == sa.any_(sa.literal(seqs, postgresql.ARRAY(sa.BigInteger))),
+    )
+
+
+def find_by_msg_id(t: models.Tables, subscription: str, msg_id: str) -> Bound:
+    """The key and outcome of the message this subscription processed with ``msg_id``."""
+    return _find_by_msg_id(t), {"p_subscription": subscription, "p_msg_id": msg_id}
+
+
+@functools.cache
+def _find_by_msg_id(t: models.Tables) -> sa.Executable:
+    c = t.inbox.c
+    return sa.select(c.stream, c.stream_epoch, c.stream_seq, c.outcome).where(
+        c.subscription == sa.bindparam("p_subscription", type_=sa.Text),
+        c.msg_id_digest == msg_id_digest(sa.bindparam("p_msg_id", type_=sa.Text)),
+    )
+
+
+def find_dead_letter(
+    t: models.Tables, subscription: str, stream: str, epoch: str, seq: int, fingerprint: bytes
+) -> Bound:
+    """The id of the dead letter recorded for one message (key and fingerprint)."""
+    params = key_params(subscription, stream, epoch, seq)
+    return _find_dead_letter(t), {**params, "p_fingerprint": fingerprint}
+
+
+@functools.cache
+def _find_dead_letter(t: models.Tables) -> sa.Executable:
+    c = t.dead_letters.c
+    fingerprint = sa.bindparam("p_fingerprint", type_=sa.LargeBinary)
+    return sa.select(c.id).where(*in_bound_key(c), c.fingerprint == fingerprint)
+
+
+DEAD_LETTER_COLUMNS = (
+    "subscription",
+    "stream",
+    "stream_epoch",
+    "stream_seq",
+    "fingerprint",
+    "msg_id",
+    "subject",
+    "headers",
+    "payload",
+    "reason",
+    "error",
+    "traceback",
+    "delivery_count",
+)
+
+
+def insert_dead_letter(t: models.Tables, row: dict[str, Any]) -> Bound:
+    """Record a dead letter (``row``: a value for each of its columns the protocol sets); a
+    second one for the same message is dropped."""
+    if row.keys() != set(DEAD_LETTER_COLUMNS):
+        raise ValueError(f"a dead letter row has exactly the columns {DEAD_LETTER_COLUMNS}")
+    return _insert_dead_letter(t), {f"p_{name}": value for name, value in row.items()}
+
+
+@functools.cache
+def _insert_dead_letter(t: models.Tables) -> sa.Executable:
+    c = t.dead_letters.c
+    values = {name: sa.bindparam(f"p_{name}", type_=c[name].type) for name in DEAD_LETTER_COLUMNS}
+    return postgresql.insert(t.dead_letters).values(values).on_conflict_do_nothing().returning(c.id)
