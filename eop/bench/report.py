@@ -132,7 +132,7 @@ _TARGETS: tuple[tuple[str, str, float], ...] = (
     ("c/h", ">=", 3.0),
     ("c p99/h p99", "<=", 1.0),
 )
-"""Issue 15's targets: eop's worker CPU against the lean loop's, the README's handler
+"""The throughput targets: eop's worker CPU against the lean loop's, the README's handler
 styles against eop.Writes, eop default against one hand-written process, and its p99."""
 
 

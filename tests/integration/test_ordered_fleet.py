@@ -250,7 +250,7 @@ async def test_sigkilled_workers_of_a_fleet_keep_every_key_in_order(
 ) -> None:
     """Two `eop worker` commands, each SIGKILLed twice while it holds keys' messages and
     started again, bursts arriving meanwhile: every step of every account applied once and
-    in order (the issue's single-worker SIGKILL case applied steps 142-180 after 292)."""
+    in order (the reported single-worker SIGKILL case applied steps 142-180 after 292)."""
     import random
     import signal
 

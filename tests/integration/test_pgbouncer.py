@@ -275,7 +275,7 @@ def test_a_pooler_set_as_none_in_front_of_transaction_mode_is_one_clear_error(
 ) -> None:
     """db_pooler=none through a transaction-mode PgBouncer: prepared statements collide,
     and `eop db upgrade` says so in one `eop: error:` line naming EOP_DB_POOLER, never a
-    traceback (the issue's "succeeds once, fails the next time")."""
+    traceback (the reported "succeeds once, fails the next time")."""
     with bouncer.PgBouncer(
         pgbouncer_path,
         postgres,
