@@ -2,11 +2,19 @@
 
 The protocol calls ``await faults.point("after_commit")`` at the crash points
 of docs/design.md, 'The hazards'. Disarmed (the default, and always in
-production) a point is one check of a module-level boolean. A chaos run arms
-them through the environment of the worker processes::
+production) a point is one check of a module-level boolean.
+
+Only what asks for faults arms them: a test calls :func:`arm`, and a chaos run
+starts its workers through its own entry point, ``python -m eop.chaos.armed
+worker ...`` (:mod:`eop.chaos.armed`), which calls :func:`arm_from_env` on
+these variables of the worker's environment::
 
     EOP_FAULTS="after_commit=kill#40,mid_handler=stall:6@0.01,before_commit=raise@0.02"
     EOP_FAULT_SEED=1234
+
+``eop worker`` and ``eop relay`` never read them to arm, so a variable left
+in a production environment cannot crash a worker: they log one warning
+(``fault.ignored``, :func:`warn_if_ignored`) and run disarmed.
 
 Each rule is ``POINT=ACTION[:SECONDS](@PROBABILITY|#NTH)``: fire with that
 probability at every pass, or exactly once at the NTH pass. Actions:
@@ -66,7 +74,7 @@ SEED_VAR = "EOP_FAULT_SEED"
 
 
 class FaultInjected(errors.EopError):
-    """A fault point raised on purpose (EOP_FAULTS armed it)."""
+    """A fault point raised on purpose (an armed rule said ``raise``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +177,11 @@ def arm(rules: list[Rule], seed: int | None = None) -> None:
 
 
 def arm_from_env(environ: Mapping[str, str] | None = None) -> None:
-    """Arm from ``EOP_FAULTS`` and ``EOP_FAULT_SEED`` (what ``eop worker`` does at start)."""
+    """Arm from ``EOP_FAULTS`` and ``EOP_FAULT_SEED``.
+
+    What the chaos entry point :mod:`eop.chaos.armed` does at start; never
+    ``eop worker`` or ``eop relay`` (see the module docstring).
+    """
     environ = os.environ if environ is None else environ
     spec = environ.get(FAULTS_VAR, "")
     if not spec.strip():
@@ -180,6 +192,23 @@ def arm_from_env(environ: Mapping[str, str] | None = None) -> None:
     except ValueError:
         raise errors.ConfigurationError(f"{SEED_VAR}={raw_seed!r} is not an integer") from None
     arm(parse(spec), seed)
+
+
+def warn_if_ignored(environ: Mapping[str, str] | None = None) -> None:
+    """Log ``fault.ignored`` if ``EOP_FAULTS`` is set while this process runs disarmed.
+
+    ``eop worker`` and ``eop relay`` call it at start: they never arm from the
+    environment, and an operator who set the variable should learn that it
+    does nothing rather than believe the faults are injected.
+    """
+    environ = os.environ if environ is None else environ
+    if _armed or not environ.get(FAULTS_VAR, "").strip():
+        return
+    log.get_logger().warning(
+        log.Event.FAULT_IGNORED,
+        variable=FAULTS_VAR,
+        detail="fault points are armed by the chaos harness only; this process runs disarmed",
+    )
 
 
 def disarm() -> None:

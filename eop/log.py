@@ -103,6 +103,8 @@ class Event(str, enum.Enum):
     SPARK_LEASE_LOST = "spark.lease_lost"
     SPARK_LEASE_FAILED = "spark.lease_failed"
     FAULT_ARMED = "fault.armed"
+    FAULT_IGNORED = "fault.ignored"
+    """``EOP_FAULTS`` is set, but this command never arms fault points (:mod:`eop.faults`)."""
     FAULT_HIT = "fault.hit"
     LOOP_ERROR = "loop.error"
 

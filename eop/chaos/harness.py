@@ -6,10 +6,11 @@
 
 Phases: start a nats-server (file storage, user and password) and a
 PostgreSQL of its own, with a fault proxy in front of each; start K real
-``python -m eop worker`` processes through the proxies; publish the logical
-messages while the seeded schedule injects faults; heal everything and wait
-for the consumer to drain (a liveness failure if it does not in time); stop
-the workers; check every message, the aggregate invariant and every log line.
+``eop worker`` processes, fault points armed (:mod:`eop.chaos.armed`), through
+the proxies; publish the logical messages while the seeded schedule injects
+faults; heal everything and wait for the consumer to drain (a liveness failure
+if it does not in time); stop the workers; check every message, the aggregate
+invariant and every log line.
 A pipeline target (downstream stages, a writer) is checked stage by stage, and
 its outbox against the streams the relays published to (:mod:`eop.chaos.relayed`).
 """

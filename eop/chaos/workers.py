@@ -1,4 +1,9 @@
-"""The worker processes of a chaos run: real ``python -m eop worker`` subprocesses.
+"""The worker processes of a chaos run: real ``eop worker`` subprocesses, fault points armed.
+
+Each runs ``python -m eop.chaos.armed worker ...`` (:data:`ENTRY_POINT`): the
+``eop worker`` command, with its fault points armed from the ``EOP_FAULTS`` its
+:class:`~eop.chaos.schedule.WorkerPlan` puts in its environment (``eop worker``
+itself never arms them).
 
 A fixed number of slots each hold one incarnation at a time. An incarnation
 that dies (SIGKILLed by the harness or by its own fault point, or exiting at
@@ -31,6 +36,9 @@ from typing import Literal
 
 from eop import faults
 from eop.chaos import checker, schedule
+
+ENTRY_POINT = "eop.chaos.armed"
+"""The module the workers run (:mod:`eop.chaos.armed`; named, not imported: it is the CLI's)."""
 
 BatchMode = Literal["mixed", "on", "off"]
 """Which workers run one transaction per fetched batch (``--batch-transactions``)."""
@@ -206,7 +214,7 @@ class WorkerPool:
             env["EOP_CONCURRENCY"] = str(2 * int(env.get("EOP_CONCURRENCY", "4")))
         # One process per worker: the harness kills and stops worker processes by PID.
         # A slot given --processes N leads a process group instead (Incarnation.group).
-        argv = [sys.executable, "-m", "eop", "worker", self.app]
+        argv = [sys.executable, "-m", ENTRY_POINT, "worker", self.app]
         for handler in self.handlers:
             argv += ["--handler", handler]
         argv += ["--processes", "1", *self.args]

@@ -47,19 +47,36 @@ _TOOLS: dict[str, tuple[str, Callable[[options.Subparsers], None]]] = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``eop`` command; returns the process exit code."""
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    prepare: Callable[[], None] | None = None,
+    program: Sequence[str] | None = None,
+) -> int:
+    """Run the ``eop`` command; returns the process exit code.
+
+    ``prepare`` and ``program`` serve an entry point that wraps this one (the
+    chaos harness's :mod:`eop.chaos.armed`, which arms fault points):
+    ``prepare`` runs once logging is configured, before the command, its
+    errors reported as the command's would be; ``program`` is the command line
+    that runs that entry point again, which ``eop worker --processes N``
+    starts its children with (default: ``python -m eop``).
+    """
     args, _ = build_parser().parse_known_args(argv)
     tool = getattr(args, "tool", None)
     # A tool's command is parsed again, by its own full parser.
     args = build_parser(tool).parse_args(argv)
-    # `eop worker --processes N` starts its children with the same arguments.
+    # `eop worker --processes N` starts its children with the same arguments,
+    # through the same entry point.
     args.argv = list(argv) if argv is not None else sys.argv[1:]
+    args.program = program  # None: the supervisor's default, `python -m eop`
     try:
         settings = settings_mod.Settings.from_env(
             overrides={"log_format": args.log_format, "log_level": args.log_level}
         )
         log.configure(settings.log_format, settings.log_level)
+        if prepare is not None:
+            prepare()
         command: Callable[[argparse.Namespace], int] = args.command
         return command(args)
     except errors.EopError as exc:

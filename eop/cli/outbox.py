@@ -98,7 +98,8 @@ def _cmd_relay(args: argparse.Namespace) -> int:
     from eop import faults
     from eop.runtime import eventloop, relaying
 
-    faults.arm_from_env()
+    # As `eop worker`: never armed from the environment (eop.faults).
+    faults.warn_if_ignored()
     app = options.db_app(args, RELAY_FIELDS)
     return eventloop.run(relaying.run_relay(app), use_uvloop=app.settings.uvloop)
 

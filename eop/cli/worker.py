@@ -123,8 +123,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from eop.app import select_handlers
     from eop.runtime import eventloop, gathered, shutdown, supervisor, worker
 
-    # Fault points stay disarmed unless a chaos run set EOP_FAULTS (eop.faults).
-    faults.arm_from_env()
+    # Never armed from the environment here: only the chaos harness's own entry
+    # point arms fault points (eop.faults). A stray EOP_FAULTS gets a warning.
+    faults.warn_if_ignored()
     app = options.configured_app(args, WORKER_FIELDS)
     # Flags replace the environment's list rather than adding to it.
     handlers = args.handler or options.env_list("EOP_HANDLERS")
@@ -148,6 +149,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                     # The children's own deadline, then a margin for them to be reaped.
                     stop_deadline_s=shutdown.deadline_s(s) + shutdown.STOP_MARGIN_S,
                     served=served,
+                    program=args.program,
                 )
     # exit_hard: a stop always ends the process, even with a handler's thread stuck.
     return eventloop.run(

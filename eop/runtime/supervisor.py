@@ -10,7 +10,9 @@ The supervisor is deliberately small:
 
 - Each child is ``eop worker`` again, with the same arguments plus
   ``--processes 1`` and its share of the worker's database connections
-  (``--db-pool-size``, unless set).
+  (``--db-pool-size``, unless set), through the same entry point:
+  ``python -m eop``, or the chaos harness's :mod:`eop.chaos.armed`, whose
+  children arm their fault points too.
 - With ``--metrics-port P``, the supervisor alone serves P: the children write
   their metrics and readiness to a directory it reads
   (:mod:`eop.runtime.gathered`), and serve nothing.
@@ -126,8 +128,11 @@ def supervise(
     argvs: Sequence[Sequence[str]],
     stop_deadline_s: float | None = None,
     served: gathered.Gathered | None = None,
+    program: Sequence[str] | None = None,
 ) -> int:
     """Run one ``eop`` child per argument list until they have all exited; the exit status.
+
+    Each child is ``program`` (default: ``python -m eop``) with its arguments.
 
     0 when every child exited 0 (after a SIGTERM or SIGINT passed on to them);
     otherwise the status of the first child that exited by itself, or else the
@@ -141,10 +146,9 @@ def supervise(
     """
     logger = log.get_logger()
     env = {**os.environ, **(served.env() if served is not None else {})}
+    command = list(program) if program else [sys.executable, "-m", "eop"]
     children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "eop", *argv], preexec_fn=_die_with_parent(os.getpid()), env=env
-        )
+        subprocess.Popen([*command, *argv], preexec_fn=_die_with_parent(os.getpid()), env=env)
         for argv in argvs
     ]
     logger.info(log.Event.PROCESSES_STARTED, pids=[c.pid for c in children])

@@ -61,11 +61,16 @@ class Workers:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(
-        self, *args: str, app: str | None = None, env: dict[str, str] | None = None
+        self,
+        *args: str,
+        app: str | None = None,
+        env: dict[str, str] | None = None,
+        module: str = "eop",
     ) -> subprocess.Popen[bytes]:
+        """Start `python -m MODULE worker APP ARGS` (eop.chaos.armed: fault points armed)."""
         log = (self.tmp_path / f"worker-{len(self.procs)}.log").open("wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eop", "worker", app or self.app, *args],
+            [sys.executable, "-m", module, "worker", app or self.app, *args],
             env={**self.env, **(env or {})},
             cwd=ROOT,
             stdout=log,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
 import random
 import struct
 import subprocess
@@ -248,6 +249,30 @@ def test_the_final_stop_waits_for_a_new_worker_to_install_its_handlers(tmp_path:
     pool.incarnations.append(inc)
     pool.slots[0] = inc
     assert pool.stop_all(timeout_s=10.0) == {0: 0}
+
+
+def test_pool_workers_run_the_armed_entry_point_and_arm_their_plan(tmp_path: Path) -> None:
+    """A chaos worker is `python -m eop.chaos.armed worker ...`, not `eop worker` (which
+    never arms): its log shows its plan's rules armed, before it fails to import the app."""
+    from eop.chaos import armed, workers
+
+    env = {**os.environ, "EOP_LOG_FORMAT": "json"}
+    pool = workers.WorkerPool(
+        app="no_such_module_xyz:app",
+        handlers=["h"],
+        env=env,
+        log_dir=tmp_path,
+        count=1,
+        seed=1,
+        ack_wait_s=4.0,
+    )
+    pool.start()
+    [inc] = pool.incarnations
+    assert inc.proc.args[1:4] == ["-m", armed.MODULE, "worker"]
+    assert inc.proc.wait(60) == 1
+    [line] = [x for x in inc.log.read_text().splitlines() if '"fault.armed"' in x]
+    assert faults.parse(json.loads(line)["faults"]) == list(inc.plan.rules)
+    assert inc.plan.kill_point is not None
 
 
 def test_a_good_message_dead_lettered_fails_the_verdict() -> None:

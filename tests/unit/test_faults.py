@@ -1,16 +1,22 @@
-"""Fault points: the EOP_FAULTS syntax, disarmed no-ops, and each action."""
+"""Fault points: the EOP_FAULTS syntax, disarmed no-ops, each action, and who may arm them."""
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
-from eop import errors, faults
+from eop import cli, errors, faults, log
+from eop.chaos import armed
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -125,3 +131,74 @@ def test_delayed_kill_lets_the_code_go_on_until_the_timer() -> None:
     )
     assert result.returncode == -signal.SIGKILL
     assert "went on" in result.stdout
+
+
+def test_warn_if_ignored_speaks_only_of_a_set_variable_left_disarmed() -> None:
+    """`fault.ignored` once when EOP_FAULTS is set and nothing armed; silent when unset,
+    blank, or armed (the chaos entry point armed it: nothing is ignored)."""
+    with capture_logs() as logs:
+        faults.warn_if_ignored({})
+        faults.warn_if_ignored({faults.FAULTS_VAR: " "})
+        faults.warn_if_ignored({faults.FAULTS_VAR: "after_commit=kill#1"})
+        faults.arm(faults.parse("after_commit=kill#1"), seed=1)
+        faults.warn_if_ignored({faults.FAULTS_VAR: "after_commit=kill#1"})
+    ignored = [e for e in logs if e["event"] == log.Event.FAULT_IGNORED]
+    assert [(e["log_level"], e["variable"]) for e in ignored] == [("warning", "EOP_FAULTS")]
+
+
+@pytest.mark.parametrize(
+    "argv", [["worker", "no_such_module_xyz:app"], ["relay", "--app", "no_such_module_xyz:app"]]
+)
+def test_eop_worker_and_relay_never_arm_from_the_environment(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stray EOP_FAULTS in production arms nothing in `eop worker` or `eop relay`
+    (it could SIGKILL them); each says once that it ignores the variable."""
+    monkeypatch.setenv(faults.FAULTS_VAR, "after_commit=kill#1")
+    assert cli.main(argv) == 1  # the app cannot be imported: the start got that far
+    assert not faults.armed()
+    assert capsys.readouterr().err.count("fault.ignored") == 1
+
+
+def test_the_chaos_entry_point_arms_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m eop.chaos.armed worker ...` arms EOP_FAULTS with EOP_FAULT_SEED before
+    the command runs, and says nothing of ignoring them."""
+    monkeypatch.setenv(faults.FAULTS_VAR, "after_commit=kill#1")
+    monkeypatch.setenv(faults.SEED_VAR, "5")
+    assert armed.main(["worker", "no_such_module_xyz:app"]) == 1
+    assert faults.ruled("after_commit")
+    err = capsys.readouterr().err
+    assert "fault.armed" in err
+    assert "fault.ignored" not in err
+
+
+def test_the_chaos_entry_point_reports_a_bad_rule_as_eop_does(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo in EOP_FAULTS ends the armed command with status 1 and one `eop: error:`
+    line naming the variable, not a traceback nor a silently disarmed worker."""
+    monkeypatch.setenv(faults.FAULTS_VAR, "after_comit=kill#1")
+    assert armed.main(["worker", "no_such_module_xyz:app"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("eop: error: EOP_FAULTS")
+    assert "Traceback" not in err
+    assert not faults.armed()
+
+
+def test_only_the_chaos_entry_point_arms_from_the_environment() -> None:
+    """No module of eop but eop.chaos.armed calls `arm_from_env`: `eop worker` and
+    `eop relay` (and whatever else runs in production) cannot be armed by a variable."""
+    callers = sorted(
+        {
+            str(path.relative_to(ROOT))
+            for path in (ROOT / "eop").rglob("*.py")
+            if path != ROOT / "eop" / "faults.py"
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if (isinstance(node, ast.Attribute) and node.attr == "arm_from_env")
+            or (isinstance(node, ast.Name) and node.id == "arm_from_env")
+            or (isinstance(node, ast.alias) and node.name == "arm_from_env")
+        }
+    )
+    assert callers == ["eop/chaos/armed.py"]

@@ -63,7 +63,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("tools", ("eop.chaos", "eop.bench")),
-    ("cli", ("eop.cli", "eop.__main__")),
+    # eop.chaos.armed is the chaos harness's entry point: it runs eop.cli.
+    ("cli", ("eop.cli", "eop.__main__", "eop.chaos.armed")),
     ("contrib", ("eop.contrib",)),
 )
 
