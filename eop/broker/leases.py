@@ -37,6 +37,11 @@ _RETRY_S = 1.0
 
 _MIN_SLEEP_S = 0.01
 
+_EARLY = 0.25
+"""A round also renews what falls due within this share of its renewal interval:
+deliveries fetched one after another then fall into a few cohorts, renewed together,
+rather than waking the task for each (every wake scans every held delivery)."""
+
 
 @dataclasses.dataclass
 class _Held:
@@ -61,6 +66,8 @@ class Leases:
         self._held: dict[int, _Held] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._next_at: float | None = None
+        """When the renewing task wakes next by itself (None: it is not asleep)."""
         self._failing = False
         self._logger = log.get_logger()
 
@@ -74,6 +81,7 @@ class Leases:
         default) until they are released."""
         renewed_at = self._clock() if at is None else at
         every_s = ack_wait_s / _SHARE
+        added = False
         for delivery in deliveries:
             held = self._held.get(id(delivery))
             if held is not None and held.delivery is delivery:
@@ -82,7 +90,12 @@ class Leases:
                 self._held[id(delivery)] = _Held(
                     delivery, every_s, renewed_at, renewed_at, renewed_at + every_s
                 )
-        self._wake.set()
+                added = True
+        # Wake the task only when this lease falls due before it would wake anyway (a
+        # shorter AckWait, an old ``at``): a wake per hold would scan every held
+        # delivery per fetched message.
+        if added and (self._next_at is None or renewed_at + every_s < self._next_at):
+            self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._renew())
 
@@ -128,24 +141,29 @@ class Leases:
                 await task
 
     async def _renew(self) -> None:
-        while self._held:
-            now = self._clock()
-            due = [h for h in self._held.values() if h.due_at <= now]
-            if due:
-                await self._send(due, now)
-            next_at = min((h.due_at for h in self._held.values()), default=None)
-            if next_at is None:
-                return
-            # Woken by the clock or by a new hold (a shorter AckWait may be due sooner);
-            # a timer rather than wait_for, which would be one more task per round.
-            self._wake.clear()
-            timer = asyncio.get_running_loop().call_later(
-                max(next_at - self._clock(), _MIN_SLEEP_S), self._wake.set
-            )
-            try:
-                await self._wake.wait()
-            finally:
-                timer.cancel()
+        try:
+            while self._held:
+                now = self._clock()
+                due = [h for h in self._held.values() if h.due_at <= now + _EARLY * h.renew_every_s]
+                if due:
+                    await self._send(due, now)
+                next_at = min((h.due_at for h in self._held.values()), default=None)
+                if next_at is None:
+                    return
+                # Woken by the clock or by a hold due sooner (a shorter AckWait); a timer
+                # rather than wait_for, which would be one more task per round.
+                self._wake.clear()
+                self._next_at = next_at
+                timer = asyncio.get_running_loop().call_later(
+                    max(next_at - self._clock(), _MIN_SLEEP_S), self._wake.set
+                )
+                try:
+                    await self._wake.wait()
+                finally:
+                    timer.cancel()
+                    self._next_at = None
+        finally:
+            self._next_at = None
 
     async def _send(self, due: list[_Held], asked_at: float) -> None:
         results = await asyncio.gather(

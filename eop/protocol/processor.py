@@ -315,6 +315,14 @@ class Processor:
         """A redelivered message: count its run (once, however often the step is retried
         for the database), committed before the handler starts; dead-letter it as a crash
         loop past ``max_deliveries`` runs without an outcome, else attempt it."""
+        if not counted:
+            # Most redeliveries are done already (acked out of order above the ack floor
+            # before a handover or a crash): settled without a count or the wait.
+            async with self.store.transaction(self.spec) as tx:
+                existing = await tx.find(msg)
+                await tx.rollback()
+            if existing is not None:
+                return await self._not_claimed(delivery, msg, existing, logger)
         # Held for the run only: a retry's backoff (an outage, a lock held elsewhere)
         # must not keep the process's other redeliveries waiting.
         async with self.suspects:
