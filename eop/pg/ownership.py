@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -35,6 +36,9 @@ class Acquired:
     partition: int
     epoch: int
     previous_consumer: str | None
+    released: bool = False
+    """Its previous owner released it with every run ended: what that owner's consumer
+    delivered and never ran is no run of a crash loop."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +103,10 @@ class Ownership:
                 )
             await conn.execute(sql.create_partitions(t, s, self.count))
 
-    async def tick(self, want: int, releasing: list[int]) -> Tick:
-        """Renew this member and its leases, give up ``releasing``, take up to ``want``
-        more partitions than it keeps; one transaction."""
+    async def tick(self, want: int, releasing: list[int], expiring: Sequence[int] = ()) -> Tick:
+        """Renew this member and its leases, give up ``releasing`` (every run of theirs
+        ended) and ``expiring`` (some cut short), take up to ``want`` more partitions than
+        it keeps; one transaction."""
         t, s, m, lease = self.tables, self.subscription, self.member, self.lease_s
         async with self.engine.begin() as conn:
             await conn.execute(sql.tick_timeouts(2000, 5000, int(lease * 500)))
@@ -109,6 +114,8 @@ class Ownership:
             await conn.execute(sql.prune(t, s))
             if releasing:
                 await conn.execute(sql.release(t, s, m.name, releasing))
+            if expiring:
+                await conn.execute(sql.expire(t, s, m.name, list(expiring)))
             members = tuple(r[0] for r in (await conn.execute(sql.live_members(t, s))).all())
             renewed = (await conn.execute(sql.renew(t, s, m.name, lease))).all()
             owned = {int(r[0]): int(r[1]) for r in renewed}
@@ -119,7 +126,7 @@ class Ownership:
                     await conn.execute(sql.acquire(t, s, m.name, m.host, m.pid, lease, need))
                 ).all()
                 for row in rows:
-                    acquired.append(Acquired(int(row[0]), int(row[1]), row[2]))
+                    acquired.append(Acquired(int(row[0]), int(row[1]), row[2], bool(row[3])))
                     owned[int(row[0])] = int(row[1])
         return Tick(members=members, owned=owned, acquired=tuple(acquired))
 
@@ -129,10 +136,14 @@ class Ownership:
         epoch: int,
         consumer: str,
         redelivers: tuple[int, int] | None = None,
+        *,
+        counted: bool = True,
     ) -> Handovers | None:
         """Name the consumer of this ownership, which ``redelivers`` a range its
         predecessors delivered without an ack; the partition's ranges so redelivered
-        (None if the partition moved on meanwhile)."""
+        (None if the partition moved on meanwhile). ``counted`` False: the previous owner
+        released the partition with every run ended, so its range is no crash loop's and
+        is not recorded (earlier owners' ranges still are)."""
         t, s = self.tables, self.subscription
         async with self.engine.begin() as conn:
             result: Any = await conn.execute(sql.record_consumer(t, s, partition, epoch, consumer))
@@ -141,17 +152,19 @@ class Ownership:
             if redelivers is not None:
                 first, last = redelivers
                 await conn.execute(sql.forget_handovers(t, s, partition, first))
-                if first <= last:
+                if counted and first <= last:
                     await conn.execute(sql.record_handover(t, s, partition, epoch, first, last))
             rows = (await conn.execute(sql.handovers(t, s, partition))).all()
         return Handovers(tuple((int(r[0]), int(r[1])) for r in rows))
 
-    async def leave(self, partitions: list[int]) -> None:
-        """Give every partition up and leave (a stopping process)."""
+    async def leave(self, partitions: list[int], *, clean: bool = True) -> None:
+        """Give every partition up and leave (a stopping process); ``clean`` False: some
+        runs were cut short (:meth:`tick`'s ``expiring``)."""
         t, s, m = self.tables, self.subscription, self.member.name
         async with self.engine.begin() as conn:
             if partitions:
-                await conn.execute(sql.release(t, s, m, partitions))
+                give_up = sql.release if clean else sql.expire
+                await conn.execute(give_up(t, s, m, partitions))
             await conn.execute(sql.leave(t, s, m))
 
     async def consumers(self) -> dict[int, str | None]:

@@ -71,6 +71,8 @@ class Partition:
     sub: fetcher.Fetcher | None = None
     task: asyncio.Task[None] | None = None
     release_by: float = 0.0
+    released: bool = False
+    """Its previous owner released it with every run ended (see ``Acquired.released``)."""
     handovers: ownership.Handovers = dataclasses.field(default_factory=ownership.Handovers)
     """What earlier owners' consumers delivered that its consumer delivers again."""
 
@@ -188,17 +190,21 @@ class OrderedRunner:
     async def tick(self) -> None:
         """Renew, give up what is drained, take this process's share, open new consumers."""
         want = share(self.members, self.owners.member.name, self.owners.count)
-        releasing = [p.number for p in self.owned.values() if p.releasing and self._drained(p)]
+        drained = [p for p in self.owned.values() if p.releasing and self._drained(p)]
+        # Past its deadline with lanes still running: their runs are cut short, so the
+        # next owner counts what this one's consumer delivered.
+        expiring = [p.number for p in drained if p.inflight]
+        releasing = [p.number for p in drained if not p.inflight]
         asked_at = time.monotonic()
         try:
-            tick = await self.owners.tick(want if self.members else 0, releasing)
+            tick = await self.owners.tick(want if self.members else 0, releasing, expiring)
         except Exception:
             # Unknown whether the leases were renewed: past the lease, another owner may
             # have them, so stop fetching what may be lost (the lanes stop at once).
             self._expire(asked_at)
             raise
         self.members = tick.members
-        for number in releasing:
+        for number in releasing + expiring:
             part = self.owned.pop(number)
             self._blocked.forget(self.spec.name, part.keys)
             await self._stop_fetching(part)
@@ -209,7 +215,7 @@ class OrderedRunner:
                 await self._lose(part)
         self._lease_until = asked_at + self.settings.partition_lease_s * 0.75
         for got in tick.acquired:
-            part = Partition(got.partition, got.epoch, got.previous_consumer)
+            part = Partition(got.partition, got.epoch, got.previous_consumer, released=got.released)
             self.owned[got.partition] = part
             self._logger.info(log.Event.PARTITION_ACQUIRED, partition=part.number, epoch=part.epoch)
             self._observer.partitions_changed(self.spec, "acquired", len(self.owned))
@@ -266,7 +272,7 @@ class OrderedRunner:
         )
         name, start = opened.name, opened.start
         recorded = await self.owners.record_consumer(
-            part.number, part.epoch, name, opened.redelivers
+            part.number, part.epoch, name, opened.redelivers, counted=not part.released
         )
         if recorded is None:
             await partitions.retire(self.js, self.spec.stream, [name])
@@ -397,14 +403,15 @@ class OrderedRunner:
             return True
         return True
 
-    async def leave(self) -> None:
+    async def leave(self, *, clean: bool = True) -> None:
         """Give every partition up and leave (after the lanes finished), so that the
-        other members take them at their next tick instead of at the lease's end."""
+        other members take them at their next tick instead of at the lease's end.
+        ``clean`` False: the stop cut runs short (the next owners count them)."""
         numbers = list(self.owned)
         for part in self.owned.values():
             part.lost.set()
         try:
-            await self.owners.leave(numbers)
+            await self.owners.leave(numbers, clean=clean)
         except Exception as exc:
             self._logger.warning(log.Event.PARTITION_FAILED, error=log.describe_error(exc)[:500])
             return

@@ -288,7 +288,7 @@ class Worker(hosting.Hosted):
             # Given up once their lanes are done, so that the other processes take them
             # over at their next tick rather than when the leases run out.
             for runner in self._runners.values():
-                await runner.leave()
+                await runner.leave(clean=not self.cancelled)
             await asyncio.gather(*relaying, return_exceptions=True)
         finally:
             await self._critical.drain()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 
 from eop import testing
 from eop.handler import HandlerSpec
@@ -109,21 +110,21 @@ class _FakeOwners:
         self.member = ownership.Member(name="me", host="h", pid=1)
         self.fail = False
         self.released: list[list[int]] = []
+        self.expired: list[list[int]] = []
 
-    async def tick(self, want: int, releasing: list[int]) -> ownership.Tick:
+    async def tick(
+        self, want: int, releasing: list[int], expiring: Sequence[int] = ()
+    ) -> ownership.Tick:
         if self.fail:
             raise OSError("the database is away")
         self.released.append(releasing)
-        owned = {n: 1 for n in (0, 1) if n not in releasing}
+        self.expired.append(list(expiring))
+        owned = {n: 1 for n in (0, 1) if n not in releasing and n not in expiring}
         return ownership.Tick(members=("me",), owned=owned, acquired=())
 
 
-async def test_partitions_whose_lease_may_have_run_out_are_given_up_not_resumed() -> None:
-    """A tick that fails past the lease stops the partitions at once, and the next tick
-    that works gives them up (a new owner, maybe this process, starts a consumer at the
-    floor) instead of fetching again behind the messages their lanes left unacked."""
-    owners = _FakeOwners()
-    runner = ordered.OrderedRunner(
+def _runner(owners: _FakeOwners) -> ordered.OrderedRunner:
+    return ordered.OrderedRunner(
         spec=HandlerSpec(
             func=_handler, name="h", stream="S", subject="s.*", durable="d", order_by="subject:1"
         ),
@@ -138,6 +139,14 @@ async def test_partitions_whose_lease_may_have_run_out_are_given_up_not_resumed(
         observer=observe.NOOP,
         blocked=ordering.BlockedKeys(),
     )
+
+
+async def test_partitions_whose_lease_may_have_run_out_are_given_up_not_resumed() -> None:
+    """A tick that fails past the lease stops the partitions at once, and the next tick
+    that works gives them up (a new owner, maybe this process, starts a consumer at the
+    floor) instead of fetching again behind the messages their lanes left unacked."""
+    owners = _FakeOwners()
+    runner = _runner(owners)
     runner.members = ("me",)
     for n in (0, 1):
         runner.owned[n] = ordered.Partition(n, 1, None, consumer=f"d-p{n}-e1")
@@ -148,6 +157,23 @@ async def test_partitions_whose_lease_may_have_run_out_are_given_up_not_resumed(
     owners.fail = False
     await runner.tick()
     assert sorted(owners.released[-1]) == [0, 1]
+    assert runner.owned == {}
+
+
+async def test_a_partition_given_up_with_runs_cut_short_is_expired_not_released() -> None:
+    """Given up at its deadline with lanes still running, a partition is expired, so that
+    its next owner counts what this one's consumer delivered as runs (a crash loop stays
+    bounded); one whose lanes all ended is released, and its next owner counts nothing."""
+    owners = _FakeOwners()
+    runner = _runner(owners)
+    runner.members = ("me",)
+    for n in (0, 1):
+        part = ordered.Partition(n, 1, None, consumer=f"d-p{n}-e1")
+        part.releasing, part.release_by = True, 0.0
+        runner.owned[n] = part
+    runner.owned[1].inflight = 2
+    await runner.tick()
+    assert (owners.released[-1], owners.expired[-1]) == ([0], [1])
     assert runner.owned == {}
 
 

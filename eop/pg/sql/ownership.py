@@ -6,6 +6,7 @@ whose clocks disagree still agree on who owns what.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -104,13 +105,15 @@ def acquire(
     limit: int,
 ) -> Any:
     """Take up to ``limit`` partitions nobody owns (or whose lease ran out), raising each
-    one's epoch; returns each with its new epoch and the consumer of the one before.
+    one's epoch; returns each with its new epoch, the consumer of the one before, and
+    whether that one was released (:func:`release`: its runs all ended) rather than
+    expired or given up with runs cut short (:func:`expire`).
 
     ``SKIP LOCKED``: two members acquiring at once take different partitions.
     """
     c = t.partitions.c
     free = (
-        sa.select(c.partition)
+        sa.select(c.partition, c.owner.is_(None).label("released"))
         .where(
             c.subscription == subscription,
             sa.or_(c.owner.is_(None), c.expires_at < sa.func.now()),
@@ -118,11 +121,11 @@ def acquire(
         .order_by(c.partition)
         .limit(limit)
         .with_for_update(skip_locked=True)
-        .scalar_subquery()
+        .cte("free")
     )
     return (
         sa.update(t.partitions)
-        .where(c.subscription == subscription, c.partition.in_(free))
+        .where(c.subscription == subscription, c.partition == free.c.partition)
         .values(
             owner=member,
             owner_host=host,
@@ -131,7 +134,7 @@ def acquire(
             expires_at=_ttl(ttl_s),
             acquired_at=sa.func.now(),
         )
-        .returning(c.partition, c.epoch, c.consumer)
+        .returning(c.partition, c.epoch, c.consumer, free.c.released)
     )
 
 
@@ -193,6 +196,21 @@ def release(t: models.Tables, subscription: str, member: str, partitions: list[i
             c.partition.in_(partitions),
         )
         .values(owner=None, owner_host=None, owner_pid=None, expires_at=None)
+    )
+
+
+def expire(t: models.Tables, subscription: str, member: str, partitions: list[int]) -> sa.Update:
+    """Give ``partitions`` up as if their lease had run out, so that another member takes
+    them at once and counts what their consumer delivered as runs (some were cut short)."""
+    c = t.partitions.c
+    return (
+        sa.update(t.partitions)
+        .where(
+            c.subscription == subscription,
+            c.owner == member,
+            c.partition.in_(partitions),
+        )
+        .values(expires_at=sa.func.now() - datetime.timedelta(seconds=1))
     )
 
 
