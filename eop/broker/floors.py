@@ -15,7 +15,7 @@ from typing import Any
 import nats.js.errors
 from nats.aio.client import Client as NATS
 
-from eop.broker import jetstream
+from eop.broker import consumers, jetstream
 
 #: Go's zero time: what the server sends for "never".
 _NEVER = "0001-"
@@ -54,7 +54,7 @@ def from_info(name: str, info: Mapping[str, Any]) -> Floor:
         delivered=int(info.get("delivered", {}).get("stream_seq", 0)),
         ack_pending=int(info.get("num_ack_pending", 0)),
         ack_wait_s=int(config.get("ack_wait") or 30_000_000_000) / 1e9,
-        filters=jetstream.consumer_filters(
+        filters=consumers.consumer_filters(
             config.get("filter_subjects"), config.get("filter_subject")
         ),
     )

@@ -28,7 +28,7 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 
 from eop import errors
-from eop.broker import jetstream
+from eop.broker import consumers
 from eop.handler import HandlerSpec, parse_order_by
 from eop.settings import Settings
 from eop.types import Delivery, Metadata, Sequences
@@ -76,7 +76,7 @@ def stored_subject(transform: tuple[str, str] | None, subject: str) -> str:
         return subject
     src, dest = transform
     found = _PARTITION_DEST.match(dest)
-    if found is None or not jetstream.subject_matches(src, subject):
+    if found is None or not consumers.subject_matches(src, subject):
         return subject
     count, wildcard = int(found[1]), int(found[2])
     wildcards = [i for i, token in enumerate(src.split(".")) if token == "*"]
@@ -94,7 +94,7 @@ def published(spec: HandlerSpec, stored: str) -> tuple[int | None, str]:
     if spec.partitions == 1:
         return 0, stored
     head, _, rest = stored.partition(".")
-    if head.isdigit() and rest and jetstream.subject_matches(spec.subject, rest):
+    if head.isdigit() and rest and consumers.subject_matches(spec.subject, rest):
         return int(head), rest
     return None, stored
 

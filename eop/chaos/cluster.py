@@ -32,7 +32,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from eop import embedded_cluster, errors
-from eop.broker import jetstream
+from eop.broker import consumers, jetstream
 from eop.chaos import harness, publisher, scenarios, workers
 from eop.chaos.report import Report
 from eop.chaos.target import Payload
@@ -226,7 +226,7 @@ class _ClusterRun(harness._Run):
                 for stream_spec in self.stream_specs:
                     await jetstream.ensure_stream(js, stream_spec, create=True)
                 for spec in self.specs:
-                    await jetstream.ensure_consumer(js, spec, self.settings, create=True)
+                    await consumers.ensure_consumer(js, spec, self.settings, create=True)
                 return
             except errors.EopError:
                 if time.monotonic() > end:

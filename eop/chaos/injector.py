@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.pool import NullPool
 
 from eop import embedded
-from eop.broker import jetstream
+from eop.broker import consumers, jetstream
 from eop.chaos import hunts, proxy, schedule, workers
 from eop.handler import HandlerSpec
 from eop.settings import Settings
@@ -223,7 +223,7 @@ class Injector:
         end = time.monotonic() + deadline_s
         while True:
             try:
-                await jetstream.ensure_consumer(self.js, self.spec, self.settings, create=True)
+                await consumers.ensure_consumer(self.js, self.spec, self.settings, create=True)
                 return
             except (*jetstream.NATS_ERRORS, nats.js.errors.Error):
                 if time.monotonic() > end:

@@ -28,7 +28,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from eop import errors, log, retry
-from eop.broker import fetcher, jetstream
+from eop.broker import consumers, fetcher, jetstream
 from eop.handler import HandlerSpec, StreamSpec
 from eop.settings import Settings
 
@@ -136,9 +136,9 @@ class Patience:
         """The handler's durable consumer, created when allowed, and a fetcher of it."""
         create = self.settings.create
         await self(
-            functools.partial(jetstream.ensure_consumer, js, spec, self.settings, create=create)
+            functools.partial(consumers.ensure_consumer, js, spec, self.settings, create=create)
         )
-        sub = await jetstream.subscribe(nc, spec)
+        sub = await consumers.subscribe(nc, spec)
         log.get_logger().info(
             log.Event.SUBSCRIPTION_BOUND,
             handler=spec.name,

@@ -28,7 +28,7 @@ from nats.js import JetStreamContext
 
 from eop import errors, log, redaction, retry
 from eop.app import App, select_handlers
-from eop.broker import ack, connection, fetcher, jetstream, leases, partitions
+from eop.broker import ack, connection, consumers, fetcher, jetstream, leases, partitions
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import migrate, ownership, retries
@@ -571,7 +571,7 @@ class Worker(hosting.Hosted):
                     create=self.settings.create,
                     transform=self._transforms.get(spec.stream),
                 )
-                await jetstream.ensure_consumer(
+                await consumers.ensure_consumer(
                     js, spec, self.settings, create=self.settings.create
                 )
                 await proc.epochs.refresh(spec.stream)

@@ -37,7 +37,7 @@ from typing import Any
 
 from eop import errors, log, retry
 from eop.app import App
-from eop.broker import jetstream
+from eop.broker import consumers
 from eop.handler import HandlerSpec
 from eop.message import Message
 from eop.pg import failures, inbox, models, transactions
@@ -253,7 +253,7 @@ class _Pass:
         mine = []
         for msg in batch:
             theirs = msg.stream != self.spec.stream
-            if theirs or not jetstream.subject_matches(self.spec.subject, msg.subject):
+            if theirs or not consumers.subject_matches(self.spec.subject, msg.subject):
                 counts.add(RowOutcome.SKIPPED)
             elif (msg.stream_epoch, msg.seq) in seen:
                 counts.add(RowOutcome.DUPLICATE)

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import errors, message
-from eop.broker import jetstream
+from eop.broker import consumers
 from eop.handler import HandlerSpec
 from eop.pg import migrate
 from eop.protocol import misconfiguration
@@ -382,7 +382,7 @@ class TestApp:
         if handler is not None:
             return [self._spec(handler)]
         specs = [
-            s for s in self.app.handlers.values() if jetstream.subject_matches(s.subject, subject)
+            s for s in self.app.handlers.values() if consumers.subject_matches(s.subject, subject)
         ]
         if not specs:
             known = describe_handlers(list(self.app.handlers.values()))

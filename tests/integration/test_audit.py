@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import eop
-from eop.broker import jetstream
+from eop.broker import consumers, jetstream
 from eop.ops import audit
 from eop.protocol import unacked
 
@@ -181,7 +181,7 @@ async def test_message_left_pending_and_redelivered_is_stuck(
     app = make_app(database_url, nats_url, ack_wait_s=1.0)
     spec = app.handlers["billing"]
     await jetstream.ensure_stream(js, app.stream_spec(STREAM), create=True)
-    await jetstream.ensure_consumer(js, spec, app.settings, create=True)
+    await consumers.ensure_consumer(js, spec, app.settings, create=True)
     await publish(js, "m0")
     sub = await js.pull_subscribe_bind(durable=spec.durable, stream=STREAM)
     watch = unacked.UnackedWatch(nc, engine, app.settings, spec)
@@ -336,7 +336,7 @@ def test_cli_exit_codes(database_url: str, nats_url: str) -> None:
         js = nc.jetstream()
         app = cliapp.app.with_settings(database_url=database_url, nats_url=nats_url)
         await jetstream.ensure_stream(js, app.stream_spec(STREAM), create=True)
-        await jetstream.ensure_consumer(js, app.handlers["cli"], app.settings, create=True)
+        await consumers.ensure_consumer(js, app.handlers["cli"], app.settings, create=True)
         await js.publish(SUBJECT, b"never delivered")
         info = await js.stream_info(STREAM)
         await nc.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eop.broker.jetstream import subject_matches
+from eop.broker.consumers import subject_matches
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 
 from eop import errors, message
-from eop.broker import jetstream, partitions
+from eop.broker import consumers, jetstream, partitions
 from eop.handler import HandlerSpec
 
 _GETS_IN_FLIGHT = 64
@@ -118,7 +118,7 @@ def consumer_from_info(info: Mapping[str, Any], notes: list[str]) -> Consumer:
     What limits the audit (a deliver policy that skips messages) goes to ``notes``.
     """
     config = info.get("config", {})
-    filters = jetstream.consumer_filters(
+    filters = consumers.consumer_filters(
         config.get("filter_subjects"), config.get("filter_subject")
     )
     floor, delivered = info.get("ack_floor", {}), info.get("delivered", {})

@@ -13,7 +13,7 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 
 from eop import errors, message, redaction
-from eop.broker import jetstream, partitions
+from eop.broker import consumers, jetstream, partitions
 from eop.ops.dlq import rerun, state
 from eop.pg import models
 from eop.pg.sql import dead_letters as dead_letters_sql
@@ -172,20 +172,20 @@ class Replayer:
             return
         others = []
         try:
-            consumers = await self._nats.consumers_info(row["stream"])
+            infos = await self._nats.consumers_info(row["stream"])
         except nats.js.errors.NotFoundError:
             raise errors.ReplayRefused(
                 f"stream {row['stream']!r} does not exist: nothing to publish the replay into"
             ) from None
         stored = await self._stored_subject(row)
-        for info in consumers:
+        for info in infos:
             config = info.config
             name = config.durable_name
             # An ordered handler's own consumers are its partitions' (see eop.broker.partitions).
             if not name or name == own or partitions.is_consumer_of(own, name):
                 continue
-            filters = jetstream.consumer_filters(config.filter_subjects, config.filter_subject)
-            if any(jetstream.subject_matches(f, stored) for f in filters or (">",)):
+            filters = consumers.consumer_filters(config.filter_subjects, config.filter_subject)
+            if any(consumers.subject_matches(f, stored) for f in filters or (">",)):
                 others.append(name)
         if others:
             raise errors.ReplayRefused(
