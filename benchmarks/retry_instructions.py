@@ -10,7 +10,7 @@ fetched delivery fails once, through the real protocol and store), then
 them: take the due ones (:func:`eop.pg.retries.take_due`) and run them, every
 run failing again, counted and parked anew. By default a round's runs go as
 the retry loop sends them (one transaction for the poll,
-:class:`eop.protocol.retrying.RetryBatch`); ``--per-run`` runs each in a
+:class:`eop.protocol.retry_batch.RetryBatch`); ``--per-run`` runs each in a
 transaction of its own, concurrently (:meth:`Processor.retry_parked`, what the
 retry loop did before, and what the batch falls back to). The handler raises
 ``eop.Retry(delay_s=0)``, a counted failure due again at once, so no round
@@ -75,9 +75,9 @@ async def _workload(database_url: str, rounds: int, messages: int, per_run: bool
         if per_run:
             outcomes = list(await asyncio.gather(*(proc.retry_parked(p) for p in parked)))
         else:
-            from eop.protocol import retrying  # absent before the batched retries
+            from eop.protocol import retry_batch  # absent before the batched retries
 
-            outcomes = await retrying.RetryBatch(proc).run(parked)
+            outcomes = await retry_batch.RetryBatch(proc).run(parked)
         if any(o is not Outcome.RETRY for o in outcomes):
             raise SystemExit(f"unexpected outcomes: {sorted({o.name for o in outcomes})}")
     await app.engine.dispose()

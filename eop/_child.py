@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eop import errors, owners
+from eop import errors, scratch_owners
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 PREFIX = "eop-"
-OWNER_FILE = owners.OWNER_FILE
+OWNER_FILE = scratch_owners.OWNER_FILE
 Account = tuple[int, int]
 """A uid and gid to run a server as."""
 SERVER_FILE = "server.pid"
@@ -42,7 +42,7 @@ class Child:
     def __init__(self, kind: str, stop_signal: signal.Signals) -> None:
         reap_orphans(kind, stop_signal)
         self.scratch = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{kind}-"))
-        owners.mark_owner(self.scratch)
+        scratch_owners.mark_owner(self.scratch)
         self.log = self.scratch / f"{kind}.log"
         self.stop_signal = stop_signal
         self.proc: subprocess.Popen[bytes] | None = None
@@ -135,10 +135,10 @@ def wait_for_port(host: str, port: int, child: Child, timeout_s: float) -> None:
 def reap_orphans(kind: str, stop_signal: signal.Signals) -> None:
     """Stop the servers, and remove the scratch directories, of owners that died."""
     for scratch in Path(tempfile.gettempdir()).glob(f"{PREFIX}{kind}-*"):
-        if not owners.owner_gone(scratch):
+        if not scratch_owners.owner_gone(scratch):
             continue
-        server = owners.read_pid(scratch / SERVER_FILE)
-        if server is not None and owners.alive(server):
+        server = scratch_owners.read_pid(scratch / SERVER_FILE)
+        if server is not None and scratch_owners.alive(server):
             # Only a process whose command line names this directory is ours:
             # a pid may have been reused since.
             if not _names(server, scratch):
@@ -151,7 +151,7 @@ def _stop_orphan(pid: int, stop_signal: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, stop_signal)
         deadline = time.monotonic() + 5.0
-        while owners.alive(pid) and time.monotonic() < deadline:
+        while scratch_owners.alive(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         os.killpg(pid, signal.SIGKILL)
 

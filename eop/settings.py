@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal, get_type_hints
 
-from eop import access, errors, redaction, rules
+from eop import errors, nats_access, redaction, rules
 
 LogFormat = Literal["console", "json"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -226,7 +226,7 @@ class Settings:
     log_format: LogFormat = _field("console", "``console`` for people, ``json`` for machines.")
     log_level: LogLevel = _field("info", "Lowest level logged.")
 
-    # -- NATS authentication and TLS (eop.access; PostgreSQL's TLS is in database_url).
+    # -- NATS authentication and TLS (eop.nats_access; PostgreSQL's TLS is in database_url).
     nats_user: str = _field("", "NATS user name (with nats_password); or nats://USER:PASS@host.")
     nats_password: str = _field("", "NATS password (a secret: set it in the environment).")
     nats_token: str = _field("", "NATS authentication token (a secret); or nats://TOKEN@host.")
@@ -266,10 +266,10 @@ class Settings:
             )
 
     @property
-    def nats_access(self) -> access.NatsAccess:
+    def nats_access(self) -> nats_access.NatsAccess:
         """The NATS access the ``nats_*`` fields describe."""
-        fields = dataclasses.fields(access.NatsAccess)
-        return access.NatsAccess(**{f.name: getattr(self, f"nats_{f.name}") for f in fields})
+        fields = dataclasses.fields(nats_access.NatsAccess)
+        return nats_access.NatsAccess(**{f.name: getattr(self, f"nats_{f.name}") for f in fields})
 
     def db_connections(self, processes: int = 1) -> int:
         """The most connections one worker process opens, its pools together:

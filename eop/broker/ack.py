@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
 
-from eop import faults, log, retry, wire
+from eop import backoff, faults, log, wire
 from eop.types import Delivery
 
 _ACK = b"+ACK"
@@ -73,7 +73,7 @@ async def confirm(
         exc = state.outcome.exception() if state.outcome else None
         logger.debug(log.Event.ACK_RETRY, attempt=state.attempt_number, error=type(exc).__name__)
 
-    retrying = retry.retrying(
+    retrying = backoff.retrying(
         stop=tenacity.stop_after_delay(give_up_s),
         retry=tenacity.retry_if_exception_type(_RETRYABLE_ACK_ERRORS),
         base_s=_ACK_RETRY_FIRST_S,

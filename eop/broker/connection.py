@@ -21,8 +21,8 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from eop import errors, wire
-from eop.access import NatsAccess, url_credentials
 from eop.broker import server
+from eop.nats_access import NatsAccess, url_credentials
 
 #: What nats-py raises when the server cannot be reached or does not answer.
 NATS_ERRORS = (OSError, asyncio.TimeoutError, nats.errors.Error)

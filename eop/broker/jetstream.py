@@ -20,7 +20,7 @@ import tenacity
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 
-from eop import errors, log, retry, wire
+from eop import backoff, errors, log, wire
 from eop.broker import connection
 from eop.handler import StreamSpec
 from eop.settings import Settings
@@ -134,7 +134,7 @@ async def _jetstream_answers(nc: NATS) -> None:
             error=type(exc).__name__,
         )
 
-    retrying = retry.retrying(
+    retrying = backoff.retrying(
         stop=tenacity.stop_after_attempt(JETSTREAM_TRIES),
         retry=tenacity.retry_if_exception_type((nats.errors.TimeoutError, asyncio.TimeoutError)),
         base_s=_EPOCH_RETRY_FIRST_S,
@@ -201,7 +201,7 @@ class StreamEpochs:
                 error=type(exc).__name__,
             )
 
-        retrying = retry.retrying(
+        retrying = backoff.retrying(
             stop=tenacity.stop_after_attempt(JETSTREAM_TRIES),
             retry=tenacity.retry_if_exception_type(errors.NatsUnavailable),
             base_s=_EPOCH_RETRY_FIRST_S,

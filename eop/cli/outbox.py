@@ -1,4 +1,5 @@
-"""``eop relay`` and ``eop outbox ...`` (:mod:`eop.runtime.relaying`, :mod:`eop.ops.outbox`)."""
+"""``eop relay`` and ``eop outbox ...``
+(:mod:`eop.runtime.relay_process`, :mod:`eop.ops.outbox`)."""
 
 from __future__ import annotations
 
@@ -96,12 +97,12 @@ def _add_selection(parser: argparse.ArgumentParser, *, default_state: str) -> No
 
 def _cmd_relay(args: argparse.Namespace) -> int:
     from eop import faults
-    from eop.runtime import eventloop, relaying
+    from eop.runtime import eventloop, relay_process
 
     # As `eop worker`: never armed from the environment (eop.faults).
     faults.warn_if_ignored()
     app = options.db_app(args, RELAY_FIELDS)
-    return eventloop.run(relaying.run_relay(app), use_uvloop=app.settings.uvloop)
+    return eventloop.run(relay_process.run_relay(app), use_uvloop=app.settings.uvloop)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from eop import errors, faults, log, message, retry
+from eop import backoff, errors, faults, log, message
 from eop.broker import ack, leases
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
@@ -106,7 +106,7 @@ class Processor:
     acks of a committed batch), :attr:`in_contention` and :meth:`note_contention`
     (run one message at a time after a deadlock), and the module's
     :func:`transient` and :func:`contention`, which classify its failures. The
-    due retries of one poll (:class:`eop.protocol.retrying.RetryBatch`) use
+    due retries of one poll (:class:`eop.protocol.retry_batch.RetryBatch`) use
     :meth:`retry_delay`, :meth:`settle`, :meth:`parked_again`, :meth:`left` and
     :meth:`nak` to settle what their shared transaction decided.
     """
@@ -296,7 +296,7 @@ class Processor:
                     contended = True
                     self.note_contention()
                 attempt += 1
-                delay_s = retry.jittered_s(
+                delay_s = backoff.jittered_s(
                     attempt, self.settings.backoff_base_s, self.settings.backoff_max_s
                 )
                 # Quiet while it is a blip, loud once it lasts.
@@ -305,7 +305,7 @@ class Processor:
                 # The lease is renewed while the message waits: an outage of any
                 # length costs it no redelivery.
                 async with self.leases.keep([delivery], self.ack_wait_s):
-                    stopped = await retry.stopped_within(self.stopping, delay_s)
+                    stopped = await backoff.stopped_within(self.stopping, delay_s)
                 if stopped:
                     return await self.nak(delivery, msg, 0.0, logger)
 
@@ -518,7 +518,7 @@ class Processor:
             except Exception as exc:
                 if not transient(exc):
                     raise
-                await asyncio.sleep(retry.backoff_s(attempt + 1, 0.2, 0.8))
+                await asyncio.sleep(backoff.backoff_s(attempt + 1, 0.2, 0.8))
                 continue
             if committed:
                 return await self.settle(delivery, outcome, logger, dead, ambiguous=True)
@@ -622,7 +622,9 @@ class Processor:
         the last with ``exc``: its ``eop.Retry``'s delay, else the backoff."""
         if isinstance(exc, errors.Retry) and exc.delay_s is not None:
             return exc.delay_s
-        return retry.backoff_s(failures, self.settings.backoff_base_s, self.settings.backoff_max_s)
+        return backoff.backoff_s(
+            failures, self.settings.backoff_base_s, self.settings.backoff_max_s
+        )
 
     async def _commit_and_park(
         self, tx: inbox.Transaction, delivery: Delivery, msg: message.Message, logger: log.Logger
@@ -745,7 +747,7 @@ class Processor:
         """Hand the delivery back, to come again in ``delay_s`` (None: the backoff of its
         delivery count); a parked run has nothing to hand back, its lease does."""
         if delay_s is None:
-            delay_s = retry.backoff_s(
+            delay_s = backoff.backoff_s(
                 msg.num_delivered, self.settings.backoff_base_s, self.settings.backoff_max_s
             )
         await ack.nak(delivery, delay_s, logger)

@@ -44,7 +44,7 @@ from nats.aio.client import Client as NATS
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import QueuePool
 
-from eop import errors, faults, log, outgoing, retry
+from eop import backoff, errors, faults, log, outgoing
 from eop.message import MSG_ID_HEADER
 from eop.observe.observer import NOOP, Observer
 from eop.pg import engines, failures, models
@@ -162,7 +162,7 @@ class Relay:
                         error=log.describe_error(exc)[:500],
                     )
                     await self._close_listener()
-                    wait_s = retry.backoff_s(failures_in_row, _FAILED_FIRST_S, _FAILED_MAX_S)
+                    wait_s = backoff.backoff_s(failures_in_row, _FAILED_FIRST_S, _FAILED_MAX_S)
                 await self._sleep(stopping, wait_s)
         finally:
             await self._leave()
@@ -493,7 +493,7 @@ class Relay:
     # -- held subjects
 
     def _hold(self, subject: str, attempts: int) -> None:
-        delay = retry.backoff_s(attempts, _HELD_FIRST_S, _HELD_MAX_S)
+        delay = backoff.backoff_s(attempts, _HELD_FIRST_S, _HELD_MAX_S)
         self._held[subject] = (time.monotonic() + delay, attempts)
 
     def _held_subjects(self) -> list[str]:
@@ -565,7 +565,7 @@ def _unframeable(subject: str, headers: dict[str, str]) -> tuple[str, str] | Non
 
 def _retrying() -> tenacity.AsyncRetrying:
     """Marks retried in place a few times (a dropped connection), then the round fails."""
-    return retry.retrying(
+    return backoff.retrying(
         stop=tenacity.stop_after_attempt(3),
         retry=tenacity.retry_if_exception(failures.transient),
         base_s=0.1,

@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 from types import TracebackType
 
-from eop import owners
+from eop import scratch_owners
 from eop.observe import health, metrics, reports
 
 _STOP_TIMEOUT_S = 5.0
@@ -49,7 +49,7 @@ class Gathered:
         self._sock = health.bind(host, port)
         remove_orphans(Path(tempfile.gettempdir()))
         self.directory = tempfile.mkdtemp(prefix=_PREFIX)
-        owners.mark_owner(Path(self.directory))
+        scratch_owners.mark_owner(Path(self.directory))
         self.combined = reports.Combined(self.directory)
         self.host = host
         self.port = int(self._sock.getsockname()[1])
@@ -125,12 +125,12 @@ def remove_orphans(parent: Path) -> list[Path]:
 
     A supervisor killed with SIGKILL cannot remove its directory. Only a
     directory whose owner is known to be gone is removed
-    (:func:`eop.owners.owner_gone`): not a live one, nor one of another pid
+    (:func:`eop.scratch_owners.owner_gone`): not a live one, nor one of another pid
     namespace (a container sharing ``/tmp``).
     """
     removed = []
     for directory in parent.glob(f"{_PREFIX}*"):
-        if owners.owner_gone(directory):
+        if scratch_owners.owner_gone(directory):
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
     return removed

@@ -30,7 +30,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from eop import errors, log, retry
+from eop import backoff, errors, log
 from eop.broker import fetcher, jetstream, partitions
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
@@ -178,7 +178,7 @@ class OrderedRunner:
                     failures=failures,
                     error=log.describe_error(exc)[:500],
                 )
-                wait_s = min(self.tick_s, retry.backoff_s(failures, _RETRY_FIRST_S, _RETRY_MAX_S))
+                wait_s = min(self.tick_s, backoff.backoff_s(failures, _RETRY_FIRST_S, _RETRY_MAX_S))
             self.ready.set()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), wait_s)
@@ -334,7 +334,7 @@ class OrderedRunner:
                     part.consumer = None
                     self._give_slots(wanted)
                     return
-                await asyncio.sleep(retry.backoff_s(failures, _RETRY_FIRST_S, _RETRY_MAX_S))
+                await asyncio.sleep(backoff.backoff_s(failures, _RETRY_FIRST_S, _RETRY_MAX_S))
             except asyncio.CancelledError:
                 self._give_slots(wanted)
                 raise

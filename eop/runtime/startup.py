@@ -27,7 +27,7 @@ import tenacity
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from eop import errors, log, retry
+from eop import backoff, errors, log
 from eop.broker import consumers, fetcher, jetstream
 from eop.handler import HandlerSpec, StreamSpec
 from eop.settings import Settings
@@ -79,10 +79,10 @@ async def retrying(
     async def sleep(delay_s: float) -> None:
         if stopping is None:
             await asyncio.sleep(delay_s)
-        elif await retry.stopped_within(stopping, delay_s):
+        elif await backoff.stopped_within(stopping, delay_s):
             raise Stopped
 
-    retrier = retry.retrying(
+    retrier = backoff.retrying(
         stop=tenacity.stop_after_attempt(attempts) if attempts else tenacity.stop_never,
         retry=tenacity.retry_if_exception(_worth_retrying),
         base_s=_FIRST_DELAY_S,

@@ -26,7 +26,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from eop import errors, log, redaction, retry
+from eop import backoff, errors, log, redaction
 from eop.app import App, select_handlers
 from eop.broker import ack, connection, consumers, fetcher, jetstream, leases, partitions
 from eop.handler import HandlerSpec
@@ -41,7 +41,7 @@ from eop.protocol import (
     ordering,
     processor,
     relay,
-    retrying,
+    retry_batch,
     unacked,
 )
 from eop.runtime import hosting, ordered, shutdown, slots, startup, telemetry
@@ -410,7 +410,7 @@ class Worker(hosting.Hosted):
         """
         wait_s = self.settings.retry_poll_s
         failures = 0
-        while not await retry.stopped_within(self._stopping, wait_s):
+        while not await backoff.stopped_within(self._stopping, wait_s):
             wait_s = self.settings.retry_poll_s
             free = await self._take_slots()
             parked: list[retries.ParkedDelivery] = []
@@ -430,7 +430,7 @@ class Worker(hosting.Hosted):
                     error=log.describe_error(exc)[:500],
                 )
             self._slots.give(free - len(parked))
-            # A poll's due retries run in one transaction (eop.protocol.retrying), as a
+            # A poll's due retries run in one transaction (eop.protocol.retry_batch), as a
             # fetched batch does; one transaction each without batch transactions.
             polls = [parked] if self.settings.batch_transactions else [[p] for p in parked]
             taken_at = time.monotonic()
@@ -557,7 +557,7 @@ class Worker(hosting.Hosted):
         self._logger.warning(
             log.Event.FETCH_FAILED, handler=spec.name, error=type(exc).__name__, failures=failures
         )
-        await asyncio.sleep(retry.backoff_s(failures, _FETCH_RETRY_FIRST_S, _FETCH_RETRY_MAX_S))
+        await asyncio.sleep(backoff.backoff_s(failures, _FETCH_RETRY_FIRST_S, _FETCH_RETRY_MAX_S))
         if (
             isinstance(exc, (nats.js.errors.APIError, nats.errors.NoRespondersError))
             or failures > 3
@@ -588,7 +588,7 @@ class Worker(hosting.Hosted):
             if len(parked) == 1:
                 outcomes = [await proc.retry_parked(parked[0])]
             elif parked:
-                outcomes = await self._together(proc, retrying.RetryBatch(proc).run(parked))
+                outcomes = await self._together(proc, retry_batch.RetryBatch(proc).run(parked))
             elif len(msgs) == 1:
                 outcomes = [await proc.handle(msgs[0], received_at)]
             else:

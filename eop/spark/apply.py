@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-from eop import errors, log, retry
+from eop import backoff, errors, log
 from eop.app import App
 from eop.broker import consumers
 from eop.handler import HandlerSpec
@@ -174,7 +174,7 @@ class Partition:
                     messages=len(batch),
                     error=_describe(exc),
                 )
-                await sleep(retry.backoff_s(attempt, _TX_RETRY_FIRST_S, _TX_RETRY_MAX_S))
+                await sleep(backoff.backoff_s(attempt, _TX_RETRY_FIRST_S, _TX_RETRY_MAX_S))
 
     @contextlib.asynccontextmanager
     async def open(self) -> AsyncIterator[PartitionTx]:
@@ -320,7 +320,7 @@ class _Pass:
         if isinstance(exc, errors.Retry) and exc.delay_s is not None:
             # Waited inside the partition's transaction: never longer than the backoff cap.
             return min(exc.delay_s, s.backoff_max_s)
-        return retry.backoff_s(attempt, s.backoff_base_s, s.backoff_max_s)
+        return backoff.backoff_s(attempt, s.backoff_base_s, s.backoff_max_s)
 
     async def _dead_letter(
         self, tx: transactions.SqlTransaction, msg: Message, exc: Exception, logger: log.Logger

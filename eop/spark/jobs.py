@@ -16,8 +16,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
-from eop import access
 from eop import errors as eop_errors
+from eop import nats_access
 from eop.handler import HandlerSpec, parse_order_by
 from eop.spark import connect, errors, failures, fleet, lease, probe, report, sink, watch
 from eop.spark.apply import Counts
@@ -40,7 +40,7 @@ class ReadOptions:
     per_partition: int | None = None
     max_per_batch: int | None = None
     """Streaming only."""
-    nats: access.NatsAccess | None = None
+    nats: nats_access.NatsAccess | None = None
     """Authentication and TLS (``nats_url`` wins over its ``url``)."""
     secret_env: tuple[tuple[str, str], ...] = ()
     """NATS secrets (``password``, ``token``) each process reads from the named variable

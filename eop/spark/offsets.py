@@ -15,7 +15,7 @@ from typing import Any
 
 from eop import errors as eop_errors
 from eop import settings as settings_mod
-from eop.access import NatsAccess
+from eop.nats_access import NatsAccess
 from eop.spark import errors
 
 DEFAULT_MESSAGES_PER_PARTITION = 1000

@@ -28,8 +28,8 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 
-from eop import access, message
 from eop import errors as eop_errors
+from eop import message, nats_access
 from eop.broker import connection, jetstream
 from eop.spark import errors
 from eop.spark.offsets import SeqRange, StreamState, check_available, check_epoch
@@ -51,7 +51,7 @@ CONSUMER_INACTIVE_S = 120.0
 """How long the server keeps a reading consumer whose reader vanished (died mid-read)."""
 
 
-async def connect(access: access.NatsAccess) -> Any:
+async def connect(access: nats_access.NatsAccess) -> Any:
     """A NATS connection for reading; :class:`eop.NatsUnavailable` when there is none.
 
     Quiet, unlike the workers' (:func:`eop.broker.jetstream.connect`): readers open
@@ -215,7 +215,7 @@ async def _cleanup(js: JetStreamContext, sub: Any, stream: str, consumer: str) -
             await sub.unsubscribe()
 
 
-def iterate(access: access.NatsAccess, seqs: SeqRange) -> Iterator[list[Row]]:
+def iterate(access: nats_access.NatsAccess, seqs: SeqRange) -> Iterator[list[Row]]:
     """:func:`read_range` for synchronous callers (a Spark task), on a private event loop."""
     loop = asyncio.new_event_loop()
     try:
@@ -237,7 +237,7 @@ def iterate(access: access.NatsAccess, seqs: SeqRange) -> Iterator[list[Row]]:
         loop.close()
 
 
-def state_once(access: access.NatsAccess, stream: str) -> StreamState:
+def state_once(access: nats_access.NatsAccess, stream: str) -> StreamState:
     """:func:`stream_state` over a connection of its own, for one-off planning."""
 
     async def probe() -> StreamState:
@@ -258,7 +258,7 @@ class StateProbe:
     pings between those calls.
     """
 
-    def __init__(self, access: access.NatsAccess) -> None:
+    def __init__(self, access: nats_access.NatsAccess) -> None:
         self._access = access
         self._loop: asyncio.AbstractEventLoop | None = None
         self._nc: Any = None

@@ -34,7 +34,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from eop import access
+from eop import nats_access
 from eop.spark import errors, offsets, reader
 from eop.spark.offsets import Offset, SeqRange, SourceOptions
 
@@ -44,7 +44,7 @@ class RangePartition(InputPartition):
     """One Spark partition: a sequence range, and the server to read it from."""
 
     seqs: SeqRange
-    nats: access.NatsAccess
+    nats: nats_access.NatsAccess
     secret_env: tuple[tuple[str, str], ...] = ()
     """Secrets the executor reads from its own environment (``natsPasswordEnv``...)."""
 

@@ -18,7 +18,7 @@ import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from eop import access, embedded, faults, log, wire
+from eop import embedded, faults, log, nats_access, wire
 from eop.broker import ack, connection, fetcher
 from eop.chaos.proxy import FaultProxy
 
@@ -53,7 +53,7 @@ async def _stream(js: Any, count: int) -> None:
 
 async def _connect(nats_url: str) -> wire.Client:
     return await connection.connect_nats(
-        access.NatsAccess(url=nats_url), name="acker-test", max_reconnect_attempts=-1
+        nats_access.NatsAccess(url=nats_url), name="acker-test", max_reconnect_attempts=-1
     )
 
 

@@ -25,7 +25,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
-from eop import access, embedded, errors
+from eop import embedded, errors, nats_access
 from eop.broker import connection
 from eop.runtime.worker import Worker
 from eop.spark import offsets, reader
@@ -177,9 +177,11 @@ def secured(request: pytest.FixtureRequest, server: embedded.NatsServer) -> tupl
     return mode, f"nats://{mode.url_credentials}{embedded.HOST}:{server.port}"
 
 
-def access_of(url: str, settings: dict[str, Any]) -> access.NatsAccess:
+def access_of(url: str, settings: dict[str, Any]) -> nats_access.NatsAccess:
     """The access the ``nats_*`` settings describe."""
-    return access.NatsAccess(url=url, **{k.removeprefix("nats_"): v for k, v in settings.items()})
+    return nats_access.NatsAccess(
+        url=url, **{k.removeprefix("nats_"): v for k, v in settings.items()}
+    )
 
 
 def make_app(database_url: str, url: str, auth: dict[str, Any]) -> eop.App:

@@ -165,14 +165,14 @@ def test_servers_orphaned_by_a_killed_run_are_reaped_by_the_next() -> None:
     import subprocess
     import sys
 
-    from eop import owners
+    from eop import scratch_owners
     from eop.embedded import NatsServer
 
     result = subprocess.run([sys.executable, "-c", ORPHAN], capture_output=True, text=True)
     pid_text, scratch_text = result.stdout.split()
     orphan_pid, scratch = int(pid_text), Path(scratch_text)
-    assert owners.alive(orphan_pid)
+    assert scratch_owners.alive(orphan_pid)
     assert scratch.exists()
     with NatsServer():
-        assert not owners.alive(orphan_pid)
+        assert not scratch_owners.alive(orphan_pid)
         assert not scratch.exists()

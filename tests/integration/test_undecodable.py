@@ -21,7 +21,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import access, embedded, wire
+from eop import embedded, nats_access, wire
 from eop.broker import connection, jetstream
 from eop.ops.audit.walk import Walker
 
@@ -175,7 +175,7 @@ async def test_eops_connection_reads_on_after_subjects_and_headers_that_are_not_
     A nats-py upgrade that renames or bypasses ``_build_message`` or
     ``_process_headers`` makes this fail (the read loop would end again).
     """
-    nc = await connection.connect_nats(access.NatsAccess(url=nats_url), name="t")
+    nc = await connection.connect_nats(nats_access.NatsAccess(url=nats_url), name="t")
     try:
         sub = await nc.subscribe("ORDERS.>")
         await nc.flush()
@@ -215,7 +215,7 @@ async def test_eops_direct_and_reply_subscriptions_get_their_messages_inside_the
 ) -> None:
     """Pins the ``_process_msg`` hook: a direct subscription gets a Delivered message, a
     reply subscription the subject and raw status; other subscriptions are untouched."""
-    nc = await connection.connect_nats(access.NatsAccess(url=nats_url), name="t")
+    nc = await connection.connect_nats(nats_access.NatsAccess(url=nats_url), name="t")
     try:
         direct: list[Any] = []
         replies: list[tuple[bytes, bytes | None]] = []

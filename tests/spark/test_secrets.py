@@ -24,8 +24,8 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import embedded, errors
-from eop.access import NatsAccess
 from eop.broker import connection
+from eop.nats_access import NatsAccess
 from eop.spark import jobs, offsets, sink, source
 from eop.spark.offsets import SourceOptions
 from tests.integration.bed import STREAM, create_effects_table, effects_by_body, publish

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from eop import bench, errors, retry
+from eop import backoff, bench, errors
 from eop.bench import baselines, flood, harness, measurement, report, runner, runs
 
 
@@ -266,7 +266,7 @@ def test_hand_written_backoff_is_eops() -> None:
     """The hand-written flood consumer's nak delay follows eop's one backoff formula."""
     for delivered in range(0, 40):
         for base_s, max_s in ((0.5, 1.0), (0.5, 60.0), (0.1, 0.3)):
-            assert baselines.nak_delay_s(delivered, base_s, max_s) == retry.backoff_s(
+            assert baselines.nak_delay_s(delivered, base_s, max_s) == backoff.backoff_s(
                 delivered, base_s, max_s
             )
 

@@ -23,13 +23,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "eop.errors",
             "eop.redaction",
-            "eop.access",
+            "eop.nats_access",
             "eop.rules",
             "eop.settings",
             "eop.log",
             "eop.faults",
-            "eop.retry",
-            "eop.owners",
+            "eop.backoff",
+            "eop.scratch_owners",
         ),
     ),
     (

@@ -184,7 +184,7 @@ def test_the_processes_of_one_worker_are_summed_from_their_shared_directory(
 def test_a_killed_supervisors_metrics_directory_is_removed_by_the_next_one(tmp_path: Path) -> None:
     """Only directories whose owner is gone are removed: a live supervisor's, one of another
     pid namespace (a container sharing /tmp) and unowned ones stay."""
-    from eop import owners
+    from eop import scratch_owners
     from eop.runtime import gathered
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -197,7 +197,7 @@ def test_a_killed_supervisors_metrics_directory_is_removed_by_the_next_one(tmp_p
     }
     for name, owner in owned_by.items():
         (tmp_path / name).mkdir()
-        (tmp_path / name / owners.OWNER_FILE).write_text(owner)
+        (tmp_path / name / scratch_owners.OWNER_FILE).write_text(owner)
     (tmp_path / "eop-metrics-unowned").mkdir()
 
     removed = gathered.remove_orphans(tmp_path)

@@ -13,7 +13,7 @@ from sqlalchemy import exc as sa_exc
 from structlog.testing import capture_logs
 
 import eop
-from eop import log, retry, testing
+from eop import backoff, log, testing
 from eop.pg import models
 from eop.pg.retries import ParkedDelivery
 from eop.protocol.processor import Critical
@@ -22,8 +22,8 @@ from eop.types import Outcome
 from .support import FAST, STREAM, Harness, MakeHarness, delivery, effect_of, events
 
 
-def backoff(num_delivered: int) -> float:
-    return retry.backoff_s(num_delivered, FAST.backoff_base_s, FAST.backoff_max_s)
+def backoff_of(num_delivered: int) -> float:
+    return backoff.backoff_s(num_delivered, FAST.backoff_base_s, FAST.backoff_max_s)
 
 
 async def decode_json(msg: eop.Message, session: Any) -> None:
@@ -197,7 +197,7 @@ async def test_ordered_handler_backs_off_by_its_failures(make_harness: MakeHarne
     d = delivery(num_delivered=9)
     harness.failed_before(d, 1)
     assert await harness.handle(d) is Outcome.RETRY
-    assert d.nak_delay == backoff(2)
+    assert d.nak_delay == backoff_of(2)
 
 
 async def test_ordered_handler_success_forgets_its_counted_failures(
@@ -489,7 +489,7 @@ async def test_claim_lock_timeout_naks_without_running_handler(harness: Harness)
     assert await harness.handle(d) is Outcome.RETRY
     assert harness.calls == []
     assert d.naked
-    assert d.nak_delay == backoff(2)
+    assert d.nak_delay == backoff_of(2)
 
 
 async def test_redelivery_overlapping_a_live_run_waits_and_is_acked_as_duplicate(

@@ -14,9 +14,9 @@ from structlog.testing import capture_logs
 
 import eop
 from eop import cli, errors
-from eop.access import NatsAccess
 from eop.app import App, sync_url
 from eop.broker import connection
+from eop.nats_access import NatsAccess
 from eop.pg import engines
 from eop.runtime.worker import Worker
 from eop.settings import Settings

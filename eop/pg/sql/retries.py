@@ -252,7 +252,7 @@ def _settle_retrying(t: models.Tables) -> sa.Executable:
     )
 
 
-# --- The due retries of one poll, in one transaction (eop.protocol.retrying) -------
+# --- The due retries of one poll, in one transaction (eop.protocol.retry_batch) -------
 #
 # Each statement takes the parked messages of one subscription, stream and epoch,
 # one array element per message: one statement for the poll, not one per run.

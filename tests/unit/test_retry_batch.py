@@ -1,6 +1,7 @@
-"""The due retries of one poll in one transaction (:mod:`eop.protocol.retrying`), on eop.testing's
-fakes: each run counted once, the crash-loop bound, dead letters at ``max_attempts``, and the
-fallback to one transaction per run. tests/integration/test_retrying.py runs them on PostgreSQL.
+"""The due retries of one poll in one transaction (:mod:`eop.protocol.retry_batch`), on
+eop.testing's fakes: each run counted once, the crash-loop bound, dead letters at
+``max_attempts``, and the fallback to one transaction per run.
+tests/integration/test_retry_batch.py runs them on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from eop.message import Message
 from eop.observe import observer as observe
 from eop.pg import models
 from eop.pg.retries import ParkedDelivery
-from eop.protocol import batch, processor, retrying
+from eop.protocol import batch, processor, retry_batch
 from eop.types import Delivery, Outcome
 
 from .support import FAST, STREAM, delivery, effect_of, events
@@ -73,7 +74,7 @@ class Polls:
         return parked
 
     async def run(self, parked: list[ParkedDelivery]) -> collections.Counter[Outcome]:
-        outcomes = await retrying.RetryBatch(self.single).run(parked)
+        outcomes = await retry_batch.RetryBatch(self.single).run(parked)
         assert len(outcomes) == len(parked)
         return collections.Counter(outcomes)
 
@@ -311,7 +312,7 @@ async def test_a_failure_after_the_commit_never_runs_a_run_again(
 
     monkeypatch.setattr(polls.single, "parked_again", broken)
     with pytest.raises(KeyError):
-        await retrying.RetryBatch(polls.single).run(parked)
+        await retry_batch.RetryBatch(polls.single).run(parked)
     assert polls.calls == [1, 2]
     assert (polls.attempts(1), polls.attempts(2)) == (2, None)
     assert polls.store.effects == effects(2)
@@ -333,7 +334,7 @@ async def test_a_run_that_fails_alone_too_is_handed_to_the_worker_and_the_others
 
     monkeypatch.setattr(polls.single, "retry_parked", flaky)
     with pytest.raises(batch.Unsettled) as raised:
-        await retrying.RetryBatch(polls.single).run(parked)
+        await retry_batch.RetryBatch(polls.single).run(parked)
     assert raised.value.outcomes == [Outcome.PROCESSED]
     [(delivery, error)] = raised.value.failed
     assert delivery is parked[0]

@@ -1,4 +1,4 @@
-"""A poll's due retries in one transaction (eop.protocol.retrying), on JetStream and PostgreSQL.
+"""A poll's due retries in one transaction (eop.protocol.retry_batch), on JetStream and PostgreSQL.
 
 The handlers park their messages with ``eop.Retry(delay_s=3600)``; the test then makes every
 parked message due in one statement, so the retry loop's next poll takes them all at once.
@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 import eop
 from eop.broker import jetstream
 from eop.pg import retries
-from eop.protocol import processor, retrying
+from eop.protocol import processor, retry_batch
 from eop.types import Outcome
 
 from .bed import (
@@ -239,7 +239,7 @@ async def test_a_parked_row_held_for_a_moment_is_waited_for_not_left_to_its_leas
             sa.text("SELECT 1 FROM eop.retries WHERE stream_seq = :seq FOR UPDATE"),
             {"seq": parked[1].message.seq},
         )
-        running_poll = asyncio.create_task(retrying.RetryBatch(proc).run(parked))
+        running_poll = asyncio.create_task(retry_batch.RetryBatch(proc).run(parked))
         await asyncio.sleep(0.5)
         await holder.commit()
     outcomes = await asyncio.wait_for(running_poll, 30)
