@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -159,11 +160,64 @@ class LogEvidence:
     stuck: list[str] = dataclasses.field(default_factory=list)
     """Every ``delivery.stuck`` a worker logged: a message unacknowledged for longer than
     ``stuck_after_ack_waits`` AckWaits (file, sequence, consumer and how long)."""
+    stuck_waits: list[StuckWait] = dataclasses.field(default_factory=list)
+    """The same, each with how long it stayed stuck as far as its worker saw."""
     leaks: list[str] = dataclasses.field(default_factory=list)
     """Where a canary appeared (file, line number and which canary; never its value)."""
     foreign_lines: int = 0
     """Lines that are not eop's JSON (a traceback, a library's print)."""
     foreign_samples: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class StuckWait:
+    """A delivery a worker reported stuck, and how long it waited unacknowledged."""
+
+    where: str
+    """The log file, sequence and consumer."""
+    waited_s: float
+    """Its wait when reported stuck, plus the time until the same worker saw it
+    acknowledged (``delivery.unstuck``): a lower bound when it never did."""
+    stuck_after_s: float
+    reported_at: str = ""
+    resolved: bool = False
+
+
+def stuck_stalls(waits: Iterable[StuckWait], allowance_s: float) -> list[str]:
+    """The stuck deliveries that waited longer than their bound plus ``allowance_s``:
+    longer than any fault the run injected can explain, so a stall."""
+    return [
+        f"{w.where} unacknowledged for {w.waited_s:.1f} s (stuck after {w.stuck_after_s:g} s; "
+        f"injected faults explain up to {w.stuck_after_s + allowance_s:.1f} s)"
+        for w in waits
+        if w.waited_s > w.stuck_after_s + allowance_s
+    ]
+
+
+def stuck_allowance_s(
+    faults: Iterable[schedule.Fault], longest_freeze_s: float, ack_wait_s: float
+) -> float:
+    """How long past its bound a delivery may stay stuck because of the faults injected:
+    the longest stretch of overlapping faults, the longest freeze of a worker's plan, and
+    three AckWaits (a redelivery after the hold ends, and the reading that notices it)."""
+    longest, start, end = 0.0, None, None
+    for fault in sorted(faults, key=lambda f: f.at_s):
+        f_end = fault.at_s + fault.duration_s
+        if start is None or end is None or fault.at_s > end:
+            start, end = fault.at_s, f_end
+        else:
+            end = max(end, f_end)
+        longest = max(longest, end - start)
+    return longest + longest_freeze_s + 3 * ack_wait_s
+
+
+def _seconds_between(start: str, end: str) -> float | None:
+    try:
+        return (
+            datetime.datetime.fromisoformat(end) - datetime.datetime.fromisoformat(start)
+        ).total_seconds()
+    except ValueError:
+        return None
 
 
 def scan_logs(paths: Iterable[Path], canaries: Mapping[str, str]) -> LogEvidence:
@@ -205,11 +259,35 @@ def _count_line(ev: LogEvidence, line: str, name: str) -> None:
         ev.guard_skips[str(record.get("handler"))] += 1
     elif event == "transaction.retry" and "eadlock" in str(record.get("error", "")):
         ev.deadlocks += 1
-    elif event == "delivery.stuck":
+    elif event in ("delivery.stuck", "delivery.unstuck"):
+        _count_stuck(ev, event, record, name)
+
+
+def _count_stuck(ev: LogEvidence, event: str, record: Mapping[str, Any], name: str) -> None:
+    """A stuck delivery's report, or the end of one (the same worker saw it acknowledged)."""
+    if event == "delivery.stuck":
+        where = f"{name}: seq {record.get('seq')} of {record.get('consumer')}"
         ev.stuck.append(
-            f"{name}: seq {record.get('seq')} of {record.get('consumer')} unacknowledged for "
+            f"{where} unacknowledged for "
             f"{record.get('waited_s')} s (> {record.get('stuck_after_s')} s)"
         )
+        ev.stuck_waits.append(
+            StuckWait(
+                where=where,
+                waited_s=float(record.get("waited_s") or 0.0),
+                stuck_after_s=float(record.get("stuck_after_s") or 0.0),
+                reported_at=str(record.get("timestamp") or ""),
+            )
+        )
+    elif event == "delivery.unstuck":
+        consumer = f" of {record.get('consumer')}"
+        for wait in reversed(ev.stuck_waits):
+            if wait.where.startswith(f"{name}:") and wait.where.endswith(consumer):
+                if not wait.resolved:
+                    more = _seconds_between(wait.reported_at, str(record.get("timestamp") or ""))
+                    wait.waited_s += max(more or 0.0, 0.0)
+                    wait.resolved = True
+                break
 
 
 EVIDENCE_EVENTS = {

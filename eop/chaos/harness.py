@@ -435,6 +435,9 @@ class _Run:
                 await monitor
         self.report.publishes = pub.publishes
         self.report.faults = inj.counts
+        self.report.stuck_allowance_s = checker.stuck_allowance_s(
+            faults, pool.longest_freeze_s, c.ack_wait_s
+        )
         self.report.timings_s["chaos"] = time.monotonic() - started
 
     async def _write(self, spread_s: float) -> None:

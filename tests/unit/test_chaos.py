@@ -204,6 +204,49 @@ def test_log_scan_lists_stuck_deliveries_and_the_report_counts_them(tmp_path: Pa
     assert found.to_dict()["stuck_deliveries"] == 1
 
 
+def test_a_delivery_stuck_longer_than_the_injected_faults_explain_is_a_stall(
+    tmp_path: Path,
+) -> None:
+    """A stuck delivery's wait runs from its report to the same worker's ``delivery.unstuck``;
+    past its bound plus what the run's faults explain, the report counts it as a stall."""
+    log = tmp_path / "worker-0001.log"
+    lines = [
+        {
+            "event": "delivery.stuck",
+            "seq": 5,
+            "consumer": "eop-chaos",
+            "waited_s": 13.0,
+            "stuck_after_s": 12.0,
+            "timestamp": "2026-11-28T10:00:00+00:00",
+        },
+        {
+            "event": "delivery.unstuck",
+            "consumer": "eop-chaos",
+            "timestamp": "2026-11-28T10:00:30+00:00",
+        },
+    ]
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ev = checker.scan_logs([log], {})
+    [wait] = ev.stuck_waits
+    assert (wait.waited_s, wait.resolved) == (43.0, True)
+    faults = [
+        schedule.Fault(at_s=1.0, kind="nats_blackhole", duration_s=5.0),
+        schedule.Fault(at_s=4.0, kind="pg_outage_long", duration_s=6.0),
+        schedule.Fault(at_s=30.0, kind="worker_stop", duration_s=2.0),
+    ]
+    allowance = checker.stuck_allowance_s(faults, longest_freeze_s=1.0, ack_wait_s=4.0)
+    assert allowance == 9.0 + 1.0 + 12.0
+    judged = report.Report(seed=1, command="eop chaos", messages=1, logs=ev)
+    assert judged.stalls == []
+    judged.stuck_allowance_s = allowance
+    assert judged.stalls == [
+        "worker-0001.log: seq 5 of eop-chaos unacknowledged for 43.0 s (stuck after 12 s; "
+        "injected faults explain up to 34.0 s)"
+    ]
+    judged.stuck_allowance_s = 40.0
+    assert judged.stalls == []
+
+
 def test_chaos_command_names_its_variables_and_refuses_half_a_target(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
