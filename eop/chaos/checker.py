@@ -180,35 +180,31 @@ class StuckWait:
     acknowledged (``delivery.unstuck``): a lower bound when it never did."""
     stuck_after_s: float
     reported_at: str = ""
+    reported_waited_s: float = 0.0
+    """Its wait when reported: it began that long before ``reported_at``."""
     resolved: bool = False
 
 
-def stuck_stalls(waits: Iterable[StuckWait], allowance_s: float) -> list[str]:
-    """The stuck deliveries that waited longer than their bound plus ``allowance_s``:
-    longer than any fault the run injected can explain, so a stall."""
-    return [
-        f"{w.where} unacknowledged for {w.waited_s:.1f} s (stuck after {w.stuck_after_s:g} s; "
-        f"injected faults explain up to {w.stuck_after_s + allowance_s:.1f} s)"
-        for w in waits
-        if w.waited_s > w.stuck_after_s + allowance_s
-    ]
-
-
-def stuck_allowance_s(
-    faults: Iterable[schedule.Fault], longest_freeze_s: float, ack_wait_s: float
-) -> float:
-    """How long past its bound a delivery may stay stuck because of the faults injected:
-    the longest stretch of overlapping faults, the longest freeze of a worker's plan, and
-    three AckWaits (a redelivery after the hold ends, and the reading that notices it)."""
-    longest, start, end = 0.0, None, None
-    for fault in sorted(faults, key=lambda f: f.at_s):
-        f_end = fault.at_s + fault.duration_s
-        if start is None or end is None or fault.at_s > end:
-            start, end = fault.at_s, f_end
-        else:
-            end = max(end, f_end)
-        longest = max(longest, end - start)
-    return longest + longest_freeze_s + 3 * ack_wait_s
+def stuck_stalls(waits: Iterable[StuckWait], healed_at: str) -> list[str]:
+    """The stuck deliveries still unacknowledged longer than their bound after every
+    fault was healed (``healed_at``, ISO 8601): while faults run they explain any wait,
+    once healed a stuck delivery is a stall."""
+    found = []
+    for wait in waits:
+        if not wait.resolved:
+            continue  # its worker ended first: the drain judges the message
+        since_heal = _seconds_between(healed_at, wait.reported_at)
+        if since_heal is None:
+            continue
+        # The wait ended at reported_at - reported_waited_s + waited_s.
+        began = since_heal - wait.reported_waited_s
+        after_heal = began + wait.waited_s - max(began, 0.0)
+        if after_heal > wait.stuck_after_s:
+            found.append(
+                f"{wait.where} unacknowledged for {wait.waited_s:.1f} s, {after_heal:.1f} s of "
+                f"them after every fault was healed (stuck after {wait.stuck_after_s:g} s)"
+            )
+    return found
 
 
 def _seconds_between(start: str, end: str) -> float | None:
@@ -277,6 +273,7 @@ def _count_stuck(ev: LogEvidence, event: str, record: Mapping[str, Any], name: s
                 waited_s=float(record.get("waited_s") or 0.0),
                 stuck_after_s=float(record.get("stuck_after_s") or 0.0),
                 reported_at=str(record.get("timestamp") or ""),
+                reported_waited_s=float(record.get("waited_s") or 0.0),
             )
         )
     elif event == "delivery.unstuck":

@@ -46,20 +46,19 @@ class Report:
     """Every SIGTERM of a worker, timed."""
     stop_limit_s: float = 35.0
     """shutdown_grace_s + 5 s: a stop that takes longer is a stall."""
-    stuck_allowance_s: float | None = None
-    """How long past its bound a stuck delivery may stay stuck because of the injected
-    faults (:func:`eop.chaos.checker.stuck_allowance_s`); longer is a stall. None: not
-    judged."""
+    healed_at: str | None = None
+    """When every fault was healed (ISO 8601): a delivery stuck for longer than its bound
+    after it is a stall (:func:`eop.chaos.checker.stuck_stalls`). None: not judged."""
     figures: dict[str, str] = dataclasses.field(default_factory=dict)
     """Measured, not asserted (e.g. the poison flood's time until its good messages are done)."""
 
     @property
     def stalls(self) -> list[str]:
         """Workers that overran their stop, a drain that did not finish, and deliveries
-        stuck for longer than the injected faults explain."""
+        still stuck past their bound once every fault was healed."""
         found = checker.check_stops(self.stops)
-        if self.stuck_allowance_s is not None:
-            found += checker.stuck_stalls(self.logs.stuck_waits, self.stuck_allowance_s)
+        if self.healed_at is not None:
+            found += checker.stuck_stalls(self.logs.stuck_waits, self.healed_at)
         if self.liveness:
             found.append(f"liveness: {self.liveness}")
         return found

@@ -334,11 +334,6 @@ class WorkerPool:
         self.poll()
 
     @property
-    def longest_freeze_s(self) -> float:
-        """The longest stall or freeze a worker's fault plan may inject (so far)."""
-        return max((_injected_delay_s(inc.plan) for inc in self.incarnations), default=0.0)
-
-    @property
     def stop_limit_s(self) -> float:
         """How long a worker may take to exit after SIGTERM: shutdown_grace_s + 5 s."""
         return self.grace_s + 5.0
