@@ -47,21 +47,26 @@ class Report:
     stop_limit_s: float = 35.0
     """shutdown_grace_s + 5 s: a stop that takes longer is a stall."""
     healed_at: str | None = None
-    """When every fault was healed (ISO 8601): a delivery stuck for longer than its bound
-    after it is a stall (:func:`eop.chaos.checker.stuck_stalls`). None: not judged."""
+    """When every fault was healed (ISO 8601), to time the stuck deliveries after it
+    (:attr:`stuck_after_heal`). None: not timed."""
     figures: dict[str, str] = dataclasses.field(default_factory=dict)
     """Measured, not asserted (e.g. the poison flood's time until its good messages are done)."""
 
     @property
     def stalls(self) -> list[str]:
-        """Workers that overran their stop, a drain that did not finish, and deliveries
-        still stuck past their bound once every fault was healed."""
+        """Workers that overran their stop, and a drain that did not finish."""
         found = checker.check_stops(self.stops)
-        if self.healed_at is not None:
-            found += checker.stuck_stalls(self.logs.stuck_waits, self.healed_at)
         if self.liveness:
             found.append(f"liveness: {self.liveness}")
         return found
+
+    @property
+    def stuck_after_heal(self) -> list[str]:
+        """Deliveries still stuck past their bound once every fault was healed: reported,
+        not yet a failure (the drain judges liveness)."""
+        if self.healed_at is None:
+            return []
+        return checker.stuck_stalls(self.logs.stuck_waits, self.healed_at)
 
     @property
     def fault_count(self) -> int:
@@ -124,6 +129,7 @@ class Report:
             "poison_dead_letters_by_reason": dict(o.poison_dead_by_reason),
             "stalls": len(self.stalls),
             "stuck_deliveries": len(self.logs.stuck),
+            "stuck_after_heal": len(self.stuck_after_heal),
             "stops": [dataclasses.asdict(stop) for stop in self.stops],
             "stop_limit_s": self.stop_limit_s,
             "figures": self.figures,
@@ -162,6 +168,9 @@ class Report:
             f"  stuck deliveries (delivery.stuck logged): {len(self.logs.stuck)}",
         ]
         lines += [f"    {item}" for item in self.logs.stuck[:10]]
+        late = self.stuck_after_heal
+        lines.append(f"  stuck past the bound after the heal: {len(late)}")
+        lines += [f"    {item}" for item in late[:10]]
         lines += [
             f"    stop of worker {s.worker} (pid {s.pid}, {s.when}): {s.seconds:.1f} s"
             for s in self.stops

@@ -204,12 +204,12 @@ def test_log_scan_lists_stuck_deliveries_and_the_report_counts_them(tmp_path: Pa
     assert found.to_dict()["stuck_deliveries"] == 1
 
 
-def test_a_delivery_still_stuck_past_its_bound_after_the_heal_is_a_stall(
+def test_a_delivery_still_stuck_past_its_bound_after_the_heal_is_reported(
     tmp_path: Path,
 ) -> None:
     """A stuck delivery's wait runs from its start to the same worker's ``delivery.unstuck``;
     while faults run they explain it, but one still unacknowledged for longer than its
-    bound after every fault was healed is a stall. One whose worker never saw it end is
+    bound after every fault was healed is reported. One whose worker never saw it end is
     left to the drain."""
     log = tmp_path / "worker-0001.log"
     lines = [
@@ -240,16 +240,17 @@ def test_a_delivery_still_stuck_past_its_bound_after_the_heal_is_a_stall(
     first, second = ev.stuck_waits
     assert (first.waited_s, first.resolved, second.resolved) == (43.0, True, False)
     judged = report.Report(seed=1, command="eop chaos", messages=1, logs=ev)
-    assert judged.stalls == []
+    assert judged.stuck_after_heal == []
     # Healed 10 s after the report: 20 s of the wait came after it, more than 12 s.
     judged.healed_at = "2026-11-28T10:00:10+00:00"
-    assert judged.stalls == [
+    assert judged.stuck_after_heal == [
         "worker-0001.log: seq 5 of eop-chaos unacknowledged for 43.0 s, 20.0 s of them "
         "after every fault was healed (stuck after 12 s)"
     ]
     # Healed 20 s after it: 10 s after the heal, within the bound.
     judged.healed_at = "2026-11-28T10:00:20+00:00"
-    assert judged.stalls == []
+    assert judged.stuck_after_heal == []
+    assert judged.to_dict()["stuck_after_heal"] == 0
 
 
 def test_chaos_command_names_its_variables_and_refuses_half_a_target(
