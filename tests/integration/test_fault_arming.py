@@ -66,6 +66,12 @@ async def test_the_chaos_entry_point_arms_the_children_of_processes_n(
     await create_effects_table(engine)
     proc = workers.start("--processes", "2", env=KILL_AFTER_COMMIT, module=armed.MODULE)
     await wait_for(lambda: consumer_exists(js), what="the consumer")
+
+    async def both_started() -> bool:
+        # Else the supervisor may stop a child still starting, before it armed anything.
+        return len({e["pid"] for e in events(workers.logs(), "worker.started")}) == 2
+
+    await wait_for(both_started, what="both children started")
     await publish(js, "m1", msg_id="id-1")
     # A child ended by itself: the supervisor stops the other and exits 128 + SIGKILL.
     assert await asyncio.to_thread(proc.wait, 60) == 128 + signal.SIGKILL
