@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 
 import eop
 from eop import embedded
-from eop.broker import jetstream
+from eop.broker import consumers, jetstream
 from eop.pg import migrate
 
 from .bed import (
@@ -183,7 +183,8 @@ async def test_nats_restarting_during_provisioning_is_waited_for(
     start with "stream 'ORDERS': NATS did not answer". The worker is not ready meanwhile,
     then starts and processes messages."""
     await create_effects_table(engine)
-    real = getattr(jetstream, call)
+    module = consumers if call == "ensure_consumer" else jetstream
+    real = getattr(module, call)
     restarts: list[asyncio.Task[None]] = []
 
     async def restart() -> None:
@@ -203,7 +204,7 @@ async def test_nats_restarting_during_provisioning_is_waited_for(
             await outage()
         return result
 
-    monkeypatch.setattr(jetstream, call, then_restart)
+    monkeypatch.setattr(module, call, then_restart)
     worker = eop.Worker(app_of(database_url, nats_server.url))
     starting = asyncio.create_task(worker.start())
     # Not ready while NATS is down (checked during the outage: once NATS is back, the
