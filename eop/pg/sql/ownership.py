@@ -185,32 +185,28 @@ def handovers(t: models.Tables, subscription: str, partition: int) -> sa.Select[
     )
 
 
+def _members_partitions(
+    t: models.Tables, subscription: str, member: str, partitions: list[int]
+) -> sa.Update:
+    """An UPDATE of ``partitions`` where ``member`` owns them."""
+    c = t.partitions.c
+    return sa.update(t.partitions).where(
+        c.subscription == subscription, c.owner == member, c.partition.in_(partitions)
+    )
+
+
 def release(t: models.Tables, subscription: str, member: str, partitions: list[int]) -> sa.Update:
     """Give ``partitions`` up, so that another member takes them at once."""
-    c = t.partitions.c
-    return (
-        sa.update(t.partitions)
-        .where(
-            c.subscription == subscription,
-            c.owner == member,
-            c.partition.in_(partitions),
-        )
-        .values(owner=None, owner_host=None, owner_pid=None, expires_at=None)
+    return _members_partitions(t, subscription, member, partitions).values(
+        owner=None, owner_host=None, owner_pid=None, expires_at=None
     )
 
 
 def expire(t: models.Tables, subscription: str, member: str, partitions: list[int]) -> sa.Update:
     """Give ``partitions`` up as if their lease had run out, so that another member takes
     them at once and counts what their consumer delivered as runs (some were cut short)."""
-    c = t.partitions.c
-    return (
-        sa.update(t.partitions)
-        .where(
-            c.subscription == subscription,
-            c.owner == member,
-            c.partition.in_(partitions),
-        )
-        .values(expires_at=sa.func.now() - datetime.timedelta(seconds=1))
+    return _members_partitions(t, subscription, member, partitions).values(
+        expires_at=sa.func.now() - datetime.timedelta(seconds=1)
     )
 
 
