@@ -87,13 +87,8 @@ async def test_conflicting_consumer_names_each_differing_field_and_the_fix(
         assert part in line
 
 
-async def test_a_consumer_with_another_ack_wait_gets_the_settings_one_at_bind(
-    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, workers: Workers
-) -> None:
-    """A changed EOP_ACK_WAIT_S reaches the existing consumer: `eop status` shows the
-    difference as a warning, and the next worker gives the consumer its AckWait (logged)
-    and works."""
-    await create_effects_table(engine)
+async def _consumer_waiting_30_s(js: Any) -> None:
+    """The stream, and the app's consumer made by hand with an AckWait of 30 s."""
     await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
     await js.add_consumer(
         STREAM,
@@ -104,6 +99,16 @@ async def test_a_consumer_with_another_ack_wait_gets_the_settings_one_at_bind(
             filter_subject="ORDERS.created",
         ),
     )
+
+
+async def test_a_consumer_with_another_ack_wait_gets_the_settings_one_at_bind(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, workers: Workers
+) -> None:
+    """A changed EOP_ACK_WAIT_S reaches the existing consumer: `eop status` shows the
+    difference as a warning, and the next worker gives the consumer its AckWait (logged)
+    and works."""
+    await create_effects_table(engine)
+    await _consumer_waiting_30_s(js)
     env = eop_env(database_url, nats_url)
     before = await asyncio.to_thread(run_eop, "status", APP, "--json", env=env)
     [row] = json.loads(before.stdout)
@@ -130,16 +135,7 @@ async def test_a_consumer_with_another_ack_wait_without_create_is_one_clear_line
 ) -> None:
     """--no-create: eop may not touch the consumer, so a different AckWait (leases timed
     wrong) stops the worker at start, naming both fixes."""
-    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
-    await js.add_consumer(
-        STREAM,
-        api.ConsumerConfig(
-            durable_name="eop-cli",
-            ack_policy=api.AckPolicy.EXPLICIT,
-            ack_wait=30.0,
-            filter_subject="ORDERS.created",
-        ),
-    )
+    await _consumer_waiting_30_s(js)
     result = await asyncio.to_thread(
         run_eop, "worker", APP, "--no-create", env=eop_env(database_url, nats_url)
     )
