@@ -9,8 +9,10 @@ replies, overlapping deliveries), and must not hold a single canary secret.
 
 Never zero times: a good message dead-lettered is a failure like a lost one
 (the infrastructure failed under it, not the message), and so is a worker that
-stalls: the run must drain, and every worker must exit within its
-``shutdown_grace_s`` + 5 s of a SIGTERM (:func:`check_stops`).
+stalls: the run must drain, every worker must exit within its
+``shutdown_grace_s`` + 5 s of a SIGTERM (:func:`check_stops`), and once every
+fault is healed no delivery may stay unacknowledged past its stuck bound
+(:func:`stuck_stalls`).
 """
 
 from __future__ import annotations
@@ -162,6 +164,12 @@ class LogEvidence:
     ``stuck_after_ack_waits`` AckWaits (file, sequence, consumer and how long)."""
     stuck_waits: list[StuckWait] = dataclasses.field(default_factory=list)
     """The same, each with how long it stayed stuck as far as its worker saw."""
+    settled: dict[tuple[str, int], list[str]] = dataclasses.field(default_factory=dict)
+    """When each delivery (handler, stream sequence) was settled: processed, acked as a
+    duplicate or dead-lettered (the workers' timestamps, ISO 8601)."""
+    faults_end: str = ""
+    """When the last fault-point firing ended (its timestamp plus its freeze or stall),
+    ISO 8601: the drain arms a few workers too, so faults outlast the heal."""
     leaks: list[str] = dataclasses.field(default_factory=list)
     """Where a canary appeared (file, line number and which canary; never its value)."""
     foreign_lines: int = 0
@@ -179,41 +187,79 @@ class StuckWait:
     """Its wait when reported stuck, plus the time until the same worker saw it
     acknowledged (``delivery.unstuck``): a lower bound when it never did."""
     stuck_after_s: float
+    handler: str = ""
+    seq: int | None = None
+    """The stream sequence reported (None: not in the report)."""
     reported_at: str = ""
     reported_waited_s: float = 0.0
     """Its wait when reported: it began that long before ``reported_at``."""
     resolved: bool = False
 
 
-def stuck_stalls(waits: Iterable[StuckWait], healed_at: str) -> list[str]:
-    """The stuck deliveries still unacknowledged longer than their bound after every
-    fault was healed (``healed_at``, ISO 8601): while faults run they explain any wait,
-    once healed a stuck delivery is a stall."""
+def stuck_stalls(ev: LogEvidence, healed_at: str) -> list[str]:
+    """The stuck deliveries still unacknowledged longer than their bound once every fault
+    was healed: while faults run they explain any wait, in calm a stuck delivery is a
+    stall like a worker that overran its stop.
+
+    Calm begins at ``healed_at`` (ISO 8601), or later when a fault point fired after it
+    (the drain's armed workers). A wait ends when its delivery was first settled, by any
+    worker, or else when its worker saw the floor move (``delivery.unstuck``); a wait
+    whose end no log shows is left to the drain, which judges the message.
+    """
+    calm = max(_instant(healed_at), _instant(ev.faults_end), key=_epoch_s)
     found = []
-    for wait in waits:
-        if not wait.resolved:
-            continue  # its worker ended first: the drain judges the message
-        since_heal = _seconds_between(healed_at, wait.reported_at)
-        if since_heal is None:
+    for wait in ev.stuck_waits:
+        reported = _instant(wait.reported_at)
+        if calm is None or reported is None:
             continue
-        # The wait ended at reported_at - reported_waited_s + waited_s.
-        began = since_heal - wait.reported_waited_s
-        after_heal = began + wait.waited_s - max(began, 0.0)
-        if after_heal > wait.stuck_after_s:
+        began = reported - datetime.timedelta(seconds=wait.reported_waited_s)
+        ended = _wait_end(ev, wait, began)
+        if ended is None:
+            continue
+        after_calm = (ended - max(calm, began)).total_seconds()
+        if after_calm > wait.stuck_after_s:
             found.append(
-                f"{wait.where} unacknowledged for {wait.waited_s:.1f} s, {after_heal:.1f} s of "
-                f"them after every fault was healed (stuck after {wait.stuck_after_s:g} s)"
+                f"{wait.where} unacknowledged for {(ended - began).total_seconds():.1f} s, "
+                f"{after_calm:.1f} s of them after every fault was healed "
+                f"(stuck after {wait.stuck_after_s:g} s)"
             )
     return found
 
 
-def _seconds_between(start: str, end: str) -> float | None:
+def _wait_end(
+    ev: LogEvidence, wait: StuckWait, began: datetime.datetime
+) -> datetime.datetime | None:
+    """When the delivery ``wait`` reported was first settled after its wait began."""
+    if wait.seq is not None:
+        times = [_instant(t) for t in ev.settled.get((wait.handler, wait.seq), [])]
+        after = [t for t in times if t is not None and t >= began]
+        if after:
+            return min(after)
+    if wait.resolved:
+        return began + datetime.timedelta(seconds=wait.waited_s)
+    return None
+
+
+def _instant(text: str | None) -> datetime.datetime | None:
+    """An ISO 8601 timestamp (a trailing ``Z`` too, which Python 3.10 does not read)."""
+    if not text:
+        return None
     try:
-        return (
-            datetime.datetime.fromisoformat(end) - datetime.datetime.fromisoformat(start)
-        ).total_seconds()
+        moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)
+
+
+def _epoch_s(moment: datetime.datetime | None) -> float:
+    return moment.timestamp() if moment is not None else float("-inf")
+
+
+def _seconds_between(start: str, end: str) -> float | None:
+    began, ended = _instant(start), _instant(end)
+    if began is None or ended is None:
+        return None
+    return (ended - began).total_seconds()
 
 
 def scan_logs(paths: Iterable[Path], canaries: Mapping[str, str]) -> LogEvidence:
@@ -248,6 +294,7 @@ def _count_line(ev: LogEvidence, line: str, name: str) -> None:
     ev.events[event] += 1
     if event == "fault.hit":
         ev.fault_hits[f"{record.get('point')}:{record.get('action')}"] += 1
+        _note_fault_end(ev, record)
         if record.get("action") == "kill":
             timer_s = float(record.get("seconds") or 0.0)
             ev.kills[schedule.spot_name(str(record.get("point")), timer_s)] += 1
@@ -257,6 +304,23 @@ def _count_line(ev: LogEvidence, line: str, name: str) -> None:
         ev.deadlocks += 1
     elif event in ("delivery.stuck", "delivery.unstuck"):
         _count_stuck(ev, event, record, name)
+    if event in _SETTLED and isinstance(record.get("seq"), int):
+        key = (str(record.get("handler")), int(record["seq"]))
+        ev.settled.setdefault(key, []).append(str(record.get("timestamp") or ""))
+
+
+# The events that end a delivery's wait: it was acked or terminated.
+_SETTLED = frozenset({"message.processed", "message.duplicate", "message.dead_lettered"})
+
+
+def _note_fault_end(ev: LogEvidence, record: Mapping[str, Any]) -> None:
+    """Move :attr:`LogEvidence.faults_end` to this firing's end, if later."""
+    hit = _instant(str(record.get("timestamp") or ""))
+    if hit is None:
+        return
+    ends = hit + datetime.timedelta(seconds=float(record.get("seconds") or 0.0))
+    if _epoch_s(ends) > _epoch_s(_instant(ev.faults_end)):
+        ev.faults_end = ends.isoformat()
 
 
 def _count_stuck(ev: LogEvidence, event: str, record: Mapping[str, Any], name: str) -> None:
@@ -270,6 +334,8 @@ def _count_stuck(ev: LogEvidence, event: str, record: Mapping[str, Any], name: s
         ev.stuck_waits.append(
             StuckWait(
                 where=where,
+                handler=str(record.get("handler")),
+                seq=record["seq"] if isinstance(record.get("seq"), int) else None,
                 waited_s=float(record.get("waited_s") or 0.0),
                 stuck_after_s=float(record.get("stuck_after_s") or 0.0),
                 reported_at=str(record.get("timestamp") or ""),

@@ -54,19 +54,21 @@ class Report:
 
     @property
     def stalls(self) -> list[str]:
-        """Workers that overran their stop, and a drain that did not finish."""
+        """Workers that overran their stop, a drain that did not finish, and deliveries
+        stuck past their bound after the heal."""
         found = checker.check_stops(self.stops)
         if self.liveness:
             found.append(f"liveness: {self.liveness}")
+        found += [f"stuck: {item}" for item in self.stuck_after_heal]
         return found
 
     @property
     def stuck_after_heal(self) -> list[str]:
-        """Deliveries still stuck past their bound once every fault was healed: reported,
-        not yet a failure (the drain judges liveness)."""
+        """Deliveries still stuck past their bound once every fault was healed: stalls
+        (:func:`~eop.chaos.checker.stuck_stalls`)."""
         if self.healed_at is None:
             return []
-        return checker.stuck_stalls(self.logs.stuck_waits, self.healed_at)
+        return checker.stuck_stalls(self.logs, self.healed_at)
 
     @property
     def fault_count(self) -> int:

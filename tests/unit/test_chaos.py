@@ -204,35 +204,37 @@ def test_log_scan_lists_stuck_deliveries_and_the_report_counts_them(tmp_path: Pa
     assert found.to_dict()["stuck_deliveries"] == 1
 
 
-def test_a_delivery_still_stuck_past_its_bound_after_the_heal_is_reported(
+def test_a_delivery_still_stuck_past_its_bound_after_the_heal_is_a_stall(
     tmp_path: Path,
 ) -> None:
-    """A stuck delivery's wait runs from its start to the same worker's ``delivery.unstuck``;
-    while faults run they explain it, but one still unacknowledged for longer than its
-    bound after every fault was healed is reported. One whose worker never saw it end is
-    left to the drain."""
+    """A stuck delivery's wait runs from its start until any worker settles it (or its
+    own worker saw it end); while faults run they explain it, but one unacknowledged
+    for longer than its bound once every fault was healed is a stall and fails the run.
+    One whose end no log shows is left to the drain."""
     log = tmp_path / "worker-0001.log"
     lines = [
         {
             "event": "delivery.stuck",
+            "handler": "chaos",
             "seq": 5,
             "consumer": "eop-chaos",
             "waited_s": 13.0,
             "stuck_after_s": 12.0,
-            "timestamp": "2026-11-28T10:00:00+00:00",
+            "timestamp": "2026-11-28T10:00:00Z",
         },
         {
             "event": "delivery.unstuck",
             "consumer": "eop-chaos",
-            "timestamp": "2026-11-28T10:00:30+00:00",
+            "timestamp": "2026-11-28T10:00:30Z",
         },
         {
             "event": "delivery.stuck",
+            "handler": "chaos-bank",
             "seq": 9,
             "consumer": "eop-chaos-bank",
             "waited_s": 12.5,
             "stuck_after_s": 12.0,
-            "timestamp": "2026-11-28T10:00:40+00:00",
+            "timestamp": "2026-11-28T10:00:40Z",
         },
     ]
     log.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -247,10 +249,59 @@ def test_a_delivery_still_stuck_past_its_bound_after_the_heal_is_reported(
         "worker-0001.log: seq 5 of eop-chaos unacknowledged for 43.0 s, 20.0 s of them "
         "after every fault was healed (stuck after 12 s)"
     ]
+    assert judged.stalls == [f"stuck: {judged.stuck_after_heal[0]}"]
+    assert not judged.ok
     # Healed 20 s after it: 10 s after the heal, within the bound.
     judged.healed_at = "2026-11-28T10:00:20+00:00"
     assert judged.stuck_after_heal == []
     assert judged.to_dict()["stuck_after_heal"] == 0
+    assert judged.ok
+
+
+def test_a_stuck_wait_ends_when_any_worker_settles_it_and_calm_waits_for_late_faults(
+    tmp_path: Path,
+) -> None:
+    """The wait of a delivery whose reporting worker ended first ends at the first
+    settlement any worker logged for its sequence; and a fault point that fired after
+    the heal (a drain worker held its claims) moves calm to the end of that fault."""
+    reporter = tmp_path / "worker-0002.log"
+    reporter.write_text(
+        json.dumps(
+            {
+                "event": "delivery.stuck",
+                "handler": "chaos-bank",
+                "seq": 12,
+                "consumer": "eop-chaos-bank",
+                "waited_s": 20.0,
+                "stuck_after_s": 12.0,
+                "timestamp": "2026-11-28T10:00:20Z",
+            }
+        )
+        + "\n"
+    )
+    settler = tmp_path / "worker-0003.log"
+    settled = {"event": "message.processed", "handler": "chaos-bank", "seq": 12}
+    frozen = {"event": "fault.hit", "point": "after_claim", "action": "freeze", "seconds": 8.0}
+    settler.write_text(
+        json.dumps({**frozen, "timestamp": "2026-11-28T10:00:05Z"})
+        + "\n"
+        + json.dumps({**settled, "timestamp": "2026-11-28T10:00:30Z"})
+        + "\n"
+    )
+    ev = checker.scan_logs([reporter, settler], {})
+    assert not ev.stuck_waits[0].resolved
+    # Healed at 10:00:00, the freeze ended at 10:00:13: settled 17 s into calm.
+    assert checker.stuck_stalls(ev, "2026-11-28T10:00:00+00:00") == [
+        "worker-0002.log: seq 12 of eop-chaos-bank unacknowledged for 30.0 s, 17.0 s of "
+        "them after every fault was healed (stuck after 12 s)"
+    ]
+    # A freeze that ended at 10:00:21 leaves 9 s of calm: within the bound.
+    frozen["timestamp"] = "2026-11-28T10:00:13Z"
+    settler.write_text(
+        json.dumps(frozen) + "\n" + json.dumps({**settled, "timestamp": "2026-11-28T10:00:30Z"})
+    )
+    ev = checker.scan_logs([reporter, settler], {})
+    assert checker.stuck_stalls(ev, "2026-11-28T10:00:00+00:00") == []
 
 
 def test_chaos_command_names_its_variables_and_refuses_half_a_target(
