@@ -31,6 +31,7 @@ from eop.app import App, select_handlers
 from eop.broker import ack, connection, consumers, fetcher, jetstream, leases, partitions
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
+from eop.outbox import relay
 from eop.pg import migrate, ownership, retries
 from eop.pg.store import PostgresStore
 from eop.protocol import (
@@ -40,7 +41,6 @@ from eop.protocol import (
     misconfiguration,
     ordering,
     processor,
-    relay,
     retry_batch,
     unacked,
 )

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 import eop
-from eop.protocol.relay import Relay
+from eop.outbox.relay import Relay
 
 from .bed import (
     STREAM,
@@ -337,7 +337,7 @@ async def test_a_subject_no_stream_holds_is_parked_then_retried_by_the_operator(
     async with app.sessionmaker() as session, session.begin():
         eop.outbox.add(session, "NOWHERE.x", b"lost?")
         eop.outbox.add(session, OUT_SUBJECT, b"fine")
-    from eop.ops import outbox as ops
+    from eop.outbox import operations as ops
 
     async with relaying(app, nats_url) as relay:
         await wait_for(lambda: equals(outbox_rows(engine, "parked_at IS NOT NULL"), 1), 60)

@@ -8,8 +8,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from eop import errors
+from eop.outbox import relay
 from eop.pg import failures
-from eop.protocol import misconfiguration, relay
+from eop.protocol import misconfiguration
 from eop.settings import Settings
 
 from .test_inbox import DriverError, wrapped

@@ -44,11 +44,11 @@ from nats.aio.client import Client as NATS
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import QueuePool
 
-from eop import backoff, errors, faults, log, outgoing
+from eop import backoff, errors, faults, log
 from eop.message import MSG_ID_HEADER
 from eop.observe.observer import NOOP, Observer
+from eop.outbox import outgoing, sql
 from eop.pg import engines, failures, models
-from eop.pg.sql import outbox as sql
 from eop.protocol import misconfiguration
 from eop.settings import Settings
 

@@ -14,6 +14,6 @@ its session or its :class:`eop.Writes`. See docs/outbox.md.
 
 from __future__ import annotations
 
-from eop.pg.outbox import add
+from eop.outbox.table import add
 
 __all__ = ["add"]

@@ -2,7 +2,7 @@
 
 For apps that add to the outbox but run no handlers (a web service), or that
 run their workers with ``relay`` off. Any number may run beside the workers'
-relays: the one holding the lease publishes (:mod:`eop.protocol.relay`).
+relays: the one holding the lease publishes (:mod:`eop.outbox.relay`).
 With ``metrics_port`` set it serves ``/metrics`` (the ``eop_outbox_*``
 series), ``/healthz`` and ``/readyz`` as a worker does.
 """
@@ -19,8 +19,9 @@ from eop import errors, log, redaction
 from eop.app import App
 from eop.broker import connection, jetstream, partitions
 from eop.handler import HandlerSpec
+from eop.outbox import relay
 from eop.pg import migrate
-from eop.protocol import misconfiguration, relay
+from eop.protocol import misconfiguration
 from eop.runtime import shutdown, startup, telemetry
 from eop.settings import Settings
 
