@@ -20,6 +20,7 @@ from eop.app import App
 from eop.broker import connection, jetstream, partitions
 from eop.handler import HandlerSpec
 from eop.outbox import relay
+from eop.outbox.jetstream import JetStreamPublisher
 from eop.pg import migrate
 from eop.protocol import misconfiguration
 from eop.runtime import shutdown, startup, telemetry
@@ -106,7 +107,8 @@ async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
         log.get_logger().info(log.Event.RELAY_STARTED)
         process.ready.set()
         watch = misconfiguration.Watch(stop=process.give_up)
-        await relay.Relay(app.engine, nc, s, observer=observer, misconfigured=watch).run(
+        publisher = JetStreamPublisher(nc, s)
+        await relay.Relay(app.engine, publisher, s, observer=observer, misconfigured=watch).run(
             process.stopping
         )
     finally:

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 import eop
+from eop.outbox.jetstream import JetStreamPublisher
 from eop.outbox.relay import Relay
 
 from .bed import (
@@ -76,7 +77,7 @@ async def relaying(app: eop.App, nats_url: str, **kwargs: Any) -> AsyncIterator[
     """A relay of its own (not a worker's) in a task for the body; stopped after."""
     nc = NATS()
     await nc.connect(nats_url)
-    relay = Relay(app.engine, nc, app.settings, **kwargs)
+    relay = Relay(app.engine, JetStreamPublisher(nc, app.settings), app.settings, **kwargs)
     stopping = asyncio.Event()
     task = asyncio.create_task(relay.run(stopping))
     try:
@@ -477,7 +478,7 @@ async def test_a_connection_that_fails_to_listen_is_not_handed_out_again(
     every round for ever. The relay drops it: the pool's next connection is a live one.
     (The alternation depends on timing; this pins its cause.)"""
     app = make_app(database_url, nats_url)
-    relay = Relay(app.engine, nc, app.settings)
+    relay = Relay(app.engine, JetStreamPublisher(nc, app.settings), app.settings)
     async with app.engine.connect() as conn:
         pid = await conn.scalar(sa.text("SELECT pg_backend_pid()"))
     async with engine.connect() as admin:

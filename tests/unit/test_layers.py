@@ -75,8 +75,10 @@ FEATURES: Mapping[str, Mapping[str, str]] = {
     "eop.outbox": {
         "eop.outbox": "api",  # eop.outbox.add
         "eop.outbox.outgoing": "domain",
+        "eop.outbox.publishing": "domain",
         "eop.outbox.table": "edges",
         "eop.outbox.sql": "edges",
+        "eop.outbox.jetstream": "edges",
         "eop.outbox.relay": "protocol",
         "eop.outbox.process": "runtime",
         "eop.outbox.operations": "tools",
@@ -99,7 +101,7 @@ TOOLS = (
 #: the feature packages' modules that belong to it.
 APART: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (
-        ("eop.broker",),
+        ("eop.broker", "eop.outbox.jetstream"),
         ("eop.pg", "eop.outbox.table", "eop.outbox.sql"),
     ),
 )
@@ -307,7 +309,6 @@ LARGER: Mapping[str, tuple[int, str]] = {
     ),
     "eop/runtime/worker.py": (750, "the fetch loops and the ordered lanes out of the worker"),
     "eop/chaos/harness.py": (655, "the run's set-up and its checks apart"),
-    "eop/outbox/relay.py": (575, "the publishing target behind a narrow seam"),
     "eop/testing/store.py": (560, "the in-memory inbox apart from its transactions"),
     "eop/pg/transactions.py": (525, "the sync and async transactions apart"),
     "eop/testing/app.py": (520, "the test kit's delivery loop apart from its app"),
