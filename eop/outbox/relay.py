@@ -35,18 +35,16 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
 
 import sqlalchemy as sa
 import tenacity
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import backoff, errors, faults, log
 from eop.observe.observer import NOOP, Observer
-from eop.outbox import sql
+from eop.outbox import notifications, sql
 from eop.outbox.publishing import Fate, Publisher, Receipt, Row
-from eop.pg import engines, failures, models
+from eop.pg import failures, models
 from eop.protocol import misconfiguration
 from eop.settings import Settings
 
@@ -127,10 +125,10 @@ class Relay:
         self._holding = False
         self._renew_at = 0.0
         self._housekeeping_at = 0.0
-        self._listener: AsyncConnection | None = None
-        self._polls_only = False
-        """Set once a transaction-mode pooler was found: no LISTEN, rounds poll."""
         self._logger = log.get_logger(relay=self.holder)
+        self._listener = notifications.Listener(
+            engine, settings, self._notified, logger=self._logger
+        )
 
     @property
     def leading(self) -> bool:
@@ -139,6 +137,10 @@ class Relay:
 
     def wake(self) -> None:
         """Look for rows now (a NOTIFY arrived, or a test wants a round)."""
+        self._wake.set()
+
+    def _notified(self) -> None:
+        self.notifications += 1
         self._wake.set()
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -161,7 +163,7 @@ class Relay:
                         failures=failures_in_row,
                         error=log.describe_error(exc)[:500],
                     )
-                    await self._close_listener()
+                    await self._listener.close()
                     wait_s = backoff.backoff_s(failures_in_row, _FAILED_FIRST_S, _FAILED_MAX_S)
                 await self._sleep(stopping, wait_s)
         finally:
@@ -174,7 +176,7 @@ class Relay:
             await self._take_lease()
         if not self.leading:
             return self.settings.relay_lease_s / 3
-        await self._listen()
+        await self._listener.listen()
         if time.monotonic() >= self._housekeeping_at:
             await self._housekeeping()
         self._wake.clear()
@@ -215,7 +217,7 @@ class Relay:
                 # Another relay holds it now: this one was frozen, or cut off, past it.
                 self._holding = False
                 self._logger.warning(log.Event.RELAY_STANDING_BY)
-                await self._close_listener()
+                await self._listener.close()
             return
         # Counted from before the request: the database's expiry is at least this late.
         # A quarter of the lease is left as a margin for the clocks' drift and a slow round.
@@ -228,7 +230,7 @@ class Relay:
 
     async def _leave(self) -> None:
         """On the way out: mark what was published, give the lease up, stop listening."""
-        await self._close_listener()
+        await self._listener.close()
         if not self._holding and not self._unmarked:
             self._logger.info(log.Event.RELAY_STOPPED, published=self.published)
             return
@@ -243,62 +245,6 @@ class Relay:
     async def _release_lease(self) -> None:
         async with self.engine.begin() as conn:
             await conn.execute(sql.release_lease(self.tables, self.holder))
-
-    # -- LISTEN
-
-    async def _listen(self) -> None:
-        """LISTEN on the outbox's channel while leading (asyncpg only, and only with a
-        connection to spare for the rounds; else rounds poll)."""
-        listener = self._listener
-        if listener is not None:
-            raw = await listener.get_raw_connection()
-            driver: Any = raw.driver_connection
-            if driver is not None and not driver.is_closed():
-                return
-            await self._close_listener()
-        if (
-            self.engine.dialect.driver != "asyncpg"
-            or self._polls_only
-            or not _spares_a_connection(self.engine)
-        ):
-            return
-        conn = await failures.connected(self.engine.connect())
-        try:
-            # Through a transaction-mode pooler the server connection serves
-            # other clients after each transaction: a LISTEN would hear for them.
-            if await engines.transaction_pooled(conn, self.settings.db_pooler):
-                self._polls_only = True
-                self._logger.info(log.Event.RELAY_POLLING, poll_s=self.settings.outbox_poll_s)
-                await conn.close()
-                return
-            raw = await conn.get_raw_connection()
-            listening: Any = raw.driver_connection
-            await listening.add_listener(
-                models.outbox_channel(self.settings.schema), self._notified
-            )
-        except BaseException:
-            # add_listener fails outside SQLAlchemy (a pooled connection that died
-            # with a restart), which would hand the same connection out again: with
-            # the lease renewed on a live one, the relay failed every round for ever.
-            with contextlib.suppress(Exception):
-                await conn.invalidate()
-            await conn.close()
-            raise
-        self._listener = conn
-
-    def _notified(self, *_: object) -> None:
-        self.notifications += 1
-        self._wake.set()
-
-    async def _close_listener(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            # Closed, not returned to the pool: a pooled connection must not LISTEN.
-            with contextlib.suppress(Exception):
-                raw = await listener.get_raw_connection()
-                raw.invalidate()
-            with contextlib.suppress(Exception):
-                await listener.close()
 
     # -- a round
 
@@ -452,19 +398,6 @@ class Relay:
         async with self.engine.connect() as conn:
             row = (await conn.execute(sql.summary(self.tables))).one()
         self.observer.outbox_backlog(int(row[0]), float(row[1] or 0.0), int(row[2]))
-
-
-def _spares_a_connection(engine: AsyncEngine) -> bool:
-    """Whether the pool keeps a connection for the rounds while one LISTENs.
-
-    A worker of sync handlers only may have one async connection (4 per process,
-    as ``--processes 4`` gives by default): held to LISTEN, every round waited
-    for the pool's timeout and nothing was published.
-    """
-    pool = engine.pool
-    if isinstance(pool, QueuePool):
-        return pool.size() + max(int(getattr(pool, "_max_overflow", 0)), 0) >= 2
-    return True  # no bound (NullPool...), or not one eop can size up
 
 
 def _retrying() -> tenacity.AsyncRetrying:

@@ -78,6 +78,7 @@ FEATURES: Mapping[str, Mapping[str, str]] = {
         "eop.outbox.publishing": "domain",
         "eop.outbox.table": "edges",
         "eop.outbox.sql": "edges",
+        "eop.outbox.notifications": "edges",
         "eop.outbox.jetstream": "edges",
         "eop.outbox.relay": "protocol",
         "eop.outbox.process": "runtime",
@@ -102,7 +103,7 @@ TOOLS = (
 APART: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (
         ("eop.broker", "eop.outbox.jetstream"),
-        ("eop.pg", "eop.outbox.table", "eop.outbox.sql"),
+        ("eop.pg", "eop.outbox.table", "eop.outbox.sql", "eop.outbox.notifications"),
     ),
 )
 
