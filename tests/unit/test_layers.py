@@ -14,6 +14,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 #: The layers of CONTRIBUTING.md, lowest first: a module imports its own layer and those below.
@@ -274,10 +276,17 @@ def test_the_checks_see_an_import_up_the_layers(tmp_path: Path) -> None:
 
 
 def test_the_checks_see_a_feature_module_importing_up_its_own_package(tmp_path: Path) -> None:
-    """A feature package's module keeps its own layer: the outbox's message (domain)
-    importing its relay (protocol) is an import up the layers."""
+    """A feature package's module keeps its own layer: the outbox's outgoing message
+    (domain) importing its relay (protocol) is an import up the layers."""
     graph = import_graph(copy_with(tmp_path, "eop.outbox.outgoing", "from eop.outbox import relay"))
     assert "eop.outbox.outgoing (domain) -> eop.outbox.relay" in list(upward(graph))
+
+
+def test_a_feature_packages_module_not_named_has_no_layer() -> None:
+    """A module added to a feature package takes no layer from its folder: it fails until
+    FEATURES names it."""
+    with pytest.raises(AssertionError, match=r"eop\.outbox\.file is in no layer"):
+        layer_of("eop.outbox.file")
 
 
 def test_eop_worker_loads_none_of_the_tools(tmp_path: Path) -> None:
