@@ -16,7 +16,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 from eop import errors
 from eop import handler as handler_mod
 from eop import settings as settings_mod
-from eop.pg import engines, outbox
+from eop.outbox import table as outbox
+from eop.pg import engines
 from eop.pg.store import PostgresStore
 
 if TYPE_CHECKING:

@@ -65,7 +65,7 @@ async def polling_relay(nats_url: str, database_url: str) -> int:
     import eop
     from eop import log
     from eop import settings as settings_mod
-    from eop.runtime import relay_process
+    from eop.outbox import process
 
     log.configure()
     url = sa.make_url(database_url).set(drivername="postgresql+psycopg")
@@ -74,4 +74,4 @@ async def polling_relay(nats_url: str, database_url: str) -> int:
         nats_url=nats_url,
         settings=settings_mod.Settings(),
     )
-    return await relay_process.run_relay(app)
+    return await process.run_relay(app)

@@ -27,10 +27,9 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 import eop
-from eop import errors
+from eop import errors, outbox
 from eop.bench import harness, measurement, runs
 from eop.message import MSG_ID_HEADER
-from eop.pg import outbox
 
 _FILL_PER_TRANSACTION = 100
 _SCHEMA = runs.app.settings.schema

@@ -21,7 +21,7 @@ from nats.aio.client import Client as NATS
 from eop import errors
 from eop.broker.jetstream import API_PREFIX
 from eop.message import MSG_ID_HEADER
-from eop.outgoing import wire_size
+from eop.outbox.outgoing import wire_size
 
 
 async def publish(

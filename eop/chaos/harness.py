@@ -56,8 +56,8 @@ from eop.chaos.report import Report
 from eop.chaos.target import Payload, Target, WriterResult
 from eop.chaos.workers import BatchMode
 from eop.handler import HandlerSpec
+from eop.outbox import sql as outbox_sql
 from eop.pg import migrate, models
-from eop.pg.sql import outbox as outbox_sql
 from eop.pg.sql import retries as retries_sql
 from eop.settings import Settings
 

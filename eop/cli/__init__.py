@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from eop import errors, log
 from eop import settings as settings_mod
-from eop.cli import audit, operations, options, outbox, worker
+from eop.cli import audit, operations, options, worker
 from eop.cli import bench as bench_cli
 from eop.cli import chaos as chaos_cli
 from eop.cli import spark as spark_cli
@@ -27,6 +27,7 @@ from eop.cli.options import (
     overrides,
 )
 from eop.cli.worker import WORKER_FIELDS
+from eop.outbox import cli as outbox_cli
 
 __all__ = [
     "main",
@@ -106,11 +107,11 @@ def build_parser(tool: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     # In this order in --help.
     worker.add_worker(sub)
-    outbox.add_relay(sub)
+    outbox_cli.add_relay(sub)
     worker.add_db(sub)
     operations.add_dlq(sub)
     operations.add_status(sub)
-    outbox.add_outbox(sub)
+    outbox_cli.add_outbox(sub)
     audit.add_audit(sub)
     worker.add_demo(sub)
 

@@ -222,7 +222,8 @@ def _cmd_dlq_purge(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from eop.ops import outbox, status
+    from eop.ops import status
+    from eop.outbox import operations as outbox
 
     app = options.configured_app(args, options.SERVER_FIELDS)
     handlers = args.handler or options.env_list("EOP_HANDLERS")

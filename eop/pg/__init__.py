@@ -1,1 +1,1 @@
-"""PostgreSQL at the edge: eop's tables, all of its SQL, the inbox, migrations."""
+"""PostgreSQL at the edge: eop's tables, its SQL (but the outbox's), the inbox, migrations."""

@@ -36,12 +36,6 @@ RULE_REASONS = frozenset(
 REPLAY_PUBLISH = "publish"
 REPLAY_RERUN = "rerun"
 
-#: Why an outbox row was parked (not published until ``eop outbox retry``).
-PARK_NO_STREAM = "no_stream"
-PARK_TOO_LARGE = "too_large"
-PARK_BAD_HEADER = "bad_header"
-PARK_REFUSED = "refused"
-
 #: The one relay lease: the relay holding it publishes, the others stand by.
 RELAY_LEASE = "outbox"
 

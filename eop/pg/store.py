@@ -6,7 +6,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
-from eop.pg import failures, models, outbox
+from eop.outbox import table as outbox
+from eop.pg import failures, models
 from eop.pg.sql import base as base_sql
 from eop.pg.threads import SyncThreads
 

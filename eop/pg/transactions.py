@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from eop import errors, writes
-from eop.outgoing import DEFAULT_MAX_PAYLOAD
-from eop.pg import direct, models, outbox
+from eop.outbox import table as outbox
+from eop.outbox.outgoing import DEFAULT_MAX_PAYLOAD
+from eop.pg import direct, models
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.threads import SyncThreads
 

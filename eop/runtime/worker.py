@@ -31,6 +31,8 @@ from eop.app import App, select_handlers
 from eop.broker import ack, connection, consumers, fetcher, jetstream, leases, partitions
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
+from eop.outbox import relay
+from eop.outbox.jetstream import JetStreamPublisher
 from eop.pg import migrate, ownership, retries
 from eop.pg.store import PostgresStore
 from eop.protocol import (
@@ -40,7 +42,6 @@ from eop.protocol import (
     misconfiguration,
     ordering,
     processor,
-    relay,
     retry_batch,
     unacked,
 )
@@ -268,7 +269,11 @@ class Worker(hosting.Hosted):
             relaying: list[asyncio.Task[None]] = []
             if s.relay:
                 self.relay = relay.Relay(
-                    self.app.engine, nc, s, observer=self._observer, misconfigured=self._watch
+                    self.app.engine,
+                    JetStreamPublisher(nc, s),
+                    s,
+                    observer=self._observer,
+                    misconfigured=self._watch,
                 )
                 relaying.append(asyncio.create_task(self.relay.run(self._stopping)))
             self._logger.info(log.Event.WORKER_STARTED)

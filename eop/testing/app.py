@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from eop.app import App
-    from eop.outgoing import Outgoing
+    from eop.outbox.outgoing import Outgoing
     from eop.testing.rows import DeadLetterRow
     from eop.testing.store import MemoryStore
     from eop.types import Delivery

@@ -12,9 +12,9 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from eop.outgoing import Outgoing
+from eop.outbox import sql as outbox_sql
+from eop.outbox.outgoing import Outgoing
 from eop.pg import retries
-from eop.pg.sql import outbox as outbox_sql
 from eop.pg.sql import testkit as testkit_sql
 from eop.pg.store import PostgresStore
 from eop.testing.rows import DeadLetterRow, InboxKey

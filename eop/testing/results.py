@@ -14,7 +14,7 @@ from eop.types import Outcome
 if TYPE_CHECKING:
     from eop.handler import HandlerSpec
     from eop.message import Message
-    from eop.outgoing import Outgoing
+    from eop.outbox.outgoing import Outgoing
     from eop.types import Delivery
 
 

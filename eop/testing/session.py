@@ -9,8 +9,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from eop import writes
-from eop.outgoing import Outgoing
-from eop.pg import outbox
+from eop.outbox import table as outbox
+from eop.outbox.outgoing import Outgoing
 
 Statement = tuple[sa.Executable, dict[str, Any]]
 """A statement an ``eop.Writes`` handler queued, with its parameters."""

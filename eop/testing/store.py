@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from eop import errors
-from eop.outgoing import Outgoing
+from eop.outbox.outgoing import Outgoing
 from eop.pg import models
 from eop.pg.failures import INFRASTRUCTURE, classify
 from eop.pg.inbox import DeadLetter, Existing

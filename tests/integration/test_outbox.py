@@ -20,7 +20,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 import eop
-from eop.protocol.relay import Relay
+from eop.outbox import notifications
+from eop.outbox.jetstream import JetStreamPublisher
+from eop.outbox.relay import Relay
 
 from .bed import (
     STREAM,
@@ -76,7 +78,7 @@ async def relaying(app: eop.App, nats_url: str, **kwargs: Any) -> AsyncIterator[
     """A relay of its own (not a worker's) in a task for the body; stopped after."""
     nc = NATS()
     await nc.connect(nats_url)
-    relay = Relay(app.engine, nc, app.settings, **kwargs)
+    relay = Relay(app.engine, JetStreamPublisher(nc, app.settings), app.settings, **kwargs)
     stopping = asyncio.Event()
     task = asyncio.create_task(relay.run(stopping))
     try:
@@ -337,7 +339,7 @@ async def test_a_subject_no_stream_holds_is_parked_then_retried_by_the_operator(
     async with app.sessionmaker() as session, session.begin():
         eop.outbox.add(session, "NOWHERE.x", b"lost?")
         eop.outbox.add(session, OUT_SUBJECT, b"fine")
-    from eop.ops import outbox as ops
+    from eop.outbox import operations as ops
 
     async with relaying(app, nats_url) as relay:
         await wait_for(lambda: equals(outbox_rows(engine, "parked_at IS NOT NULL"), 1), 60)
@@ -469,7 +471,7 @@ async def test_a_nats_outage_with_more_pending_than_the_reconnect_buffer_does_no
 
 
 async def test_a_connection_that_fails_to_listen_is_not_handed_out_again(
-    database_url: str, nats_url: str, nc: Any, engine: AsyncEngine
+    database_url: str, nats_url: str, engine: AsyncEngine
 ) -> None:
     """A pooled connection whose backend is gone (PostgreSQL restarted) fails the relay's
     LISTEN outside SQLAlchemy, which would hand the same dead connection out again: a
@@ -477,14 +479,14 @@ async def test_a_connection_that_fails_to_listen_is_not_handed_out_again(
     every round for ever. The relay drops it: the pool's next connection is a live one.
     (The alternation depends on timing; this pins its cause.)"""
     app = make_app(database_url, nats_url)
-    relay = Relay(app.engine, nc, app.settings)
+    listener = notifications.Listener(app.engine, app.settings, lambda: None)
     async with app.engine.connect() as conn:
         pid = await conn.scalar(sa.text("SELECT pg_backend_pid()"))
     async with engine.connect() as admin:
         await admin.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
     await asyncio.sleep(0.5)  # the idle connection sees its socket closed
     with pytest.raises(Exception, match="closed"):
-        await relay._listen()
+        await listener.listen()
     async with app.engine.connect() as conn:
         assert await conn.scalar(sa.text("SELECT pg_backend_pid()")) != pid
     await app.dispose()

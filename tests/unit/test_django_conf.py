@@ -100,10 +100,10 @@ def test_for_psycopg_binds_values_as_a_session_on_psycopg_would() -> None:
     value bound, a JSONB value wrapped for psycopg (Django's cursor has no SQLAlchemy)."""
     from psycopg.types.json import Jsonb
 
+    from eop.outbox import sql as outbox_sql
     from eop.pg import models
     from eop.pg.sql import base as base_sql
     from eop.pg.sql import inbox as inbox_sql
-    from eop.pg.sql import outbox as outbox_sql
 
     tables = models.tables("custom")
     row = {

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 from structlog.testing import capture_logs
 
 from eop import errors
+from eop.outbox import publishing, relay
 from eop.pg import failures
-from eop.protocol import misconfiguration, relay
+from eop.protocol import misconfiguration
 from eop.settings import Settings
 
 from .test_inbox import DriverError, wrapped
@@ -125,9 +127,9 @@ class _FailingEngine:
         return None
 
 
-class _Nats:
-    def jetstream(self, **_: object) -> object:
-        return object()
+class _Publisher:
+    async def publish(self, rows: Sequence[publishing.Row]) -> list[publishing.Receipt]:
+        raise AssertionError("the lease fails first: no round gets this far")
 
 
 async def test_the_outbox_relay_counts_its_failures_and_stops_through_the_watch() -> None:
@@ -143,7 +145,7 @@ async def test_the_outbox_relay_counts_its_failures_and_stops_through_the_watch(
     watch = misconfiguration.Watch(stop=stop)
     publisher = relay.Relay(
         _FailingEngine(),  # type: ignore[arg-type]  # only begin() is used
-        _Nats(),  # type: ignore[arg-type]
+        _Publisher(),
         SETTINGS,
         misconfigured=watch,
     )

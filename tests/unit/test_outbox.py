@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import eop
-from eop import outgoing
+from eop.outbox import outgoing
 from eop.testing import MemoryStore
 
 

@@ -17,7 +17,7 @@ class EopConfig(AppConfig):
         """Send ``eop.outbox.add(connection, ...)`` rows to the schema of ``settings.EOP``."""
         from eop import settings
         from eop.contrib.django import conf
-        from eop.pg import outbox
+        from eop.outbox import table as outbox
 
         # Not the database: a project starts (and checks settings.EOP) without reaching it.
         configured = settings.Settings.from_env(overrides=conf.eop_values())

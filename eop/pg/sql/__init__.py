@@ -1,4 +1,4 @@
-"""All of eop's SQL, a module per concern.
+"""All of eop's SQL but the outbox's (:mod:`eop.outbox.sql`), a module per concern.
 
 Statements are built with SQLAlchemy Core from :mod:`eop.pg.models`, so they
 follow the configured schema and run unchanged on async and sync sessions;
@@ -11,7 +11,6 @@ psycopg cursor that no SQLAlchemy session owns (Django's, in
 - :mod:`~eop.pg.sql.retries`: handler failures and the retries held in the database;
 - :mod:`~eop.pg.sql.ownership`: ordered handlers' partitions, members and handovers;
 - :mod:`~eop.pg.sql.floors`: the consumers' ack floors (the stuck-delivery clock);
-- :mod:`~eop.pg.sql.outbox`: the transactional outbox and its relay;
 - :mod:`~eop.pg.sql.dead_letters`: ``eop dlq`` and ``eop status``;
 - :mod:`~eop.pg.sql.audit`: ``eop audit``;
 - :mod:`~eop.pg.sql.testkit`: :mod:`eop.testing`;

@@ -2,7 +2,7 @@
 
 For apps that add to the outbox but run no handlers (a web service), or that
 run their workers with ``relay`` off. Any number may run beside the workers'
-relays: the one holding the lease publishes (:mod:`eop.protocol.relay`).
+relays: the one holding the lease publishes (:mod:`eop.outbox.relay`).
 With ``metrics_port`` set it serves ``/metrics`` (the ``eop_outbox_*``
 series), ``/healthz`` and ``/readyz`` as a worker does.
 """
@@ -19,8 +19,10 @@ from eop import errors, log, redaction
 from eop.app import App
 from eop.broker import connection, jetstream, partitions
 from eop.handler import HandlerSpec
+from eop.outbox import relay
+from eop.outbox.jetstream import JetStreamPublisher
 from eop.pg import migrate
-from eop.protocol import misconfiguration, relay
+from eop.protocol import misconfiguration
 from eop.runtime import shutdown, startup, telemetry
 from eop.settings import Settings
 
@@ -105,7 +107,8 @@ async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
         log.get_logger().info(log.Event.RELAY_STARTED)
         process.ready.set()
         watch = misconfiguration.Watch(stop=process.give_up)
-        await relay.Relay(app.engine, nc, s, observer=observer, misconfigured=watch).run(
+        publisher = JetStreamPublisher(nc, s)
+        await relay.Relay(app.engine, publisher, s, observer=observer, misconfigured=watch).run(
             process.stopping
         )
     finally:

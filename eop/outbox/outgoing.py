@@ -1,6 +1,6 @@
 """A message on its way out: checked before it is stored, so the relay can always send it.
 
-The outbox keeps messages for later publication (:mod:`eop.pg.outbox`), and a
+The outbox keeps messages for later publication (:mod:`eop.outbox.table`), and a
 message refused later, by a relay, long after the request that wrote it has
 returned, helps nobody. What can be checked without the server is checked
 here, when the message is added: the subject, the header names and values,

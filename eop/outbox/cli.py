@@ -1,5 +1,5 @@
 """``eop relay`` and ``eop outbox ...``
-(:mod:`eop.runtime.relay_process`, :mod:`eop.ops.outbox`)."""
+(:mod:`eop.outbox.process`, :mod:`eop.outbox.operations`)."""
 
 from __future__ import annotations
 
@@ -97,16 +97,17 @@ def _add_selection(parser: argparse.ArgumentParser, *, default_state: str) -> No
 
 def _cmd_relay(args: argparse.Namespace) -> int:
     from eop import faults
-    from eop.runtime import eventloop, relay_process
+    from eop.outbox import process
+    from eop.runtime import eventloop
 
     # As `eop worker`: never armed from the environment (eop.faults).
     faults.warn_if_ignored()
     app = options.db_app(args, RELAY_FIELDS)
-    return eventloop.run(relay_process.run_relay(app), use_uvloop=app.settings.uvloop)
+    return eventloop.run(process.run_relay(app), use_uvloop=app.settings.uvloop)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from eop.ops import outbox
+    from eop.outbox import operations as outbox
 
     app = options.db_app(args, options.DB_FIELDS)
     backlog = options.run_with(app, outbox.Outbox(app).backlog(), schema_ready=True)
@@ -115,7 +116,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from eop.ops import outbox
+    from eop.outbox import operations as outbox
 
     app = options.db_app(args, options.DB_FIELDS)
     rows = options.run_with(
@@ -138,7 +139,7 @@ def _check_selection(args: argparse.Namespace, action: str) -> None:
 
 
 def _cmd_retry(args: argparse.Namespace) -> int:
-    from eop.ops import outbox
+    from eop.outbox import operations as outbox
 
     _check_selection(args, "retry")
     app = options.db_app(args, options.DB_FIELDS)
@@ -160,7 +161,7 @@ def _not_parked(asked: list[int], done: list[int]) -> int:
 
 
 def _cmd_purge(args: argparse.Namespace) -> int:
-    from eop.ops import outbox
+    from eop.outbox import operations as outbox
 
     _check_selection(args, "purge")
     app = options.db_app(args, options.DB_FIELDS)

@@ -1,7 +1,7 @@
 """Adding messages to the outbox, in the caller's own transaction.
 
 A row added here commits with the caller's writes, or not at all; the relay
-(:mod:`eop.protocol.relay`) publishes the committed ones. Where the row is
+(:mod:`eop.outbox.relay`) publishes the committed ones. Where the row is
 written depends on what the caller holds:
 
 - an eop handler's session or :class:`eop.Writes`: queued with the handler's
@@ -28,10 +28,10 @@ import sqlalchemy as sa
 from sqlalchemy import orm
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from eop import errors, outgoing, settings, writes
+from eop import errors, settings, writes
+from eop.outbox import outgoing, sql
 from eop.pg import models
 from eop.pg.sql import base as base_sql
-from eop.pg.sql import outbox as sql
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import SessionTransaction

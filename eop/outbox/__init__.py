@@ -14,6 +14,8 @@ its session or its :class:`eop.Writes`. See docs/outbox.md.
 
 from __future__ import annotations
 
-from eop.pg.outbox import add
+# The whole outbox lives in this package, each module in its own layer (CONTRIBUTING.md,
+# 'Feature packages'): this one is its public face, so it imports only what it exports.
+from eop.outbox.table import add
 
 __all__ = ["add"]

@@ -1,4 +1,4 @@
-"""The outbox relay: publishes committed outbox rows to JetStream, in order, exactly once.
+"""The outbox relay: publishes committed outbox rows, in order, exactly once.
 
 One relay at a time publishes: the one holding the lease (a row of
 ``relay_leases``, renewed on the database's clock). The others stand by and
@@ -10,8 +10,9 @@ out in ``id`` order. A round:
    was away), so a recovered database does not cause a second send;
 2. reads the oldest pending rows (``outbox_batch``), skipping the subjects
    held back after a refusal;
-3. publishes them all at once (``publish_async``) and waits for their
-   PubAcks; every send of a row carries its ``Nats-Msg-Id``, so a re-send is
+3. hands them to its publisher (:mod:`eop.outbox.publishing`; JetStream's,
+   :mod:`eop.outbox.jetstream`, sends them all at once and waits for their
+   PubAcks); every send of a row carries its ``Nats-Msg-Id``, so a re-send is
    dropped by the stream inside its duplicate window and by an eop
    consumer's msg-id guard after it;
 4. marks the acknowledged rows published, with their stream sequence.
@@ -34,21 +35,16 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
 
-import nats.errors
-import nats.js.errors
 import sqlalchemy as sa
 import tenacity
-from nats.aio.client import Client as NATS
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import backoff, errors, faults, log, outgoing
-from eop.message import MSG_ID_HEADER
+from eop import backoff, errors, faults, log
 from eop.observe.observer import NOOP, Observer
-from eop.pg import engines, failures, models
-from eop.pg.sql import outbox as sql
+from eop.outbox import notifications, sql
+from eop.outbox.publishing import Fate, Publisher, Receipt, Row
+from eop.pg import failures, models
 from eop.protocol import misconfiguration
 from eop.settings import Settings
 
@@ -62,18 +58,6 @@ _HELD_MAX_S = 60.0
 # Published rows deleted per statement, and how often the leader purges and reports lag.
 _PURGE_ROWS = 10_000
 _HOUSEKEEPING_S = 5.0
-# nats-server's error code for a message above its max_payload.
-_TOO_LARGE_CODES = frozenset({10054})
-
-
-@dataclasses.dataclass(frozen=True)
-class _Row:
-    id: int
-    msg_id: str
-    subject: str
-    headers: dict[str, str]
-    payload: bytes
-    attempts: int
 
 
 @dataclasses.dataclass
@@ -82,23 +66,38 @@ class _Round:
 
     published: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
     parked: dict[str, list[tuple[int, str]]] = dataclasses.field(default_factory=dict)
-    refused: list[tuple[_Row, str, str]] = dataclasses.field(default_factory=list)
-    """Rows to count an attempt for (then park at the limit): row, reason, error."""
+    refused: list[tuple[Row, Receipt]] = dataclasses.field(default_factory=list)
+    """Rows refused: to count an attempt for (then park at the limit), or to hold back."""
     unanswered: int = 0
     unsent: int = 0
     """Rows not sent: NATS was not connected."""
 
-    def park(self, row: _Row, reason: str, error: str) -> None:
-        self.parked.setdefault(reason, []).append((row.id, error))
+    @classmethod
+    def of(cls, rows: list[Row], receipts: list[Receipt]) -> _Round:
+        """The receipts of ``rows``, by what the relay does with them."""
+        result = cls()
+        for row, receipt in zip(rows, receipts, strict=True):
+            if receipt.fate is Fate.PUBLISHED:
+                result.published.append((row.id, receipt.stream, receipt.seq))
+            elif receipt.fate is Fate.PARKED:
+                result.parked.setdefault(receipt.reason, []).append((row.id, receipt.error))
+            elif receipt.fate in (Fate.REFUSED, Fate.HELD):
+                result.refused.append((row, receipt))
+            elif receipt.fate is Fate.UNSENT:
+                result.unsent += 1
+            else:
+                result.unanswered += 1
+        return result
 
 
 class Relay:
-    """Publishes the outbox of ``settings.schema`` through ``nc`` while it holds the lease."""
+    """Publishes the outbox of ``settings.schema`` through ``publisher`` while it holds the
+    lease."""
 
     def __init__(
         self,
         engine: AsyncEngine,
-        nc: NATS,
+        publisher: Publisher,
         settings: Settings,
         *,
         observer: Observer = NOOP,
@@ -108,7 +107,7 @@ class Relay:
         self.engine = engine
         self.misconfigured = misconfigured or misconfiguration.Watch()
         """Counts the failures only a change of configuration ends (the worker's, in one)."""
-        self.nc = nc
+        self.publisher = publisher
         self.settings = settings
         self.tables = models.tables(settings.schema)
         self.observer = observer
@@ -119,7 +118,6 @@ class Relay:
         self.parked = 0
         self.notifications = 0
         """NOTIFYs received (each wakes a round)."""
-        self._js = nc.jetstream(publish_async_max_pending=max(settings.outbox_batch, 1))
         self._wake = asyncio.Event()
         self._held: dict[str, tuple[float, int]] = {}
         self._unmarked: list[tuple[int, str, int]] = []
@@ -127,10 +125,10 @@ class Relay:
         self._holding = False
         self._renew_at = 0.0
         self._housekeeping_at = 0.0
-        self._listener: AsyncConnection | None = None
-        self._polls_only = False
-        """Set once a transaction-mode pooler was found: no LISTEN, rounds poll."""
         self._logger = log.get_logger(relay=self.holder)
+        self._listener = notifications.Listener(
+            engine, settings, self._notified, logger=self._logger
+        )
 
     @property
     def leading(self) -> bool:
@@ -139,6 +137,10 @@ class Relay:
 
     def wake(self) -> None:
         """Look for rows now (a NOTIFY arrived, or a test wants a round)."""
+        self._wake.set()
+
+    def _notified(self) -> None:
+        self.notifications += 1
         self._wake.set()
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -161,7 +163,7 @@ class Relay:
                         failures=failures_in_row,
                         error=log.describe_error(exc)[:500],
                     )
-                    await self._close_listener()
+                    await self._listener.close()
                     wait_s = backoff.backoff_s(failures_in_row, _FAILED_FIRST_S, _FAILED_MAX_S)
                 await self._sleep(stopping, wait_s)
         finally:
@@ -174,7 +176,7 @@ class Relay:
             await self._take_lease()
         if not self.leading:
             return self.settings.relay_lease_s / 3
-        await self._listen()
+        await self._listener.listen()
         if time.monotonic() >= self._housekeeping_at:
             await self._housekeeping()
         self._wake.clear()
@@ -215,7 +217,7 @@ class Relay:
                 # Another relay holds it now: this one was frozen, or cut off, past it.
                 self._holding = False
                 self._logger.warning(log.Event.RELAY_STANDING_BY)
-                await self._close_listener()
+                await self._listener.close()
             return
         # Counted from before the request: the database's expiry is at least this late.
         # A quarter of the lease is left as a margin for the clocks' drift and a slow round.
@@ -228,7 +230,7 @@ class Relay:
 
     async def _leave(self) -> None:
         """On the way out: mark what was published, give the lease up, stop listening."""
-        await self._close_listener()
+        await self._listener.close()
         if not self._holding and not self._unmarked:
             self._logger.info(log.Event.RELAY_STOPPED, published=self.published)
             return
@@ -244,62 +246,6 @@ class Relay:
         async with self.engine.begin() as conn:
             await conn.execute(sql.release_lease(self.tables, self.holder))
 
-    # -- LISTEN
-
-    async def _listen(self) -> None:
-        """LISTEN on the outbox's channel while leading (asyncpg only, and only with a
-        connection to spare for the rounds; else rounds poll)."""
-        listener = self._listener
-        if listener is not None:
-            raw = await listener.get_raw_connection()
-            driver: Any = raw.driver_connection
-            if driver is not None and not driver.is_closed():
-                return
-            await self._close_listener()
-        if (
-            self.engine.dialect.driver != "asyncpg"
-            or self._polls_only
-            or not _spares_a_connection(self.engine)
-        ):
-            return
-        conn = await failures.connected(self.engine.connect())
-        try:
-            # Through a transaction-mode pooler the server connection serves
-            # other clients after each transaction: a LISTEN would hear for them.
-            if await engines.transaction_pooled(conn, self.settings.db_pooler):
-                self._polls_only = True
-                self._logger.info(log.Event.RELAY_POLLING, poll_s=self.settings.outbox_poll_s)
-                await conn.close()
-                return
-            raw = await conn.get_raw_connection()
-            listening: Any = raw.driver_connection
-            await listening.add_listener(
-                models.outbox_channel(self.settings.schema), self._notified
-            )
-        except BaseException:
-            # add_listener fails outside SQLAlchemy (a pooled connection that died
-            # with a restart), which would hand the same connection out again: with
-            # the lease renewed on a live one, the relay failed every round for ever.
-            with contextlib.suppress(Exception):
-                await conn.invalidate()
-            await conn.close()
-            raise
-        self._listener = conn
-
-    def _notified(self, *_: object) -> None:
-        self.notifications += 1
-        self._wake.set()
-
-    async def _close_listener(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            # Closed, not returned to the pool: a pooled connection must not LISTEN.
-            with contextlib.suppress(Exception):
-                raw = await listener.get_raw_connection()
-                raw.invalidate()
-            with contextlib.suppress(Exception):
-                await listener.close()
-
     # -- a round
 
     async def round(self) -> int:
@@ -309,7 +255,7 @@ class Relay:
         if not rows or not self.leading:
             # Not leading any more (the read outlived the lease): the new holder sends them.
             return 0
-        result = await self._publish(rows)
+        result = _Round.of(rows, await self.publisher.publish(rows))
         await faults.point("relay_after_publish")
         self._unmarked.extend(result.published)
         await self._mark_unmarked()
@@ -327,14 +273,14 @@ class Relay:
             )
         return len(rows)
 
-    async def _read(self) -> list[_Row]:
+    async def _read(self) -> list[Row]:
         held = self._held_subjects()
         stmt = sql.pending(self.tables, self.settings.outbox_batch, held)
         async with self.engine.connect() as conn:
             result = await failures.connected(conn.execute(stmt))
             records = result.all()
         return [
-            _Row(
+            Row(
                 id=int(r[0]),
                 msg_id=str(r[1]),
                 subject=str(r[2]),
@@ -344,72 +290,6 @@ class Relay:
             )
             for r in records
         ]
-
-    async def _publish(self, rows: list[_Row]) -> _Round:
-        result = _Round()
-        limit = int(self.nc.max_payload)
-        sent: list[tuple[_Row, asyncio.Future[Any]]] = []
-        for row in rows:
-            headers = {**row.headers, MSG_ID_HEADER: row.msg_id}
-            size = outgoing.wire_size(row.payload, headers)
-            if size > limit:
-                result.park(
-                    row,
-                    models.PARK_TOO_LARGE,
-                    f"{size} bytes, above the server's max_payload of {limit}",
-                )
-                continue
-            refusal = _unframeable(row.subject, headers)
-            if refusal is not None:
-                result.park(row, *refusal)
-                continue
-            if not self.nc.is_connected:
-                # nats-py would buffer it until it reconnects and, its buffer full, refuse
-                # it (as it does a row _unframeable catches) only after taking one of
-                # publish_async's slots, for good: with all spent, the relay would wait
-                # for ever. A later round sends it.
-                result.unsent += 1
-                continue
-            try:
-                future = await self._js.publish_async(row.subject, row.payload, headers=headers)
-            except nats.errors.BadHeaderError as exc:
-                result.park(row, models.PARK_BAD_HEADER, str(exc)[:500])
-                continue
-            except Exception:
-                for _, pending in sent:
-                    pending.cancel()
-                raise
-            sent.append((row, future))
-        if sent:
-            await asyncio.wait(
-                [future for _, future in sent], timeout=self.settings.publish_timeout_s
-            )
-        for row, future in sent:
-            self._settle_publish(row, future, result)
-        return result
-
-    def _settle_publish(self, row: _Row, future: asyncio.Future[Any], result: _Round) -> None:
-        if not future.done():
-            future.cancel()
-            result.unanswered += 1
-            return
-        exc = future.exception()
-        if exc is None:
-            ack = future.result()
-            result.published.append((row.id, str(ack.stream), int(ack.seq)))
-        elif isinstance(exc, nats.js.errors.NoStreamResponseError):
-            result.refused.append(
-                (row, models.PARK_NO_STREAM, f"no stream holds subject {row.subject}")
-            )
-        elif isinstance(exc, nats.js.errors.APIError) and exc.err_code in _TOO_LARGE_CODES:
-            result.park(row, models.PARK_TOO_LARGE, str(exc.description or exc)[:500])
-        elif isinstance(exc, nats.js.errors.APIError) and exc.code is not None and exc.code < 500:
-            # A stream that is full (discard new), a limit per subject: maybe for a while
-            # only, so counted and retried like a missing stream, not parked at once.
-            result.refused.append((row, models.PARK_REFUSED, str(exc.description or exc)[:500]))
-        else:
-            # A server error (503: no stream leader yet) or a dropped connection: try again.
-            result.unanswered += 1
 
     async def _mark_unmarked(self) -> None:
         if not self._unmarked:
@@ -433,22 +313,20 @@ class Relay:
         for reason, parked in result.parked.items():
             for row_id, error in parked:
                 await self._park(sql.park(self.tables, [row_id], reason, error), reason, error)
-        by_subject: dict[tuple[str, str, str], list[_Row]] = {}
-        for row, reason, error in result.refused:
-            by_subject.setdefault((row.subject, reason, error), []).append(row)
-        for (subject, reason, error), rows in by_subject.items():
-            await self._refused(subject, rows, reason, error)
+        by_subject: dict[tuple[str, Fate, str, str], list[Row]] = {}
+        for row, receipt in result.refused:
+            key = (row.subject, receipt.fate, receipt.reason, receipt.error)
+            by_subject.setdefault(key, []).append(row)
+        for (subject, fate, reason, error), rows in by_subject.items():
+            if fate is Fate.HELD:
+                # Refused without the target's word for it (no responders while JetStream
+                # restarts): held back a while, nothing counted.
+                self._hold(subject, 1)
+            else:
+                await self._refused(subject, rows, reason, error)
 
-    async def _refused(self, subject: str, rows: list[_Row], reason: str, error: str) -> None:
-        """Count a refusal of ``rows``, hold their subject back, park those at the limit.
-
-        'No responders' also answers a publish while JetStream restarts or a
-        stream has no leader yet: for those, only JetStream's own "no stream
-        matches" counts.
-        """
-        if reason == models.PARK_NO_STREAM and not await self._no_stream_holds(subject):
-            self._hold(subject, 1)
-            return
+    async def _refused(self, subject: str, rows: list[Row], reason: str, error: str) -> None:
+        """Count a refusal of ``rows``, hold their subject back, park those at the limit."""
         async with self.engine.begin() as conn:
             stmt = sql.count_attempt(self.tables, [r.id for r in rows], error)
             counted = (await conn.execute(stmt)).all()
@@ -465,15 +343,6 @@ class Relay:
             # backlog would take its full course of refusals one round at a time.
             await self._park(sql.park_subject(self.tables, subject, reason, error), reason, error)
         self._hold(subject, attempts)
-
-    async def _no_stream_holds(self, subject: str) -> bool:
-        try:
-            await self._js.find_stream_name_by_subject(subject)
-        except nats.js.errors.NotFoundError:
-            return True
-        except Exception:
-            return False  # JetStream did not answer: not a refusal
-        return False
 
     async def _park(self, stmt: sa.Executable, reason: str, error: str) -> None:
         async with self.engine.begin() as conn:
@@ -529,38 +398,6 @@ class Relay:
         async with self.engine.connect() as conn:
             row = (await conn.execute(sql.summary(self.tables))).one()
         self.observer.outbox_backlog(int(row[0]), float(row[1] or 0.0), int(row[2]))
-
-
-def _spares_a_connection(engine: AsyncEngine) -> bool:
-    """Whether the pool keeps a connection for the rounds while one LISTENs.
-
-    A worker of sync handlers only may have one async connection (4 per process,
-    as ``--processes 4`` gives by default): held to LISTEN, every round waited
-    for the pool's timeout and nothing was published.
-    """
-    pool = engine.pool
-    if isinstance(pool, QueuePool):
-        return pool.size() + max(int(getattr(pool, "_max_overflow", 0)), 0) >= 2
-    return True  # no bound (NullPool...), or not one eop can size up
-
-
-def _unframeable(subject: str, headers: dict[str, str]) -> tuple[str, str] | None:
-    """Why NATS cannot carry a row as it is (park reason and error), else None.
-
-    What eop.outbox.add refuses: rows written otherwise (plain SQL, another
-    version) may hold anything, and nats-py refuses a bad subject or header
-    only after it took a slot of publish_async that it never gives back.
-    """
-    try:
-        outgoing.check_subject(subject)
-    except errors.UnpublishableMessage as exc:
-        return models.PARK_REFUSED, str(exc)[:500]
-    try:
-        for name, value in headers.items():
-            outgoing.check_header(name, value)
-    except errors.UnpublishableMessage as exc:
-        return models.PARK_BAD_HEADER, str(exc)[:500]
-    return None
 
 
 def _retrying() -> tenacity.AsyncRetrying:

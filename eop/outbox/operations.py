@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from eop.app import App
 from eop.ops import tables
+from eop.outbox import sql
 from eop.pg import models
-from eop.pg.sql import outbox as sql
 
 State = Literal["parked", "pending", "published", "all"]
 
