@@ -252,7 +252,6 @@ LARGER: Mapping[str, tuple[int, str]] = {
         825,
         "settlement (ack, nak, dead letter) and contention as collaborators of the steps",
     ),
-    "eop/runtime/worker.py": (750, "the fetch loops and the ordered lanes out of the worker"),
     "eop/chaos/harness.py": (655, "the run's set-up and its checks apart"),
     "eop/protocol/relay.py": (575, "the publishing target behind a narrow seam"),
     "eop/testing/store.py": (560, "the in-memory inbox apart from its transactions"),
