@@ -26,9 +26,9 @@ import nats
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from eop import embedded, wire
+from eop import embedded
 from eop.bench import harness, runs
-from eop.broker import ack, fetcher
+from eop.broker import ack, client, fetcher
 from eop.runtime import eventloop
 
 STREAM, DURABLE, SUBJECT = "ACK_INSTRUCTIONS", "acks", "ack.instructions"
@@ -64,7 +64,7 @@ async def publish(url: str, count: int) -> None:
 
 async def drain(url: str, count: int) -> None:
     """The measured part: fetch ``count`` messages 64 at a time, confirm each batch's acks."""
-    nc = wire.Client()
+    nc = client.Client()
     await nc.connect(url)
     f = await fetcher.Fetcher(nc, STREAM, DURABLE).start()
     acker, done = ack.Acker(nc), 0

@@ -19,7 +19,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
 
-from eop import backoff, faults, log, wire
+from eop import backoff, faults, log
+from eop.broker import client
 from eop.types import Delivery
 
 _ACK = b"+ACK"
@@ -127,8 +128,9 @@ class Acker:
     ``wait_for`` timer, a task to gather). Here the acks of a batch go out
     back to back with reply subjects under one wildcard subscription of this
     connection, and one timer waits for all the replies. On eop's connections
-    the batch is one command in nats-py's buffer (:meth:`eop.wire.Client.publish_many`)
-    and a reply is taken inside the read loop as bytes (:meth:`eop.wire.Client.subscribe_replies`):
+    the batch is one command in nats-py's buffer
+    (:meth:`eop.broker.client.Client.publish_many`) and a reply is taken inside
+    the read loop as bytes (:meth:`eop.broker.client.Client.subscribe_replies`):
     no message object, queue or task hop per reply. An ack whose reply does
     not come in time (or says no responders) goes the per-message way of
     :func:`confirm`: retried with tenacity, then given up with a warning.
@@ -150,7 +152,7 @@ class Acker:
             async with self._lock:
                 if self._prefix is None:
                     inbox = self._nc.new_inbox()
-                    if isinstance(self._nc, wire.Client):
+                    if isinstance(self._nc, client.Client):
                         await self._nc.subscribe_replies(f"{inbox}.*", self._on_raw_reply)
                     else:
                         await self._nc.subscribe(f"{inbox}.*", cb=self._on_reply)
@@ -160,7 +162,7 @@ class Acker:
 
     def _on_raw_reply(self, subject: bytes, headers: bytes | None) -> None:
         # As in nats-py's request(): any reply confirms, except "no responders".
-        self._settle(subject[self._skip :], wire.status_of(headers) != _NO_RESPONDERS_RAW)
+        self._settle(subject[self._skip :], client.status_of(headers) != _NO_RESPONDERS_RAW)
 
     async def _on_reply(self, msg: Msg) -> None:
         status = msg.headers.get(_STATUS_HEADER) if msg.headers else None
@@ -179,7 +181,7 @@ class Acker:
 
     async def _send(self, deliveries: Sequence[Delivery], prefix: str, first: int) -> None:
         nc = self._nc
-        if isinstance(nc, wire.Client) and not faults.ruled("during_ack"):
+        if isinstance(nc, client.Client) and not faults.ruled("during_ack"):
             await nc.publish_many(
                 [d.reply for d in deliveries],
                 _ACK,

@@ -20,21 +20,21 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from eop import errors, wire
-from eop.broker import server
+from eop import errors
+from eop.broker import client, server
 from eop.nats_access import NatsAccess, url_credentials
 
 #: What nats-py raises when the server cannot be reached or does not answer.
 NATS_ERRORS = (OSError, asyncio.TimeoutError, nats.errors.Error)
 
 
-class _Client(wire.Client):
+class _Client(client.Client):
     """nats-py's client, refusing a server that skips TLS when TLS is required.
 
     nats-py upgrades to TLS only when the server's INFO asks for it, so a
     server (or a man in the middle) that does not ask would get the
     credentials in the clear. Protocol input that is not UTF-8 is survived
-    (see :class:`eop.wire.Client`).
+    (see :class:`eop.broker.client.Client`).
     """
 
     eop_require_tls = False
@@ -174,7 +174,7 @@ async def connect_nats(
     max_reconnect_attempts: int = 2,
     error_cb: Callable[[Exception], Awaitable[None]] | None = None,
     **callbacks: Any,
-) -> wire.Client:
+) -> client.Client:
     """A nats-py connection, or an eop error that says why there is none.
 
     Unreachable servers are tried ``max_reconnect_attempts`` more times, then

@@ -33,7 +33,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import api
 
-from eop import wire
+from eop.broker import client
 
 _STATUS = api.Header.STATUS.value
 _HEARTBEAT = api.StatusCode.CONTROL_MESSAGE.value
@@ -70,10 +70,10 @@ class Fetcher:
         """Subscribe to the reply subjects; returns self.
 
         On eop's connections the deliveries are taken inside the read loop
-        (:meth:`eop.wire.Client.subscribe_direct`): no queue and no task hop
+        (:meth:`eop.broker.client.Client.subscribe_direct`): no queue and no task hop
         per message.
         """
-        if isinstance(self._nc, wire.Client):
+        if isinstance(self._nc, client.Client):
             self._sub = await self._nc.subscribe_direct(self._prefix + "*", self._on_message)
         else:
             self._sub = await self._nc.subscribe(self._prefix + "*", cb=self._on_message_cb)

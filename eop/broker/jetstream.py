@@ -20,8 +20,8 @@ import tenacity
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 
-from eop import backoff, errors, log, wire
-from eop.broker import connection
+from eop import backoff, errors, log
+from eop.broker import client, connection
 from eop.handler import StreamSpec
 from eop.settings import Settings
 
@@ -40,7 +40,7 @@ async def connect(
     *,
     name: str = "eop",
     on_lost: Callable[[errors.NatsUnavailable], None] | None = None,
-) -> wire.Client:
+) -> client.Client:
     """Connect to NATS, failing fast if it is unreachable now, reconnecting for ever later.
 
     For ever, unless the server keeps refusing the credentials it accepted
@@ -50,7 +50,7 @@ async def connect(
     the caller to close.
     """
     logger = log.get_logger()
-    nc: wire.Client | None = None
+    nc: client.Client | None = None
     access = settings.nats_access
     refusals = connection.Refusals(access, settings.nats_auth_refusals)
     handed_over = False

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from nats.aio.client import Client as NATS
 
-from eop import errors, wire
+from eop import errors
 from eop.app import App
+from eop.broker import client
 from eop.handler import HandlerSpec
 from eop.observe import health, metrics, reports, tracing
 from eop.observe import observer as observe
@@ -131,7 +132,7 @@ class Telemetry:
     def _nats_connected(self) -> bool:
         nc: NATS = self._worker.nats
         # A connection whose read loop has ended says it is connected, and reads nothing.
-        return bool(nc is not None and nc.is_connected and wire.reading(nc))
+        return bool(nc is not None and nc.is_connected and client.reading(nc))
 
     async def _ping(self) -> None:
         async with self._worker.app.engine.connect() as conn:

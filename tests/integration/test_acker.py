@@ -1,7 +1,7 @@
 """A batch's confirmed acks against a real JetStream server (eop.broker.ack.Acker).
 
 On eop's connections the acks of a batch are one command in nats-py's buffer
-(``wire.Client.publish_many``); on a plain nats-py client, one ``publish``
+(``eop.broker.client.Client.publish_many``); on a plain nats-py client, one ``publish``
 each. Either way every ack is confirmed by the server, an ack whose reply does
 not come takes the per-message retries, and an armed ``during_ack`` fault
 point is passed before each ack.
@@ -18,8 +18,8 @@ import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from eop import embedded, faults, log, nats_access, wire
-from eop.broker import ack, connection, fetcher
+from eop import embedded, faults, log, nats_access
+from eop.broker import ack, client, connection, fetcher
 from eop.chaos.proxy import FaultProxy
 
 STREAM, DURABLE, SUBJECT = "ACKED", "acker", "acked.x"
@@ -51,7 +51,7 @@ async def _stream(js: Any, count: int) -> None:
         await js.publish(SUBJECT, f"m{i}".encode())
 
 
-async def _connect(nats_url: str) -> wire.Client:
+async def _connect(nats_url: str) -> client.Client:
     return await connection.connect_nats(
         nats_access.NatsAccess(url=nats_url), name="acker-test", max_reconnect_attempts=-1
     )
@@ -151,7 +151,7 @@ async def test_publish_many_raises_what_publish_raises_on_a_closed_or_reconnecti
 ) -> None:
     """Closed: ``ConnectionClosedError``. Reconnecting without a pending buffer:
     ``OutboundBufferLimitError``. The errors the ack's retries already classify."""
-    nc = wire.Client()
+    nc = client.Client()
     await nc.connect(nats_url, pending_size=0, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
     try:
         await asyncio.to_thread(nats_server.stop)

@@ -11,8 +11,8 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
-from eop import errors, log, wire
-from eop.broker import jetstream
+from eop import errors, log
+from eop.broker import client, jetstream
 from eop.settings import Settings
 
 from .bed import (
@@ -91,7 +91,7 @@ async def test_a_read_loop_ended_while_connected_is_logged_and_the_worker_reconn
 
             await wait_for(recovered, what="the reconnection")
             assert _logged(logs, log.Event.NATS_READER_ENDED) == 1
-            assert wire.reading(nc)
+            assert client.reading(nc)
             await publish(js, "after")
             await wait_for(lambda: drained(js, "eop-reader"), what="the message after")
     assert await effects_by_body(engine) == {"before": 1, "after": 1}

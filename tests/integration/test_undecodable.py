@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import embedded, nats_access, wire
-from eop.broker import connection, jetstream
+from eop.broker import client, connection, delivered, jetstream
 from eop.ops.audit.walk import Walker
 
 from . import wildapp
@@ -197,7 +197,7 @@ async def test_eops_connection_reads_on_after_subjects_and_headers_that_are_not_
             except nats.errors.TimeoutError:
                 pytest.fail(
                     f"only {[m.subject for m in got]} arrived; "
-                    f"the read loop {'runs' if wire.reading(nc) else 'has ended'}"
+                    f"the read loop {'runs' if client.reading(nc) else 'has ended'}"
                 )
         assert got[0].subject == wire.decode(b"ORDERS.\xff")
         assert got[1].headers == {"X-Bad": wire.decode(b"a\xffb")}
@@ -230,7 +230,7 @@ async def test_eops_direct_and_reply_subscriptions_get_their_messages_inside_the
         assert [(m.subject, m.data, m.headers) for m in direct] == [
             ("direct.1", b"d", {"X-A": "b"})
         ]
-        assert isinstance(direct[0], wire.Delivered)
+        assert isinstance(direct[0], delivered.Delivered)
         assert replies == [(b"replies.7", None)]
     finally:
         await nc.close()

@@ -317,7 +317,6 @@ LARGER: Mapping[str, tuple[int, str]] = {
         825,
         "settlement (ack, nak, dead letter) and contention as collaborators of the steps",
     ),
-    "eop/runtime/worker.py": (750, "the fetch loops and the ordered lanes out of the worker"),
     "eop/chaos/harness.py": (655, "the run's set-up and its checks apart"),
     "eop/testing/store.py": (560, "the in-memory inbox apart from its transactions"),
     "eop/pg/transactions.py": (525, "the sync and async transactions apart"),
