@@ -3,13 +3,17 @@
 Each lane of an ordered handler (:mod:`eop.runtime.lanes`) runs its key's
 messages one at a time: it hands its next message to :meth:`Heads.handle`
 and waits for that message's outcome before it hands the following one.
-While as many transactions of the handler run as its process has
-connections, the messages handed in wait here; each that ends starts the
-next with all of them (up to ``batch``), a transaction of
-:class:`eop.protocol.batch.BatchProcessor`: one multi-row claim before any
-handler runs, each handler in turn, one COMMIT, the acks confirmed together.
-A lane that spent most of its time in BEGIN, the claim, COMMIT and an ack of
-its own now shares them with the other lanes.
+A message handed in while no transaction of the handler runs starts at
+once, alone. While some run, the messages handed in wait here: each
+transaction that ends starts the next with all of them (up to ``batch``), a
+transaction of :class:`eop.protocol.batch.BatchProcessor`: one multi-row
+claim before any handler runs, each handler in turn, one COMMIT, the acks
+confirmed together. Another starts beside the running ones only for a group
+of waiting messages (an eighth of ``batch``), up to the process's
+connections. A lane that spent most of its time in BEGIN, the claim, COMMIT
+and an ack of its own now shares them with the other lanes: under load, an
+ordered message costs the worker and PostgreSQL a fraction of its own
+transaction's work, while a lone message still starts without waiting.
 
 The per-key order holds as before: a batch holds at most one message per key
 (a lane has one message here at a time), and a lane learns its message's
@@ -62,6 +66,11 @@ class Heads:
         self._spawn = spawn
         self._together = together
         self._waiting: collections.deque[_Waiting] = collections.deque()
+        self._group = max(2, self._most // 8)
+        """Waiting messages that open another transaction beside running ones. Fewer
+        wait for one to end: a transaction shared by many keys costs PostgreSQL and
+        the worker about what one message's own does, so under load lanes gather
+        into few transactions instead of each taking a free connection."""
         self._running = 0
 
     async def handle(self, delivery: Delivery, received_at: float) -> Outcome:
@@ -71,17 +80,17 @@ class Heads:
             # A redelivery forgets the failures counted for it (the per-message protocol
             # does that); they are rare.
             return await self._proc.handle(delivery, received_at)
-        if not self._waiting and self._running < self._transactions:
-            # A connection is free and nobody waits: alone, in the lane's own task.
+        if not self._waiting and self._running == 0:
+            # Nothing runs and nobody waits: alone, in the lane's own task, at once.
             self._running += 1
             try:
                 return await self._proc.handle(delivery, received_at)
             finally:
                 self._running -= 1
-                self._start()
+                self._start(ended=True)
         waiting = _Waiting(delivery, received_at, asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
-        self._start()
+        self._start(ended=False)
         try:
             return await waiting.outcome
         except asyncio.CancelledError:
@@ -90,8 +99,14 @@ class Heads:
                 self._waiting.remove(waiting)
             raise
 
-    def _start(self) -> None:
+    def _start(self, *, ended: bool) -> None:
+        """Start the waiting messages' transactions: one in place of each that ``ended``,
+        one when none runs, and one more for every full group (:attr:`_group`) waiting."""
+        replacing = ended
         while self._waiting and self._running < self._transactions:
+            if not (replacing or self._running == 0 or len(self._waiting) >= self._group):
+                break
+            replacing = False
             count = min(len(self._waiting), self._most)
             taken = [self._waiting.popleft() for _ in range(count)]
             self._running += 1
@@ -110,7 +125,7 @@ class Heads:
             raise
         finally:
             self._running -= 1
-            self._start()
+            self._start(ended=True)
         for waiting, result in zip(taken, results, strict=True):
             if waiting.outcome.done():
                 continue

@@ -97,3 +97,31 @@ async def test_a_redelivery_runs_alone_and_forgets_its_counted_failures(
     harness.failed_before(again, 1)
     assert await h.handle(again, harness.processor.clock()) == Outcome.PROCESSED
     assert harness.store.attempts.get(("orders", "ORDERS", "e1", 1), 0) == 0
+
+
+async def test_beside_a_running_transaction_one_message_waits_and_a_full_group_opens_another(
+    make_harness: MakeHarness,
+) -> None:
+    """With connections to spare, a message handed in while a transaction runs waits
+    for it (lanes gather instead of each taking a connection); a group of waiting
+    messages (an eighth of the batch) opens another transaction at once."""
+    h, harness = _heads(make_harness, transactions=4)
+    release = asyncio.Event()
+
+    async def slow(msg: Message, session: Any) -> None:
+        await release.wait()
+
+    harness.then(*([slow] * 20))
+    first = asyncio.ensure_future(h.handle(_keyed(1), harness.processor.clock()))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(h.handle(_keyed(2), harness.processor.clock()))
+    await asyncio.sleep(0.01)
+    assert harness.store.transactions == 1  # the second waits for the first
+    group = [_keyed(seq) for seq in range(3, 3 + 7)]  # with the second: 8 waiting
+    waiting = [asyncio.ensure_future(h.handle(d, harness.processor.clock())) for d in group]
+    await asyncio.sleep(0.01)
+    assert harness.store.transactions == 2  # a full group: another transaction
+    release.set()
+    assert await first == Outcome.PROCESSED
+    assert await asyncio.gather(second, *waiting) == [Outcome.PROCESSED] * 8
+    assert harness.store.commits == 2
