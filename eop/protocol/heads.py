@@ -8,12 +8,14 @@ once, alone. While some run, the messages handed in wait here: each
 transaction that ends starts the next with all of them (up to ``batch``), a
 transaction of :class:`eop.protocol.batch.BatchProcessor`: one multi-row
 claim before any handler runs, each handler in turn, one COMMIT, the acks
-confirmed together. Another starts beside the running ones only for a group
-of waiting messages (an eighth of ``batch``), up to the process's
-connections. A lane that spent most of its time in BEGIN, the claim, COMMIT
-and an ack of its own now shares them with the other lanes: under load, an
-ordered message costs the worker and PostgreSQL a fraction of its own
-transaction's work, while a lone message still starts without waiting.
+confirmed together. Another starts beside the running ones, up to the
+process's connections, for a group of waiting messages (an eighth of
+``batch``), or once the first has waited :data:`LINGER_S` (2 ms), so that a
+slow handler holds no other key back. A lane that spent most of its time in
+BEGIN, the claim, COMMIT and an ack of its own now shares them with the
+other lanes: under load, an ordered message costs the worker and PostgreSQL
+a fraction of its own transaction's work, while a lone message still starts
+without waiting.
 
 The per-key order holds as before: a batch holds at most one message per key
 (a lane has one message here at a time), and a lane learns its message's
@@ -33,6 +35,11 @@ from typing import Any
 from eop.protocol import batch
 from eop.protocol.processor import Processor
 from eop.types import Delivery, Outcome
+
+#: How long a message handed in beside running transactions waits for one to end
+#: before it takes a free connection anyway: gathering must not hold a key back
+#: behind another key's slow handler for longer than this.
+LINGER_S = 0.002
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,6 +79,7 @@ class Heads:
         the worker about what one message's own does, so under load lanes gather
         into few transactions instead of each taking a free connection."""
         self._running = 0
+        self._timer: asyncio.TimerHandle | None = None
 
     async def handle(self, delivery: Delivery, received_at: float) -> Outcome:
         """Process ``delivery`` (fetched, or its lease last renewed, at ``received_at``);
@@ -87,10 +95,13 @@ class Heads:
                 return await self._proc.handle(delivery, received_at)
             finally:
                 self._running -= 1
-                self._start(ended=True)
-        waiting = _Waiting(delivery, received_at, asyncio.get_running_loop().create_future())
+                self._start(anyway=1)
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(delivery, received_at, loop.create_future())
         self._waiting.append(waiting)
-        self._start(ended=False)
+        self._start(anyway=0)
+        if self._waiting and self._timer is None:
+            self._timer = loop.call_later(LINGER_S, self._lingered)
         try:
             return await waiting.outcome
         except asyncio.CancelledError:
@@ -99,14 +110,20 @@ class Heads:
                 self._waiting.remove(waiting)
             raise
 
-    def _start(self, *, ended: bool) -> None:
-        """Start the waiting messages' transactions: one in place of each that ``ended``,
-        one when none runs, and one more for every full group (:attr:`_group`) waiting."""
-        replacing = ended
+    def _lingered(self) -> None:
+        """The first waiting message waited :data:`LINGER_S`: start it, and every one
+        waiting with it, on a free connection."""
+        self._timer = None
+        self._start(anyway=1)
+
+    def _start(self, *, anyway: int) -> None:
+        """Start the waiting messages' transactions: ``anyway`` of them (in place of one
+        that ended, or after the linger), one when none runs, and one more for every
+        full group (:attr:`_group`) waiting."""
         while self._waiting and self._running < self._transactions:
-            if not (replacing or self._running == 0 or len(self._waiting) >= self._group):
+            if not (anyway or self._running == 0 or len(self._waiting) >= self._group):
                 break
-            replacing = False
+            anyway = max(anyway - 1, 0)
             count = min(len(self._waiting), self._most)
             taken = [self._waiting.popleft() for _ in range(count)]
             self._running += 1
@@ -125,7 +142,7 @@ class Heads:
             raise
         finally:
             self._running -= 1
-            self._start(ended=True)
+            self._start(anyway=1)
         for waiting, result in zip(taken, results, strict=True):
             if waiting.outcome.done():
                 continue

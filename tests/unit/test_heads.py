@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
+import pytest
+
 from eop import testing
 from eop.message import Message
 from eop.protocol import heads
@@ -100,11 +102,12 @@ async def test_a_redelivery_runs_alone_and_forgets_its_counted_failures(
 
 
 async def test_beside_a_running_transaction_one_message_waits_and_a_full_group_opens_another(
-    make_harness: MakeHarness,
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With connections to spare, a message handed in while a transaction runs waits
     for it (lanes gather instead of each taking a connection); a group of waiting
     messages (an eighth of the batch) opens another transaction at once."""
+    monkeypatch.setattr(heads, "LINGER_S", 60.0)  # no linger within the test
     h, harness = _heads(make_harness, transactions=4)
     release = asyncio.Event()
 
@@ -125,3 +128,24 @@ async def test_beside_a_running_transaction_one_message_waits_and_a_full_group_o
     assert await first == Outcome.PROCESSED
     assert await asyncio.gather(second, *waiting) == [Outcome.PROCESSED] * 8
     assert harness.store.commits == 2
+
+
+async def test_a_message_waiting_beside_a_slow_transaction_starts_after_the_linger(
+    make_harness: MakeHarness,
+) -> None:
+    """Gathering holds no key behind another key's slow handler: a lone message handed in
+    beside a running transaction takes a free connection once it waited the linger."""
+    h, harness = _heads(make_harness, transactions=4)
+    release = asyncio.Event()
+
+    async def slow(msg: Message, session: Any) -> None:
+        await release.wait()
+
+    harness.then(slow, None)
+    first = asyncio.ensure_future(h.handle(_keyed(1), harness.processor.clock()))
+    await asyncio.sleep(0.001)
+    second = h.handle(_keyed(2), harness.processor.clock())
+    assert await asyncio.wait_for(second, 1.0) == Outcome.PROCESSED  # the first still runs
+    assert not first.done()
+    release.set()
+    assert await first == Outcome.PROCESSED
