@@ -10,7 +10,9 @@ N ``eop worker --processes 1`` commands (N pods) of ``benchmarks/ordered_app.py`
 default settings. Start-up is excluded: the window opens once every command
 owns its share of the partitions and lasts ``--window-s``. Prints messages/s
 over the window, the ratio to N times the one-command figure, and CPU per
-message: the workers', PostgreSQL's and nats-server's (psutil, over the window).
+message: the workers', PostgreSQL's and nats-server's (psutil, over the window),
+and the NATS traffic a message, counted by a side subscriber: pull requests,
+acks and lease renewals (``+WPI``).
 ``--unordered`` runs the same handler without ``order_by`` (each command's
 default processes then share one consumer): the baseline.
 """
@@ -131,12 +133,26 @@ async def one_run(
             await asyncio.sleep(0.2)
     servers = [psutil.Process(ns.pid or 0), psutil.Process(pg.pid or 0)]
     workers = [psutil.Process(p.pid) for p in procs]
+    counts = {"pull": 0, "ack": 0, "wpi": 0}
+
+    async def counted(msg: Any) -> None:
+        if msg.subject.startswith("$JS.API.CONSUMER.MSG.NEXT."):
+            counts["pull"] += 1
+        elif msg.data == b"+WPI":
+            counts["wpi"] += 1
+        else:
+            counts["ack"] += 1
+
+    side = await nc.subscribe("$JS.API.CONSUMER.MSG.NEXT.>", cb=counted)
+    side_acks = await nc.subscribe("$JS.ACK.>", cb=counted)
     left0, t0 = await remaining(js, stream), time.perf_counter()
     cpu0 = (cpu_s(workers), cpu_s(servers[1:]), cpu_s(servers[:1]))
     await asyncio.sleep(args.window_s)
     left1, t1 = await remaining(js, stream), time.perf_counter()
     cpu1 = (cpu_s(workers), cpu_s(servers[1:]), cpu_s(servers[:1]))
     done = left0 - left1
+    await side.unsubscribe()
+    await side_acks.unsubscribe()
     for p in procs:
         p.terminate()
     for p in procs:
@@ -150,6 +166,7 @@ async def one_run(
         "worker_us": 1e6 * (cpu1[0] - cpu0[0]) / max(done, 1),
         "pg_us": 1e6 * (cpu1[1] - cpu0[1]) / max(done, 1),
         "nats_us": 1e6 * (cpu1[2] - cpu0[2]) / max(done, 1),
+        **{f"{k}_per_msg": v / max(done, 1) for k, v in counts.items()},
     }
 
 
@@ -164,11 +181,15 @@ async def main(args: argparse.Namespace) -> None:
         f"{kind} I/O-bound handler: {args.keys} keys, {args.partitions} partitions, "
         f"5 ms a message, window {args.window_s} s"
     )
-    print("commands  msg/s   vs N x one   worker us/msg  pg us/msg  nats us/msg")
+    print(
+        "commands  msg/s   vs N x one   worker us/msg  pg us/msg  nats us/msg"
+        "  pulls/msg  acks/msg  +WPI/msg"
+    )
     for n, r in results.items():
         print(
             f"{n:>8}  {r['rate']:>6.0f}  {r['rate'] / (base * n):>10.2f}  "
             f"{r['worker_us']:>13.0f}  {r['pg_us']:>9.0f}  {r['nats_us']:>11.0f}"
+            f"  {r['pull_per_msg']:>9.2f}  {r['ack_per_msg']:>8.2f}  {r['wpi_per_msg']:>8.2f}"
         )
 
 
