@@ -383,7 +383,14 @@ class OrderedRunner:
         return max(1, self.settings.concurrency // max(1, len(self.owned)))
 
     async def _wait_for_room(self, part: Partition) -> None:
-        while part.inflight >= self._fair_share() and not part.lost.is_set():
+        """Until half of the partition's share is free (all of it when the share is 1).
+
+        A fetch for every slot freed would be a pull request a message: each
+        costs nats-server far more than the message it brings, and one
+        partition's lanes free their slots one at a time.
+        """
+        share = self._fair_share()
+        while part.inflight > share - max(1, share // 2) and not part.lost.is_set():
             part.room.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(part.room.wait(), 1.0)
