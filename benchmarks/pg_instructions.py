@@ -30,7 +30,9 @@ The shapes, each a transaction per batch (BEGIN, the claim, COMMIT):
   its own transaction, as :class:`eop.protocol.compaction.Compactor` sends
   them) after every 16 batches (1,024 messages, about one round's count).
 
-The handler's INSERT, the same for all, is left out.
+The handler's INSERT, the same for all, is left out; ``--handler-insert`` adds
+it (the bench's row, an ``EXECUTE`` a message as an ``executemany`` sends it), so
+that the shapes compare as whole messages do.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ BATCH = 64
 SUBSCRIPTION, STREAM, EPOCH, SUBJECT = "bench-one", "BENCH_C1", "e" * 32, "bench.c1"
 SETUP = (
     "CREATE TABLE hand_inbox (stream text, seq bigint, PRIMARY KEY (stream, seq))",
+    "CREATE TABLE bench_effects (variant text NOT NULL, seq bigint NOT NULL,"
+    " stored_at timestamptz NOT NULL)",
     # The proposal's inbox: the (subscription, stream, epoch) as the integer of its
     # watermark row, the outcome as one byte, no subject.
     "CREATE TABLE eop.lanes_inbox (lane integer NOT NULL, stream_seq bigint NOT NULL,"
@@ -81,6 +85,7 @@ _HAND = (
     "INSERT INTO hand_inbox (stream, seq) SELECT $1, unnest($2::bigint[])"
     " ON CONFLICT DO NOTHING RETURNING seq"
 )
+_EFFECT = "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)"
 SHAPES = ("hand", "eop", "eop-nowm", "lanes", "eop+compaction")
 
 
@@ -138,10 +143,11 @@ def _compaction(top: int) -> list[str]:
     return ["BEGIN;", raise_, "COMMIT;", "BEGIN;", _prepared(sweep, "sweep")[1], "COMMIT;"]
 
 
-def script(shape: str, transactions: int) -> str:
-    """The statements a run sends, one a line (single-user mode reads a line each)."""
+def script(shape: str, transactions: int, handler: bool = False) -> str:
+    """The statements a run sends, one a line (single-user mode reads a line each); with
+    ``handler``, each batch's transaction also inserts the bench's row for each message."""
     claim = {"hand": _HAND, "lanes": _LANES}.get(shape) or _claim(shape)
-    lines = [f"PREPARE claim AS {claim};"]
+    lines = [f"PREPARE claim AS {claim};", f"PREPARE effect AS {_EFFECT};"]
     if shape == "eop+compaction":
         t, epoch = models.tables("eop"), (SUBSCRIPTION, STREAM, EPOCH)
         lines.append(_prepared(inbox_sql.advance_watermark(t, *epoch, 0), "raise")[0])
@@ -149,7 +155,10 @@ def script(shape: str, transactions: int) -> str:
         lines.append(_prepared(sweep, "sweep")[0])
     for n in range(transactions):
         seqs = list(range(n * BATCH + 1, (n + 1) * BATCH + 1))
-        lines += ["BEGIN;", f"EXECUTE claim({_claim_values(shape, seqs)});", "COMMIT;"]
+        lines += ["BEGIN;", f"EXECUTE claim({_claim_values(shape, seqs)});"]
+        if handler:  # an executemany: an Execute a row
+            lines += [f"EXECUTE effect('{SUBSCRIPTION}', {seq}, now());" for seq in seqs]
+        lines.append("COMMIT;")
         if shape == "eop+compaction" and (n + 1) % 16 == 0:
             lines += _compaction(seqs[-1])
     return "\n".join(lines) + "\n"
@@ -172,7 +181,7 @@ def _template(folder: Path) -> Path:
     return data
 
 
-def _count(template: Path, shape: str, transactions: int, folder: Path) -> int:
+def _count(template: Path, shape: str, transactions: int, folder: Path, handler: bool) -> int:
     """Instructions of a single-user backend running ``transactions`` of ``shape``."""
     data = folder / f"{shape}-{transactions}"
     subprocess.run(["cp", "-a", str(template), str(data)], check=True)  # owner and modes kept
@@ -185,7 +194,11 @@ def _count(template: Path, shape: str, transactions: int, folder: Path) -> int:
     if os.geteuid() == 0 and owner != "root":  # PostgreSQL refuses to run as root
         command = ["runuser", "-u", owner, "--", *command]
     done = subprocess.run(
-        command, input=script(shape, transactions), capture_output=True, text=True, check=False
+        command,
+        input=script(shape, transactions, handler),
+        capture_output=True,
+        text=True,
+        check=False,
     )
     found = re.search(r"Collected : (\d+)", done.stderr)
     if done.returncode != 0 or found is None or "ERROR" in done.stdout + done.stderr:
@@ -202,6 +215,11 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=20)
     parser.add_argument("--long", type=int, default=60)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument(
+        "--handler-insert",
+        action="store_true",
+        help="each message also inserts the bench's row, as every database run's handler does",
+    )
     args = parser.parse_args()
     random.seed(0)
     with tempfile.TemporaryDirectory(prefix="eop-pg-instructions-") as tmp:
@@ -210,8 +228,8 @@ def main() -> None:
         template = _template(folder)
         for shape in args.shapes.split(","):
             started = time.monotonic()
-            short = _count(template, shape, args.short, folder)
-            long = _count(template, shape, args.long, folder)
+            short = _count(template, shape, args.short, folder, args.handler_insert)
+            long = _count(template, shape, args.long, folder, args.handler_insert)
             per = (long - short) / ((args.long - args.short) * BATCH)
             took = time.monotonic() - started
             print(f"{shape:<16} {per:>9,.0f} instructions a message  ({took:.0f} s)")
