@@ -36,7 +36,9 @@ measured beside msg/s: it is steadier on a shared machine.
 --big measures eop default at 10,000 and at 1,000,000 processed messages:
 the rate, the worker's CPU per message and memory, the inbox rows (against
 max_ack_pending + compaction_after_messages) and the inbox table's size
-(``--runs none --big``: the long run alone).
+(``--runs none --big``: the long run alone). --pg-profile, instead of timing,
+counts PostgreSQL's work per message of the chosen runs (statements,
+transactions, WAL, rows, buffer accesses; by default h, hn, c1, c).
 
 This package is also the app of the bench's workers (``eop.bench:app``) and
 the program of its other child processes (``python -m eop.bench``).
@@ -49,7 +51,9 @@ progress line, CPU time), :mod:`~eop.bench.measurement` (one run measured,
 and the arithmetic), :mod:`~eop.bench.relay` (the relay's runs),
 :mod:`~eop.bench.flood` (the poison flood's runs),
 :mod:`~eop.bench.runner` (every run on fresh servers),
-:mod:`~eop.bench.report` (the table); ``eop bench`` itself is :mod:`eop.cli.bench`.
+:mod:`~eop.bench.report` (the table), :mod:`~eop.bench.pgprofile` (``--pg-profile``:
+PostgreSQL's work per message, counted by :mod:`~eop.bench.pgcount`, not timed);
+``eop bench`` itself is :mod:`eop.cli.bench`.
 """
 
 from __future__ import annotations

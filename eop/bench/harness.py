@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,22 +49,29 @@ class Servers(NamedTuple):
     nats_url: str
     pg_url: str
     pids: tuple[int | None, int | None]
+    pg_data: Path | None = None
+    """PostgreSQL's data directory (its WAL and log: :mod:`eop.bench.pgcount`)."""
 
 
 @contextlib.contextmanager
-def servers(*, fsync: bool, prefix: str) -> Iterator[Servers]:
-    """A nats-server and a migrated PostgreSQL of the bench's own, on free ports."""
+def servers(
+    *, fsync: bool, prefix: str, pg_settings: Mapping[str, str] | None = None
+) -> Iterator[Servers]:
+    """A nats-server and a migrated PostgreSQL of the bench's own, on free ports; the
+    PostgreSQL with ``pg_settings`` too."""
     from eop import embedded
     from eop.pg import migrate
 
+    # Commit times of the effect rows give publish-to-commit latency.
+    settings = {"track_commit_timestamp": "on", **(pg_settings or {})}
     with (
         tempfile.TemporaryDirectory(prefix=prefix) as tmp,
         embedded.NatsServer() as nats_server,
-        # Commit times of the effect rows give publish-to-commit latency.
-        embedded.PostgresServer(fsync=fsync, settings={"track_commit_timestamp": "on"}) as pg,
+        embedded.PostgresServer(fsync=fsync, settings=settings) as pg,
     ):
         migrate.upgrade(pg.url)
-        yield Servers(Path(tmp), nats_server.url, pg.url, (nats_server.pid, pg.pid))
+        pids = (nats_server.pid, pg.pid)
+        yield Servers(Path(tmp), nats_server.url, pg.url, pids, pg.data_dir)
 
 
 class Progress:

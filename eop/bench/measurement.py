@@ -142,7 +142,7 @@ async def measure(
     and the consumer resumed: every process drains it warm, from the start.
     """
     argv = bench.command(run, extra)
-    processes = _processes(run, extra)
+    processes = run_processes(run, extra)
     child = harness.Child(argv, bench.tmp / f"{run.key}.log")
     try:
         # (a) keeps two pull requests waiting per process, (h) one per batch in flight.
@@ -177,7 +177,7 @@ async def measure(
     )
 
 
-def _processes(run: runs.Run, extra: Sequence[str]) -> int:
+def run_processes(run: runs.Run, extra: Sequence[str] = ()) -> int:
     """How many consumer processes the run had: ``--processes N`` of an eop worker wins."""
     flags = [*run.args.split(), *extra]
     if run.handler and "--processes" in flags:

@@ -218,6 +218,9 @@ class Options:
     relay_rate: float = 200.0
     """Rows/s the commit-to-PubAck runs commit, one per transaction."""
     relay_latency_s: float = 10.0
+    pg_profile: bool = False
+    """Instead of the timed runs, count PostgreSQL's work per message of the chosen ones
+    (:mod:`eop.bench.pgprofile`)."""
 
     def __post_init__(self) -> None:
         counts = (self.messages, self.naive_messages, self.payload_bytes)

@@ -32,6 +32,12 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("relay-payload-bytes", int, "size of each outbox row's payload"),
     ("relay-rate", float, "rows/s, one per transaction, of the commit-to-PubAck runs (rl), (rn)"),
     ("relay-latency-s", float, "length of each commit-to-PubAck run"),
+    (
+        "pg-profile",
+        bool,
+        "instead of timing, count PostgreSQL's work per message (statements, transactions, "
+        "WAL, rows) of the chosen runs ('all': h,hn,c1,c)",
+    ),
 )
 
 
@@ -72,15 +78,17 @@ def add_command(sub: options.Subparsers) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``eop bench``: print the table (and write the JSON)."""
-    from eop.bench import report, runner, runs
+    from eop.bench import pgprofile, report, runner, runs
 
-    results = runner.run(
-        runs.Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(runs.Options)})
+    chosen = runs.Options(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(runs.Options)}
     )
+    results = pgprofile.run(chosen) if chosen.pg_profile else runner.run(chosen)
     if args.json == "-":
         print(json.dumps(results, indent=2))
         return 0
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    print(report.format_report(results))
+    formatted = pgprofile.format_profile if chosen.pg_profile else report.format_report
+    print(formatted(results))
     return 0

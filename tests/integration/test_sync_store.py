@@ -167,6 +167,37 @@ async def test_a_sync_claim_claims_nothing_at_or_below_the_watermark(
     assert claimed == {6, 7, 8}
 
 
+async def test_a_claim_holds_each_row_to_its_own_epochs_watermark_on_both_drivers(
+    app: eop.App, store: PostgresStore, engine: AsyncEngine
+) -> None:
+    """A batch of one epoch reads its watermark once; a batch spanning two reads each row's
+    own: on psycopg and on asyncpg alike, a sequence at or below its epoch's watermark is
+    not claimed, one above it is, and an epoch without a watermark row claims all."""
+
+    @app.handler(stream="ORDERS", subject="orders.>", name="h")
+    def by_sync(msg: eop.Message, session: orm.Session) -> None: ...
+
+    @app.handler(stream="ORDERS", subject="orders.>", name="h_async")
+    async def by_async(msg: eop.Message, session: Any) -> None: ...
+
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.text(
+                "INSERT INTO eop.watermarks (subscription, stream, stream_epoch, watermark)"
+                " VALUES (:s, 'ORDERS', 'e1', 5), (:s, 'ORDERS', 'e2', 12)"
+            ),
+            [{"s": "h"}, {"s": "h_async"}],
+        )
+    for name in ("h", "h_async"):
+        spec = app.handlers[name]
+        one = [message(seq, subscription=name) for seq in range(3, 9)]
+        assert await run_batch(store, spec, one) == {6, 7, 8}
+        two = [message(seq, subscription=name, stream_epoch="e2") for seq in range(10, 15)]
+        two += [message(seq, subscription=name, stream_epoch="e3") for seq in (1, 2)]
+        two += [message(seq, subscription=name) for seq in (4, 9)]
+        assert await run_batch(store, spec, two) == {13, 14, 1, 2, 9}
+
+
 async def test_a_sync_batch_flushes_generated_keys_relationships_and_events(
     app: eop.App, store: PostgresStore, engine: AsyncEngine
 ) -> None:

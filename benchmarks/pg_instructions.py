@@ -1,0 +1,239 @@
+"""PostgreSQL's instructions per message for the shapes of a claim, counted by callgrind.
+
+    python benchmarks/pg_instructions.py [--short 20] [--long 60] [--shapes hand,eop,...]
+
+Where ``eop bench --pg-profile`` counts statements, WAL and buffer accesses,
+this counts the CPU work they cost PostgreSQL, without a clock: a
+single-user backend (``postgres --single``) runs a script of batch
+transactions under ``valgrind --tool=callgrind``, once with ``--short`` and
+once with ``--long`` transactions of 64 messages each; the difference of the
+two totals over ``(long - short) * 64`` is one more message's instructions,
+start-up and set-up left out. Each run starts from a copy of one migrated
+data directory (fsync off). The statements are prepared (``PREPARE``, then
+``EXECUTE`` with literal values, as a driver's named statements are), so the
+plan is cached as asyncpg's is; the values arrive as text, not in binary as
+asyncpg sends them, which costs every shape a little parsing (the 64
+fingerprints of eop's claim most).
+
+The shapes, each a transaction per batch (BEGIN, the claim, COMMIT):
+
+- ``hand``: the hand-written consumer's claim (``eop bench``'s (h)), a table of
+  (stream, seq);
+- ``eop``: eop's claim as it sends it (:func:`eop.pg.sql.inbox.claim_driver_text`);
+- ``eop-nowm``: the same without the watermark condition (what reading the
+  watermark costs);
+- ``lanes``: the claim into a narrower inbox, keyed by an integer for the
+  (subscription, stream, epoch) and the sequence, without the subject, the
+  watermark read once for the statement (the proposal in BENCHMARKS.md,
+  "Where PostgreSQL's time goes");
+- ``eop+compaction``: ``eop``, plus compaction's raise and delete (each in
+  its own transaction, as :class:`eop.protocol.compaction.Compactor` sends
+  them) after every 16 batches (1,024 messages, about one round's count).
+
+The handler's INSERT, the same for all, is left out; ``--handler-insert`` adds
+it (the bench's row, an ``EXECUTE`` a message as an ``executemany`` sends it), so
+that the shapes compare as whole messages do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pwd
+import random
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+
+from eop import embedded
+from eop.pg import migrate, models
+from eop.pg.sql import inbox as inbox_sql
+
+BATCH = 64
+SUBSCRIPTION, STREAM, EPOCH, SUBJECT = "bench-one", "BENCH_C1", "e" * 32, "bench.c1"
+SETUP = (
+    "CREATE TABLE hand_inbox (stream text, seq bigint, PRIMARY KEY (stream, seq))",
+    "CREATE TABLE bench_effects (variant text NOT NULL, seq bigint NOT NULL,"
+    " stored_at timestamptz NOT NULL)",
+    # The proposal's inbox: the (subscription, stream, epoch) as the integer of its
+    # watermark row, the outcome as one byte, no subject.
+    "CREATE TABLE eop.lanes_inbox (lane integer NOT NULL, stream_seq bigint NOT NULL,"
+    ' fingerprint bytea NOT NULL, msg_id text, outcome "char" NOT NULL,'
+    " delivery_count integer NOT NULL, processed_at timestamptz NOT NULL DEFAULT now(),"
+    " subscription_id integer NOT NULL, msg_id_digest bytea, PRIMARY KEY (lane, stream_seq))",
+    "CREATE UNIQUE INDEX lanes_inbox_msg_id_key ON eop.lanes_inbox (subscription_id,"
+    " msg_id_digest) WHERE msg_id_digest IS NOT NULL",
+    f"INSERT INTO eop.watermarks VALUES ('{SUBSCRIPTION}', '{STREAM}', '{EPOCH}', 0, now())",
+)
+_LANES = (
+    "INSERT INTO eop.lanes_inbox (lane, stream_seq, fingerprint, msg_id, outcome,"
+    " delivery_count, subscription_id, msg_id_digest) SELECT $1::integer, i.stream_seq,"
+    " i.fingerprint, i.msg_id, 'p', COALESCE(i.delivery_count, $4::integer), $5::integer,"
+    " sha256(convert_to(i.msg_id, 'UTF8')) FROM unnest($2::bigint[], $3::bytea[],"
+    " $6::integer[], $7::text[]) AS i(stream_seq, fingerprint, delivery_count, msg_id)"
+    " WHERE i.stream_seq > COALESCE((SELECT w.watermark FROM eop.watermarks AS w"
+    " WHERE w.subscription = $8::text AND w.stream = $9::text AND w.stream_epoch = $10::text"
+    " FOR SHARE), 0) ON CONFLICT DO NOTHING RETURNING stream_seq"
+)
+_HAND = (
+    "INSERT INTO hand_inbox (stream, seq) SELECT $1, unnest($2::bigint[])"
+    " ON CONFLICT DO NOTHING RETURNING seq"
+)
+_EFFECT = "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)"
+SHAPES = ("hand", "eop", "eop-nowm", "lanes", "eop+compaction")
+
+
+def _claim(shape: str) -> str:
+    text = inbox_sql.claim_driver_text("eop")
+    if shape == "eop-nowm":
+        text = text[: text.index(" WHERE i.stream_seq >")]
+        text += " ON CONFLICT DO NOTHING RETURNING stream_seq"
+    return text
+
+
+def _array(values: list[str]) -> str:
+    return "'{" + ",".join(values) + "}'"
+
+
+def _claim_values(shape: str, seqs: list[int]) -> str:
+    numbers = _array([str(s) for s in seqs])
+    prints = _array(['"\\\\x' + random.randbytes(32).hex() + '"' for _ in seqs])
+    if shape == "hand":
+        return f"'{STREAM}', {numbers}"
+    if shape == "lanes":
+        lane = f"'{SUBSCRIPTION}', '{STREAM}', '{EPOCH}'"
+        return f"1, {numbers}, {prints}, 1, 1, '{{}}', '{{}}', {lane}"
+    return (
+        f"'{SUBSCRIPTION}', '{STREAM}', 'processed', {numbers}, {prints}, '{EPOCH}', '{{}}',"
+        f" '{SUBJECT}', '{{}}', 1, '{{}}', NULL, '{{}}'"
+    )
+
+
+def _prepared(bound: tuple[sa.Executable, dict[str, object]], name: str) -> tuple[str, str]:
+    """``PREPARE name AS ...`` of one of eop's statements, and the ``EXECUTE`` of its values."""
+    stmt, params = bound
+    compiled = stmt.compile(dialect=postgresql.asyncpg.dialect())  # type: ignore[no-untyped-call]
+    values = compiled.construct_params(params)
+    literals = [_literal(values[key]) for key in compiled.positiontup or ()]
+    text = str(compiled).replace("\n", " ")
+    return f"PREPARE {name} AS {text};", f"EXECUTE {name}({', '.join(literals)});"
+
+
+def _literal(value: object) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return repr(value)
+
+
+def _compaction(top: int) -> list[str]:
+    """Compaction's round after the messages up to ``top``: the raise, then the delete of
+    the rows above the previous round's watermark, each in a transaction of its own."""
+    t, epoch = models.tables("eop"), (SUBSCRIPTION, STREAM, EPOCH)
+    raise_ = _prepared(inbox_sql.advance_watermark(t, *epoch, top), "raise")[1]
+    after = top - 16 * BATCH
+    sweep = inbox_sql.delete_below_watermark(t, *epoch, top, 5000, 3600.0, after)
+    return ["BEGIN;", raise_, "COMMIT;", "BEGIN;", _prepared(sweep, "sweep")[1], "COMMIT;"]
+
+
+def script(shape: str, transactions: int, handler: bool = False) -> str:
+    """The statements a run sends, one a line (single-user mode reads a line each); with
+    ``handler``, each batch's transaction also inserts the bench's row for each message."""
+    claim = {"hand": _HAND, "lanes": _LANES}.get(shape) or _claim(shape)
+    lines = [f"PREPARE claim AS {claim};", f"PREPARE effect AS {_EFFECT};"]
+    if shape == "eop+compaction":
+        t, epoch = models.tables("eop"), (SUBSCRIPTION, STREAM, EPOCH)
+        lines.append(_prepared(inbox_sql.advance_watermark(t, *epoch, 0), "raise")[0])
+        sweep = inbox_sql.delete_below_watermark(t, *epoch, 0, 5000, 3600.0)
+        lines.append(_prepared(sweep, "sweep")[0])
+    for n in range(transactions):
+        seqs = list(range(n * BATCH + 1, (n + 1) * BATCH + 1))
+        lines += ["BEGIN;", f"EXECUTE claim({_claim_values(shape, seqs)});"]
+        if handler:  # an executemany: an Execute a row
+            lines += [f"EXECUTE effect('{SUBSCRIPTION}', {seq}, now());" for seq in seqs]
+        lines.append("COMMIT;")
+        if shape == "eop+compaction" and (n + 1) % 16 == 0:
+            lines += _compaction(seqs[-1])
+    return "\n".join(lines) + "\n"
+
+
+def _template(folder: Path) -> Path:
+    """A data directory with eop's tables and the shapes' own, its server stopped."""
+    data = folder / "template"
+    server = embedded.PostgresServer(data_dir=data)
+    server.start()
+    try:
+        migrate.upgrade(server.url)
+        engine = sa.create_engine(server.sync_url)
+        with engine.begin() as conn:
+            for ddl in SETUP:
+                conn.execute(sa.text(ddl))
+        engine.dispose()
+    finally:
+        server.close()
+    return data
+
+
+def _count(template: Path, shape: str, transactions: int, folder: Path, handler: bool) -> int:
+    """Instructions of a single-user backend running ``transactions`` of ``shape``."""
+    data = folder / f"{shape}-{transactions}"
+    subprocess.run(["cp", "-a", str(template), str(data)], check=True)  # owner and modes kept
+    owner = pwd.getpwuid(template.stat().st_uid).pw_name
+    out = folder / f"{shape}-{transactions}.callgrind"
+    postgres = embedded.postgres_bin_dir() / "postgres"
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", str(postgres)]
+    command += ["--single", "-D", str(data), "-c", "fsync=off", "-c", "log_min_messages=warning"]
+    command.append("postgres")
+    if os.geteuid() == 0 and owner != "root":  # PostgreSQL refuses to run as root
+        command = ["runuser", "-u", owner, "--", *command]
+    done = subprocess.run(
+        command,
+        input=script(shape, transactions, handler),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode != 0 or found is None or "ERROR" in done.stdout + done.stderr:
+        raise SystemExit(
+            f"{shape}: the callgrind run failed:\n{(done.stdout + done.stderr)[-3000:]}"
+        )
+    shutil.rmtree(data)
+    return int(found.group(1))
+
+
+def main() -> None:
+    """Count each shape twice under callgrind; print its instructions a message."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--short", type=int, default=20)
+    parser.add_argument("--long", type=int, default=60)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument(
+        "--handler-insert",
+        action="store_true",
+        help="each message also inserts the bench's row, as every database run's handler does",
+    )
+    args = parser.parse_args()
+    random.seed(0)
+    with tempfile.TemporaryDirectory(prefix="eop-pg-instructions-") as tmp:
+        folder = Path(tmp)
+        os.chmod(folder, 0o777)  # the server's account writes its callgrind files there
+        template = _template(folder)
+        for shape in args.shapes.split(","):
+            started = time.monotonic()
+            short = _count(template, shape, args.short, folder, args.handler_insert)
+            long = _count(template, shape, args.long, folder, args.handler_insert)
+            per = (long - short) / ((args.long - args.short) * BATCH)
+            took = time.monotonic() - started
+            print(f"{shape:<16} {per:>9,.0f} instructions a message  ({took:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
