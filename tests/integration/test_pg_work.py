@@ -39,12 +39,13 @@ INSERT = sa.text("INSERT INTO work_effects (seq) VALUES (:s)")
 # them a little: how many messages each fetch brought (32 to 51 batch transactions for
 # the 2,000, whatever the load), the clock's statements (the relay, the retry poll: a
 # few a second, no WAL), compaction's rounds.
-STATEMENTS_CEILING = 1.20
+STATEMENTS_CEILING = 1.35
 """Statements per message: the INSERT, and each batch's BEGIN, SET LOCAL, claim and
 COMMIT over its messages (0.064 to 0.102 a message with 32 to 51 batches), compaction's
-rounds and the clock's polls (about 0.04). One statement more per message makes it 2.1;
-the margin allows batches of 34 messages on average instead of 64. A statement more per
-batch is not what this catches."""
+rounds and the clock's polls (about 0.04, more when a loaded CI machine stretches the
+drain). One statement more per message makes it 2.1; the margin allows batches of 20
+messages on average instead of 64, or the clock's polls of a drain four times as long.
+A statement more per batch is not what this catches."""
 WAL_CEILING = 510
 """WAL bytes per message, full-page images left out (they follow checkpoints, not the
 work): the inbox row's insert, its index entry and its delete, the handler's row, the
