@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from eop import errors
-from eop.bench import runs
+from eop.bench import cpulimit, runs
 
 _DDL = (
     "CREATE TABLE bench_effects (variant text NOT NULL, seq bigint NOT NULL,"
@@ -55,10 +55,15 @@ class Servers(NamedTuple):
 
 @contextlib.contextmanager
 def servers(
-    *, fsync: bool, prefix: str, pg_settings: Mapping[str, str] | None = None
+    *,
+    fsync: bool,
+    prefix: str,
+    pg_settings: Mapping[str, str] | None = None,
+    pg_cpus: float = 0.0,
 ) -> Iterator[Servers]:
     """A nats-server and a migrated PostgreSQL of the bench's own, on free ports; the
-    PostgreSQL with ``pg_settings`` too."""
+    PostgreSQL with ``pg_settings`` too, and with ``pg_cpus`` held to that many cores
+    (:func:`eop.bench.cpulimit.limited`)."""
     from eop import embedded
     from eop.pg import migrate
 
@@ -68,8 +73,11 @@ def servers(
         tempfile.TemporaryDirectory(prefix=prefix) as tmp,
         embedded.NatsServer() as nats_server,
         embedded.PostgresServer(fsync=fsync, settings=settings) as pg,
+        contextlib.ExitStack() as stack,
     ):
         migrate.upgrade(pg.url)
+        if pg_cpus and pg.pid is not None:
+            stack.enter_context(cpulimit.limited(pg.pid, pg_cpus))
         pids = (nats_server.pid, pg.pid)
         yield Servers(Path(tmp), nats_server.url, pg.url, pids, pg.data_dir)
 

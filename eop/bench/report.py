@@ -45,6 +45,8 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if report["runs"]:
         lines += ["", *_runs(report)]
+    if report.get("ceiling"):
+        lines += ["", *_ceiling(report["ceiling"], o["pg_cpus"])]
     if report.get("relay"):
         lines += ["", *_relay(report["relay"], o, report["ratios"])]
     if report.get("flood"):
@@ -128,12 +130,33 @@ _SHOWN = ("c/b", "o1/c1", "s1/c1", "k/c", "k1/c1")
 _TARGETS: tuple[tuple[str, str, float], ...] = (
     ("c cpu/lean", "<=", 4.0),
     ("o/c", ">=", 0.8),
-    ("s/c", ">=", 0.6),
+    ("s/c", ">=", 0.7),
     ("c/h", ">=", 3.0),
     ("c p99/h p99", "<=", 1.0),
+    ("c pg/hand", "<=", 1.0),
 )
 """The throughput targets: eop's worker CPU against the lean loop's, the README's handler
-styles against eop.Writes, eop default against one hand-written process, and its p99."""
+styles against eop.Writes, eop default against one hand-written process, its p99, and
+PostgreSQL's CPU a message against the hand-written consumer's with as many processes."""
+
+
+def _ceiling(ceiling: dict[str, dict[str, Any]], pg_cpus: float) -> list[str]:
+    """Where each run saturated a PostgreSQL held to ``pg_cpus`` cores."""
+    lines = [
+        f"PostgreSQL held to {pg_cpus:g} cores (a cgroup CPU quota): the rate each run "
+        "sustained, the cores PostgreSQL kept busy, and so one PostgreSQL core's ceiling"
+    ]
+    for key, c in ceiling.items():
+        verdict = (
+            f"saturated: {c['per_pg_core']:,.0f} msg/s a PostgreSQL core"
+            if c["saturated"]
+            else f"not saturated (the workers are the limit): over {c['per_pg_core']:,.0f} "
+            "msg/s a PostgreSQL core"
+        )
+        lines.append(
+            f"  ({key}) {c['rate']:>9,.0f} msg/s, {c['pg_cores_busy']:.2f} cores busy; {verdict}"
+        )
+    return lines
 
 
 def _target(name: str, value: float, op: str, bound: float) -> str:

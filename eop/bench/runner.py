@@ -16,7 +16,7 @@ from eop.bench import flood, harness, measurement, relay, report, runs
 def run(options: runs.Options) -> dict[str, Any]:
     """Start the servers, run every measurement, return the report."""
     started, machine = time.monotonic(), report.machine()
-    with harness.servers(fsync=options.fsync, prefix="eop-bench-") as srv:
+    with harness.servers(fsync=options.fsync, prefix="eop-bench-", pg_cpus=options.pg_cpus) as srv:
         results, section, flooded, big = asyncio.run(
             _run_all(options, srv.nats_url, srv.pg_url, srv.tmp, srv.pids)
         )
@@ -27,6 +27,7 @@ def run(options: runs.Options) -> dict[str, Any]:
         "machine": machine,
         "runs": [dataclasses.asdict(r) for r in results],
         "ratios": {**ratios(results), **_relay_ratios(rates), **flood.ratios(flooded or [])},
+        "ceiling": ceiling(results, options.pg_cpus) if options.pg_cpus else None,
         "relay": dataclasses.asdict(section) if section else None,
         "flood": [dataclasses.asdict(row) for row in flooded] if flooded else None,
         "big": dataclasses.asdict(big) if big else None,
@@ -69,6 +70,7 @@ def ratios(results: list[measurement.Result]) -> dict[str, float]:
             put(f"{r.key} cpu/lean", r.cpu_us, lean.cpu_us)
         if hand is not None:
             put(f"{r.key}/hand", r.rate, hand.rate)
+            put(f"{r.key} pg/hand", r.pg_us, hand.pg_us)
     for x, y in STYLES:
         if x in by_key and y in by_key:
             put(f"{x}/{y}", by_key[x].rate, by_key[y].rate)
@@ -77,6 +79,28 @@ def ratios(results: list[measurement.Result]) -> dict[str, float]:
             put(f"c/{y}", by_key["c"].rate, by_key[y].rate)
     if "c" in by_key and "h" in by_key:
         put("c p99/h p99", by_key["c"].p99_ms, by_key["h"].p99_ms)
+    return out
+
+
+SATURATED = 0.85
+"""PostgreSQL busy for this share of its quota or more: the run saturated it."""
+
+
+def ceiling(results: list[measurement.Result], pg_cpus: float) -> dict[str, dict[str, Any]]:
+    """Per run, with PostgreSQL held to ``pg_cpus`` cores: how many of them it kept busy,
+    whether that saturated it, and so the messages a second one PostgreSQL core serves
+    for that consumer (the rate over ``pg_cpus``; a lower bound when not saturated)."""
+    out = {}
+    for r in results:
+        if r.pg_us is None:
+            continue
+        busy = r.rate * r.pg_us / 1e6
+        out[r.key] = {
+            "rate": r.rate,
+            "pg_cores_busy": round(busy, 3),
+            "saturated": busy >= SATURATED * pg_cpus,
+            "per_pg_core": r.rate / pg_cpus,
+        }
     return out
 
 

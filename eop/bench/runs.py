@@ -218,6 +218,9 @@ class Options:
     relay_rate: float = 200.0
     """Rows/s the commit-to-PubAck runs commit, one per transaction."""
     relay_latency_s: float = 10.0
+    pg_cpus: float = 0.0
+    """Hold the bench's PostgreSQL to this many cores (a cgroup quota, e.g. 0.5; 0: no
+    limit) and report the rate at which each run saturates it (:mod:`eop.bench.cpulimit`)."""
     pg_profile: bool = False
     """Instead of the timed runs, count PostgreSQL's work per message of the chosen ones
     (:mod:`eop.bench.pgprofile`)."""
@@ -226,6 +229,10 @@ class Options:
         counts = (self.messages, self.naive_messages, self.payload_bytes)
         if min(*counts, self.relay_messages, self.relay_payload_bytes) < 1:
             raise errors.ConfigurationError("message counts and payload-bytes must be at least 1")
+        if self.pg_cpus < 0:
+            raise errors.ConfigurationError(
+                f"pg-cpus must be 0 (no limit) or more, not {self.pg_cpus:g}"
+            )
         keys = chosen(self.runs)
         if (not keys and not (self.big and self.runs.strip() == "none")) or set(keys) - set(
             SELECTABLE

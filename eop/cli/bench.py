@@ -33,6 +33,12 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("relay-rate", float, "rows/s, one per transaction, of the commit-to-PubAck runs (rl), (rn)"),
     ("relay-latency-s", float, "length of each commit-to-PubAck run"),
     (
+        "pg-cpus",
+        float,
+        "hold PostgreSQL to this many cores (a cgroup CPU quota, e.g. 0.5; 0: no limit) and "
+        "report where each run saturates it: the fleet's ceiling",
+    ),
+    (
         "pg-profile",
         bool,
         "instead of timing, count PostgreSQL's work per message (statements, transactions, "

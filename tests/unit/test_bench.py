@@ -386,3 +386,29 @@ def test_poison_flood_report_prints_each_row_its_ratios_and_warns_on_a_lost_mess
     assert "WARNING" not in text
     dicts[0].update(effects=1_999, dead_good=1)
     assert "WARNING: 1999 effect rows for 2000 good messages" in "\n".join(report._flood(dicts, {}))
+
+
+def test_a_limited_postgresql_is_judged_saturated_only_when_its_quota_is_busy() -> None:
+    """With PostgreSQL held to 0.5 cores, a run that kept 0.45 of them busy saturated it
+    (its rate over the quota is one core's ceiling); one that kept 0.2 busy did not, and
+    the same figure is then only a lower bound, said so in the report."""
+    busy = dataclasses.replace(_result("h", 30_000.0, 1, 50.0), pg_us=15.0)  # 0.45 cores
+    idle = dataclasses.replace(_result("c", 10_000.0, 2, 30.0), pg_us=20.0)  # 0.2 cores
+    found = runner.ceiling([busy, idle], 0.5)
+    assert found["h"]["saturated"]
+    assert found["h"]["per_pg_core"] == 60_000.0
+    assert not found["c"]["saturated"]
+    text = "\n".join(report._ceiling(found, 0.5))
+    assert "(h)    30,000 msg/s, 0.45 cores busy; saturated: 60,000 msg/s a PostgreSQL core" in text
+    assert "(c)    10,000 msg/s, 0.20 cores busy; not saturated" in text
+
+
+def test_postgresqls_cpu_per_message_is_set_beside_the_hand_written_consumers() -> None:
+    """`X pg/hand` divides a run's PostgreSQL CPU a message by the hand-written consumer's
+    with as many processes; the target judges eop default's against 1.0."""
+    rows = [
+        dataclasses.replace(_result("hn", 10.0, 2, 50.0), pg_us=8.0),
+        dataclasses.replace(_result("c", 30.0, 2, 30.0), pg_us=12.0),
+    ]
+    assert runner.ratios(rows)["c pg/hand"] == 1.5
+    assert ("c pg/hand", "<=", 1.0) in report._TARGETS
