@@ -42,8 +42,9 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from eop import App, embedded
+    from eop import App
     from eop.testing import TestApp
+    from eop.tools import embedded
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -175,7 +176,8 @@ async def eop_engine(eop_database_url: str) -> AsyncIterator[AsyncEngine]:
 @pytest.fixture
 def eop_nats_server() -> Iterator[embedded.NatsServer]:
     """A nats-server with JetStream for this test alone, with a temporary store."""
-    from eop import embedded, errors
+    from eop import errors
+    from eop.tools import embedded
 
     try:
         server = embedded.NatsServer()

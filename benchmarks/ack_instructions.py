@@ -26,10 +26,10 @@ import nats
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from eop import embedded
-from eop.bench import harness, runs
 from eop.broker import ack, client, fetcher
 from eop.runtime import eventloop
+from eop.tools import embedded
+from eop.tools.bench import harness, runs
 
 STREAM, DURABLE, SUBJECT = "ACK_INSTRUCTIONS", "acks", "ack.instructions"
 LOGGER = structlog.get_logger("bench")

@@ -33,8 +33,8 @@ import psutil
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from eop import embedded
 from eop.pg import migrate
+from eop.tools import embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = "benchmarks.ordered_app:app"

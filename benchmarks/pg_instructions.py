@@ -51,9 +51,9 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from eop import embedded
 from eop.pg import migrate, models
 from eop.pg.sql import inbox as inbox_sql
+from eop.tools import embedded
 
 BATCH = 64
 SUBSCRIPTION, STREAM, EPOCH, SUBJECT = "bench-one", "BENCH_C1", "e" * 32, "bench.c1"

@@ -9,7 +9,7 @@ tables each time:
 
 1. one `eop worker` subprocess, timed from its start until its consumer has
    nothing pending and nothing awaiting an ack;
-2. the Spark backfill job (:func:`eop.spark.jobs.backfill`) on a SparkSession
+2. the Spark backfill job (:func:`eop.contrib.spark.jobs.backfill`) on a SparkSession
    started beforehand (its start-up reported apart), twice: the first job also
    starts Spark's Python workers; the second shows the steady state.
 
@@ -33,8 +33,8 @@ import sqlalchemy as sa
 import worker_throughput  # type: ignore[import-not-found]  # beside this script, on sys.path
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from eop import embedded
 from eop.pg import migrate
+from eop.tools import embedded
 
 APP = worker_throughput.APP
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def time_spark(
     reset_tables: Any,
     cores_max: int | None = None,
 ) -> tuple[float, list[float]]:
-    from eop.spark import jobs, session, sink
+    from eop.contrib.spark import jobs, session, sink
     from tests.integration import cliapp
 
     os.environ["CLIAPP_HANDLER_DELAY_S"] = "0"

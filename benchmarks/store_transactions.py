@@ -7,7 +7,7 @@ Each transaction is what a batch runs (eop.protocol.batch): open, the claim,
 each message's handler with ``flush=False``, one flush, COMMIT, close, on
 ``PostgresStore`` against the database of URL (an asyncpg URL of a database of
 your own: ``setup`` migrates it and makes the handlers' tables). No NATS. KIND
-is the handler: ``s`` the bench's sync ORM handler (``eop.bench.runs.record_sync``,
+is the handler: ``s`` the bench's sync ORM handler (``eop.tools.bench.runs.record_sync``,
 a row whose key it gives), ``sk`` the same row with a key the database makes
 (the quickstart's ``AuditEntry`` style: the flush reads it back), ``o`` and
 ``ok`` the async ORM twins, ``c`` eop.Writes. Prints CPU µs a message.
@@ -33,8 +33,8 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 import eop
 from eop import handler
 from eop import settings as settings_mod
-from eop.bench import runs
 from eop.pg import migrate, models
+from eop.tools.bench import runs
 
 BATCH = 64
 

@@ -24,8 +24,8 @@ import nats
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from eop import embedded
 from eop.pg import migrate
+from eop.tools import embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 

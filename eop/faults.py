@@ -5,8 +5,8 @@ of docs/design.md, 'The hazards'. Disarmed (the default, and always in
 production) a point is one check of a module-level boolean.
 
 Only what asks for faults arms them: a test calls :func:`arm`, and a chaos run
-starts its workers through its own entry point, ``python -m eop.chaos.armed
-worker ...`` (:mod:`eop.chaos.armed`), which calls :func:`arm_from_env` on
+starts its workers through its own entry point, ``python -m eop.tools.chaos.armed
+worker ...`` (:mod:`eop.tools.chaos.armed`), which calls :func:`arm_from_env` on
 these variables of the worker's environment::
 
     EOP_FAULTS="after_commit=kill#40,mid_handler=stall:6@0.01,before_commit=raise@0.02"
@@ -179,7 +179,7 @@ def arm(rules: list[Rule], seed: int | None = None) -> None:
 def arm_from_env(environ: Mapping[str, str] | None = None) -> None:
     """Arm from ``EOP_FAULTS`` and ``EOP_FAULT_SEED``.
 
-    What the chaos entry point :mod:`eop.chaos.armed` does at start; never
+    What the chaos entry point :mod:`eop.tools.chaos.armed` does at start; never
     ``eop worker`` or ``eop relay`` (see the module docstring).
     """
     environ = os.environ if environ is None else environ

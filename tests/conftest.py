@@ -23,8 +23,9 @@ import nats
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from eop import embedded, errors
+from eop import errors
 from eop.testing import servers
+from eop.tools import embedded
 from pytest_eop import unavailable
 
 if TYPE_CHECKING:

@@ -57,7 +57,7 @@ def main(
     """Run the ``eop`` command; returns the process exit code.
 
     ``prepare`` and ``program`` serve an entry point that wraps this one (the
-    chaos harness's :mod:`eop.chaos.armed`, which arms fault points):
+    chaos harness's :mod:`eop.tools.chaos.armed`, which arms fault points):
     ``prepare`` runs once logging is configured, before the command, its
     errors reported as the command's would be; ``program`` is the command line
     that runs that entry point again, which ``eop worker --processes N``

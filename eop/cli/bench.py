@@ -52,8 +52,8 @@ HELP = "measure eop beside a lean raw loop and a hand-written consumer, on embed
 
 def add_command(sub: options.Subparsers) -> None:
     """Add ``bench`` to the subparsers of ``eop``."""
-    from eop import bench
-    from eop.bench import runs
+    from eop.tools import bench
+    from eop.tools.bench import runs
 
     parser = sub.add_parser(
         "bench",
@@ -84,7 +84,7 @@ def add_command(sub: options.Subparsers) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``eop bench``: print the table (and write the JSON)."""
-    from eop.bench import pgprofile, report, runner, runs
+    from eop.tools.bench import pgprofile, report, runner, runs
 
     chosen = runs.Options(
         **{f.name: getattr(args, f.name) for f in dataclasses.fields(runs.Options)}

@@ -16,7 +16,7 @@ from eop import errors
 from eop.cli import options
 
 if TYPE_CHECKING:
-    from eop.chaos.workers import BatchMode
+    from eop.tools.chaos.workers import BatchMode
 
 # flag, type, default, help
 _OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
@@ -47,10 +47,15 @@ _OPTIONS: tuple[tuple[str, type, Any, str], ...] = (
     ),
     ("log-dir", str, None, "keep the workers' logs here (default: a temp folder, kept on failure)"),
     ("json", str, None, "also write the report as JSON to this file"),
-    ("app", str, None, "your app, MODULE:APP (default: the built-in bank, eop.chaos.bank:app)"),
+    (
+        "app",
+        str,
+        None,
+        "your app, MODULE:APP (default: the built-in bank, eop.tools.chaos.bank:app)",
+    ),
     ("handler", str, None, "the handler of --app to run"),
     ("effects-sql", str, None, "query returning (key, effect count) per logical message"),
-    ("payloads", str, None, "MODULE:FUNCTION (index, rng) -> eop.chaos.Payload"),
+    ("payloads", str, None, "MODULE:FUNCTION (index, rng) -> eop.tools.chaos.Payload"),
     ("setup", str, None, "MODULE:FUNCTION (sync database URL) creating your tables"),
     ("invariant-sql", str, None, "query returning one row per violated invariant"),
 )
@@ -101,8 +106,8 @@ def add_command(sub: options.Subparsers) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``eop chaos``; 0 when exactly-once held."""
-    from eop import chaos
-    from eop.chaos import bank, harness, scenarios, target
+    from eop.tools import chaos
+    from eop.tools.chaos import bank, harness, scenarios, target
 
     custom = (args.app, args.handler, args.effects_sql, args.payloads)
     if any(custom) and not all(custom):

@@ -23,8 +23,8 @@ from eop.cli import options
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from eop.contrib.spark import jobs, sink
     from eop.handler import HandlerSpec
-    from eop.spark import jobs, sink
 
 #: App settings the sink uses in Spark's tasks; the driver's values travel with them.
 SINK_FIELDS = (
@@ -95,8 +95,8 @@ def add_commands(sub: options.Subparsers) -> None:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    from eop.spark.offsets import DEFAULT_MESSAGES_PER_PARTITION
-    from eop.spark.session import DEFAULT_MASTER
+    from eop.contrib.spark.offsets import DEFAULT_MESSAGES_PER_PARTITION
+    from eop.contrib.spark.session import DEFAULT_MASTER
 
     options.add_log_options(parser, suppress=True)
     parser.add_argument("app", metavar="MODULE:APP", help="the eop.App, e.g. myapp:app")
@@ -234,7 +234,7 @@ def py_files(args: argparse.Namespace) -> list[str]:
 
 
 def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, jobs.ReadOptions]:
-    from eop.spark import fleet, jobs, sink
+    from eop.contrib.spark import fleet, jobs, sink
 
     app = options.configured_app(args, _FLAG_FIELDS)
     (spec,) = select_handlers(app, [args.handler])
@@ -271,7 +271,7 @@ def _session(
     args: argparse.Namespace, name: str, *, streaming: bool = False
 ) -> Iterator[SparkSession]:
     """The command's SparkSession, stopped after it unless it was running before."""
-    from eop.spark import connect, session
+    from eop.contrib.spark import connect, session
 
     if args.remote:
         if args.master:
@@ -323,7 +323,7 @@ def _session(
     spark = session.build(args.master, app_name=name, conf=_conf(args))
     if running is None:
         # Spark's warnings (AQE off in streaming, native Hadoop missing) are not the user's;
-        # a stalled job is reported by eop.spark.watch instead.
+        # a stalled job is reported by eop.contrib.spark.watch instead.
         spark.sparkContext.setLogLevel("ERROR")
     session.ship(spark, files)
     try:
@@ -341,7 +341,7 @@ async def _check_schema(app: App) -> None:
 
 
 def _cmd_backfill(args: argparse.Namespace) -> int:
-    from eop.spark import jobs, watch
+    from eop.contrib.spark import jobs, watch
 
     app, spec, target, read = _prepare(args)
     watching = watch.Watch(
@@ -354,8 +354,8 @@ def _cmd_backfill(args: argparse.Namespace) -> int:
 
 
 def _cmd_stream(args: argparse.Namespace) -> int:
-    from eop.spark import jobs, watch
-    from eop.spark.apply import Counts
+    from eop.contrib.spark import jobs, watch
+    from eop.contrib.spark.apply import Counts
 
     app, spec, target, read = _prepare(args)
     total = Counts()

@@ -181,6 +181,6 @@ def _cmd_db(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from eop import demo
+    from eop.tools import demo
 
     return demo.run(messages=args.messages, workers=args.workers, seed=args.seed)

@@ -379,7 +379,7 @@ def _spark_reports(metadata: sa.MetaData) -> sa.Table:
     Spark runs a Python data source's commit in a process of its own (on the
     cluster's driver, or the Spark Connect server), which cannot hand anything
     back to the caller's process: the database both reach can. The caller reads
-    and deletes its rows (eop/spark/report.py).
+    and deletes its rows (eop/contrib/spark/report.py).
     """
     return sa.Table(
         "spark_reports",

@@ -11,7 +11,7 @@ The supervisor is deliberately small:
 - Each child is ``eop worker`` again, with the same arguments plus
   ``--processes 1`` and its share of the worker's database connections
   (``--db-pool-size``, unless set), through the same entry point:
-  ``python -m eop``, or the chaos harness's :mod:`eop.chaos.armed`, whose
+  ``python -m eop``, or the chaos harness's :mod:`eop.tools.chaos.armed`, whose
   children arm their fault points too.
 - With ``--metrics-port P``, the supervisor alone serves P: the children write
   their metrics and readiness to a directory it reads

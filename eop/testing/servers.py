@@ -12,8 +12,8 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 
-from eop import embedded
 from eop.pg import migrate
+from eop.tools import embedded
 
 TEST_DATABASE_URL = "EOP_TEST_DATABASE_URL"
 """The variable naming a PostgreSQL server to use instead of starting one."""

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from eop import errors
-from eop.chaos import Config, run
+from eop.tools.chaos import Config, run
 
 from ..conftest import unavailable
 
@@ -41,7 +41,7 @@ def test_a_users_own_handler_is_checked_the_same_way() -> None:
     """Pointed at another app, handler, payload factory and effects query, the harness
     runs that handler under fire and checks its effects per key (a short run).
     """
-    from eop.chaos import Target
+    from eop.tools.chaos import Target
 
     from . import userapp
 
@@ -86,7 +86,7 @@ def test_a_good_message_is_never_dead_lettered_and_no_worker_stalls(name: str) -
     has exactly one effect (none dead-lettered), the run drains, and every worker
     exits within shutdown_grace_s + 5 s of its SIGTERM.
     """
-    from eop.chaos import scenarios
+    from eop.tools.chaos import scenarios
 
     assert set(_SIGNATURE) == set(scenarios.HUNTS)
     raw_seed = os.environ.get("EOP_CHAOS_SEED")

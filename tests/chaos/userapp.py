@@ -7,7 +7,7 @@ import random
 import sqlalchemy as sa
 
 import eop
-from eop.chaos import Payload
+from eop.tools.chaos import Payload
 
 app = eop.App()
 app.stream("NOTES", subjects=["notes.>"], duplicate_window_s=2.0)

@@ -20,7 +20,7 @@ from eop.testing.servers import unique_name
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from eop import embedded
+    from eop.tools import embedded
 
 HERE = Path(__file__).resolve().parent
 

@@ -19,7 +19,7 @@ from typing import Literal
 
 import psycopg
 
-from eop import _child, embedded
+from eop.tools import _child, embedded
 
 Mode = Literal["session", "transaction"]
 

@@ -18,9 +18,10 @@ import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from eop import embedded, faults, log, nats_access
+from eop import faults, log, nats_access
 from eop.broker import ack, client, connection, fetcher
-from eop.chaos.proxy import FaultProxy
+from eop.tools import embedded
+from eop.tools.chaos.proxy import FaultProxy
 
 STREAM, DURABLE, SUBJECT = "ACKED", "acker", "acked.x"
 ACK_WAIT_S = 1.0

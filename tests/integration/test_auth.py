@@ -25,10 +25,11 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
-from eop import embedded, errors, nats_access
+from eop import errors, nats_access
 from eop.broker import connection
+from eop.contrib.spark import offsets, reader
 from eop.runtime.worker import Worker
-from eop.spark import offsets, reader
+from eop.tools import embedded
 
 from .authbed import CertificateAuthority, new_nkey, new_operator
 from .bed import (

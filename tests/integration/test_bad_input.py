@@ -13,8 +13,8 @@ from nats.js import api
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import eop
-from eop import embedded
 from eop.pg import migrate
+from eop.tools import embedded
 
 from .bed import STREAM, create_effects_table, drained, effects_by_body, publish, wait_for
 from .test_cli import APP, Workers, consumer_exists, eop_env

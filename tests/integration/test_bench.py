@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eop import embedded, errors
+from eop import errors
+from eop.tools import embedded
 from tests.conftest import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from eop import embedded
-from eop.chaos.proxy import FaultProxy
 from eop.pg import failures
+from eop.tools import embedded
+from eop.tools.chaos.proxy import FaultProxy
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from eop import embedded
 from eop.pg import migrate
+from eop.tools import embedded
 
 from .bed import create_effects_table, drained, effects_by_body, equals, publish, wait_for
 
@@ -67,7 +67,7 @@ class Workers:
         env: dict[str, str] | None = None,
         module: str = "eop",
     ) -> subprocess.Popen[bytes]:
-        """Start `python -m MODULE worker APP ARGS` (eop.chaos.armed: fault points armed)."""
+        """Start `python -m MODULE worker APP ARGS` (eop.tools.chaos.armed: fault points armed)."""
         log = (self.tmp_path / f"worker-{len(self.procs)}.log").open("wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", module, "worker", app or self.app, *args],

@@ -29,7 +29,7 @@ from .bed import (
 )
 
 if TYPE_CHECKING:
-    from eop import embedded
+    from eop.tools import embedded
 
 
 async def test_a_lost_server_is_logged_as_a_disconnect_but_closing_ourselves_is_not(

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from eop import embedded
+    from eop.tools import embedded
 
 
 async def publish_three_ack_one(js: JetStreamContext) -> None:
@@ -83,7 +83,7 @@ async def test_nats_kill_keeps_messages_but_may_forget_a_confirmed_ack(
 
 def test_nats_server_url_and_cleanup() -> None:
     """The URL names the free port chosen; close() stops the server and removes its temp store."""
-    from eop.embedded import NatsServer
+    from eop.tools.embedded import NatsServer
 
     with NatsServer() as server:
         assert server.url == f"nats://127.0.0.1:{server.port}"
@@ -152,7 +152,7 @@ async def test_each_test_gets_its_own_migrated_database(engine: AsyncEngine, run
 
 ORPHAN = """
 import os, signal
-from eop.embedded import NatsServer
+from eop.tools.embedded import NatsServer
 server = NatsServer()
 server.start()
 print(server.pid, server.store_dir.parent, flush=True)
@@ -166,7 +166,7 @@ def test_servers_orphaned_by_a_killed_run_are_reaped_by_the_next() -> None:
     import sys
 
     from eop import scratch_owners
-    from eop.embedded import NatsServer
+    from eop.tools.embedded import NatsServer
 
     result = subprocess.run([sys.executable, "-c", ORPHAN], capture_output=True, text=True)
     pid_text, scratch_text = result.stdout.split()

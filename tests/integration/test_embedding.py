@@ -232,7 +232,7 @@ async def test_start_raises_what_kept_the_worker_from_starting(
     database_url: str, js: Any, engine: AsyncEngine
 ) -> None:
     """NATS unreachable: start() raises eop.NatsUnavailable after its attempts; no task left."""
-    from eop import embedded
+    from eop.tools import embedded
 
     before = await baseline(js)
     url = f"nats://127.0.0.1:{embedded.free_port()}"
@@ -247,7 +247,7 @@ async def test_a_host_cancelled_while_the_worker_starts_leaves_no_worker_behind(
 ) -> None:
     """Cancelled during start() (NATS unreachable, the worker retrying): the cancellation
     goes on, not the worker's error, and no task of the worker is left."""
-    from eop import embedded
+    from eop.tools import embedded
 
     before = await baseline(js)
     url = f"nats://127.0.0.1:{embedded.free_port()}"

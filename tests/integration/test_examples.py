@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import embedded
+from eop.tools import embedded
 from examples.quickstart import app as quickstart
 
 from .bed import bed_settings, drained, equals, running, scalar, wait_for

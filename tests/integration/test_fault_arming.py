@@ -1,5 +1,5 @@
 """Who arms fault points: never `eop worker` from its environment, always the chaos
-harness's entry point (`python -m eop.chaos.armed worker`), its supervised children too."""
+harness's entry point (`python -m eop.tools.chaos.armed worker`), its supervised children too."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop.chaos import armed
+from eop.tools.chaos import armed
 
 from .bed import create_effects_table, drained, effects_by_body, publish, wait_for
 from .test_cli import Workers, consumer_exists
@@ -45,7 +45,7 @@ async def test_eop_worker_with_eop_faults_set_warns_and_is_not_killed(
 async def test_the_chaos_entry_point_kills_the_worker_at_the_armed_point(
     engine: AsyncEngine, js: Any, workers: Workers
 ) -> None:
-    """The same variables through `python -m eop.chaos.armed worker`: the worker SIGKILLs
+    """The same variables through `python -m eop.tools.chaos.armed worker`: the worker SIGKILLs
     itself after its first COMMIT, so the effect stands and the ack never went."""
     await create_effects_table(engine)
     proc = workers.start(env=KILL_AFTER_COMMIT, module=armed.MODULE)
@@ -61,7 +61,7 @@ async def test_the_chaos_entry_point_kills_the_worker_at_the_armed_point(
 async def test_the_chaos_entry_point_arms_the_children_of_processes_n(
     engine: AsyncEngine, js: Any, workers: Workers
 ) -> None:
-    """`python -m eop.chaos.armed worker --processes 2` starts its children through the
+    """`python -m eop.tools.chaos.armed worker --processes 2` starts its children through the
     same entry point: each arms the rules, and the one given the message dies at them."""
     await create_effects_table(engine)
     proc = workers.start("--processes", "2", env=KILL_AFTER_COMMIT, module=armed.MODULE)

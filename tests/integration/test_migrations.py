@@ -16,8 +16,9 @@ from alembic.config import Config
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from eop import embedded, errors
+from eop import errors
 from eop.pg import migrate, models
+from eop.tools import embedded
 
 if TYPE_CHECKING:
     from pathlib import Path

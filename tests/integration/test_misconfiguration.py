@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import embedded
+from eop.tools import embedded
 
 from . import bouncer
 from .bed import EFFECTS_DDL, STREAM, SUBJECT, publish, scalar, wait_for

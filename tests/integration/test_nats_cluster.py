@@ -17,8 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import eop
 from eop import errors
 from eop.broker import jetstream
-from eop.embedded_cluster import NatsCluster
 from eop.handler import StreamSpec
+from eop.tools.embedded_cluster import NatsCluster
 
 from ..conftest import unavailable
 from .bed import STREAM, create_effects_table, drained, effects_by_body, publish, wait_for

@@ -18,8 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from sqlalchemy.orm import Session
 
 import eop
-from eop import embedded
 from eop.pg import migrate
+from eop.tools import embedded
 
 from .bed import (
     STREAM,

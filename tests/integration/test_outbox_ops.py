@@ -14,8 +14,8 @@ from typing import Any
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import eop
-from eop import embedded
 from eop.pg import migrate
+from eop.tools import embedded
 
 from .bed import equals, wait_for
 from .test_cli import ROOT, eop_env

@@ -20,9 +20,9 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 import eop
-from eop import embedded
 from eop.broker import consumers, jetstream
 from eop.pg import migrate
+from eop.tools import embedded
 
 from .bed import (
     STREAM,

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from eop import embedded
 from eop.app import App
 from eop.pg import migrate
 from eop.settings import Settings
+from eop.tools import embedded
 
 from .authbed import CertificateAuthority, Pair
 

@@ -3,7 +3,7 @@
 A fixed workload (2,000 messages through an ``eop.Writes`` handler at default
 settings, drained from a backlog, then compacted away) on a PostgreSQL of the
 test's own, counted as ``eop bench --pg-profile`` counts it
-(:mod:`eop.bench.pgcount`): statements from the server's log, WAL from
+(:mod:`eop.tools.bench.pgcount`): statements from the server's log, WAL from
 ``pg_waldump``, buffer accesses from ``pg_statio_user_tables``. Nothing is
 timed, so the machine's load moves none of it; a ceiling crossed is work
 added per message (BENCHMARKS.md, "Where PostgreSQL's time goes", tells how
@@ -21,10 +21,10 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import eop
-from eop import embedded
 from eop import settings as settings_mod
-from eop.bench import pgcount
 from eop.pg import migrate
+from eop.tools import embedded
+from eop.tools.bench import pgcount
 
 from .bed import wait_for
 

@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from eop import embedded
+from eop.tools import embedded
 from tests.conftest import unavailable
 
 from . import bouncer

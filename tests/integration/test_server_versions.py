@@ -15,9 +15,9 @@ import pytest
 from nats.aio.client import Client as NATS
 
 import eop
-from eop import embedded
 from eop.broker import server
 from eop.ops import status
+from eop.tools import embedded
 
 from .bed import STREAM, SUBJECT, bed_settings
 from .test_cli import eop as run_eop

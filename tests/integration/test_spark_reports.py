@@ -1,13 +1,14 @@
-"""The counts a Spark write's commit leaves for its caller (eop.spark.report), on PostgreSQL."""
+"""The counts a Spark write's commit leaves for its caller (eop.contrib.spark.report), on
+PostgreSQL."""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 
 import eop
+from eop.contrib.spark import report
+from eop.contrib.spark.apply import Counts
 from eop.pg import models
-from eop.spark import report
-from eop.spark.apply import Counts
 
 from .bed import bed_settings
 

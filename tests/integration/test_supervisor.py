@@ -10,8 +10,8 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import embedded
 from eop.observe import reports
+from eop.tools import embedded
 
 from .bed import create_effects_table, drained, effects_by_body, publish, wait_for
 from .test_cli import Workers, consumer_exists

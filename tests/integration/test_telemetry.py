@@ -16,9 +16,9 @@ from opentelemetry.trace import SpanKind
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
-from eop import embedded
 from eop.observe import tracing
 from eop.runtime.worker import Worker
+from eop.tools import embedded
 
 from ..otel import memory_exporter
 from .bed import (

@@ -21,9 +21,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import embedded, nats_access, wire
+from eop import nats_access, wire
 from eop.broker import client, connection, delivered, jetstream
 from eop.ops.audit.walk import Walker
+from eop.tools import embedded
 
 from . import wildapp
 from .bed import STREAM, create_effects_table, drained, effects_by_body, publish, wait_for

@@ -26,9 +26,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from eop import cli, embedded
+from eop import cli
 from eop.cli import spark as spark_cli
-from eop.spark import jobs, session
+from eop.contrib.spark import jobs, session
+from eop.tools import embedded
 
 #: The application's REST endpoints under /api/v1/applications/{id}/.
 ENDPOINTS = (

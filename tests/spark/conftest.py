@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from eop.spark.cluster import Cluster
+from eop.tools.spark_cluster import Cluster
 from tests.conftest import unavailable
 from tests.spark.connect_server import ConnectServer
 
@@ -27,7 +27,7 @@ def spark() -> Iterator[SparkSession]:
     """A local[2] session with the jetstream source registered (its Java found or provided)."""
     if importlib.util.find_spec("pyspark") is None:
         unavailable("PySpark is not installed: pip install -e '.[spark]'")
-    from eop.spark import session
+    from eop.contrib.spark import session
 
     spark = session.build("local[2]", app_name="eop-tests")
     spark.sparkContext.setLogLevel("ERROR")
@@ -78,7 +78,7 @@ def any_spark(request: pytest.FixtureRequest) -> Iterator[SparkSession]:
         yield request.getfixturevalue("spark")
         return
     server: ConnectServer = request.getfixturevalue("connect_server")
-    from eop.spark import session
+    from eop.contrib.spark import session
 
     spark = session.build(remote=server.url)
     try:

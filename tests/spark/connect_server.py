@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT, Popen
 
-from eop import embedded
-from eop.spark import java
-from eop.spark.cluster import START_TIMEOUT_S, Daemon, spark_home
+from eop.contrib.spark import java
+from eop.tools import embedded
+from eop.tools.spark_cluster import START_TIMEOUT_S, Daemon, spark_home
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"

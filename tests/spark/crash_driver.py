@@ -18,8 +18,8 @@ import sys
 from pyspark.sql.datasource import DataSourceStreamWriter, WriterCommitMessage
 from pyspark.sql.types import StructType
 
-from eop.spark import jobs, session, sink
-from eop.spark.apply import Counts
+from eop.contrib.spark import jobs, session, sink
+from eop.contrib.spark.apply import Counts
 
 from . import sparkapp
 

@@ -15,8 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session
 
 import eop
+from eop.contrib.spark.apply import Counts, Partition
 from eop.message import Message
-from eop.spark.apply import Counts, Partition
 from tests.integration.bed import STREAM, SUBJECT, create_effects_table, effects_by_body, scalar
 
 from . import sparkapp
@@ -200,7 +200,7 @@ async def test_a_task_commits_only_while_its_jobs_lease_holds(
     """A partition run under a job's lease commits while the lease holds; once it is given
     up (or ran out) the partition fails with JobLeaseLost and commits nothing. An ordered
     handler's lease holds all its partitions, share-locked by a task until it commits."""
-    from eop.spark import errors, lease
+    from eop.contrib.spark import errors, lease
 
     app = make_app(database_url)
     for name in ("spark_sync", "spark_partitioned"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import eop.spark as spark_pkg
+import eop.contrib.spark as spark_pkg
 from eop import cli, errors
 from eop.cli import spark as spark_cli
 
@@ -66,9 +66,10 @@ def test_python_and_py_files_are_options_with_variables(
 
 
 def test_the_spark_submit_entry_point_is_in_the_package() -> None:
-    """`python -m eop.spark --path` prints a file of the installed package that runs `eop spark`."""
+    """`python -m eop.contrib.spark --path` prints a file of the installed package that runs
+    `eop spark`."""
     out = subprocess.run(
-        [sys.executable, "-m", "eop.spark", "--path"],
+        [sys.executable, "-m", "eop.contrib.spark", "--path"],
         capture_output=True,
         text=True,
         check=True,

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop.spark import java
-from eop.spark.cluster import Cluster, spark_home
+from eop.contrib.spark import java
+from eop.tools.spark_cluster import Cluster, spark_home
 from tests.integration.bed import (
     STREAM,
     bed_settings,
@@ -208,7 +208,7 @@ async def test_spark_submit_without_the_app_shipped_fails_with_one_line_naming_p
 ) -> None:
     """The package's entry point under spark-submit; the app not shipped: the --py-files line."""
     await published(js, 10)
-    entry = run([sys.executable, "-m", "eop.spark", "--path"], user_dir, dict(os.environ))
+    entry = run([sys.executable, "-m", "eop.contrib.spark", "--path"], user_dir, dict(os.environ))
     argv = [str(spark_home() / "bin" / "spark-submit"), "--master", cluster.url]
     argv += [entry.stdout.strip(), "backfill", "clusterapp:app", "--handler", "cluster"]
     env = user_env(database_url, nats_url, PYSPARK_PYTHON=sys.executable)
@@ -234,7 +234,7 @@ async def test_spark_submit_with_the_app_shipped_applies_every_message_once(
     """The documented spark-submit command: --py-files app.py, the package's entry point."""
     await create_effects_table(engine)
     await published(js, 100)
-    entry = run([sys.executable, "-m", "eop.spark", "--path"], user_dir, dict(os.environ))
+    entry = run([sys.executable, "-m", "eop.contrib.spark", "--path"], user_dir, dict(os.environ))
     argv = [str(spark_home() / "bin" / "spark-submit"), "--master", cluster.url]
     argv += ["--py-files", "clusterapp.py", entry.stdout.strip()]
     argv += ["backfill", "clusterapp:app", "--handler", "cluster"]

@@ -3,7 +3,7 @@
 The server's death ends the command within about ``--connect-retry-s`` in one
 line naming the server; a client's death leaves its query on the server,
 which stops at its next transaction once the client's lease ran out
-(:mod:`eop.spark.lease`). Either way the next run continues from the checkpoint.
+(:mod:`eop.contrib.spark.lease`). Either way the next run continues from the checkpoint.
 """
 
 from __future__ import annotations

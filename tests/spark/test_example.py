@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop.spark import jobs, sink
+from eop.contrib.spark import jobs, sink
 from examples.spark import app as example
 from tests.integration.bed import bed_settings, drained, running, scalar, wait_for
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from eop.spark import connect, failures, probe
+from eop.contrib.spark import connect, failures, probe
 
 # Shortened from what PySpark 4.3 raised on a standalone cluster whose executors lacked eop.
 DATA_SOURCE = """[PYTHON_DATA_SOURCE_ERROR] Failed to create Python data source instance: \
@@ -65,7 +65,7 @@ def test_an_eop_error_inside_a_failure_wins() -> None:
     """A task that raised an eop error: its message and class name, as before."""
     text = TASK.replace(
         "ModuleNotFoundError: No module named 'trialapp'",
-        "eop.spark.errors.RangeUnavailable: sequences 1 to 9 are gone",
+        "eop.contrib.spark.errors.RangeUnavailable: sequences 1 to 9 are gone",
     )
     assert failures.summary_of(text) == "sequences 1 to 9 are gone (RangeUnavailable)"
 

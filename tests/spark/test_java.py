@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eop.spark import java
+from eop.contrib.spark import java
 
 
 def fake_runtime(root: Path) -> Path:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from eop import errors as eop_errors
-from eop.spark import errors
-from eop.spark.offsets import (
+from eop.contrib.spark import errors
+from eop.contrib.spark.offsets import (
     Offset,
     SeqRange,
     SourceOptions,
@@ -16,7 +16,7 @@ from eop.spark.offsets import (
     latest_offset,
     split,
 )
-from eop.spark.reader import _Coverage
+from eop.contrib.spark.reader import _Coverage
 
 STATE = StreamState("ORDERS", "e1", first_seq=11, last_seq=40)
 

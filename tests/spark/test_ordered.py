@@ -15,9 +15,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import cli, errors
 from eop.broker import jetstream, partitions
+from eop.contrib.spark import fleet, jobs, sink
+from eop.contrib.spark.apply import Counts
 from eop.message import fingerprint
-from eop.spark import fleet, jobs, sink
-from eop.spark.apply import Counts
 from tests.integration.bed import STREAM, bed_settings, create_effects_table, running, wait_for
 
 from . import sparkapp

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from nats.js import api
 
+from eop.contrib.spark import errors, offsets, reader
+from eop.contrib.spark.offsets import SeqRange
 from eop.message import Message, from_nats
-from eop.spark import errors, offsets, reader
-from eop.spark.offsets import SeqRange
 
 pytestmark = pytest.mark.integration
 

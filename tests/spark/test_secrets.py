@@ -23,11 +23,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import embedded, errors
+from eop import errors
 from eop.broker import connection
+from eop.contrib.spark import jobs, offsets, sink, source
+from eop.contrib.spark.offsets import SourceOptions
 from eop.nats_access import NatsAccess
-from eop.spark import jobs, offsets, sink, source
-from eop.spark.offsets import SourceOptions
+from eop.tools import embedded
 from tests.integration.bed import STREAM, create_effects_table, effects_by_body, publish
 
 from . import sparkapp

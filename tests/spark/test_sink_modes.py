@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import cli
-from eop.spark import connect, jobs, sink
-from eop.spark.apply import Counts
+from eop.contrib.spark import connect, jobs, sink
+from eop.contrib.spark.apply import Counts
 from tests.integration.bed import STREAM, create_effects_table, effects_by_body, publish
 from tests.spark.connect_server import ConnectServer
 

@@ -19,9 +19,9 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import cli
+from eop.contrib.spark import errors, jobs, sink
+from eop.contrib.spark.apply import Counts
 from eop.message import Message
-from eop.spark import errors, jobs, sink
-from eop.spark.apply import Counts
 from tests.integration.bed import (
     STREAM,
     SUBJECT,

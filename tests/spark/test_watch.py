@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from eop.spark import watch
+from eop.contrib.spark import watch
 
 POLL_S = 0.01
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from eop import backoff, bench, errors
-from eop.bench import baselines, flood, harness, measurement, report, runner, runs
+from eop import backoff, errors
+from eop.tools import bench
+from eop.tools.bench import baselines, flood, harness, measurement, report, runner, runs
 
 
 def test_throughput_starts_after_the_first_completion() -> None:

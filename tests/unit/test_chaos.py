@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from eop import cli, errors, faults
-from eop.chaos import bank, checker, publisher, report, schedule, wire
-from eop.chaos.target import Payload
+from eop.tools.chaos import bank, checker, publisher, report, schedule, wire
+from eop.tools.chaos.target import Payload
 
 
 def _split(data: bytes, rng: random.Random) -> list[bytes]:
@@ -338,7 +338,7 @@ time.sleep(60)
 
 def test_the_final_stop_waits_for_a_new_worker_to_install_its_handlers(tmp_path: Path) -> None:
     """A worker still importing is not SIGTERMed to death: it stops cleanly (exit 0)."""
-    from eop.chaos import workers
+    from eop.tools.chaos import workers
 
     pool = workers.WorkerPool(
         app="x:app", handlers=["h"], env={}, log_dir=tmp_path, count=1, seed=1, ack_wait_s=4.0
@@ -352,9 +352,9 @@ def test_the_final_stop_waits_for_a_new_worker_to_install_its_handlers(tmp_path:
 
 
 def test_pool_workers_run_the_armed_entry_point_and_arm_their_plan(tmp_path: Path) -> None:
-    """A chaos worker is `python -m eop.chaos.armed worker ...`, not `eop worker` (which
+    """A chaos worker is `python -m eop.tools.chaos.armed worker ...`, not `eop worker` (which
     never arms): its log shows its plan's rules armed, before it fails to import the app."""
-    from eop.chaos import armed, workers
+    from eop.tools.chaos import armed, workers
 
     env = {**os.environ, "EOP_LOG_FORMAT": "json"}
     pool = workers.WorkerPool(
@@ -378,7 +378,7 @@ def test_pool_workers_run_the_armed_entry_point_and_arm_their_plan(tmp_path: Pat
 def test_a_good_message_dead_lettered_fails_the_verdict() -> None:
     """Never zero times: a good message that ends as a dead letter (whatever the reason,
     e.g. a lock timeout in its handler) fails the run, and is counted by reason."""
-    from eop.chaos.report import Report
+    from eop.tools.chaos.report import Report
 
     payloads = [Payload("ok", b"{}"), Payload("locked", b"{}"), Payload("p", b"x", poison=True)]
     report = Report(seed=1, command="eop chaos", messages=3)
@@ -397,7 +397,7 @@ def test_a_good_message_dead_lettered_fails_the_verdict() -> None:
 def test_a_worker_stop_over_grace_plus_5_s_fails_the_verdict() -> None:
     """A worker that takes longer than shutdown_grace_s + 5 s to exit after SIGTERM, or
     never exits, is a stall: named with its worker number and pid, and the run fails."""
-    from eop.chaos.report import Report
+    from eop.tools.chaos.report import Report
 
     report = Report(seed=1, command="eop chaos", messages=0, stop_limit_s=13.0)
     stop = functools.partial(checker.Stop, limit_s=13.0)
@@ -416,7 +416,7 @@ def test_a_worker_stop_over_grace_plus_5_s_fails_the_verdict() -> None:
 
 def test_a_drain_that_does_not_finish_is_a_stall() -> None:
     """The liveness failure (no drain by the deadline) is counted among the stalls."""
-    from eop.chaos.report import Report
+    from eop.tools.chaos.report import Report
 
     report = Report(seed=1, command="eop chaos", messages=0)
     report.liveness = "the consumer did not drain within 25 s after healing"
@@ -436,7 +436,7 @@ time.sleep(60)
 def test_a_worker_that_ignores_sigterm_is_timed_and_killed(tmp_path: Path) -> None:
     """The final stop times each worker; one still running at the timeout is SIGKILLed
     and its stop recorded without an exit status (a stall)."""
-    from eop.chaos import workers
+    from eop.tools.chaos import workers
 
     pool = workers.WorkerPool(
         app="x:app",
@@ -462,7 +462,7 @@ def test_a_worker_that_ignores_sigterm_is_timed_and_killed(tmp_path: Path) -> No
 def test_each_scenario_meets_its_fault_early_whatever_the_seed() -> None:
     """A hunt's required fault is scheduled once in the first half of the phase; the classic mix
     never schedules a hunt, the mixed one does."""
-    from eop.chaos import scenarios
+    from eop.tools.chaos import scenarios
 
     for name in scenarios.HUNTS:
         scenario = scenarios.get(name)
@@ -491,7 +491,7 @@ def test_each_scenario_meets_its_fault_early_whatever_the_seed() -> None:
 def test_outages_outlast_the_attempts_budget_of_the_workers_settings() -> None:
     """The long outage, the read-only window and the held locks last longer than
     max_attempts x (backoff_max_s + lock timeout + in-process retries)."""
-    from eop.chaos import scenarios
+    from eop.tools.chaos import scenarios
 
     env = {"EOP_MAX_ATTEMPTS": "5", "EOP_BACKOFF_MAX_S": "1", "EOP_TX_RETRIES": "2"}
     env |= {"EOP_LOCK_TIMEOUT_S": "1", "EOP_STATEMENT_TIMEOUT_S": "10"}
@@ -534,7 +534,7 @@ def test_the_outbox_check_counts_copies_and_names_what_went_wrong() -> None:
     """Every row must be published, in its stream at its sequence; copies sent again are
     counted and absorbed when their key has one effect downstream; a parked, pending,
     missing or doubled row, or a copy that took effect twice, is a problem."""
-    from eop.chaos import relayed
+    from eop.tools.chaos import relayed
 
     def row(i: int, key: str, seq: int | None, **kw: object) -> relayed.Row:
         fields: dict[str, object] = {
@@ -575,7 +575,7 @@ def test_the_outbox_check_counts_copies_and_names_what_went_wrong() -> None:
 def test_a_stopping_worker_is_never_paused(tmp_path: Path) -> None:
     """worker_stop does not SIGSTOP a worker the harness is stopping (a mid-run SIGTERM):
     a frozen process cannot exit, and its timed stop would count the pause as a stall."""
-    from eop.chaos import workers
+    from eop.tools.chaos import workers
 
     pool = workers.WorkerPool(
         app="x:app", handlers=["h"], env={}, log_dir=tmp_path, count=1, seed=1, ack_wait_s=4.0
@@ -595,7 +595,7 @@ def test_a_stopping_worker_is_never_paused(tmp_path: Path) -> None:
 def test_a_self_killed_worker_is_credited_with_the_spot_it_died_at(tmp_path: Path) -> None:
     """A worker armed at two spots (a delivery's and the relay's) is credited with the one
     its log says fired last, a timer's kill included (lines follow it)."""
-    from eop.chaos import workers
+    from eop.tools.chaos import workers
 
     log = tmp_path / "worker-0000.log"
     lines = [
@@ -613,7 +613,7 @@ def test_a_self_killed_worker_is_credited_with_the_spot_it_died_at(tmp_path: Pat
 def test_the_cluster_scenario_runs_three_servers_and_only_through_its_own_runner() -> None:
     """`--scenario cluster` is no hunt; it runs 3 nats-servers without fault points, and
     the single-server harness refuses it (one sentence) before starting anything."""
-    from eop.chaos import harness, scenarios
+    from eop.tools.chaos import harness, scenarios
 
     scenario = scenarios.get("cluster")
     assert scenario.nats_nodes == 3
@@ -626,7 +626,7 @@ def test_the_cluster_scenario_runs_three_servers_and_only_through_its_own_runner
 def test_leader_kill_figures_say_who_died_and_how_long_elections_took() -> None:
     """The cluster run's figures: each kill (role, server, whether it led both), the
     election times and the time until every server was healthy, measured not asserted."""
-    from eop.chaos.cluster import Kill, kill_figures
+    from eop.tools.chaos.cluster import Kill, kill_figures
 
     figures = kill_figures(
         [Kill("stream", "n2", False, 4.0, 1.5), Kill("consumer", "n1", True, None, 2.5)]

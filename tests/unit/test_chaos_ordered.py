@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from eop.chaos import checker, ordered, scenarios, schedule, workers
-from eop.chaos.report import Report
-from eop.chaos.target import Payload
+from eop.tools.chaos import checker, ordered, scenarios, schedule, workers
+from eop.tools.chaos.report import Report
+from eop.tools.chaos.target import Payload
 
 
 def _payloads(count: int) -> list[Payload]:

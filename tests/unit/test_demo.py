@@ -8,7 +8,8 @@ from typing import Any
 import nats.js.errors
 import pytest
 
-from eop import demo, errors
+from eop import errors
+from eop.tools import demo
 
 
 class FakeJetStream:

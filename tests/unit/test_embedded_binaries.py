@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from eop import embedded, errors
+from eop import errors
+from eop.tools import embedded
 
 if TYPE_CHECKING:
     from pathlib import Path

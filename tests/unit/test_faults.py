@@ -14,7 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from eop import cli, errors, faults, log
-from eop.chaos import armed
+from eop.tools.chaos import armed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,7 +163,7 @@ def test_eop_worker_and_relay_never_arm_from_the_environment(
 def test_the_chaos_entry_point_arms_from_the_environment(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`python -m eop.chaos.armed worker ...` arms EOP_FAULTS with EOP_FAULT_SEED before
+    """`python -m eop.tools.chaos.armed worker ...` arms EOP_FAULTS with EOP_FAULT_SEED before
     the command runs, and says nothing of ignoring them."""
     monkeypatch.setenv(faults.FAULTS_VAR, "after_commit=kill#1")
     monkeypatch.setenv(faults.SEED_VAR, "5")
@@ -188,7 +188,7 @@ def test_the_chaos_entry_point_reports_a_bad_rule_as_eop_does(
 
 
 def test_only_the_chaos_entry_point_arms_from_the_environment() -> None:
-    """No module of eop but eop.chaos.armed calls `arm_from_env`: `eop worker` and
+    """No module of eop but eop.tools.chaos.armed calls `arm_from_env`: `eop worker` and
     `eop relay` (and whatever else runs in production) cannot be armed by a variable."""
     callers = sorted(
         {
@@ -201,4 +201,4 @@ def test_only_the_chaos_entry_point_arms_from_the_environment() -> None:
             or (isinstance(node, ast.alias) and node.name == "arm_from_env")
         }
     )
-    assert callers == ["eop/chaos/armed.py"]
+    assert callers == ["eop/tools/chaos/armed.py"]

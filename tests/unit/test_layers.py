@@ -18,6 +18,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+#: Modules in a folder of a lower layer that run the ``eop`` command, so in the cli layer:
+#: the chaos harness's workers (``python -m eop.tools.chaos.armed``) and Django's
+#: management commands. A ``__main__`` module is one as well.
+ENTRY_POINTS = (
+    "eop.tools.chaos.armed",
+    "eop.contrib.django.cli",
+    "eop.contrib.django.management",
+)
+
 #: The layers of CONTRIBUTING.md, lowest first: a module imports its own layer and those below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
@@ -51,22 +60,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("protocol", ("eop.protocol",)),
     ("runtime", ("eop.runtime",)),
     ("api", ("eop",)),
-    (
-        "tools",
-        (
-            "eop.ops",
-            "eop.testing",
-            "eop.embedded",
-            "eop.embedded_cluster",
-            "eop._child",
-            "eop.demo",
-            "eop.spark",
-        ),
-    ),
-    ("tools", ("eop.chaos", "eop.bench")),
-    # eop.chaos.armed is the chaos harness's entry point: it runs eop.cli.
-    ("cli", ("eop.cli", "eop.__main__", "eop.chaos.armed")),
+    ("operations", ("eop.ops",)),
     ("contrib", ("eop.contrib",)),
+    ("tools", ("eop.tools",)),
+    ("testing", ("eop.testing",)),
+    ("cli", ("eop.cli", "eop.__main__", *ENTRY_POINTS)),
 )
 
 #: Feature packages: one concern read in one folder, its modules in several layers. Each
@@ -84,21 +82,13 @@ FEATURES: Mapping[str, Mapping[str, str]] = {
         "eop.outbox.jetstream": "edges",
         "eop.outbox.relay": "protocol",
         "eop.outbox.process": "runtime",
-        "eop.outbox.operations": "tools",
+        "eop.outbox.operations": "operations",
         "eop.outbox.cli": "cli",
     },
 }
 
-#: What ``eop worker`` must never load: development tools, each a command of its own.
-TOOLS = (
-    "eop.chaos",
-    "eop.bench",
-    "eop.spark",
-    "eop.demo",
-    "eop.embedded",
-    "eop.embedded_cluster",
-    "eop._child",
-)
+#: What ``eop worker`` must never load: the developer tools, the integrations, the test kit.
+TOOLS = ("eop.tools", "eop.contrib", "eop.testing")
 
 #: Pairs of sides of one layer that must not know each other, each side its packages and
 #: the feature packages' modules that belong to it.
@@ -289,8 +279,28 @@ def test_a_feature_packages_module_not_named_has_no_layer() -> None:
         layer_of("eop.outbox.file")
 
 
+def test_each_folder_of_eop_is_one_layer() -> None:
+    """The layers are the folders: every module of a package folder of eop (but a feature
+    package's) is in the folder's one layer, save the entry points that run ``eop``."""
+    layers: dict[str, set[str]] = {}
+    for module in import_graph(ROOT):
+        parts = module.split(".")
+        if len(parts) < 2 or not (ROOT / "eop" / parts[1]).is_dir():
+            continue  # eop/__init__ and the modules beside it: no folder
+        entry = module.endswith(".__main__") or any(_matches(module, e) for e in ENTRY_POINTS)
+        if entry or any(_matches(module, package) for package in FEATURES):
+            continue
+        layers.setdefault(parts[1], set()).add(LAYERS[layer_of(module)][0])
+    mixed = {folder: sorted(found) for folder, found in layers.items() if len(found) > 1}
+    assert mixed == {}
+    folders = {folder: min(found) for folder, found in layers.items()}
+    pinned = {"ops": "operations", "contrib": "contrib", "tools": "tools", "testing": "testing"}
+    assert {folder: folders.get(folder) for folder in pinned} == pinned
+
+
 def test_eop_worker_loads_none_of_the_tools(tmp_path: Path) -> None:
-    """``eop worker`` imports neither chaos, bench, spark, demo nor the embedded servers."""
+    """``eop worker`` imports nothing of eop.tools (chaos, bench, demo, the embedded
+    servers), eop.contrib (Spark, Django) or the test kit."""
     code = (
         "import sys\n"
         "from eop import cli\n"
@@ -317,7 +327,7 @@ LARGER: Mapping[str, tuple[int, str]] = {
         825,
         "settlement (ack, nak, dead letter) and contention as collaborators of the steps",
     ),
-    "eop/chaos/harness.py": (655, "the run's set-up and its checks apart"),
+    "eop/tools/chaos/harness.py": (655, "the run's set-up and its checks apart"),
     "eop/testing/store.py": (560, "the in-memory inbox apart from its transactions"),
     "eop/pg/transactions.py": (525, "the sync and async transactions apart"),
     "eop/testing/app.py": (520, "the test kit's delivery loop apart from its app"),

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from eop import errors
-from eop.bench import pgcount, pgprofile, runs
 from eop.pg.sql import inbox as inbox_sql
+from eop.tools.bench import pgcount, pgprofile, runs
 
 
 @pytest.mark.parametrize(

@@ -16,11 +16,11 @@ import eop
 from eop import cli, errors
 from eop.app import App, sync_url
 from eop.broker import connection
+from eop.contrib.spark import offsets
 from eop.nats_access import NatsAccess
 from eop.pg import engines
 from eop.runtime.worker import Worker
 from eop.settings import Settings
-from eop.spark import offsets
 from tests.integration.authbed import CertificateAuthority
 
 

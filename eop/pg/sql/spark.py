@@ -1,4 +1,4 @@
-"""The Spark jobs' reports (:mod:`eop.spark.report`)."""
+"""The Spark jobs' reports (:mod:`eop.contrib.spark.report`)."""
 
 from __future__ import annotations
 
