@@ -19,13 +19,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Modules in a folder of a lower layer that run the ``eop`` command, so in the cli layer:
-#: the chaos harness's workers (``python -m eop.tools.chaos.armed``) and Django's
-#: management commands. A ``__main__`` module is one as well.
+#: the chaos harness's workers (``python -m eop.tools.chaos.armed``, its old path's alias
+#: too) and Django's management commands. A ``__main__`` module is one as well.
 ENTRY_POINTS = (
     "eop.tools.chaos.armed",
+    "eop.chaos.armed",
     "eop.contrib.django.cli",
     "eop.contrib.django.management",
 )
+
+#: Old paths of modules that moved, kept as aliases (CONTRIBUTING.md, "Moved"): each in its
+#: target's layer, and loaded by ``eop worker`` no more than its target.
+MOVED: Mapping[str, str] = {
+    "eop.embedded": "eop.tools.embedded",
+    "eop.embedded_cluster": "eop.tools.embedded_cluster",
+    "eop.chaos": "eop.tools.chaos",
+    "eop.spark": "eop.contrib.spark",
+}
 
 #: The layers of CONTRIBUTING.md, lowest first: a module imports its own layer and those below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -61,8 +71,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime", ("eop.runtime",)),
     ("api", ("eop",)),
     ("operations", ("eop.ops",)),
-    ("contrib", ("eop.contrib",)),
-    ("tools", ("eop.tools",)),
+    ("contrib", ("eop.contrib", "eop.spark")),
+    ("tools", ("eop.tools", "eop.chaos", "eop.embedded", "eop.embedded_cluster")),
     ("testing", ("eop.testing",)),
     ("cli", ("eop.cli", "eop.__main__", *ENTRY_POINTS)),
 )
@@ -87,8 +97,9 @@ FEATURES: Mapping[str, Mapping[str, str]] = {
     },
 }
 
-#: What ``eop worker`` must never load: the developer tools, the integrations, the test kit.
-TOOLS = ("eop.tools", "eop.contrib", "eop.testing")
+#: What ``eop worker`` must never load: the developer tools, the integrations, the test kit
+#: (and the old paths of those that moved).
+TOOLS = ("eop.tools", "eop.contrib", "eop.testing", *MOVED)
 
 #: Pairs of sides of one layer that must not know each other, each side its packages and
 #: the feature packages' modules that belong to it.
