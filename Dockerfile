@@ -18,8 +18,12 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONPATH=/app
+# The developer tools (eop/tools: `eop chaos`, `eop bench`, `eop demo`, the embedded
+# servers) have no place here: deleted after the install. Nothing `eop worker` or
+# `eop relay` runs imports them, and those commands say in one line how to get them.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-index --find-links /wheels "eop[metrics]"
+    pip install --no-index --find-links /wheels "eop[metrics]" \
+    && rm -r "$(python -c 'import eop.tools, os; print(os.path.dirname(eop.tools.__file__))')"
 RUN useradd --create-home --uid 10001 --user-group eop
 WORKDIR /app
 COPY --chown=eop:eop examples ./examples

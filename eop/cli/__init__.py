@@ -65,8 +65,14 @@ def main(
     """
     args, _ = build_parser().parse_known_args(argv)
     tool = getattr(args, "tool", None)
-    # A tool's command is parsed again, by its own full parser.
-    args = build_parser(tool).parse_args(argv)
+    try:
+        # A tool's command is parsed again, by its own full parser (bench's reads eop.tools).
+        with options.developer_tools(args.command_name):
+            parser = build_parser(tool)
+    except errors.EopError as exc:
+        options.print_error(exc)
+        return 1
+    args = parser.parse_args(argv)
     # `eop worker --processes N` starts its children with the same arguments,
     # through the same entry point.
     args.argv = list(argv) if argv is not None else sys.argv[1:]
@@ -79,7 +85,8 @@ def main(
         if prepare is not None:
             prepare()
         command: Callable[[argparse.Namespace], int] = args.command
-        return command(args)
+        with options.developer_tools(args.command_name):
+            return command(args)
     except errors.EopError as exc:
         options.print_error(exc)
         return 1
@@ -104,7 +111,9 @@ def build_parser(tool: str | None = None) -> argparse.ArgumentParser:
         description="Exactly-once processing of NATS JetStream messages into PostgreSQL.",
     )
     options.add_log_options(parser)
-    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        title="commands", required=True, metavar="COMMAND", dest="command_name"
+    )
     # In this order in --help.
     worker.add_worker(sub)
     outbox_cli.add_relay(sub)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -213,6 +214,31 @@ def run_with(app: App, coro: Coroutine[Any, Any, T], *, schema_ready: bool = Fal
             await app.dispose()
 
     return asyncio.run(run())
+
+
+TOOLS_PACKAGE = "eop.tools"
+"""The developer tools' package, which a production image may leave out."""
+
+
+@contextlib.contextmanager
+def developer_tools(command: str) -> Iterator[None]:
+    """Report :mod:`eop.tools` missing as one :class:`eop.ConfigurationError` naming the remedy.
+
+    ``eop chaos``, ``eop bench`` and ``eop demo`` import it when they run; an
+    image that deleted it (the Dockerfile's does) gets a sentence, not a traceback.
+    Any other missing module is not this one's to explain.
+    """
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        name = exc.name or ""
+        if name != TOOLS_PACKAGE and not name.startswith(TOOLS_PACKAGE + "."):
+            raise
+        raise errors.ConfigurationError(
+            f"`eop {command}` needs eop's developer tools (eop.tools), which this "
+            "installation leaves out: reinstall eop with them and their servers, "
+            "pip install --force-reinstall 'eop[embedded]'"
+        ) from None
 
 
 def print_error(exc: BaseException) -> None:

@@ -9,5 +9,7 @@
 - :mod:`eop.tools.bench`: ``eop bench``, the throughput and latency bench.
 
 ``eop worker`` and ``eop relay`` import none of them, and nothing below this
-package in eop's layers does. Importing this package imports nothing.
+package in eop's layers does, so a production image can delete the folder
+(the Dockerfile does): ``eop chaos``, ``eop bench`` and ``eop demo`` then say
+in one line how to install it. Importing this package imports nothing.
 """
