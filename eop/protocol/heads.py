@@ -8,10 +8,10 @@ once, alone. While some run, the messages handed in wait here: each
 transaction that ends starts the next with all of them (up to ``batch``), a
 transaction of :class:`eop.protocol.batch.BatchProcessor`: one multi-row
 claim before any handler runs, each handler in turn, one COMMIT, the acks
-confirmed together. Another starts beside the running ones, up to the
-process's connections, for a group of waiting messages (an eighth of
-``batch``), or once the first has waited :data:`LINGER_S` (2 ms), so that a
-slow handler holds no other key back. A lane that spent most of its time in
+confirmed together. More start beside the running ones, up to the
+process's connections, for each group of waiting messages (:data:`GROUP`),
+or once the first has waited :data:`LINGER_S` (2 ms), so that a slow
+handler holds no other key back; the waiting are spread over them. A lane that spent most of its time in
 BEGIN, the claim, COMMIT and an ack of its own now shares them with the
 other lanes: under load, an ordered message costs the worker and PostgreSQL
 a fraction of its own transaction's work, while a lone message still starts
@@ -40,6 +40,12 @@ from eop.types import Delivery, Outcome
 #: before it takes a free connection anyway: gathering must not hold a key back
 #: behind another key's slow handler for longer than this.
 LINGER_S = 0.002
+
+#: Waiting messages that open another transaction beside running ones (fewer wait for
+#: one to end, or the linger): a transaction shared by several keys costs PostgreSQL and
+#: the worker about what one message's own does, while each transaction runs its
+#: handlers one after another; groups this small keep most connections busy.
+GROUP = 4
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,11 +79,7 @@ class Heads:
         self._spawn = spawn
         self._together = together
         self._waiting: collections.deque[_Waiting] = collections.deque()
-        self._group = max(2, self._most // 8)
-        """Waiting messages that open another transaction beside running ones. Fewer
-        wait for one to end: a transaction shared by many keys costs PostgreSQL and
-        the worker about what one message's own does, so under load lanes gather
-        into few transactions instead of each taking a free connection."""
+        self._group = GROUP
         self._running = 0
         self._timer: asyncio.TimerHandle | None = None
 
@@ -117,15 +119,25 @@ class Heads:
         self._start(anyway=1)
 
     def _start(self, *, anyway: int) -> None:
-        """Start the waiting messages' transactions: ``anyway`` of them (in place of one
-        that ended, or after the linger), one when none runs, and one more for every
-        full group (:attr:`_group`) waiting."""
-        while self._waiting and self._running < self._transactions:
-            if not (anyway or self._running == 0 or len(self._waiting) >= self._group):
+        """Start the waiting messages' transactions, spread over the free connections:
+        ``anyway`` (in place of one that ended, or after the linger), when none runs, or
+        when a group (:attr:`_group`) waits, as many transactions as the waiting fill with
+        a group each, at least one."""
+        free = self._transactions - self._running
+        waiting = len(self._waiting)
+        if not waiting or free <= 0:
+            return
+        if not (anyway or self._running == 0 or waiting >= self._group):
+            return
+        # Spread rather than all in one: a transaction's handlers run one after another,
+        # and the lanes of one batch come back together; taken whole, they would keep
+        # riding one transaction and the handler's concurrency would shrink to a few.
+        batches = max(1, min(free, waiting // self._group))
+        size = min(-(-waiting // batches), self._most)
+        for _ in range(batches):
+            if not self._waiting:
                 break
-            anyway = max(anyway - 1, 0)
-            count = min(len(self._waiting), self._most)
-            taken = [self._waiting.popleft() for _ in range(count)]
+            taken = [self._waiting.popleft() for _ in range(min(size, len(self._waiting)))]
             self._running += 1
             self._spawn(self._run(taken))
 

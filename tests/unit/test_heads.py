@@ -105,8 +105,8 @@ async def test_beside_a_running_transaction_one_message_waits_and_a_full_group_o
     make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With connections to spare, a message handed in while a transaction runs waits
-    for it (lanes gather instead of each taking a connection); a group of waiting
-    messages (an eighth of the batch) opens another transaction at once."""
+    for it (lanes gather instead of each taking a connection); a full group of waiting
+    messages opens another transaction at once."""
     monkeypatch.setattr(heads, "LINGER_S", 60.0)  # no linger within the test
     h, harness = _heads(make_harness, transactions=4)
     release = asyncio.Event()
@@ -117,17 +117,44 @@ async def test_beside_a_running_transaction_one_message_waits_and_a_full_group_o
     harness.then(*([slow] * 20))
     first = asyncio.ensure_future(h.handle(_keyed(1), harness.processor.clock()))
     await asyncio.sleep(0.01)
-    second = asyncio.ensure_future(h.handle(_keyed(2), harness.processor.clock()))
+    group = [_keyed(seq) for seq in range(2, 2 + heads.GROUP)]
+    waiting = [asyncio.ensure_future(h.handle(d, harness.processor.clock())) for d in group[:-1]]
     await asyncio.sleep(0.01)
-    assert harness.store.transactions == 1  # the second waits for the first
-    group = [_keyed(seq) for seq in range(3, 3 + 7)]  # with the second: 8 waiting
-    waiting = [asyncio.ensure_future(h.handle(d, harness.processor.clock())) for d in group]
+    assert harness.store.transactions == 1  # one short of a group: they wait
+    waiting.append(asyncio.ensure_future(h.handle(group[-1], harness.processor.clock())))
     await asyncio.sleep(0.01)
     assert harness.store.transactions == 2  # a full group: another transaction
     release.set()
     assert await first == Outcome.PROCESSED
-    assert await asyncio.gather(second, *waiting) == [Outcome.PROCESSED] * 8
+    assert await asyncio.gather(*waiting) == [Outcome.PROCESSED] * heads.GROUP
     assert harness.store.commits == 2
+
+
+async def test_waiting_groups_are_spread_over_the_free_connections(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three groups handed in beside a running transaction start three transactions (as
+    many as free connections allow), not one holding them all: a batch runs its handlers
+    one after another, so lanes taken whole would shrink the handler's concurrency."""
+    monkeypatch.setattr(heads, "LINGER_S", 60.0)
+    h, harness = _heads(make_harness, transactions=4)
+    release = asyncio.Event()
+
+    async def slow(msg: Message, session: Any) -> None:
+        await release.wait()
+
+    harness.then(*([slow] * 40))
+    first = asyncio.ensure_future(h.handle(_keyed(1), harness.processor.clock()))
+    await asyncio.sleep(0.01)
+    queued = [_keyed(seq) for seq in range(2, 2 + 3 * heads.GROUP)]
+    waiting = []
+    for d in queued:  # handed in together, as the lanes of an ended batch come back
+        waiting.append(asyncio.ensure_future(h.handle(d, harness.processor.clock())))
+    await asyncio.sleep(0.01)
+    assert harness.store.transactions == 4  # the first, and three groups beside it
+    release.set()
+    assert await first == Outcome.PROCESSED
+    assert await asyncio.gather(*waiting) == [Outcome.PROCESSED] * len(queued)
 
 
 async def test_a_message_waiting_beside_a_slow_transaction_starts_after_the_linger(
