@@ -15,19 +15,17 @@ worker, which naks it alone (:class:`Unsettled`).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from eop import errors, faults, log, message
 from eop.pg import inbox, models
+from eop.protocol.fallback import Step, log_failure, run_each
+from eop.protocol.fallback import Unsettled as Unsettled  # re-exported: the worker catches it
 from eop.protocol.processor import Processor, contention, transient
 from eop.types import Delivery, Outcome
-
-_Step = tuple[Delivery, Callable[[], Awaitable[Outcome]]]
-"""A message and what settles it on its own (see :meth:`BatchProcessor._alone`)."""
 
 
 @dataclasses.dataclass
@@ -128,11 +126,11 @@ class BatchProcessor:
         self.single.batches_failing = bool(result[2])
         return result
 
-    def _singles(self, deliveries: Sequence[Delivery], received_at: float) -> list[_Step]:
+    def _singles(self, deliveries: Sequence[Delivery], received_at: float) -> list[Step]:
         """The per-message protocol for each of ``deliveries``, as steps for :meth:`_alone`."""
         return [(d, functools.partial(self.single.handle, d, received_at)) for d in deliveries]
 
-    async def _alone(self, work: list[_Step], *, serial: bool = False) -> list[Outcome]:
+    async def _alone(self, work: list[Step], *, serial: bool = False) -> list[Outcome]:
         """Run each message's step (concurrently, or one after another); their outcomes.
 
         A step that raises (eop's own failure beyond the per-message protocol's
@@ -307,66 +305,3 @@ class _NeedsIsolation(Exception):
 
 class _BatchRejected(Exception):
     """The batch transaction cannot be committed as a batch: process one by one."""
-
-
-class Unsettled(errors.EopError):
-    """Messages of a batch that the per-message protocol could not settle either.
-
-    Raised by :meth:`BatchProcessor.handle_batch` once every other message of
-    the batch is settled: :attr:`failed` are for the worker to nak, each alone;
-    :attr:`outcomes` are the others'.
-    """
-
-    def __init__(self, outcomes: list[Outcome], failed: list[tuple[Delivery, Exception]]) -> None:
-        super().__init__(
-            f"{len(failed)} message(s) of the batch failed in the per-message protocol too: "
-            f"{log.describe_error(failed[0][1])[:500]}"
-        )
-        self.outcomes = outcomes
-        self.failed = failed
-
-
-def log_failure(
-    handler: str, msgs: Sequence[message.Message], exc: Exception, **extra: object
-) -> None:
-    """One error line for a batch's (or a poll's) transaction that failed for eop's own
-    reason: its coordinates and the error, never a payload."""
-    first, last = msgs[0], msgs[-1]
-    log.get_logger().error(
-        log.Event.BATCH_FAILED,
-        handler=handler,
-        stream=first.stream,
-        first_seq=first.seq,
-        last_seq=last.seq,
-        messages=len(msgs),
-        **extra,
-        error=log.describe_error(exc)[:2000],
-        traceback=log.format_traceback(exc),
-    )
-
-
-async def run_each(
-    work: Sequence[_Step], *, serial: bool
-) -> tuple[list[tuple[Delivery, Outcome]], list[tuple[Delivery, Exception]]]:
-    """Run each delivery's step, concurrently or one after another: the outcomes, and the
-    deliveries whose step raised with what it raised (one failure sinks no other)."""
-    if serial:
-        results = [await caught(step()) for _, step in work]
-    else:
-        results = await asyncio.gather(*(caught(step()) for _, step in work))
-    settled: list[tuple[Delivery, Outcome]] = []
-    unsettled: list[tuple[Delivery, Exception]] = []
-    for (delivery, _), result in zip(work, results, strict=True):
-        if isinstance(result, Outcome):
-            settled.append((delivery, result))
-        else:
-            unsettled.append((delivery, result))
-    return settled, unsettled
-
-
-async def caught(step: Awaitable[Outcome]) -> Outcome | Exception:
-    """``step``'s outcome, or the exception it raised (a ``BaseException`` passes)."""
-    try:
-        return await step
-    except Exception as exc:
-        return exc

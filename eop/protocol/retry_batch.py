@@ -37,7 +37,8 @@ from collections.abc import Sequence
 
 from eop import errors, faults, log, message
 from eop.pg import inbox, models, retries
-from eop.protocol import batch, processor
+from eop.protocol import processor
+from eop.protocol.fallback import Unsettled, log_failure, run_each
 from eop.protocol.processor import Processor, contention, transient
 from eop.types import Delivery, Outcome
 
@@ -77,7 +78,7 @@ class RetryBatch:
     async def run(self, parked: Sequence[retries.ParkedDelivery]) -> list[Outcome]:
         """Run the parked messages one poll took; one outcome each.
 
-        Raises :class:`eop.protocol.batch.Unsettled` when some runs failed alone
+        Raises :class:`eop.protocol.fallback.Unsettled` when some runs failed alone
         too (eop's own failure beyond its retries), once the others are settled:
         the worker handles them as a batch's (a parked run has nothing to nak:
         its lease ends, and a later poll takes it again).
@@ -101,7 +102,7 @@ class RetryBatch:
         # Dead-lettered without running, as a lone run over the bound is.
         outcomes += await self._alone(looping, serial=False)
         if self._unsettled:
-            raise batch.Unsettled(outcomes, self._unsettled) from self._unsettled[0][1]
+            raise Unsettled(outcomes, self._unsettled) from self._unsettled[0][1]
         return outcomes
 
     async def _group(self, runs: list[_Run]) -> list[Outcome]:
@@ -135,15 +136,15 @@ class RetryBatch:
         self, deliveries: Sequence[retries.ParkedDelivery], *, serial: bool
     ) -> list[Outcome]:
         """Each run in a transaction of its own (:meth:`Processor.retry_parked`); a run that
-        fails for eop's own reason is noted for :class:`eop.protocol.batch.Unsettled`, and
+        fails for eop's own reason is noted for :class:`eop.protocol.fallback.Unsettled`, and
         does not sink the others."""
         work = [(d, functools.partial(self.single.retry_parked, d)) for d in deliveries]
-        settled, unsettled = await batch.run_each(work, serial=serial)
+        settled, unsettled = await run_each(work, serial=serial)
         self._unsettled.extend(unsettled)
         return [outcome for _, outcome in settled]
 
     def _log_failure(self, runs: list[_Run], exc: Exception) -> None:
-        batch.log_failure(self.spec.name, [r.msg for r in runs], exc, parked=True)
+        log_failure(self.spec.name, [r.msg for r in runs], exc, parked=True)
 
     async def _transaction(self, runs: list[_Run]) -> list[Outcome]:
         """Lock, run each handler in a savepoint, count and settle, COMMIT; then settle."""

@@ -21,7 +21,7 @@ from eop.message import Message
 from eop.observe import observer as observe
 from eop.pg import models
 from eop.pg.retries import ParkedDelivery
-from eop.protocol import batch, processor, retry_batch
+from eop.protocol import fallback, processor, retry_batch
 from eop.types import Delivery, Outcome
 
 from .support import FAST, STREAM, delivery, effect_of, events
@@ -333,7 +333,7 @@ async def test_a_run_that_fails_alone_too_is_handed_to_the_worker_and_the_others
         return await real(delivery)
 
     monkeypatch.setattr(polls.single, "retry_parked", flaky)
-    with pytest.raises(batch.Unsettled) as raised:
+    with pytest.raises(fallback.Unsettled) as raised:
         await retry_batch.RetryBatch(polls.single).run(parked)
     assert raised.value.outcomes == [Outcome.PROCESSED]
     [(delivery, error)] = raised.value.failed
