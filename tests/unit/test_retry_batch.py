@@ -234,7 +234,7 @@ async def test_a_lock_timeout_in_a_handler_reruns_the_poll_one_at_a_time(polls: 
     parked = await polls.park(1, 2)
     polls.fail(b"2", testing.LockNotAvailable(), None)
     assert await polls.run(parked) == {Outcome.PROCESSED: 2}
-    assert polls.single.in_contention
+    assert polls.single.contention.active
     assert polls.store.attempts == {}
     assert sorted(polls.store.effects) == effects(1, 2)
 
@@ -310,7 +310,7 @@ async def test_a_failure_after_the_commit_never_runs_a_run_again(
     def broken(*args: Any, **kwargs: Any) -> Outcome:
         raise KeyError("a bug after the commit")
 
-    monkeypatch.setattr(polls.single, "parked_again", broken)
+    monkeypatch.setattr(polls.single.settlement, "parked_again", broken)
     with pytest.raises(KeyError):
         await retry_batch.RetryBatch(polls.single).run(parked)
     assert polls.calls == [1, 2]
