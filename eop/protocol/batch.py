@@ -15,35 +15,36 @@ worker, which naks it alone (:class:`Unsettled`).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
-from eop import errors, faults, log, message
+from eop import errors, faults
 from eop.pg import inbox, models
-from eop.protocol.processor import Processor, contention, transient
+from eop.protocol.contention import crossed, transient
+from eop.protocol.fallback import Step, log_failure, run_each
+from eop.protocol.fallback import Unsettled as Unsettled  # re-exported: the worker catches it
+from eop.protocol.processor import Fetched, Processor
 from eop.types import Delivery, Outcome
-
-_Step = tuple[Delivery, Callable[[], Awaitable[Outcome]]]
-"""A message and what settles it on its own (see :meth:`BatchProcessor._alone`)."""
-
-
-@dataclasses.dataclass
-class _Item:
-    delivery: Delivery
-    msg: message.Message
-    logger: log.Logger
 
 
 class BatchProcessor:
-    """Runs batches of one handler subscription; ``single`` handles the exceptions."""
+    """Runs batches of one handler subscription; ``single`` handles the exceptions.
+
+    Of its :class:`~eop.protocol.processor.Processor` it uses the per-message
+    steps (:meth:`~eop.protocol.processor.Processor.handle`,
+    :meth:`~eop.protocol.processor.Processor.handler_failed`), the split of a
+    batch (:meth:`~eop.protocol.processor.Processor.prepare_batch`), the leases
+    (:meth:`~eop.protocol.processor.Processor.hold`), the store and the critical
+    sections, and the two collaborators it shares with it: ``settlement`` and
+    ``contention``.
+    """
 
     def __init__(self, single: Processor) -> None:
         self.single = single
         self.spec = single.spec
-        self.settings = single.settings
+        self.settlement = single.settlement
+        self.contention = single.contention
         self._unsettled: list[tuple[Delivery, Exception]] = []
         """The messages of the current batch the per-message protocol could not settle."""
         self._settled: dict[int, Outcome] = {}
@@ -70,12 +71,12 @@ class BatchProcessor:
         """
         self._unsettled, self._settled = [], {}
         await faults.point("after_fetch")
-        items, others = await self._prepare(deliveries, received_at)
+        items, others = await self.single.prepare_batch(deliveries, received_at)
         outcomes: list[Outcome] = []
-        one_by_one: list[_Item] = []
-        leftovers: list[_Item] = []
-        failures: list[tuple[_Item, Exception]] = []
-        if items and self.single.in_contention:
+        one_by_one: list[Fetched] = []
+        leftovers: list[Fetched] = []
+        failures: list[tuple[Fetched, Exception]] = []
+        if items and self.contention.active:
             # Crossing transactions deadlocked lately: a batch would hold all its
             # rows' locks at once and deadlock again. One message at a time.
             one_by_one = items
@@ -83,10 +84,10 @@ class BatchProcessor:
             try:
                 outcomes, leftovers, failures = await self._transaction(items)
             except Exception as exc:
-                if contention(exc):
+                if crossed(exc):
                     # The batch deadlocked (or waited out its lock timeout): shrink it
                     # to one transaction per message, run one at a time.
-                    self.single.note_contention()
+                    self.contention.note()
                     one_by_one = items
                 else:
                     if not (transient(exc) or isinstance(exc, _BatchRejected)):
@@ -113,8 +114,8 @@ class BatchProcessor:
         return outcomes
 
     async def _transaction(
-        self, items: list[_Item]
-    ) -> tuple[list[Outcome], list[_Item], list[tuple[_Item, Exception]]]:
+        self, items: list[Fetched]
+    ) -> tuple[list[Outcome], list[Fetched], list[tuple[Fetched, Exception]]]:
         """The batch transaction, without savepoints first unless the last batch had a
         failing handler (:attr:`Processor.batches_failing`)."""
         if self.single.batches_failing:
@@ -128,11 +129,11 @@ class BatchProcessor:
         self.single.batches_failing = bool(result[2])
         return result
 
-    def _singles(self, deliveries: Sequence[Delivery], received_at: float) -> list[_Step]:
+    def _singles(self, deliveries: Sequence[Delivery], received_at: float) -> list[Step]:
         """The per-message protocol for each of ``deliveries``, as steps for :meth:`_alone`."""
         return [(d, functools.partial(self.single.handle, d, received_at)) for d in deliveries]
 
-    async def _alone(self, work: list[_Step], *, serial: bool = False) -> list[Outcome]:
+    async def _alone(self, work: list[Step], *, serial: bool = False) -> list[Outcome]:
         """Run each message's step (concurrently, or one after another); their outcomes.
 
         A step that raises (eop's own failure beyond the per-message protocol's
@@ -146,60 +147,12 @@ class BatchProcessor:
             self._settled[id(delivery)] = outcome
         return [outcome for _, outcome in settled]
 
-    def _log_failure(self, items: list[_Item], exc: Exception) -> None:
+    def _log_failure(self, items: list[Fetched], exc: Exception) -> None:
         log_failure(self.spec.name, [i.msg for i in items], exc)
 
-    async def _prepare(
-        self, deliveries: Sequence[Delivery], received_at: float
-    ) -> tuple[list[_Item], list[Delivery]]:
-        """Split the batch: messages for the batch transaction, and the unusual ones."""
-        items: list[_Item] = []
-        others: list[Delivery] = []
-        shared = await self._shared_epoch(deliveries)
-        for delivery in deliveries:
-            meta = delivery.metadata
-            epoch = shared or await self.single.epochs.epoch_of(meta.stream, meta.timestamp)
-            # After the epoch: reading it may have waited for a stream leader's election.
-            renewed_at = self.single.leases.renewed_at(delivery, received_at)
-            lease_left = self.single.ack_wait_s - (self.single.clock() - renewed_at)
-            usual = (
-                epoch is not None
-                and lease_left >= self.settings.lease_margin_s
-                # A redelivery runs alone, its run counted first (Processor._suspect).
-                and meta.num_delivered == 1
-                and message.undecodable(delivery) is None
-            )
-            if not usual or epoch is None:
-                others.append(delivery)
-                continue
-            msg = message.from_nats(delivery, subscription=self.spec.name, stream_epoch=epoch)
-            logger = log.LazyLogger(
-                handler=self.spec.name, stream=msg.stream, seq=msg.seq, delivered=msg.num_delivered
-            )
-            items.append(_Item(delivery, msg, logger))
-        return items, others
-
-    async def _shared_epoch(self, deliveries: Sequence[Delivery]) -> str | None:
-        """The epoch of every message of the batch, when one epoch holds them all.
-
-        An epoch covers the messages stored from its creation until the next
-        one's, so if the oldest and the newest message share an epoch, every
-        message between them has it too. The newest is asked first: if it is
-        newer than the last reading, that reading is refreshed before the
-        oldest is looked up.
-        """
-        metas = [d.metadata for d in deliveries]
-        stamps = [m.timestamp for m in metas if m.timestamp is not None]
-        if not metas or len(stamps) != len(metas) or len({m.stream for m in metas}) != 1:
-            return None
-        stream, epochs = metas[0].stream, self.single.epochs
-        newest = await epochs.epoch_of(stream, max(stamps))
-        oldest = await epochs.epoch_of(stream, min(stamps))
-        return newest if newest is not None and newest == oldest else None
-
     async def _run(
-        self, items: list[_Item], *, isolate: bool
-    ) -> tuple[list[Outcome], list[_Item], list[tuple[_Item, Exception]]]:
+        self, items: list[Fetched], *, isolate: bool
+    ) -> tuple[list[Outcome], list[Fetched], list[tuple[Fetched, Exception]]]:
         """The batch transaction: claim all, run each, COMMIT, ack all.
 
         Handlers fail rarely, so the first pass runs them without savepoints
@@ -220,7 +173,7 @@ class BatchProcessor:
             await faults.point("after_claim")
             mine = [i for i in items if i.msg.seq in claimed]
             leftovers = [i for i in items if i.msg.seq not in claimed]
-            async with self.single.leases.keep([i.delivery for i in mine], self.single.ack_wait_s):
+            async with self.single.hold([i.delivery for i in mine]):
                 if isolate:
                     failures = await self._run_handlers(tx, mine)
                 else:
@@ -232,7 +185,7 @@ class BatchProcessor:
             outcomes = await self.single.critical.run(self._commit_and_ack(tx, done))
         return outcomes, leftovers, failures
 
-    async def _run_optimistically(self, tx: inbox.Transaction, mine: list[_Item]) -> None:
+    async def _run_optimistically(self, tx: inbox.Transaction, mine: list[Fetched]) -> None:
         # The handlers' writes and ORM objects go out together at the end: one
         # executemany per statement instead of a round trip per message. A
         # failure among them is one of the handlers', as any other here.
@@ -251,8 +204,8 @@ class BatchProcessor:
             raise _NeedsIsolation() from exc
 
     async def _run_handlers(
-        self, tx: inbox.Transaction, mine: list[_Item]
-    ) -> list[tuple[_Item, Exception]]:
+        self, tx: inbox.Transaction, mine: list[Fetched]
+    ) -> list[tuple[Fetched, Exception]]:
         if self.spec.batch and mine:
             error = await tx.run_isolated([i.msg for i in mine])
             if error is None:
@@ -266,20 +219,20 @@ class BatchProcessor:
                 failures.append((item, error))
         return failures
 
-    async def _commit_and_ack(self, tx: inbox.Transaction, done: list[_Item]) -> list[Outcome]:
+    async def _commit_and_ack(self, tx: inbox.Transaction, done: list[Fetched]) -> list[Outcome]:
         """COMMIT, then every confirmed ack concurrently; the section a stop must not cut."""
         await faults.point("before_commit")
         try:
             await tx.commit()
         except errors.AmbiguousCommit:
-            # Read back, never re-run here (Processor.resolve_ambiguous): a message
+            # Read back, never re-run here (Settlement.resolve_ambiguous): a message
             # whose outcome cannot be read is the worker's to nak, alone.
             return await self._alone(
                 [
                     (
                         i.delivery,
                         functools.partial(
-                            self.single.resolve_ambiguous,
+                            self.settlement.resolve_ambiguous,
                             i.delivery,
                             i.msg,
                             Outcome.PROCESSED,
@@ -296,7 +249,7 @@ class BatchProcessor:
             # A deferred constraint failed at COMMIT: one of the handlers' writes.
             raise _BatchRejected() from exc
         await faults.point("after_commit")
-        await self.single.ack_processed([i.delivery for i in done], [i.logger for i in done])
+        await self.settlement.ack_processed([i.delivery for i in done], [i.logger for i in done])
         self._settled.update((id(i.delivery), Outcome.PROCESSED) for i in done)
         return [Outcome.PROCESSED] * len(done)
 
@@ -307,66 +260,3 @@ class _NeedsIsolation(Exception):
 
 class _BatchRejected(Exception):
     """The batch transaction cannot be committed as a batch: process one by one."""
-
-
-class Unsettled(errors.EopError):
-    """Messages of a batch that the per-message protocol could not settle either.
-
-    Raised by :meth:`BatchProcessor.handle_batch` once every other message of
-    the batch is settled: :attr:`failed` are for the worker to nak, each alone;
-    :attr:`outcomes` are the others'.
-    """
-
-    def __init__(self, outcomes: list[Outcome], failed: list[tuple[Delivery, Exception]]) -> None:
-        super().__init__(
-            f"{len(failed)} message(s) of the batch failed in the per-message protocol too: "
-            f"{log.describe_error(failed[0][1])[:500]}"
-        )
-        self.outcomes = outcomes
-        self.failed = failed
-
-
-def log_failure(
-    handler: str, msgs: Sequence[message.Message], exc: Exception, **extra: object
-) -> None:
-    """One error line for a batch's (or a poll's) transaction that failed for eop's own
-    reason: its coordinates and the error, never a payload."""
-    first, last = msgs[0], msgs[-1]
-    log.get_logger().error(
-        log.Event.BATCH_FAILED,
-        handler=handler,
-        stream=first.stream,
-        first_seq=first.seq,
-        last_seq=last.seq,
-        messages=len(msgs),
-        **extra,
-        error=log.describe_error(exc)[:2000],
-        traceback=log.format_traceback(exc),
-    )
-
-
-async def run_each(
-    work: Sequence[_Step], *, serial: bool
-) -> tuple[list[tuple[Delivery, Outcome]], list[tuple[Delivery, Exception]]]:
-    """Run each delivery's step, concurrently or one after another: the outcomes, and the
-    deliveries whose step raised with what it raised (one failure sinks no other)."""
-    if serial:
-        results = [await caught(step()) for _, step in work]
-    else:
-        results = await asyncio.gather(*(caught(step()) for _, step in work))
-    settled: list[tuple[Delivery, Outcome]] = []
-    unsettled: list[tuple[Delivery, Exception]] = []
-    for (delivery, _), result in zip(work, results, strict=True):
-        if isinstance(result, Outcome):
-            settled.append((delivery, result))
-        else:
-            unsettled.append((delivery, result))
-    return settled, unsettled
-
-
-async def caught(step: Awaitable[Outcome]) -> Outcome | Exception:
-    """``step``'s outcome, or the exception it raised (a ``BaseException`` passes)."""
-    try:
-        return await step
-    except Exception as exc:
-        return exc

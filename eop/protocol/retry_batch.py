@@ -37,8 +37,11 @@ from collections.abc import Sequence
 
 from eop import errors, faults, log, message
 from eop.pg import inbox, models, retries
-from eop.protocol import batch, processor
-from eop.protocol.processor import Processor, contention, transient
+from eop.protocol.attempts import exhausted, rejected
+from eop.protocol.contention import crossed, transient
+from eop.protocol.fallback import Unsettled, log_failure, run_each
+from eop.protocol.processor import Processor
+from eop.protocol.settlement import describe
 from eop.types import Delivery, Outcome
 
 
@@ -63,12 +66,21 @@ class _Decided:
 
 
 class RetryBatch:
-    """Runs the due retries of one poll of one handler; ``single`` settles the exceptions."""
+    """Runs the due retries of one poll of one handler; ``single`` settles the exceptions.
+
+    Of its :class:`~eop.protocol.processor.Processor` it uses a run alone
+    (:meth:`~eop.protocol.processor.Processor.retry_parked`), the store, the
+    critical sections and the observer, and the collaborators it shares with
+    it: ``settlement``, ``attempts`` and ``contention``.
+    """
 
     def __init__(self, single: Processor) -> None:
         self.single = single
         self.spec = single.spec
         self.settings = single.settings
+        self.settlement = single.settlement
+        self.attempts = single.attempts
+        self.contention = single.contention
         self._committed = False
         """Whether the current group's transaction committed (or may have: ambiguous)."""
         self._unsettled: list[tuple[Delivery, Exception]] = []
@@ -77,7 +89,7 @@ class RetryBatch:
     async def run(self, parked: Sequence[retries.ParkedDelivery]) -> list[Outcome]:
         """Run the parked messages one poll took; one outcome each.
 
-        Raises :class:`eop.protocol.batch.Unsettled` when some runs failed alone
+        Raises :class:`eop.protocol.fallback.Unsettled` when some runs failed alone
         too (eop's own failure beyond its retries), once the others are settled:
         the worker handles them as a batch's (a parked run has nothing to nak:
         its lease ends, and a later poll takes it again).
@@ -101,12 +113,12 @@ class RetryBatch:
         # Dead-lettered without running, as a lone run over the bound is.
         outcomes += await self._alone(looping, serial=False)
         if self._unsettled:
-            raise batch.Unsettled(outcomes, self._unsettled) from self._unsettled[0][1]
+            raise Unsettled(outcomes, self._unsettled) from self._unsettled[0][1]
         return outcomes
 
     async def _group(self, runs: list[_Run]) -> list[Outcome]:
         deliveries = [r.delivery for r in runs]
-        if len(runs) == 1 or self.single.in_contention:
+        if len(runs) == 1 or self.contention.active:
             # Crossing transactions deadlocked lately: one run at a time.
             return await self._alone(deliveries, serial=True)
         self._committed = False
@@ -117,7 +129,7 @@ class RetryBatch:
                 # Each run's outcome stands: run alone, one parked again would run (and
                 # count) twice. The worker logs it.
                 raise
-            crossed = contention(exc)
+            crossing = crossed(exc)
             if not (transient(exc) or isinstance(exc, _OneByOne)):
                 # eop's own failure (not a handler's: they are isolated): visible, but
                 # no reason to hold the runs back. Nothing of the transaction committed.
@@ -125,25 +137,25 @@ class RetryBatch:
         # The lone runs go outside the except clause: an error raised while it handles
         # one has that one as its __context__, and a handler's own failure would then
         # pass for the database's (eop.pg.failures.classify follows the chain).
-        if crossed:
-            self.single.note_contention()
+        if crossing:
+            self.contention.note()
         # The transaction rolled back whole: each run finds its own way (one at a time
         # after a deadlock or lock timeout).
-        return await self._alone(deliveries, serial=crossed)
+        return await self._alone(deliveries, serial=crossing)
 
     async def _alone(
         self, deliveries: Sequence[retries.ParkedDelivery], *, serial: bool
     ) -> list[Outcome]:
         """Each run in a transaction of its own (:meth:`Processor.retry_parked`); a run that
-        fails for eop's own reason is noted for :class:`eop.protocol.batch.Unsettled`, and
+        fails for eop's own reason is noted for :class:`eop.protocol.fallback.Unsettled`, and
         does not sink the others."""
         work = [(d, functools.partial(self.single.retry_parked, d)) for d in deliveries]
-        settled, unsettled = await batch.run_each(work, serial=serial)
+        settled, unsettled = await run_each(work, serial=serial)
         self._unsettled.extend(unsettled)
         return [outcome for _, outcome in settled]
 
     def _log_failure(self, runs: list[_Run], exc: Exception) -> None:
-        batch.log_failure(self.spec.name, [r.msg for r in runs], exc, parked=True)
+        log_failure(self.spec.name, [r.msg for r in runs], exc, parked=True)
 
     async def _transaction(self, runs: list[_Run]) -> list[Outcome]:
         """Lock, run each handler in a savepoint, count and settle, COMMIT; then settle."""
@@ -162,7 +174,9 @@ class RetryBatch:
             await self._settle(tx, decided)
             outcomes = await self.single.critical.run(self._commit(tx, decided))
         # Another run took these since, or they settled: theirs to settle.
-        return outcomes + [self.single.left(r.delivery) for r in runs if r.msg.seq not in locked]
+        return outcomes + [
+            self.settlement.left(r.delivery) for r in runs if r.msg.seq not in locked
+        ]
 
     async def _count(self, tx: inbox.Transaction, decided: _Decided) -> None:
         """Count the failures in one statement; dead-letter the rejected and exhausted ones,
@@ -170,24 +184,24 @@ class RetryBatch:
         counted = []
         for run, exc in decided.failed:
             if isinstance(exc, errors.Reject):
-                decided.dead.append((run, processor.rejected(exc)))
+                decided.dead.append((run, rejected(exc)))
             else:
                 counted.append((run, exc))
         if not counted:
             return
-        texts = [processor.describe(exc) for _, exc in counted]
-        delays = [self.single.retry_delay(exc, r.delivery.failures + 1) for r, exc in counted]
+        texts = [describe(exc) for _, exc in counted]
+        delays = [self.attempts.retry_delay(exc, r.delivery.failures + 1) for r, exc in counted]
         counts = await tx.count_parked_failures([r.msg for r, _ in counted], texts, delays)
         for (run, exc), text in zip(counted, texts, strict=True):
             failures = counts.get(run.msg.seq)
             if failures is None:
                 raise _OneByOne()  # its row went, under the run's lock: let a lone run say why
-            if failures >= self.single.max_attempts:
-                decided.dead.append((run, processor.exhausted(exc, text)))
+            if failures >= self.attempts.max_attempts:
+                decided.dead.append((run, exhausted(exc, text)))
                 continue
             if failures != run.delivery.failures + 1:
                 # Counted elsewhere too (an overlapping delivery): back off by the real count.
-                await tx.reschedule(run.msg, self.single.retry_delay(exc, failures))
+                await tx.reschedule(run.msg, self.attempts.retry_delay(exc, failures))
             decided.parked.append(run)
 
     async def _settle(self, tx: inbox.Transaction, decided: _Decided) -> None:
@@ -225,19 +239,19 @@ class RetryBatch:
         self._committed = True
         await faults.point("after_commit")
         self._observe_failures(decided)
-        single = self.single
+        settlement = self.settlement
         outcomes = [
-            await single.settle(r.delivery, Outcome.PROCESSED, r.logger, None)
+            await settlement.settle(r.delivery, Outcome.PROCESSED, r.logger, None)
             for r in decided.processed
         ]
         outcomes += [
-            await single.settle(r.delivery, Outcome.DEAD_LETTERED, r.logger, dead)
+            await settlement.settle(r.delivery, Outcome.DEAD_LETTERED, r.logger, dead)
             for r, dead in decided.dead
         ]
         # Per run at debug, as a batch's processed messages: the worker's batch.processed
         # line counts them (in a poison flood, an info line a run cost a third of the run).
         outcomes += [
-            single.parked_again(r.delivery, r.logger, in_batch=True) for r in decided.parked
+            settlement.parked_again(r.delivery, r.logger, in_batch=True) for r in decided.parked
         ]
         return outcomes
 
@@ -253,16 +267,16 @@ class RetryBatch:
         A run parked again is handed back as a lone run's is: its lease ends and
         a later poll runs it again if the COMMIT did not go through.
         """
-        single = self.single
+        settlement = self.settlement
         resolving = [
-            single.resolve_ambiguous(r.delivery, r.msg, Outcome.PROCESSED, r.logger, None)
+            settlement.resolve_ambiguous(r.delivery, r.msg, Outcome.PROCESSED, r.logger, None)
             for r in decided.processed
         ]
         resolving += [
-            single.resolve_ambiguous(r.delivery, r.msg, Outcome.DEAD_LETTERED, r.logger, dead)
+            settlement.resolve_ambiguous(r.delivery, r.msg, Outcome.DEAD_LETTERED, r.logger, dead)
             for r, dead in decided.dead
         ]
-        resolving += [single.nak(r.delivery, r.msg, None, r.logger) for r in decided.parked]
+        resolving += [settlement.nak(r.delivery, r.msg, None, r.logger) for r in decided.parked]
         return list(await asyncio.gather(*resolving))
 
 

@@ -334,7 +334,7 @@ async def test_a_commit_conflict_reruns_the_batch_one_message_per_transaction() 
     assert await b.handle(*three()) == {Outcome.PROCESSED: 3}
     assert sorted(b.store.effects) == effects(1, 2, 3)
     assert b.store.commits == 3
-    assert b.processor.single.in_contention
+    assert b.processor.single.contention.active
     assert b.store.attempts == {}
 
 
@@ -344,7 +344,7 @@ async def test_a_lock_timeout_on_the_batch_claim_runs_the_batch_one_message_at_a
     assert await b.handle(*three()) == {Outcome.PROCESSED: 3}
     assert sorted(b.store.effects) == effects(1, 2, 3)
     assert b.store.commits == 3
-    assert b.processor.single.in_contention
+    assert b.processor.single.contention.active
 
 
 async def test_a_handler_failure_in_the_rerun_after_a_deadlock_is_counted_as_the_handlers() -> None:
@@ -362,7 +362,7 @@ async def test_a_handler_failure_in_the_rerun_after_a_deadlock_is_counted_as_the
 
 async def test_in_contention_a_batch_runs_one_transaction_per_message() -> None:
     b = make()
-    b.processor.single.note_contention()
+    b.processor.single.contention.note()
     assert await b.handle(*three()) == {Outcome.PROCESSED: 3}
     assert (b.store.transactions, b.store.commits) == (3, 3)
 

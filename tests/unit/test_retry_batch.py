@@ -21,7 +21,7 @@ from eop.message import Message
 from eop.observe import observer as observe
 from eop.pg import models
 from eop.pg.retries import ParkedDelivery
-from eop.protocol import batch, processor, retry_batch
+from eop.protocol import fallback, processor, retry_batch
 from eop.types import Delivery, Outcome
 
 from .support import FAST, STREAM, delivery, effect_of, events
@@ -234,7 +234,7 @@ async def test_a_lock_timeout_in_a_handler_reruns_the_poll_one_at_a_time(polls: 
     parked = await polls.park(1, 2)
     polls.fail(b"2", testing.LockNotAvailable(), None)
     assert await polls.run(parked) == {Outcome.PROCESSED: 2}
-    assert polls.single.in_contention
+    assert polls.single.contention.active
     assert polls.store.attempts == {}
     assert sorted(polls.store.effects) == effects(1, 2)
 
@@ -310,7 +310,7 @@ async def test_a_failure_after_the_commit_never_runs_a_run_again(
     def broken(*args: Any, **kwargs: Any) -> Outcome:
         raise KeyError("a bug after the commit")
 
-    monkeypatch.setattr(polls.single, "parked_again", broken)
+    monkeypatch.setattr(polls.single.settlement, "parked_again", broken)
     with pytest.raises(KeyError):
         await retry_batch.RetryBatch(polls.single).run(parked)
     assert polls.calls == [1, 2]
@@ -333,7 +333,7 @@ async def test_a_run_that_fails_alone_too_is_handed_to_the_worker_and_the_others
         return await real(delivery)
 
     monkeypatch.setattr(polls.single, "retry_parked", flaky)
-    with pytest.raises(batch.Unsettled) as raised:
+    with pytest.raises(fallback.Unsettled) as raised:
         await retry_batch.RetryBatch(polls.single).run(parked)
     assert raised.value.outcomes == [Outcome.PROCESSED]
     [(delivery, error)] = raised.value.failed

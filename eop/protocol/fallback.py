@@ -1,0 +1,85 @@
+"""The fallback of a shared transaction: each message settled alone.
+
+A fetched batch (:mod:`eop.protocol.batch`) and a poll's due retries
+(:mod:`eop.protocol.retry_batch`) run many messages in one transaction. What
+that transaction cannot settle goes to the per-message protocol, message by
+message (:func:`run_each`); one of them failing there too (eop's own failure
+beyond its retries) sinks no other, and is handed to the worker, alone
+(:class:`Unsettled`). A shared transaction that failed for eop's own reason is
+logged once (:func:`log_failure`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+from eop import errors, log, message
+from eop.types import Delivery, Outcome
+
+Step = tuple[Delivery, Callable[[], Awaitable[Outcome]]]
+"""A message and what settles it on its own."""
+
+
+class Unsettled(errors.EopError):
+    """Messages of a batch that the per-message protocol could not settle either.
+
+    Raised by :meth:`eop.protocol.batch.BatchProcessor.handle_batch` (and
+    :meth:`eop.protocol.retry_batch.RetryBatch.run`) once every other message
+    of the batch is settled: :attr:`failed` are for the worker to nak, each
+    alone; :attr:`outcomes` are the others'.
+    """
+
+    def __init__(self, outcomes: list[Outcome], failed: list[tuple[Delivery, Exception]]) -> None:
+        super().__init__(
+            f"{len(failed)} message(s) of the batch failed in the per-message protocol too: "
+            f"{log.describe_error(failed[0][1])[:500]}"
+        )
+        self.outcomes = outcomes
+        self.failed = failed
+
+
+def log_failure(
+    handler: str, msgs: Sequence[message.Message], exc: Exception, **extra: object
+) -> None:
+    """One error line for a batch's (or a poll's) transaction that failed for eop's own
+    reason: its coordinates and the error, never a payload."""
+    first, last = msgs[0], msgs[-1]
+    log.get_logger().error(
+        log.Event.BATCH_FAILED,
+        handler=handler,
+        stream=first.stream,
+        first_seq=first.seq,
+        last_seq=last.seq,
+        messages=len(msgs),
+        **extra,
+        error=log.describe_error(exc)[:2000],
+        traceback=log.format_traceback(exc),
+    )
+
+
+async def run_each(
+    work: Sequence[Step], *, serial: bool
+) -> tuple[list[tuple[Delivery, Outcome]], list[tuple[Delivery, Exception]]]:
+    """Run each delivery's step, concurrently or one after another: the outcomes, and the
+    deliveries whose step raised with what it raised (one failure sinks no other)."""
+    if serial:
+        results = [await caught(step()) for _, step in work]
+    else:
+        results = await asyncio.gather(*(caught(step()) for _, step in work))
+    settled: list[tuple[Delivery, Outcome]] = []
+    unsettled: list[tuple[Delivery, Exception]] = []
+    for (delivery, _), result in zip(work, results, strict=True):
+        if isinstance(result, Outcome):
+            settled.append((delivery, result))
+        else:
+            unsettled.append((delivery, result))
+    return settled, unsettled
+
+
+async def caught(step: Awaitable[Outcome]) -> Outcome | Exception:
+    """``step``'s outcome, or the exception it raised (a ``BaseException`` passes)."""
+    try:
+        return await step
+    except Exception as exc:
+        return exc
