@@ -11,11 +11,11 @@ claim before any handler runs, each handler in turn, one COMMIT, the acks
 confirmed together. More start beside the running ones, up to the
 process's connections, for each group of waiting messages (:data:`GROUP`),
 or once the first has waited :data:`LINGER_S` (2 ms), so that a slow
-handler holds no other key back; the waiting are spread over them. A lane that spent most of its time in
-BEGIN, the claim, COMMIT and an ack of its own now shares them with the
-other lanes: under load, an ordered message costs the worker and PostgreSQL
-a fraction of its own transaction's work, while a lone message still starts
-without waiting.
+handler holds no other key back; the waiting are spread over them. A lane
+that spent most of its time in BEGIN, the claim, COMMIT and an ack of its
+own now shares them with the other lanes: under load, an ordered message
+costs the worker and PostgreSQL a fraction of its own transaction's work,
+while a lone message still starts without waiting.
 
 The per-key order holds as before: a batch holds at most one message per key
 (a lane has one message here at a time), and a lane learns its message's
