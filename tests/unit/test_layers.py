@@ -286,8 +286,8 @@ def test_the_checks_see_a_feature_module_importing_up_its_own_package(tmp_path: 
 def test_a_feature_packages_module_not_named_has_no_layer() -> None:
     """A module added to a feature package takes no layer from its folder: it fails until
     FEATURES names it."""
-    with pytest.raises(AssertionError, match=r"eop\.outbox\.file is in no layer"):
-        layer_of("eop.outbox.file")
+    with pytest.raises(AssertionError, match=r"eop\.outbox\.unnamed is in no layer"):
+        layer_of("eop.outbox.unnamed")
 
 
 def test_each_folder_of_eop_is_one_layer() -> None:
