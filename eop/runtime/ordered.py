@@ -383,14 +383,20 @@ class OrderedRunner:
         return max(1, self.settings.concurrency // max(1, len(self.owned)))
 
     async def _wait_for_room(self, part: Partition) -> None:
-        """Until half of the partition's share is free (all of it when the share is 1).
+        """Until half of the partition's share is free (all of it when the share is 1),
+        or some of it is and ``fetch_timeout_s`` has passed.
 
         A fetch for every slot freed would be a pull request a message: each
         costs nats-server far more than the message it brings, and one
-        partition's lanes free their slots one at a time.
+        partition's lanes free their slots one at a time. But the slots may
+        stay taken: messages waiting behind a key whose message was nak'ed hold
+        theirs until its redelivery, which only a fetch brings.
         """
         share = self._fair_share()
+        patience = time.monotonic() + self.settings.fetch_timeout_s
         while part.inflight > share - max(1, share // 2) and not part.lost.is_set():
+            if part.inflight < share and time.monotonic() >= patience:
+                return
             part.room.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(part.room.wait(), 1.0)
