@@ -167,9 +167,9 @@ class LogEvidence:
     settled: dict[tuple[str, int], list[str]] = dataclasses.field(default_factory=dict)
     """When each delivery (handler, stream sequence) was settled: processed, acked as a
     duplicate or dead-lettered (the workers' timestamps, ISO 8601)."""
-    faults_end: str = ""
-    """When the last fault-point firing ended (its timestamp plus its freeze or stall),
-    ISO 8601: the drain arms a few workers too, so faults outlast the heal."""
+    faults_end: datetime.datetime | None = None
+    """When the last fault-point firing ended (its timestamp plus its freeze or stall;
+    None: none fired): the drain arms a few workers too, so faults outlast the heal."""
     leaks: list[str] = dataclasses.field(default_factory=list)
     """Where a canary appeared (file, line number and which canary; never its value)."""
     foreign_lines: int = 0
@@ -206,7 +206,7 @@ def stuck_stalls(ev: LogEvidence, healed_at: str) -> list[str]:
     worker, or else when its worker saw the floor move (``delivery.unstuck``); a wait
     whose end no log shows is left to the drain, which judges the message.
     """
-    calm = max(_instant(healed_at), _instant(ev.faults_end), key=_epoch_s)
+    calm = max(_instant(healed_at), ev.faults_end, key=_epoch_s)
     found = []
     for wait in ev.stuck_waits:
         reported = _instant(wait.reported_at)
@@ -319,8 +319,8 @@ def _note_fault_end(ev: LogEvidence, record: Mapping[str, Any]) -> None:
     if hit is None:
         return
     ends = hit + datetime.timedelta(seconds=float(record.get("seconds") or 0.0))
-    if _epoch_s(ends) > _epoch_s(_instant(ev.faults_end)):
-        ev.faults_end = ends.isoformat()
+    if _epoch_s(ends) > _epoch_s(ev.faults_end):
+        ev.faults_end = ends
 
 
 def _count_stuck(ev: LogEvidence, event: str, record: Mapping[str, Any], name: str) -> None:
