@@ -29,12 +29,13 @@ import nats.errors
 
 from eop import errors, log, redaction
 from eop.app import App, select_handlers
-from eop.broker import ack, connection, jetstream, leases, partitions
+from eop.broker import ack, client, connection, jetstream, leases, partitions
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.outbox import relay
 from eop.outbox.jetstream import JetStreamPublisher
 from eop.pg import migrate
+from eop.pg.store import PostgresStore
 from eop.protocol import compaction, misconfiguration, processor, unacked
 from eop.runtime import (
     hosting,
@@ -217,72 +218,22 @@ class Worker(hosting.Hosted):
         nc = await wait(lambda: jetstream.connect(s, name=name, on_lost=self._give_up))
         self.nats = nc
         store = self.app.make_store()
+        loops: list[asyncio.Task[None]] = []
+        compacting: list[asyncio.Task[None]] = []
+        relaying: list[asyncio.Task[None]] = []
         try:
-            js = nc.jetstream()
-            epochs = jetstream.StreamEpochs(nc)
-            acker = ack.Acker(nc)
-            loops = []
-            compacting: list[asyncio.Task[None]] = []
-            # From every handler of the app, not only this worker's: whichever process
-            # creates a stream first must give it the partition transform it needs.
-            transforms = partitions.stream_transforms(self.app.handlers.values())
-            for spec in self.specs:
-                proc = processor.Processor(
-                    # The handler as the observer sees it run (timed, traced).
-                    spec=observe.instrument(spec, self._observer),
-                    settings=s,
-                    store=store,
-                    epochs=epochs,
-                    critical=self._critical,
-                    observer=self._observer,
-                    acker=acker,
-                    leases=self._leases,
-                    suspects=self._suspects,
-                    stopping=self._stopping,
-                    misconfigured=self._watch,
-                )
-                await wait.streams(js, [self.app.stream_spec(spec.stream)], transforms)
-                floor = names = None
-                if spec.order_by is not None:
-                    runner = await self._lanes.add(self.app, nc, js, spec, proc, store, wait)
-                    floor, names = runner.floor, runner.owners.consumers
-                compactor = compaction.Compactor(js, store, spec, epochs, floor=floor)
-                # The watermark row before fetching; a failure only delays compaction.
-                await compactor.quietly(compactor.prepare)
-                if spec.order_by is not None:
-                    loops.append(asyncio.create_task(self._runners[spec.name].run()))
-                else:
-                    sub = await wait.bind(nc, js, spec)
-                    fetching = unordered.Unordered(
-                        self._flight, self.app, transforms, js, spec, sub, proc
-                    )
-                    loops.append(asyncio.create_task(fetching.run()))
-                if proc.parks:
-                    loops.append(asyncio.create_task(parked.retry_loop(self._flight, store, proc)))
-                if s.compaction_interval_s > 0:
-                    self._compactors[spec.name] = compactor
-                    compacting.append(
-                        asyncio.create_task(
-                            compactor.run_forever(s.compaction_interval_s, self._stopping)
-                        )
-                    )
-                watch = unacked.UnackedWatch(nc, self.app.engine, s, spec, self._observer, names)
-                compacting.append(asyncio.create_task(watch.run_forever(self._stopping)))
-            # The streams only the outbox publishes to, before anything is published.
-            await wait.streams(js, self.app.streams.values(), transforms)
-            relaying: list[asyncio.Task[None]] = []
-            if s.relay:
-                self.relay = relay.Relay(
-                    self.app.engine,
-                    JetStreamPublisher(nc, s),
-                    s,
-                    observer=self._observer,
-                    misconfigured=self._watch,
-                )
-                relaying.append(asyncio.create_task(self.relay.run(self._stopping)))
-            self._logger.info(log.Event.WORKER_STARTED)
-            self.ready.set()
-            await self._stopping.wait()
+            try:
+                await self._start(nc, store, loops, compacting, relaying)
+            except startup.Stopped:
+                # Stopped while a later handler's servers were waited for: the loops
+                # started already may hold messages, which finish as on any stop.
+                if not loops:
+                    raise
+                startup.stopped("worker")
+            else:
+                self._logger.info(log.Event.WORKER_STARTED)
+                self.ready.set()
+                await self._stopping.wait()
             self._logger.info(log.Event.WORKER_STOPPING, inflight=len(self._flight.tasks))
             # A compaction round raising the watermark waits for every open claim's
             # transaction (they read it FOR SHARE): awaited here, it would hold the
@@ -320,6 +271,77 @@ class Worker(hosting.Hosted):
             cancelled=self.cancelled,
             abandoned_threads=self.abandoned_threads,
         )
+
+    async def _start(
+        self,
+        nc: client.Client,
+        store: PostgresStore,
+        loops: list[asyncio.Task[None]],
+        compacting: list[asyncio.Task[None]],
+        relaying: list[asyncio.Task[None]],
+    ) -> None:
+        """Bind each handler and start its loops, compaction and watch, then the relay;
+        each task is added to its list as it starts, so that a stop meanwhile drains them."""
+        s, wait = self.settings, self._startup
+        js = nc.jetstream()
+        epochs = jetstream.StreamEpochs(nc)
+        acker = ack.Acker(nc)
+        # From every handler of the app, not only this worker's: whichever process
+        # creates a stream first must give it the partition transform it needs.
+        transforms = partitions.stream_transforms(self.app.handlers.values())
+        for spec in self.specs:
+            proc = processor.Processor(
+                # The handler as the observer sees it run (timed, traced).
+                spec=observe.instrument(spec, self._observer),
+                settings=s,
+                store=store,
+                epochs=epochs,
+                critical=self._critical,
+                observer=self._observer,
+                acker=acker,
+                leases=self._leases,
+                suspects=self._suspects,
+                stopping=self._stopping,
+                misconfigured=self._watch,
+            )
+            await wait.streams(js, [self.app.stream_spec(spec.stream)], transforms)
+            floor = names = None
+            if spec.order_by is not None:
+                runner = await self._lanes.add(self.app, nc, js, spec, proc, store, wait)
+                floor, names = runner.floor, runner.owners.consumers
+            compactor = compaction.Compactor(js, store, spec, epochs, floor=floor)
+            # The watermark row before fetching; a failure only delays compaction.
+            await compactor.quietly(compactor.prepare)
+            if spec.order_by is not None:
+                loops.append(asyncio.create_task(self._runners[spec.name].run()))
+            else:
+                sub = await wait.bind(nc, js, spec)
+                fetching = unordered.Unordered(
+                    self._flight, self.app, transforms, js, spec, sub, proc
+                )
+                loops.append(asyncio.create_task(fetching.run()))
+            if proc.parks:
+                loops.append(asyncio.create_task(parked.retry_loop(self._flight, store, proc)))
+            if s.compaction_interval_s > 0:
+                self._compactors[spec.name] = compactor
+                compacting.append(
+                    asyncio.create_task(
+                        compactor.run_forever(s.compaction_interval_s, self._stopping)
+                    )
+                )
+            watch = unacked.UnackedWatch(nc, self.app.engine, s, spec, self._observer, names)
+            compacting.append(asyncio.create_task(watch.run_forever(self._stopping)))
+        # The streams only the outbox publishes to, before anything is published.
+        await wait.streams(js, self.app.streams.values(), transforms)
+        if s.relay:
+            self.relay = relay.Relay(
+                self.app.engine,
+                JetStreamPublisher(nc, s),
+                s,
+                observer=self._observer,
+                misconfigured=self._watch,
+            )
+            relaying.append(asyncio.create_task(self.relay.run(self._stopping)))
 
     async def _dispose(self) -> None:
         """Close the pools, without waiting on a connection that does not answer."""

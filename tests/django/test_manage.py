@@ -142,7 +142,7 @@ async def test_eop_worker_stops_on_sigterm_with_a_message_in_flight(
     await wait_for(in_flight, timeout_s=30, what="the message to be in flight")
     proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(proc.wait, 30) == 0, log.read_text()[-3000:]
-    assert await effects("slow") == {"slow": 1}
+    assert await effects("slow") == {"slow": 1}, log.read_text()[-6000:]
     assert await rows("SELECT count(*) FROM eop.dead_letters") == [(0,)]
 
 

@@ -9,8 +9,9 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,13 @@ import nats
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
 
 import eop
 from eop.broker import consumers, jetstream
+from eop.handler import StreamSpec
 from eop.pg import migrate
+from eop.runtime import startup
 from eop.tools import embedded
 
 from .bed import (
@@ -36,7 +40,7 @@ from .bed import (
     wait_for,
 )
 from .test_bad_input import assert_clear_error
-from .test_cli import APP, ROOT, Workers, eop_env
+from .test_cli import APP, ROOT, Workers, consumer_exists, eop_env
 from .test_cli import eop as run_eop
 from .test_embedding import make_app
 from .test_telemetry import get
@@ -259,6 +263,68 @@ async def test_sigterm_while_waiting_for_nats_stops_at_once_with_status_0(
     assert code == 0, output[-3000:]
     assert '"event": "worker.startup_stopped"' in output
     assert "eop: error" not in output
+
+
+class _StalledAfterTheHandlers(startup.Patience):
+    """Start-up patience that never gets past the outbox-only streams: NATS stopped
+    answering after the handler was bound and its loop had started fetching."""
+
+    async def streams(
+        self, js: Any, streams: Iterable[StreamSpec], transforms: Mapping[str, tuple[str, str]]
+    ) -> None:
+        streams = list(streams)
+        if any(stream.name == _LATER for stream in streams):
+            await self.stopping.wait()
+            raise startup.Stopped
+        await super().streams(js, streams, transforms)
+
+
+_LATER = "LATER"
+
+
+def _set(event: threading.Event) -> Callable[[], Awaitable[bool]]:
+    async def is_set() -> bool:
+        return event.is_set()
+
+    return is_set
+
+
+async def test_a_stop_during_start_up_finishes_the_messages_already_fetched(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A stop while start-up still waits on a server, after a handler's loop began to fetch:
+    the message its sync handler is running finishes, commits and is acked, as on any
+    stop; its thread is not left without an executor and nothing fails."""
+    await create_effects_table(engine)
+    app = eop.App(settings=bed_settings(database_url, nats_url))
+    app.stream(STREAM, subjects=["ORDERS.>"])
+    app.stream(_LATER, subjects=["later.>"])
+    running = threading.Event()
+
+    @app.handler(stream=STREAM, subject="ORDERS.created", name="embedded")
+    def handle(msg: eop.Message, session: Session) -> None:
+        running.set()
+        time.sleep(1.0)
+        session.execute(
+            sa.text("INSERT INTO effects (handler, msg_key, body) VALUES ('s', :k, :b)"),
+            {"k": msg.idempotency_key, "b": msg.data.decode()},
+        )
+
+    worker = eop.Worker(app)
+    worker._startup = _StalledAfterTheHandlers(app.settings, worker._startup.stopping)
+    run = asyncio.create_task(worker.run())
+    try:
+        await wait_for(lambda: consumer_exists(js, "eop-embedded"), what="the consumer")
+        await publish(js, "early")
+        await wait_for(_set(running), what="the handler running")
+        worker.stop()
+        await asyncio.wait_for(run, 60)
+    finally:
+        run.cancel()
+    assert not worker.ready.is_set()
+    assert worker.processed == 1
+    assert await effects_by_body(engine) == {"early": 1}
+    assert await drained(js, "eop-embedded")
 
 
 def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
