@@ -1,7 +1,7 @@
 """The protocol's statements in one inbox transaction, whatever runs them.
 
 :class:`Statements` implements the bookkeeping half of
-:class:`eop.pg.inbox.Transaction` (the claim, the look-ups, the dead letters,
+:class:`eop.pg.contract.Transaction` (the claim, the look-ups, the dead letters,
 the retries' counts) with eop's statements (:mod:`eop.pg.sql`) over two
 primitives, :meth:`Statements._rows` and :meth:`Statements._execute`; a
 subclass says how a statement reaches the database (a SQLAlchemy session in
@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from eop import message as message_mod
 from eop import redaction
 from eop.pg import models
-from eop.pg.inbox import DeadLetter, Existing
+from eop.pg.contract import DeadLetter, Existing
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import retries as retries_sql
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from eop import errors
 from eop.outbox.outgoing import Outgoing
 from eop.pg import models
+from eop.pg.contract import DeadLetter, Existing
 from eop.pg.failures import INFRASTRUCTURE, classify
-from eop.pg.inbox import DeadLetter, Existing
 from eop.testing.failures import Ambiguous, ErrorSpec, Failures, LockNotAvailable, instantiate
 from eop.testing.rows import DeadLetterRow, InboxKey, InboxRow, inbox_key
 from eop.testing.session import FakeSession, FakeWrites, Statement
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class MemoryStore:
-    """An in-memory inbox implementing :class:`eop.pg.inbox.Store` with PostgreSQL's semantics.
+    """An in-memory inbox implementing :class:`eop.pg.contract.Store` with PostgreSQL's semantics.
 
     - a claim inserts the inbox row unless its key, or (with the handler's
       ``msg_id_guard``) its ``Nats-Msg-Id``, is taken; a claim held by another
@@ -222,7 +222,7 @@ class MemoryStore:
 
 
 class MemoryTransaction:
-    """One transaction of a :class:`MemoryStore` (implements :class:`eop.pg.inbox.Transaction`)."""
+    """One transaction of a :class:`MemoryStore`: an :class:`eop.pg.contract.Transaction`."""
 
     def __init__(self, store: MemoryStore, spec: HandlerSpec) -> None:
         self.store = store

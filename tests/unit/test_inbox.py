@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql
 from eop import errors
 from eop.handler import HandlerSpec
 from eop.message import Message
-from eop.pg import failures, inbox, models, transactions
+from eop.pg import contract, failures, models, transactions
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import retries as retries_sql
 
@@ -465,13 +465,13 @@ async def test_claim_without_msg_id_guard_stores_no_msg_id() -> None:
 async def test_find_reports_a_row_under_the_key_with_its_fingerprint() -> None:
     session = FakeAsyncSession(results=[[(b"fp", "processed")]])
     found = await transaction(session).find(message({"Nats-Msg-Id": "m-1"}))
-    assert found == inbox.Existing(by="key", fingerprint=b"fp", outcome="processed")
+    assert found == contract.Existing(by="key", fingerprint=b"fp", outcome="processed")
 
 
 async def test_find_falls_back_to_the_msg_id() -> None:
     session = FakeAsyncSession(results=[[], [("ORDERS", "e1", 1, "processed")]])
     found = await transaction(session).find(message({"Nats-Msg-Id": "m-1"}))
-    assert found == inbox.Existing(by="msg_id", fingerprint=None, outcome="processed")
+    assert found == contract.Existing(by="msg_id", fingerprint=None, outcome="processed")
 
 
 async def test_find_without_msg_id_guard_looks_under_the_key_only() -> None:
@@ -487,7 +487,7 @@ async def test_find_without_msg_id_guard_looks_under_the_key_only() -> None:
 async def test_dead_letter_row_keeps_payload_and_error_and_redacts_headers() -> None:
     session = FakeAsyncSession()
     msg = message({"Authorization": "Bearer s3cr3t", "X-Api-Key": "k", "Nats-Msg-Id": "m-1"})
-    dead = inbox.DeadLetter(reason="rejected", error="Reject: no", traceback="Traceback ...")
+    dead = contract.DeadLetter(reason="rejected", error="Reject: no", traceback="Traceback ...")
     await transaction(session).add_dead_letter(msg, dead)
     row = {name.removeprefix("p_"): value for name, value in session.bound[0].items()}
     assert row["headers"] == {"Authorization": "***", "X-Api-Key": "***", "Nats-Msg-Id": "m-1"}

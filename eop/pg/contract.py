@@ -1,10 +1,12 @@
-"""The inbox: where a message is claimed, found, or dead-lettered, in PostgreSQL.
+"""The contract a store implements: what the protocol asks of the inbox's database.
 
 :class:`Store` and :class:`Transaction` are the seam between the protocol
-(:mod:`eop.protocol.processor`, and :mod:`eop.protocol.batch` for fetched batches)
-and the database. :class:`eop.pg.store.PostgresStore` is the real store (its
-transactions are :mod:`eop.pg.transactions`), :class:`eop.testing.MemoryStore`
-a fake for unit tests. Driver errors are translated at the edge by
+(:mod:`eop.protocol.processor`, and :mod:`eop.protocol.batch` for fetched
+batches) and the database: a message is claimed, found, or dead-lettered
+through them (the inbox's SQL is :mod:`eop.pg.sql.inbox`).
+:class:`eop.pg.store.PostgresStore` is the real store (its transactions are
+:mod:`eop.pg.transactions`), :class:`eop.testing.MemoryStore` a fake for unit
+tests. Driver errors are translated at the edge by
 :func:`eop.pg.failures.classify`.
 """
 
