@@ -20,7 +20,7 @@ import contextlib
 from eop import backoff, errors, log, message
 from eop.handler import HandlerSpec
 from eop.pg import contract, models, retries
-from eop.protocol.settlement import Critical, Settlement, claim, describe
+from eop.protocol.settlement import Critical, Settlement, describe
 from eop.settings import Settings
 from eop.types import Delivery, Outcome
 
@@ -96,7 +96,7 @@ class Attempts:
                 log.Event.MESSAGE_RETRY, action=log.Action.NAK, failures=failures, error=error
             )
             return await self.settlement.nak(delivery, msg, delay_s, logger)
-        if not parked_run and not await claim(tx, msg, models.OUTCOME_RETRYING):
+        if not parked_run and not await tx.claim(msg, models.OUTCOME_RETRYING):
             existing = await tx.find(msg)
             await tx.rollback()
             return await self.settlement.not_claimed(delivery, msg, existing, logger)

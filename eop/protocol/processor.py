@@ -32,7 +32,7 @@ from eop.pg import contract, models, retries
 from eop.protocol import misconfiguration
 from eop.protocol.attempts import Attempts, crash_loop
 from eop.protocol.contention import Contention, transient
-from eop.protocol.settlement import CommitRejected, Settlement, claim
+from eop.protocol.settlement import CommitRejected, Settlement
 from eop.protocol.settlement import Critical as Critical  # re-exported: the worker makes one
 from eop.protocol.settlement import Epochs as Epochs  # re-exported: the test kit implements it
 from eop.settings import Settings
@@ -349,7 +349,7 @@ class Processor:
         self, delivery: Delivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
         async with self.store.transaction(self._spec) as tx:
-            if not await claim(tx, msg, models.OUTCOME_PROCESSED):
+            if not await tx.claim(msg, models.OUTCOME_PROCESSED):
                 existing = await tx.find(msg)
                 await tx.rollback()
                 return await self.settlement.not_claimed(delivery, msg, existing, logger)

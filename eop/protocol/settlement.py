@@ -325,7 +325,7 @@ class Settlement:
             if not marked:
                 await tx.rollback()
                 return self.left(delivery)
-        elif not await claim(tx, msg, models.OUTCOME_DEAD_LETTERED):
+        elif not await tx.claim(msg, models.OUTCOME_DEAD_LETTERED):
             existing = await tx.find(msg)
             await tx.rollback()
             return await self.not_claimed(delivery, msg, existing, logger)
@@ -391,25 +391,6 @@ class Settlement:
         )
         await faults.point("after_ack")
         return acked
-
-
-async def claim(tx: contract.Transaction, msg: message.Message, outcome: str) -> bool:
-    """Claim ``msg`` in ``tx`` with ``outcome``; False if its inbox row exists already.
-
-    Raises :class:`eop.errors.ClaimTimeout` when another delivery of it holds
-    its key past the lock timeout, :class:`eop.errors.UnclaimableMessage` when
-    the database refuses its row.
-    """
-    try:
-        return await tx.claim(msg, outcome)
-    except Exception as exc:
-        if failures.classify(exc) is failures.DbFailure.LOCK_TIMEOUT:
-            raise errors.ClaimTimeout() from exc
-        if failures.refuses_values(exc):
-            raise errors.UnclaimableMessage(
-                f"the inbox refuses this message's row: {describe(exc)}"
-            ) from exc
-        raise
 
 
 def describe(exc: BaseException) -> str:

@@ -442,6 +442,50 @@ async def test_claim_is_false_when_the_insert_returns_nothing() -> None:
     assert await transaction(FakeAsyncSession()).claim(message(), "processed") is False
 
 
+class FailingSession(FakeAsyncSession):
+    """A session whose every statement fails with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def execute(self, stmt: Any, params: dict[str, Any] | None = None) -> Any:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "raised"),
+    [
+        (DriverError("55P03", "canceling statement due to lock timeout"), errors.ClaimTimeout),
+        (DriverError("54000", "index row size 5016 exceeds maximum"), errors.UnclaimableMessage),
+        (DriverError("22021", "invalid byte sequence"), errors.UnclaimableMessage),
+    ],
+)
+async def test_claim_raises_a_held_key_and_a_refused_row_in_eops_terms(
+    error: Exception, raised: type[errors.EopError]
+) -> None:
+    """The edge translates: a lock timeout is ClaimTimeout, refused values UnclaimableMessage
+    (naming the driver's error), each from the driver's error; the protocol needs no wrapper."""
+    with pytest.raises(raised) as info:
+        await transaction(FailingSession(error)).claim(message(), models.OUTCOME_PROCESSED)
+    assert info.value.__cause__ is error
+    if raised is errors.UnclaimableMessage:
+        assert str(info.value).startswith("the inbox refuses this message's row: DriverError: ")
+
+
+async def test_claim_raises_other_failures_and_a_batch_claims_failures_as_they_are() -> None:
+    """A statement timeout in the claim stays the driver's (retried as infrastructure); a batch's
+    claim translates nothing (the batch path reads the driver's error itself)."""
+    timeout = DriverError("57014", "canceling statement due to statement timeout")
+    with pytest.raises(DriverError) as info:
+        await transaction(FailingSession(timeout)).claim(message(), models.OUTCOME_PROCESSED)
+    assert info.value is timeout
+    held = DriverError("55P03", "canceling statement due to lock timeout")
+    with pytest.raises(DriverError) as info:
+        await transaction(FailingSession(held)).claim_many([message()], "processed")
+    assert info.value is held
+
+
 async def test_claim_stores_key_fingerprint_outcome_and_msg_id() -> None:
     msg = message({"Nats-Msg-Id": "m-1"})
     row = transaction(FakeAsyncSession()).claim_row(msg, models.OUTCOME_DEAD_LETTERED)

@@ -272,14 +272,16 @@ async def test_a_concurrent_claim_waits_and_succeeds_once_the_holder_rolls_back(
             assert await waiting is True
 
 
-async def test_a_concurrent_claim_times_out_with_a_lock_timeout_error() -> None:
+async def test_a_concurrent_claim_times_out_with_a_claim_timeout() -> None:
+    """As the real store's claim: the lock timeout (sqlstate 55P03) is raised as ClaimTimeout."""
     store = testing.MemoryStore(lock_timeout_s=0.01)
     async with store.transaction(spec()) as first:
         await first.claim(message(), models.OUTCOME_PROCESSED)
         async with store.transaction(spec()) as second:
-            with pytest.raises(testing.LockNotAvailable) as info:
+            with pytest.raises(errors.ClaimTimeout) as info:
                 await second.claim(message(), models.OUTCOME_PROCESSED)
-    assert failures.classify(info.value) is failures.DbFailure.LOCK_TIMEOUT
+    assert isinstance(info.value.__cause__, testing.LockNotAvailable)
+    assert failures.classify(info.value.__cause__) is failures.DbFailure.LOCK_TIMEOUT
 
 
 async def test_claim_many_claims_in_one_go_skipping_taken_keys_and_msg_ids() -> None:
@@ -418,13 +420,18 @@ async def test_fail_transactions_raises_database_unavailable_n_times() -> None:
     assert store.transactions == 1
 
 
-async def test_lock_timeout_claims_raise_a_lock_timeout() -> None:
-    store = testing.MemoryStore().lock_timeout_claims(1)
+async def test_lock_timeout_claims_raise_a_claim_timeout() -> None:
+    """The claim raises ClaimTimeout from a lock timeout, then claims; a batch's claim
+    raises the lock timeout itself, as the real store's does."""
+    store = testing.MemoryStore().lock_timeout_claims(2)
     async with store.transaction(spec()) as tx:
-        with pytest.raises(testing.LockNotAvailable) as info:
+        with pytest.raises(errors.ClaimTimeout) as info:
             await tx.claim(message(), models.OUTCOME_PROCESSED)
+        with pytest.raises(testing.LockNotAvailable):
+            await tx.claim_many([message()], models.OUTCOME_PROCESSED)
         assert await tx.claim(message(), models.OUTCOME_PROCESSED)
-    assert failures.classify(info.value) is failures.DbFailure.LOCK_TIMEOUT
+    assert info.value.__cause__ is not None
+    assert failures.classify(info.value.__cause__) is failures.DbFailure.LOCK_TIMEOUT
 
 
 async def test_conflict_commits_roll_back_and_raise_transaction_conflict() -> None:
