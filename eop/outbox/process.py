@@ -20,7 +20,7 @@ from eop.app import App
 from eop.broker import connection, jetstream, partitions
 from eop.handler import HandlerSpec
 from eop.outbox import relay
-from eop.outbox.jetstream import JetStreamPublisher
+from eop.outbox.jetstream_publisher import JetStreamPublisher
 from eop.pg import migrate
 from eop.protocol import misconfiguration
 from eop.runtime import shutdown, startup, telemetry

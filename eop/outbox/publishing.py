@@ -4,9 +4,10 @@ The relay (:mod:`eop.outbox.relay`) keeps everything that makes the outbox
 exactly once: the lease, the order, the marks, the refusals counted and the
 subjects held back. A publisher only sends a batch of rows and says, row by
 row, what became of each (:class:`Fate`). JetStream's is
-:mod:`eop.outbox.jetstream`; another target is one module with a class of this
-shape, handed to the relay where it is built (:mod:`eop.outbox.process` for
-``eop relay``, :mod:`eop.runtime.worker` for a worker's relay).
+:mod:`eop.outbox.jetstream_publisher`; another target is one module with a
+class of this shape, handed to the relay where it is built
+(:mod:`eop.outbox.process` for ``eop relay``, :mod:`eop.runtime.worker` for a
+worker's relay).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ UNANSWERED = Receipt(Fate.UNANSWERED)
 
 
 class Publisher(Protocol):
-    """Where the relay sends outbox rows (JetStream's: :mod:`eop.outbox.jetstream`)."""
+    """Where the relay sends outbox rows (JetStream's: :mod:`eop.outbox.jetstream_publisher`)."""
 
     async def publish(self, rows: Sequence[Row]) -> list[Receipt]:
         """Send ``rows``, each with its msg-id, and wait for the target to take them (as

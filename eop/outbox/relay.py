@@ -11,8 +11,8 @@ out in ``id`` order. A round:
 2. reads the oldest pending rows (``outbox_batch``), skipping the subjects
    held back after a refusal;
 3. hands them to its publisher (:mod:`eop.outbox.publishing`; JetStream's,
-   :mod:`eop.outbox.jetstream`, sends them all at once and waits for their
-   PubAcks); every send of a row carries its ``Nats-Msg-Id``, so a re-send is
+   :mod:`eop.outbox.jetstream_publisher`, sends them all at once and waits for
+   their PubAcks); every send of a row carries its ``Nats-Msg-Id``, so a re-send is
    dropped by the stream inside its duplicate window and by an eop
    consumer's msg-id guard after it;
 4. marks the acknowledged rows published, with their stream sequence.

@@ -5,16 +5,20 @@ lost connection, a busy or read-only server, a misconfiguration, or none of
 those), whichever driver raised it; :data:`INFRASTRUCTURE` are the kinds that
 are never a handler's fault, so :func:`transient` retries them without
 counting. :func:`misconfiguration` says which fix a misconfiguration needs.
+:func:`translate_claim_errors` says what a failed claim means for its message.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import sqlalchemy.exc as sa_exc
 
-from eop import errors
+from eop import errors, log
+
+T = TypeVar("T")
 
 
 class DbFailure(enum.Enum):
@@ -178,6 +182,28 @@ def refuses_values(exc: BaseException) -> bool:
         nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
         current = nxt or current.__cause__ or current.__context__
     return False
+
+
+async def translate_claim_errors(claim: Awaitable[T]) -> T:
+    """Await one message's claim; its failures that concern that message in eop's terms.
+
+    A lock timeout (another delivery of the message holds its key or msg-id)
+    is :class:`eop.errors.ClaimTimeout`; values the database refuses (its row
+    cannot be stored or indexed) are :class:`eop.errors.UnclaimableMessage`;
+    anything else is raised as the driver raised it.
+    """
+    try:
+        return await claim
+    except Exception as exc:
+        if classify(exc) is DbFailure.LOCK_TIMEOUT:
+            raise errors.ClaimTimeout() from exc
+        if refuses_values(exc):
+            # Bounded as a dead letter records an error: the message is dead-lettered with it.
+            described = log.describe_error(exc)[:2000]
+            raise errors.UnclaimableMessage(
+                f"the inbox refuses this message's row: {described}"
+            ) from exc
+        raise
 
 
 def pooler_mismatch(exc: BaseException) -> bool:

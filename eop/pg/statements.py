@@ -1,7 +1,7 @@
 """The protocol's statements in one inbox transaction, whatever runs them.
 
 :class:`Statements` implements the bookkeeping half of
-:class:`eop.pg.inbox.Transaction` (the claim, the look-ups, the dead letters,
+:class:`eop.pg.contract.Transaction` (the claim, the look-ups, the dead letters,
 the retries' counts) with eop's statements (:mod:`eop.pg.sql`) over two
 primitives, :meth:`Statements._rows` and :meth:`Statements._execute`; a
 subclass says how a statement reaches the database (a SQLAlchemy session in
@@ -19,8 +19,8 @@ import sqlalchemy as sa
 
 from eop import message as message_mod
 from eop import redaction
-from eop.pg import models
-from eop.pg.inbox import DeadLetter, Existing
+from eop.pg import failures, models
+from eop.pg.contract import DeadLetter, Existing
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import retries as retries_sql
 
@@ -92,8 +92,9 @@ class Statements(abc.ABC):
 
     async def claim(self, message: Message, outcome: str) -> bool:
         """Insert the inbox row; False when the key or the msg-id is taken, or below the
-        watermark."""
-        return bool(await self.claim_many([message], outcome))
+        watermark. A lock timeout or a refused row is raised in eop's terms
+        (:func:`eop.pg.failures.translate_claim_errors`)."""
+        return bool(await failures.translate_claim_errors(self.claim_many([message], outcome)))
 
     async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
         """Claim a batch in one statement; returns the claimed stream sequences.

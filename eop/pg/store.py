@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from eop.message import Message
     from eop.settings import Settings
 
-from eop.pg.inbox import Transaction
+from eop.pg.contract import Transaction
 from eop.pg.transactions import AsyncTransaction, SqlTransaction, SyncTransaction
 
 

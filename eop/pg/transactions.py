@@ -1,6 +1,6 @@
 """The inbox transactions on PostgreSQL: async (asyncpg) and sync (psycopg, in threads).
 
-Both implement :class:`eop.pg.inbox.Transaction` on a SQLAlchemy session:
+Both implement :class:`eop.pg.contract.Transaction` on a SQLAlchemy session:
 eop's statements (:class:`eop.pg.statements.Statements`: the claim, the dead
 letters, the retries' bookkeeping), the handler's run, and COMMIT.
 """

@@ -19,8 +19,8 @@ import contextlib
 
 from eop import backoff, errors, log, message
 from eop.handler import HandlerSpec
-from eop.pg import inbox, models, retries
-from eop.protocol.settlement import Critical, Settlement, claim, describe
+from eop.pg import contract, models, retries
+from eop.protocol.settlement import Critical, Settlement, describe
 from eop.settings import Settings
 from eop.types import Delivery, Outcome
 
@@ -55,7 +55,7 @@ class Attempts:
 
     async def settle_failure(
         self,
-        tx: inbox.Transaction,
+        tx: contract.Transaction,
         delivery: Delivery,
         msg: message.Message,
         exc: Exception,
@@ -96,7 +96,7 @@ class Attempts:
                 log.Event.MESSAGE_RETRY, action=log.Action.NAK, failures=failures, error=error
             )
             return await self.settlement.nak(delivery, msg, delay_s, logger)
-        if not parked_run and not await claim(tx, msg, models.OUTCOME_RETRYING):
+        if not parked_run and not await tx.claim(msg, models.OUTCOME_RETRYING):
             existing = await tx.find(msg)
             await tx.rollback()
             return await self.settlement.not_claimed(delivery, msg, existing, logger)
@@ -112,28 +112,28 @@ class Attempts:
         )
 
 
-def rejected(exc: errors.Reject) -> inbox.DeadLetter:
+def rejected(exc: errors.Reject) -> contract.DeadLetter:
     """The dead letter of a message its handler rejected (``eop.Reject``, or undecodable)."""
     undecodable = isinstance(exc, errors.UndecodableMessage)
-    return inbox.DeadLetter(
+    return contract.DeadLetter(
         reason=models.REASON_UNDECODABLE if undecodable else models.REASON_REJECTED,
         error=describe(exc),
         traceback=log.format_traceback(exc),
     )
 
 
-def exhausted(exc: Exception, error: str) -> inbox.DeadLetter:
+def exhausted(exc: Exception, error: str) -> contract.DeadLetter:
     """The dead letter of a message whose handler failed ``max_attempts`` times, the last
     with ``exc`` (described as ``error``)."""
-    return inbox.DeadLetter(
+    return contract.DeadLetter(
         reason=models.REASON_ATTEMPTS_EXHAUSTED, error=error, traceback=log.format_traceback(exc)
     )
 
 
-def crash_loop(runs: int, bound: int) -> inbox.DeadLetter:
+def crash_loop(runs: int, bound: int) -> contract.DeadLetter:
     """The dead letter of a message run ``runs`` times without an outcome (``max_deliveries``
     is ``bound``)."""
-    return inbox.DeadLetter(
+    return contract.DeadLetter(
         reason=models.REASON_CRASH_LOOP,
         error=f"run {runs} times without an outcome (max_deliveries={bound}): its worker "
         "died or lost its lease in every attempt",

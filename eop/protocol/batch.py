@@ -20,7 +20,7 @@ import functools
 from collections.abc import Sequence
 
 from eop import errors, faults
-from eop.pg import inbox, models
+from eop.pg import contract, models
 from eop.protocol.contention import crossed, transient
 from eop.protocol.fallback import Step, log_failure, run_each
 from eop.protocol.fallback import Unsettled as Unsettled  # re-exported: the worker catches it
@@ -185,7 +185,7 @@ class BatchProcessor:
             outcomes = await self.single.critical.run(self._commit_and_ack(tx, done))
         return outcomes, leftovers, failures
 
-    async def _run_optimistically(self, tx: inbox.Transaction, mine: list[Fetched]) -> None:
+    async def _run_optimistically(self, tx: contract.Transaction, mine: list[Fetched]) -> None:
         # The handlers' writes and ORM objects go out together at the end: one
         # executemany per statement instead of a round trip per message. A
         # failure among them is one of the handlers', as any other here.
@@ -204,7 +204,7 @@ class BatchProcessor:
             raise _NeedsIsolation() from exc
 
     async def _run_handlers(
-        self, tx: inbox.Transaction, mine: list[Fetched]
+        self, tx: contract.Transaction, mine: list[Fetched]
     ) -> list[tuple[Fetched, Exception]]:
         if self.spec.batch and mine:
             error = await tx.run_isolated([i.msg for i in mine])
@@ -219,7 +219,7 @@ class BatchProcessor:
                 failures.append((item, error))
         return failures
 
-    async def _commit_and_ack(self, tx: inbox.Transaction, done: list[Fetched]) -> list[Outcome]:
+    async def _commit_and_ack(self, tx: contract.Transaction, done: list[Fetched]) -> list[Outcome]:
         """COMMIT, then every confirmed ack concurrently; the section a stop must not cut."""
         await faults.point("before_commit")
         try:

@@ -28,11 +28,11 @@ from eop.broker import ack
 from eop.broker.leases import Leases
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
-from eop.pg import inbox, models, retries
+from eop.pg import contract, models, retries
 from eop.protocol import misconfiguration
 from eop.protocol.attempts import Attempts, crash_loop
 from eop.protocol.contention import Contention, transient
-from eop.protocol.settlement import CommitRejected, Settlement, claim
+from eop.protocol.settlement import CommitRejected, Settlement
 from eop.protocol.settlement import Critical as Critical  # re-exported: the worker makes one
 from eop.protocol.settlement import Epochs as Epochs  # re-exported: the test kit implements it
 from eop.settings import Settings
@@ -71,7 +71,7 @@ class Processor:
         self,
         spec: HandlerSpec,
         settings: Settings,
-        store: inbox.Store,
+        store: contract.Store,
         epochs: Epochs,
         critical: Critical | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -186,7 +186,7 @@ class Processor:
         if problem is not None:
             # Bytes that are not UTF-8 in its subject or a header: no handler can
             # be given the message as it was published, on this or any delivery.
-            dead = inbox.DeadLetter(reason=models.REASON_UNDECODABLE, error=problem)
+            dead = contract.DeadLetter(reason=models.REASON_UNDECODABLE, error=problem)
             return await self.contention.retrying(
                 delivery,
                 lambda m: self.settlement.dead_letter(delivery, m, dead, logger),
@@ -306,7 +306,7 @@ class Processor:
         try:
             return await self.contention.retrying(delivery, step, msg, logger, contended=contended)
         except errors.UnclaimableMessage as exc:
-            dead = inbox.DeadLetter(reason=models.REASON_UNDECODABLE, error=str(exc))
+            dead = contract.DeadLetter(reason=models.REASON_UNDECODABLE, error=str(exc))
             # Not caught again: if even the row without the msg-id is refused, the
             # message cannot have an outcome, and the worker naks it.
             return await self.contention.retrying(
@@ -349,7 +349,7 @@ class Processor:
         self, delivery: Delivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
         async with self.store.transaction(self._spec) as tx:
-            if not await claim(tx, msg, models.OUTCOME_PROCESSED):
+            if not await tx.claim(msg, models.OUTCOME_PROCESSED):
                 existing = await tx.find(msg)
                 await tx.rollback()
                 return await self.settlement.not_claimed(delivery, msg, existing, logger)
@@ -409,7 +409,7 @@ class Processor:
 
     async def _run_and_commit(
         self,
-        tx: inbox.Transaction,
+        tx: contract.Transaction,
         delivery: Delivery,
         msg: message.Message,
         run: Callable[[], Awaitable[None]],

@@ -36,7 +36,7 @@ import functools
 from collections.abc import Sequence
 
 from eop import errors, faults, log, message
-from eop.pg import inbox, models, retries
+from eop.pg import contract, models, retries
 from eop.protocol.attempts import exhausted, rejected
 from eop.protocol.contention import crossed, transient
 from eop.protocol.fallback import Unsettled, log_failure, run_each
@@ -61,7 +61,7 @@ class _Decided:
 
     processed: list[_Run]
     failed: list[tuple[_Run, Exception]]
-    dead: list[tuple[_Run, inbox.DeadLetter]] = dataclasses.field(default_factory=list)
+    dead: list[tuple[_Run, contract.DeadLetter]] = dataclasses.field(default_factory=list)
     parked: list[_Run] = dataclasses.field(default_factory=list)
 
 
@@ -178,7 +178,7 @@ class RetryBatch:
             self.settlement.left(r.delivery) for r in runs if r.msg.seq not in locked
         ]
 
-    async def _count(self, tx: inbox.Transaction, decided: _Decided) -> None:
+    async def _count(self, tx: contract.Transaction, decided: _Decided) -> None:
         """Count the failures in one statement; dead-letter the rejected and exhausted ones,
         park the others again."""
         counted = []
@@ -204,7 +204,7 @@ class RetryBatch:
                 await tx.reschedule(run.msg, self.attempts.retry_delay(exc, failures))
             decided.parked.append(run)
 
-    async def _settle(self, tx: inbox.Transaction, decided: _Decided) -> None:
+    async def _settle(self, tx: contract.Transaction, decided: _Decided) -> None:
         """The outcomes of the processed and dead-lettered runs, and their dead letters."""
         settling = [(r, models.OUTCOME_PROCESSED) for r in decided.processed]
         settling += [(r, models.OUTCOME_DEAD_LETTERED) for r, _ in decided.dead]
@@ -222,7 +222,7 @@ class RetryBatch:
                 [r.msg for r, _ in decided.dead], [d for _, d in decided.dead]
             )
 
-    async def _commit(self, tx: inbox.Transaction, decided: _Decided) -> list[Outcome]:
+    async def _commit(self, tx: contract.Transaction, decided: _Decided) -> list[Outcome]:
         """COMMIT, then settle each run; the section a stop must not cut."""
         await faults.point("before_commit")
         try:

@@ -25,7 +25,7 @@ from eop import backoff, errors, faults, log, message
 from eop.broker import ack
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
-from eop.pg import failures, inbox, models, retries
+from eop.pg import contract, failures, models, retries
 from eop.settings import Settings
 from eop.types import Delivery, Outcome
 
@@ -108,7 +108,7 @@ class Settlement:
         self,
         spec: HandlerSpec,
         settings: Settings,
-        store: inbox.Store,
+        store: contract.Store,
         epochs: Epochs,
         critical: Critical,
         observer: observe.Observer,
@@ -127,12 +127,12 @@ class Settlement:
 
     async def commit_and_settle(
         self,
-        tx: inbox.Transaction,
+        tx: contract.Transaction,
         delivery: Delivery,
         msg: message.Message,
         outcome: Outcome,
         logger: log.Logger,
-        dead: inbox.DeadLetter | None = None,
+        dead: contract.DeadLetter | None = None,
     ) -> Outcome:
         """COMMIT, then tell the server (ack or term); the section a stop must not cut, so
         run inside :attr:`critical`. A processed message's writes refused at COMMIT (not
@@ -154,7 +154,7 @@ class Settlement:
         delivery: Delivery,
         outcome: Outcome,
         logger: log.Logger,
-        dead: inbox.DeadLetter | None,
+        dead: contract.DeadLetter | None,
         **extra: Any,
     ) -> Outcome:
         """Ack a processed message, term a dead-lettered or quarantined one, and log it."""
@@ -221,7 +221,7 @@ class Settlement:
         msg: message.Message,
         outcome: Outcome,
         logger: log.Logger,
-        dead: inbox.DeadLetter | None,
+        dead: contract.DeadLetter | None,
     ) -> Outcome:
         """The connection died during the COMMIT of ``msg``'s ``outcome``: read it back.
 
@@ -278,7 +278,7 @@ class Settlement:
         return Outcome.RETRY
 
     async def commit_and_park(
-        self, tx: inbox.Transaction, delivery: Delivery, msg: message.Message, logger: log.Logger
+        self, tx: contract.Transaction, delivery: Delivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
         """COMMIT the parked retry, then ack: the retries table holds the message now (run
         inside :attr:`critical`)."""
@@ -298,7 +298,7 @@ class Settlement:
         self,
         delivery: Delivery,
         msg: message.Message,
-        dead: inbox.DeadLetter,
+        dead: contract.DeadLetter,
         logger: log.Logger,
         *,
         msg_id_guard: bool = True,
@@ -311,10 +311,10 @@ class Settlement:
 
     async def dead_letter_in(
         self,
-        tx: inbox.Transaction,
+        tx: contract.Transaction,
         delivery: Delivery,
         msg: message.Message,
-        dead: inbox.DeadLetter,
+        dead: contract.DeadLetter,
         logger: log.Logger,
     ) -> Outcome:
         """Dead-letter ``msg`` in ``tx``: its inbox row (a claim, or its retrying row), the
@@ -325,7 +325,7 @@ class Settlement:
             if not marked:
                 await tx.rollback()
                 return self.left(delivery)
-        elif not await claim(tx, msg, models.OUTCOME_DEAD_LETTERED):
+        elif not await tx.claim(msg, models.OUTCOME_DEAD_LETTERED):
             existing = await tx.find(msg)
             await tx.rollback()
             return await self.not_claimed(delivery, msg, existing, logger)
@@ -339,7 +339,7 @@ class Settlement:
         self,
         delivery: Delivery,
         msg: message.Message,
-        existing: inbox.Existing | None,
+        existing: contract.Existing | None,
         logger: log.Logger,
     ) -> Outcome:
         """The claim of ``msg`` found ``existing`` under its key, msg-id or watermark: ack it
@@ -369,7 +369,7 @@ class Settlement:
         self, delivery: Delivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
         """The sequence was reused for another message: keep it as a dead letter, alarm."""
-        dead = inbox.DeadLetter(
+        dead = contract.DeadLetter(
             reason=models.REASON_SEQUENCE_REUSED,
             error=f"stream {msg.stream} sequence {msg.seq} (epoch {msg.stream_epoch}) was "
             "already processed with a different fingerprint: the stream was recreated "
@@ -391,25 +391,6 @@ class Settlement:
         )
         await faults.point("after_ack")
         return acked
-
-
-async def claim(tx: inbox.Transaction, msg: message.Message, outcome: str) -> bool:
-    """Claim ``msg`` in ``tx`` with ``outcome``; False if its inbox row exists already.
-
-    Raises :class:`eop.errors.ClaimTimeout` when another delivery of it holds
-    its key past the lock timeout, :class:`eop.errors.UnclaimableMessage` when
-    the database refuses its row.
-    """
-    try:
-        return await tx.claim(msg, outcome)
-    except Exception as exc:
-        if failures.classify(exc) is failures.DbFailure.LOCK_TIMEOUT:
-            raise errors.ClaimTimeout() from exc
-        if failures.refuses_values(exc):
-            raise errors.UnclaimableMessage(
-                f"the inbox refuses this message's row: {describe(exc)}"
-            ) from exc
-        raise
 
 
 def describe(exc: BaseException) -> str:

@@ -33,7 +33,7 @@ from eop.broker import ack, client, connection, jetstream, leases, partitions
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.outbox import relay
-from eop.outbox.jetstream import JetStreamPublisher
+from eop.outbox.jetstream_publisher import JetStreamPublisher
 from eop.pg import migrate
 from eop.pg.store import PostgresStore
 from eop.protocol import compaction, misconfiguration, processor, unacked

@@ -46,8 +46,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from eop.errors import DeliveryStalled, HandlerFailed
-from eop.pg.inbox import DeadLetter as DeadLetter
-from eop.pg.inbox import Existing as Existing
+from eop.pg.contract import DeadLetter as DeadLetter
+from eop.pg.contract import Existing as Existing
 from eop.testing.app import TestApp
 from eop.testing.deliveries import DEFAULT_TIMESTAMP as DEFAULT_TIMESTAMP
 from eop.testing.deliveries import FakeDelivery, FakeMetadata, SequencePair
@@ -65,7 +65,7 @@ from eop.testing.store import MemoryStore, MemoryTransaction
 from eop.types import Delivery, Outcome
 
 if TYPE_CHECKING:
-    from eop.pg import inbox
+    from eop.pg import contract
     from eop.protocol import processor
 
 __all__ = [
@@ -95,6 +95,6 @@ if TYPE_CHECKING:
 
     def _conforms(
         store: MemoryStore, delivery: FakeDelivery, epochs: FakeEpochs
-    ) -> tuple[inbox.Store, Delivery, processor.Epochs]:
+    ) -> tuple[contract.Store, Delivery, processor.Epochs]:
         """Let mypy check that the fakes implement eop's protocols."""
         return store, delivery, epochs

@@ -1,6 +1,6 @@
 """Where a :class:`~eop.testing.app.TestApp` keeps its inbox: in memory, or in PostgreSQL.
 
-Both give the protocol its :class:`eop.pg.inbox.Store` and read back what a
+Both give the protocol its :class:`eop.pg.contract.Store` and read back what a
 test asserts on: the outbox messages committed, the dead letters, and the
 parked messages whose retry the test runs now.
 """
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from eop.app import App
     from eop.handler import HandlerSpec
     from eop.message import Message
-    from eop.pg import inbox
+    from eop.pg import contract
 
 _TAKE_LIMIT = 10_000
 
@@ -33,7 +33,7 @@ class Backend(Protocol):
     """An inbox for the protocol, and what a test reads back from it."""
 
     @property
-    def store(self) -> inbox.Store:
+    def store(self) -> contract.Store:
         """The store the processors run on."""
 
     async def start(self) -> None:

@@ -9,7 +9,7 @@ from eop import redaction
 
 if TYPE_CHECKING:
     from eop.message import Message
-    from eop.pg.inbox import DeadLetter
+    from eop.pg.contract import DeadLetter
 
 InboxKey = tuple[str, str, str, int]
 """``(subscription, stream, stream_epoch, stream_seq)``."""

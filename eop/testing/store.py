@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from eop import errors
 from eop.outbox.outgoing import Outgoing
 from eop.pg import models
-from eop.pg.failures import INFRASTRUCTURE, classify
-from eop.pg.inbox import DeadLetter, Existing
+from eop.pg.contract import DeadLetter, Existing
+from eop.pg.failures import INFRASTRUCTURE, classify, translate_claim_errors
 from eop.testing.failures import Ambiguous, ErrorSpec, Failures, LockNotAvailable, instantiate
 from eop.testing.rows import DeadLetterRow, InboxKey, InboxRow, inbox_key
 from eop.testing.session import FakeSession, FakeWrites, Statement
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class MemoryStore:
-    """An in-memory inbox implementing :class:`eop.pg.inbox.Store` with PostgreSQL's semantics.
+    """An in-memory inbox implementing :class:`eop.pg.contract.Store` with PostgreSQL's semantics.
 
     - a claim inserts the inbox row unless its key, or (with the handler's
       ``msg_id_guard``) its ``Nats-Msg-Id``, is taken; a claim held by another
@@ -146,7 +146,8 @@ class MemoryStore:
         return self
 
     def lock_timeout_claims(self, times: int = 1) -> MemoryStore:
-        """Make the next ``times`` claims time out on the row lock (sqlstate 55P03)."""
+        """Make the next ``times`` claims time out on the row lock (sqlstate 55P03): a
+        :meth:`MemoryTransaction.claim` raises :class:`eop.errors.ClaimTimeout` from it."""
         return self.fail_claims(times, LockNotAvailable)
 
     def conflict_commits(self, times: int = 1) -> MemoryStore:
@@ -222,7 +223,7 @@ class MemoryStore:
 
 
 class MemoryTransaction:
-    """One transaction of a :class:`MemoryStore` (implements :class:`eop.pg.inbox.Transaction`)."""
+    """One transaction of a :class:`MemoryStore`: an :class:`eop.pg.contract.Transaction`."""
 
     def __init__(self, store: MemoryStore, spec: HandlerSpec) -> None:
         self.store = store
@@ -249,9 +250,13 @@ class MemoryTransaction:
 
         Like ``INSERT ... ON CONFLICT DO NOTHING`` under READ COMMITTED, a key
         held by another open transaction makes this wait for it to end; the
-        store's ``lock_timeout_s`` bounds that wait (:class:`LockNotAvailable`).
+        store's ``lock_timeout_s`` bounds that wait. Its failures are translated
+        as the real store's are (:func:`eop.pg.failures.translate_claim_errors`):
+        a lock timeout (:class:`LockNotAvailable`) is :class:`eop.errors.ClaimTimeout`,
+        a refused row (an error of :meth:`MemoryStore.fail_claims`)
+        :class:`eop.errors.UnclaimableMessage`.
         """
-        return bool(await self.claim_many([message], outcome))
+        return bool(await translate_claim_errors(self.claim_many([message], outcome)))
 
     async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
         """Claim a batch as one ``INSERT ... ON CONFLICT DO NOTHING`` would; the sequences claimed.

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 import eop
 from eop.outbox import notifications
-from eop.outbox.jetstream import JetStreamPublisher
+from eop.outbox.jetstream_publisher import JetStreamPublisher
 from eop.outbox.relay import Relay
 
 from .bed import (

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eop import errors, message, payload, redaction, testing
-from eop.pg import inbox
+from eop.pg import contract
 
 # What a header map from nats-py can hold: any text, NUL and lone surrogates' stand-ins included.
 header_text = st.text(st.characters(codec="utf-8"), max_size=40)
@@ -128,7 +128,7 @@ def test_typed_decoding_either_returns_the_type_or_raises_undecodable(
 
 @given(text=st.text(max_size=200))
 def test_dead_letter_text_is_storable(text: str) -> None:
-    dead = inbox.DeadLetter(reason="rejected", error=text, traceback=text)
+    dead = contract.DeadLetter(reason="rejected", error=text, traceback=text)
     assert "\x00" not in dead.error
     assert dead.traceback is not None
     assert "\x00" not in dead.traceback

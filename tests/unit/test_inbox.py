@@ -13,7 +13,7 @@ from sqlalchemy.dialects import postgresql
 from eop import errors
 from eop.handler import HandlerSpec
 from eop.message import Message
-from eop.pg import failures, inbox, models, transactions
+from eop.pg import contract, failures, models, transactions
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import retries as retries_sql
 
@@ -442,6 +442,50 @@ async def test_claim_is_false_when_the_insert_returns_nothing() -> None:
     assert await transaction(FakeAsyncSession()).claim(message(), "processed") is False
 
 
+class FailingSession(FakeAsyncSession):
+    """A session whose every statement fails with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def execute(self, stmt: Any, params: dict[str, Any] | None = None) -> Any:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "raised"),
+    [
+        (DriverError("55P03", "canceling statement due to lock timeout"), errors.ClaimTimeout),
+        (DriverError("54000", "index row size 5016 exceeds maximum"), errors.UnclaimableMessage),
+        (DriverError("22021", "invalid byte sequence"), errors.UnclaimableMessage),
+    ],
+)
+async def test_claim_raises_a_held_key_and_a_refused_row_in_eops_terms(
+    error: Exception, raised: type[errors.EopError]
+) -> None:
+    """The edge translates: a lock timeout is ClaimTimeout, refused values UnclaimableMessage
+    (naming the driver's error), each from the driver's error; the protocol needs no wrapper."""
+    with pytest.raises(raised) as info:
+        await transaction(FailingSession(error)).claim(message(), models.OUTCOME_PROCESSED)
+    assert info.value.__cause__ is error
+    if raised is errors.UnclaimableMessage:
+        assert str(info.value).startswith("the inbox refuses this message's row: DriverError: ")
+
+
+async def test_claim_raises_other_failures_and_a_batch_claims_failures_as_they_are() -> None:
+    """A statement timeout in the claim stays the driver's (retried as infrastructure); a batch's
+    claim translates nothing (the batch path reads the driver's error itself)."""
+    timeout = DriverError("57014", "canceling statement due to statement timeout")
+    with pytest.raises(DriverError) as info:
+        await transaction(FailingSession(timeout)).claim(message(), models.OUTCOME_PROCESSED)
+    assert info.value is timeout
+    held = DriverError("55P03", "canceling statement due to lock timeout")
+    with pytest.raises(DriverError) as info:
+        await transaction(FailingSession(held)).claim_many([message()], "processed")
+    assert info.value is held
+
+
 async def test_claim_stores_key_fingerprint_outcome_and_msg_id() -> None:
     msg = message({"Nats-Msg-Id": "m-1"})
     row = transaction(FakeAsyncSession()).claim_row(msg, models.OUTCOME_DEAD_LETTERED)
@@ -465,13 +509,13 @@ async def test_claim_without_msg_id_guard_stores_no_msg_id() -> None:
 async def test_find_reports_a_row_under_the_key_with_its_fingerprint() -> None:
     session = FakeAsyncSession(results=[[(b"fp", "processed")]])
     found = await transaction(session).find(message({"Nats-Msg-Id": "m-1"}))
-    assert found == inbox.Existing(by="key", fingerprint=b"fp", outcome="processed")
+    assert found == contract.Existing(by="key", fingerprint=b"fp", outcome="processed")
 
 
 async def test_find_falls_back_to_the_msg_id() -> None:
     session = FakeAsyncSession(results=[[], [("ORDERS", "e1", 1, "processed")]])
     found = await transaction(session).find(message({"Nats-Msg-Id": "m-1"}))
-    assert found == inbox.Existing(by="msg_id", fingerprint=None, outcome="processed")
+    assert found == contract.Existing(by="msg_id", fingerprint=None, outcome="processed")
 
 
 async def test_find_without_msg_id_guard_looks_under_the_key_only() -> None:
@@ -487,7 +531,7 @@ async def test_find_without_msg_id_guard_looks_under_the_key_only() -> None:
 async def test_dead_letter_row_keeps_payload_and_error_and_redacts_headers() -> None:
     session = FakeAsyncSession()
     msg = message({"Authorization": "Bearer s3cr3t", "X-Api-Key": "k", "Nats-Msg-Id": "m-1"})
-    dead = inbox.DeadLetter(reason="rejected", error="Reject: no", traceback="Traceback ...")
+    dead = contract.DeadLetter(reason="rejected", error="Reject: no", traceback="Traceback ...")
     await transaction(session).add_dead_letter(msg, dead)
     row = {name.removeprefix("p_"): value for name, value in session.bound[0].items()}
     assert row["headers"] == {"Authorization": "***", "X-Api-Key": "***", "Nats-Msg-Id": "m-1"}

@@ -89,7 +89,7 @@ FEATURES: Mapping[str, Mapping[str, str]] = {
         "eop.outbox.table": "edges",
         "eop.outbox.sql": "edges",
         "eop.outbox.notifications": "edges",
-        "eop.outbox.jetstream": "edges",
+        "eop.outbox.jetstream_publisher": "edges",
         "eop.outbox.relay": "protocol",
         "eop.outbox.process": "runtime",
         "eop.outbox.operations": "operations",
@@ -105,7 +105,7 @@ TOOLS = ("eop.tools", "eop.contrib", "eop.testing", *MOVED)
 #: the feature packages' modules that belong to it.
 APART: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (
-        ("eop.broker", "eop.outbox.jetstream"),
+        ("eop.broker", "eop.outbox.jetstream_publisher"),
         ("eop.pg", "eop.outbox.table", "eop.outbox.sql", "eop.outbox.notifications"),
     ),
 )

@@ -12,7 +12,7 @@ from typing import Any
 
 import nats.js.errors
 
-from eop.outbox import jetstream
+from eop.outbox import jetstream_publisher
 from eop.outbox.publishing import (
     PARK_BAD_HEADER,
     PARK_NO_STREAM,
@@ -75,9 +75,9 @@ def _row(i: int, subject: str, payload: bytes = b"x", headers: dict[str, str] | 
     return Row(i, f"m{i}", subject, headers or {}, payload, attempts=0)
 
 
-def _publisher(js: _JetStream, *, connected: bool = True) -> jetstream.JetStreamPublisher:
+def _publisher(js: _JetStream, *, connected: bool = True) -> jetstream_publisher.JetStreamPublisher:
     nc: Any = _Nats(js, connected=connected)  # the attributes and the method the publisher uses
-    return jetstream.JetStreamPublisher(nc, SETTINGS)
+    return jetstream_publisher.JetStreamPublisher(nc, SETTINGS)
 
 
 async def test_jetstreams_answers_become_a_receipt_per_row_in_the_rows_order() -> None:

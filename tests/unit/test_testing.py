@@ -12,7 +12,7 @@ import pytest
 from eop import errors, testing
 from eop.handler import HandlerSpec
 from eop.message import Message
-from eop.pg import failures, inbox, models
+from eop.pg import contract, failures, models
 
 
 async def handler(message: Message, session: Any) -> None:
@@ -179,7 +179,7 @@ async def test_rollback_discards_claim_effects_and_dead_letters() -> None:
     async with store.transaction(spec()) as tx:
         await tx.claim(message(), models.OUTCOME_PROCESSED)
         await tx.run(message())
-        await tx.add_dead_letter(message(), inbox.DeadLetter(reason="r", error="e"))
+        await tx.add_dead_letter(message(), contract.DeadLetter(reason="r", error="e"))
         await tx.rollback()
     assert (store.inbox, store.effects, store.dead_letters) == ({}, [], [])
 
@@ -210,7 +210,9 @@ async def test_a_taken_key_cannot_be_claimed() -> None:
     async with store.transaction(spec()) as tx:
         assert not await tx.claim(message(data=b"other"), models.OUTCOME_PROCESSED)
         found = await tx.find(message(data=b"other"))
-    assert found == inbox.Existing(by="key", fingerprint=message().fingerprint, outcome="processed")
+    assert found == contract.Existing(
+        by="key", fingerprint=message().fingerprint, outcome="processed"
+    )
 
 
 async def test_a_taken_msg_id_cannot_be_claimed_with_the_guard() -> None:
@@ -219,7 +221,7 @@ async def test_a_taken_msg_id_cannot_be_claimed_with_the_guard() -> None:
     async with store.transaction(spec()) as tx:
         assert not await tx.claim(message(seq=2, msg_id="m"), models.OUTCOME_PROCESSED)
         found = await tx.find(message(seq=2, msg_id="m"))
-    assert found == inbox.Existing(by="msg_id", fingerprint=None, outcome="processed")
+    assert found == contract.Existing(by="msg_id", fingerprint=None, outcome="processed")
 
 
 async def test_msg_id_guard_off_ignores_msg_ids() -> None:
@@ -270,14 +272,16 @@ async def test_a_concurrent_claim_waits_and_succeeds_once_the_holder_rolls_back(
             assert await waiting is True
 
 
-async def test_a_concurrent_claim_times_out_with_a_lock_timeout_error() -> None:
+async def test_a_concurrent_claim_times_out_with_a_claim_timeout() -> None:
+    """As the real store's claim: the lock timeout (sqlstate 55P03) is raised as ClaimTimeout."""
     store = testing.MemoryStore(lock_timeout_s=0.01)
     async with store.transaction(spec()) as first:
         await first.claim(message(), models.OUTCOME_PROCESSED)
         async with store.transaction(spec()) as second:
-            with pytest.raises(testing.LockNotAvailable) as info:
+            with pytest.raises(errors.ClaimTimeout) as info:
                 await second.claim(message(), models.OUTCOME_PROCESSED)
-    assert failures.classify(info.value) is failures.DbFailure.LOCK_TIMEOUT
+    assert isinstance(info.value.__cause__, testing.LockNotAvailable)
+    assert failures.classify(info.value.__cause__) is failures.DbFailure.LOCK_TIMEOUT
 
 
 async def test_claim_many_claims_in_one_go_skipping_taken_keys_and_msg_ids() -> None:
@@ -380,7 +384,7 @@ async def test_run_many_calls_a_batch_handler_with_the_list() -> None:
 
 async def test_dead_letters_are_unique_per_key_and_fingerprint() -> None:
     store = testing.MemoryStore()
-    dead = inbox.DeadLetter(reason="rejected", error="e")
+    dead = contract.DeadLetter(reason="rejected", error="e")
     for data in (b"x", b"x", b"y"):
         async with store.transaction(spec()) as tx:
             await tx.add_dead_letter(message(data=data), dead)
@@ -416,13 +420,18 @@ async def test_fail_transactions_raises_database_unavailable_n_times() -> None:
     assert store.transactions == 1
 
 
-async def test_lock_timeout_claims_raise_a_lock_timeout() -> None:
-    store = testing.MemoryStore().lock_timeout_claims(1)
+async def test_lock_timeout_claims_raise_a_claim_timeout() -> None:
+    """The claim raises ClaimTimeout from a lock timeout, then claims; a batch's claim
+    raises the lock timeout itself, as the real store's does."""
+    store = testing.MemoryStore().lock_timeout_claims(2)
     async with store.transaction(spec()) as tx:
-        with pytest.raises(testing.LockNotAvailable) as info:
+        with pytest.raises(errors.ClaimTimeout) as info:
             await tx.claim(message(), models.OUTCOME_PROCESSED)
+        with pytest.raises(testing.LockNotAvailable):
+            await tx.claim_many([message()], models.OUTCOME_PROCESSED)
         assert await tx.claim(message(), models.OUTCOME_PROCESSED)
-    assert failures.classify(info.value) is failures.DbFailure.LOCK_TIMEOUT
+    assert info.value.__cause__ is not None
+    assert failures.classify(info.value.__cause__) is failures.DbFailure.LOCK_TIMEOUT
 
 
 async def test_conflict_commits_roll_back_and_raise_transaction_conflict() -> None:

@@ -35,7 +35,7 @@ from eop.pg.store import Database, PostgresStore
 if TYPE_CHECKING:
     from eop.handler import HandlerSpec
     from eop.message import Message
-    from eop.pg.inbox import Transaction
+    from eop.pg.contract import Transaction
 
 T = TypeVar("T")
 

@@ -48,7 +48,7 @@ from eop.contrib.spark.transaction import (
 )
 from eop.handler import HandlerSpec
 from eop.message import Message
-from eop.pg import failures, inbox, models, transactions
+from eop.pg import contract, failures, models, transactions
 from eop.pg.sql import base as base_sql
 from eop.pg.sql import inbox as inbox_sql
 
@@ -337,21 +337,21 @@ class _Pass:
             return await _not_claimed(tx, msg, await tx.find(msg))
         tb = log.format_traceback(exc)
         await tx.add_dead_letter(
-            msg, inbox.DeadLetter(reason=reason, error=_describe(exc), traceback=tb)
+            msg, contract.DeadLetter(reason=reason, error=_describe(exc), traceback=tb)
         )
         logger.warning(log.Event.MESSAGE_DEAD_LETTERED, reason=reason, error=_describe(exc)[:500])
         return RowOutcome.DEAD_LETTERED
 
 
 async def _not_claimed(
-    tx: transactions.SqlTransaction, msg: Message, existing: inbox.Existing | None
+    tx: transactions.SqlTransaction, msg: Message, existing: contract.Existing | None
 ) -> RowOutcome:
     """A message whose claim found the key (or its msg-id, or the watermark) taken."""
     if existing is None:
         # The conflicting claim rolled back between our claim and the look-up.
         raise errors.TransactionConflict()
     if existing.by == "key" and existing.fingerprint != msg.fingerprint:
-        dead = inbox.DeadLetter(
+        dead = contract.DeadLetter(
             reason=models.REASON_SEQUENCE_REUSED,
             error=f"stream {msg.stream} sequence {msg.seq} (epoch {msg.stream_epoch}) was "
             "already processed with a different fingerprint: the stream was recreated "
@@ -367,7 +367,7 @@ async def _not_claimed(
 
 async def _existing(
     tx: PartitionTx, tables: models.Tables, taken: list[Message]
-) -> list[tuple[Message, inbox.Existing | None]]:
+) -> list[tuple[Message, contract.Existing | None]]:
     """What the inbox holds for messages not claimed, in two queries for most of them.
 
     A backfill over what workers processed finds every message taken, by its
@@ -387,15 +387,19 @@ async def _existing(
         inbox_sql.watermark(tables, first.subscription, first.stream, first.stream_epoch)
     )
     watermark = int(mark[0][0]) if mark else 0
-    found: list[tuple[Message, inbox.Existing | None]] = []
+    found: list[tuple[Message, contract.Existing | None]] = []
     for msg in taken:
         if msg.seq in by_key:
             fingerprint, outcome = by_key[msg.seq]
-            found.append((msg, inbox.Existing(by="key", fingerprint=fingerprint, outcome=outcome)))
+            found.append(
+                (msg, contract.Existing(by="key", fingerprint=fingerprint, outcome=outcome))
+            )
         elif msg.seq <= watermark:
             # Compacted: its outcome committed before the consumer's ack floor passed it.
             outcome = models.OUTCOME_PROCESSED
-            found.append((msg, inbox.Existing(by="watermark", fingerprint=None, outcome=outcome)))
+            found.append(
+                (msg, contract.Existing(by="watermark", fingerprint=None, outcome=outcome))
+            )
         else:
             found.append((msg, await tx.find(msg)))
     return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from eop import errors
 from eop.pg import failures, transactions
 
 T = TypeVar("T")
@@ -49,7 +50,8 @@ _RETRIED_IN_PLACE = frozenset(
 
 def transient(exc: BaseException) -> bool:
     """Errors after which the partition's whole transaction is retried in place."""
-    return failures.transient(exc, _RETRIED_IN_PLACE)
+    # Transaction.claim raises its lock timeout as ClaimTimeout: a held claim all the same.
+    return isinstance(exc, errors.ClaimTimeout) or failures.transient(exc, _RETRIED_IN_PLACE)
 
 
 def drive(coro: Coroutine[Any, Any, T]) -> T:

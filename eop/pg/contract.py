@@ -1,11 +1,14 @@
-"""The inbox: where a message is claimed, found, or dead-lettered, in PostgreSQL.
+"""The contract a store implements: what the protocol asks of the inbox's database.
 
 :class:`Store` and :class:`Transaction` are the seam between the protocol
-(:mod:`eop.protocol.processor`, and :mod:`eop.protocol.batch` for fetched batches)
-and the database. :class:`eop.pg.store.PostgresStore` is the real store (its
-transactions are :mod:`eop.pg.transactions`), :class:`eop.testing.MemoryStore`
-a fake for unit tests. Driver errors are translated at the edge by
-:func:`eop.pg.failures.classify`.
+(:mod:`eop.protocol.processor`, and :mod:`eop.protocol.batch` for fetched
+batches) and the database: a message is claimed, found, or dead-lettered
+through them (the inbox's SQL is :mod:`eop.pg.sql.inbox`).
+:class:`eop.pg.store.PostgresStore` is the real store (its transactions are
+:mod:`eop.pg.transactions`), :class:`eop.testing.MemoryStore` a fake for unit
+tests. Driver errors are classified at the edge by
+:func:`eop.pg.failures.classify`; a claim raises its own in eop's terms
+(:meth:`Transaction.claim`).
 """
 
 from __future__ import annotations
@@ -57,7 +60,14 @@ class Transaction(Protocol):
     """
 
     async def claim(self, message: Message, outcome: str) -> bool:
-        """Insert the message's inbox row; False when it (or its msg-id) is taken."""
+        """Insert the message's inbox row; False when it (or its msg-id) is taken.
+
+        Raises :class:`eop.errors.ClaimTimeout` when another delivery of the
+        message holds its key (or msg-id) past the lock timeout, and
+        :class:`eop.errors.UnclaimableMessage` when the database refuses its
+        row (a value it cannot store or index); other failures as the driver
+        raised them (:func:`eop.pg.failures.translate_claim_errors`).
+        """
 
     async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
         """Claim a batch in one statement; the stream sequences of the rows inserted.
@@ -66,8 +76,9 @@ class Transaction(Protocol):
         msg-id is taken (committed, held by this transaction, or by an earlier
         row of the same batch), or which lies at or below the watermark, is
         skipped; one held by another open transaction makes the statement wait
-        for it. The statement fails whole (a lock timeout, a refused value):
-        then nothing of it is claimed, and the transaction is aborted.
+        for it. The statement fails whole (a lock timeout, a refused value,
+        raised as the driver raised them, unlike :meth:`claim`'s): then nothing
+        of it is claimed, and the transaction is aborted.
         """
 
     async def unclaim(self, message: Message) -> None:
