@@ -43,6 +43,8 @@ _TOO_LARGE_CODES = frozenset({10054})
 class JetStreamPublisher:
     """Publishes outbox rows through ``nc`` (a :class:`eop.outbox.publishing.Publisher`)."""
 
+    target = "NATS"
+
     def __init__(self, nc: NATS, settings: Settings) -> None:
         self.nc = nc
         self.timeout_s = settings.publish_timeout_s

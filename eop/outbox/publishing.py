@@ -96,6 +96,9 @@ UNANSWERED = Receipt(Fate.UNANSWERED)
 class Publisher(Protocol):
     """Where the relay sends outbox rows (JetStream's: :mod:`eop.outbox.jetstream_publisher`)."""
 
+    target: str
+    """What the relay's log lines and errors call the target (``"NATS"``)."""
+
     async def publish(self, rows: Sequence[Row]) -> list[Receipt]:
         """Send ``rows``, each with its msg-id, and wait for the target to take them (as
         long as its timeout); a receipt per row, in the order of ``rows``.

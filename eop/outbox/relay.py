@@ -70,7 +70,7 @@ class _Round:
     """Rows refused: to count an attempt for (then park at the limit), or to hold back."""
     unanswered: int = 0
     unsent: int = 0
-    """Rows not sent: NATS was not connected."""
+    """Rows not sent: the target was not connected."""
 
     @classmethod
     def of(cls, rows: list[Row], receipts: list[Receipt]) -> _Round:
@@ -146,7 +146,7 @@ class Relay:
     async def run(self, stopping: asyncio.Event) -> None:
         """Publish while leading, stand by otherwise, until ``stopping`` is set.
 
-        Failures of NATS or PostgreSQL are logged (once per outage) and the
+        Failures of the target (NATS) or PostgreSQL are logged (once per outage) and the
         round is tried again with backoff; the lease is given up on the way out.
         """
         failures_in_row = 0
@@ -261,15 +261,16 @@ class Relay:
         await self._mark_unmarked()
         await faults.point("relay_after_mark")
         await self._settle_refusals(result)
+        target = self.publisher.target
         if result.unsent:
-            raise errors.NatsUnavailable(
-                f"{result.unsent} of {len(rows)} outbox messages not sent: NATS is not "
+            raise errors.ServiceUnavailable(
+                f"{result.unsent} of {len(rows)} outbox messages not sent: {target} is not "
                 "connected; sending them once it is"
             )
         if result.unanswered:
-            raise errors.NatsUnavailable(
-                f"{result.unanswered} of {len(rows)} outbox messages got no PubAck within "
-                f"{self.settings.publish_timeout_s} s; sending them again"
+            raise errors.ServiceUnavailable(
+                f"{result.unanswered} of {len(rows)} outbox messages not confirmed by "
+                f"{target} within {self.settings.publish_timeout_s} s; sending them again"
             )
         return len(rows)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 import eop
-from eop.outbox import notifications
+from eop.outbox import notifications, publishing
 from eop.outbox.jetstream_publisher import JetStreamPublisher
 from eop.outbox.relay import Relay
 
@@ -279,6 +279,34 @@ async def test_a_commit_wakes_the_relay_through_notify(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+class _Unconnected:
+    """A second publishing target, never connected: it sends nothing."""
+
+    target = "the archive"
+
+    async def publish(self, rows: Sequence[publishing.Row]) -> list[publishing.Receipt]:
+        return [publishing.UNSENT] * len(rows)
+
+
+async def test_a_round_another_target_could_not_take_names_that_target_and_keeps_the_rows(
+    database_url: str, nats_url: str, engine: AsyncEngine
+) -> None:
+    """The relay's failure speaks of its publisher's target, not of NATS, when a target of
+    another kind is not connected; its rows stay pending for the next round."""
+    app = make_app(database_url, nats_url)
+    async with app.sessionmaker() as session, session.begin():
+        eop.outbox.add(session, OUT_SUBJECT, b"kept")
+    relay = Relay(app.engine, _Unconnected(), app.settings)
+    await relay._take_lease()
+    assert relay.leading
+    with pytest.raises(
+        eop.errors.ServiceUnavailable, match="1 of 1 outbox messages not sent: the archive"
+    ):
+        await relay.round()
+    assert await outbox_rows(engine, "published_at IS NULL") == 1
+    await app.dispose()
 
 
 async def test_two_relays_publish_every_row_once_in_id_order(

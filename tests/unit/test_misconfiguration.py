@@ -128,6 +128,8 @@ class _FailingEngine:
 
 
 class _Publisher:
+    target = "a target"
+
     async def publish(self, rows: Sequence[publishing.Row]) -> list[publishing.Receipt]:
         raise AssertionError("the lease fails first: no round gets this far")
 
