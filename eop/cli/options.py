@@ -53,6 +53,17 @@ DB_FIELDS = ("database_url", "schema", "db_pooler")
 #: The settings of the commands that read the database and the stream.
 SERVER_FIELDS = ("database_url", "nats_url", "schema", "db_pooler")
 
+#: How the outbox relay publishes: offered by ``eop relay`` and by ``eop worker``, which
+#: runs a relay too.
+PUBLISHING_FIELDS = (
+    "outbox_batch",
+    "outbox_poll_s",
+    "outbox_keep_s",
+    "outbox_max_attempts",
+    "relay_lease_s",
+    "publish_timeout_s",
+)
+
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser whose usage errors are one line, ``eop: error: ...``.
@@ -116,13 +127,19 @@ def add_app_arguments(parser: argparse.ArgumentParser, *, app_help: str, handler
 
 def add_db_options(parser: argparse.ArgumentParser) -> None:
     """``--app`` (optional: where the database settings come from) and the database flags."""
+    add_app_option(parser, "take the database URL and schema from this app")
+    add_settings(parser, DB_FIELDS)
+
+
+def add_app_option(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """An optional ``--app MODULE:APP`` (default ``$EOP_APP``): the app whose settings a
+    command takes (:func:`db_app`)."""
     parser.add_argument(
         "--app",
         metavar="MODULE:APP",
         default=os.environ.get("EOP_APP"),
-        help="take the database URL and schema from this app [env: EOP_APP]",
+        help=f"{help_text} [env: EOP_APP]",
     )
-    add_settings(parser, DB_FIELDS)
 
 
 def add_settings(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:

@@ -47,12 +47,7 @@ WORKER_FIELDS = (
     "nats_auth_refusals",
     "uvloop",
     "relay",
-    "outbox_batch",
-    "outbox_poll_s",
-    "outbox_keep_s",
-    "outbox_max_attempts",
-    "relay_lease_s",
-    "publish_timeout_s",
+    *options.PUBLISHING_FIELDS,
     "outbox_max_payload",
 )
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from eop import errors
@@ -13,16 +12,8 @@ from eop.cli import options
 
 #: The settings offered as ``eop relay`` flags.
 RELAY_FIELDS = (
-    "database_url",
-    "nats_url",
-    "schema",
-    "db_pooler",
-    "outbox_batch",
-    "outbox_poll_s",
-    "outbox_keep_s",
-    "outbox_max_attempts",
-    "relay_lease_s",
-    "publish_timeout_s",
+    *options.SERVER_FIELDS,
+    *options.PUBLISHING_FIELDS,
     *options.NATS_AUTH_FIELDS,
     "startup_attempts",
     "nats_auth_refusals",
@@ -41,12 +32,7 @@ def add_relay(sub: options.Subparsers) -> None:
         allow_abbrev=False,
     )
     options.add_log_options(relay, suppress=True)
-    relay.add_argument(
-        "--app",
-        metavar="MODULE:APP",
-        default=os.environ.get("EOP_APP"),
-        help="take the settings from this app (its handlers are not run) [env: EOP_APP]",
-    )
+    options.add_app_option(relay, "take the settings from this app (its handlers are not run)")
     options.add_settings(relay, RELAY_FIELDS)
     relay.set_defaults(command=_cmd_relay)
 

@@ -10,8 +10,9 @@ counting. :func:`misconfiguration` says which fix a misconfiguration needs.
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import sqlalchemy.exc as sa_exc
@@ -288,9 +289,25 @@ def _short(exc: BaseException) -> str:
 
 async def connected(awaitable: Any) -> Any:
     """Await a step that opens a connection; translate 'cannot connect' at the edge."""
+    # Not through unavailable_when_unreachable: this runs at every transaction's start,
+    # where a try costs nothing and a generator's context manager does.
     try:
         return await awaitable
     except Exception as exc:
         if unreachable(exc):
             raise errors.DatabaseUnavailable(f"PostgreSQL is unreachable: {_short(exc)}") from exc
+        raise
+
+
+@contextlib.contextmanager
+def unavailable_when_unreachable(
+    what: str = "PostgreSQL is unreachable", describe: Callable[[BaseException], str] = _short
+) -> Iterator[None]:
+    """Raise :class:`eop.DatabaseUnavailable` (``what: describe(error)``) for an error of
+    the block that means PostgreSQL is gone (:func:`unreachable`); let any other through."""
+    try:
+        yield
+    except Exception as exc:
+        if unreachable(exc):
+            raise errors.DatabaseUnavailable(f"{what}: {describe(exc)}") from exc
         raise

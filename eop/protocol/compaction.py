@@ -16,15 +16,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import nats.errors
 from nats.js import JetStreamContext
 
-from eop import errors, log
+from eop import log
 from eop.broker.jetstream import StreamEpochs
 from eop.handler import HandlerSpec
 from eop.pg import failures, store
 from eop.pg.sql import base as base_sql
 from eop.pg.sql import inbox as inbox_sql
+from eop.protocol import background
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,14 +165,7 @@ class Compactor:
 
     async def quietly(self, step: Callable[[], Awaitable[object]]) -> None:
         """Run ``step``, logging (not raising) the I/O failures a later round recovers from."""
-        try:
-            await step()
-        except (errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
-            self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
-        except Exception as exc:
-            if failures.classify(exc) is failures.DbFailure.OTHER:
-                raise
-            self._logger.warning(log.Event.COMPACTION_FAILED, error=type(exc).__name__)
+        await background.quietly(step, self._logger, log.Event.COMPACTION_FAILED)
 
     async def compact_once(self) -> Compacted | None:
         """One round: read the floor, raise the watermark, delete below it in chunks."""

@@ -21,16 +21,16 @@ import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import errors, log
+from eop import log
 from eop.broker import floors as nats_floors
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
-from eop.pg import failures, models
 from eop.pg import floors as pg_floors
+from eop.pg import models
+from eop.protocol import background
 from eop.settings import Settings
 
 #: An ordered handler's consumer of each partition (:meth:`eop.pg.ownership.Ownership.consumers`).
@@ -91,14 +91,7 @@ class UnackedWatch:
                 await asyncio.wait_for(stopping.wait(), self.interval_s)
 
     async def _quietly(self) -> None:
-        try:
-            await self.check_once()
-        except (errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
-            self._logger.warning(log.Event.UNACKED_WATCH_FAILED, error=type(exc).__name__)
-        except Exception as exc:
-            if failures.classify(exc) is failures.DbFailure.OTHER:
-                raise
-            self._logger.warning(log.Event.UNACKED_WATCH_FAILED, error=type(exc).__name__)
+        await background.quietly(self.check_once, self._logger, log.Event.UNACKED_WATCH_FAILED)
 
     async def _names(self) -> Mapping[int | None, str | None]:
         if self._consumers is None:

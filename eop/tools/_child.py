@@ -5,6 +5,10 @@ holding its log and two pid files: ours (the owner) and the server's. A test
 run killed outright (SIGKILL, or SIGTERM, which skips Python's exit handlers)
 cannot stop its servers; the next run finds their scratch directories, sees
 that the owner is gone, and stops them (:func:`reap_orphans`).
+
+What the servers share besides: :class:`Server` (pid, output, restart, ``with``),
+:class:`Managed` (``with`` alone) and :func:`unprivileged_account` (whom to run as
+under root).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from eop import errors, scratch_owners
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+    from types import TracebackType
+
+    from typing_extensions import Self
 
 PREFIX = "eop-"
 OWNER_FILE = scratch_owners.OWNER_FILE
@@ -115,6 +122,70 @@ class Child:
         """Stop the server if it still runs and remove the scratch directory (idempotent)."""
         self.stop(self.stop_signal, 10.0)
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class Managed:
+    """Started on entering a ``with`` block, closed on leaving it."""
+
+    def start(self) -> None:
+        """Start what this manages."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop what this manages and release what it holds."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Server(Managed):
+    """A server run as one :class:`Child`: its pid and output while it runs, a restart."""
+
+    _child: Child
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._child.pid
+
+    def log(self) -> str:
+        """The server's output so far (its last 100 kB)."""
+        return self._child.tail(100_000)
+
+    def stop(self) -> None:
+        """Stop the server cleanly."""
+        raise NotImplementedError
+
+    def restart(self) -> None:
+        """Stop (if running) and start again on the same port and files (store, data)."""
+        self.stop()
+        self.start()
+
+
+def unprivileged_account(names: Sequence[str], server: str) -> Account | None:
+    """As root, the uid and gid of the first of the accounts ``names`` that exists, to run
+    ``server`` as (PostgreSQL and PgBouncer refuse to run as root); None when not root."""
+    if os.name != "posix" or os.geteuid() != 0:
+        return None
+    import pwd
+
+    for name in names:
+        with contextlib.suppress(KeyError):
+            entry = pwd.getpwnam(name)
+            return entry.pw_uid, entry.pw_gid
+    raise errors.EmbeddedServerError(
+        f"running as root, {server} needs an unprivileged account: {names[0]!r} does not exist"
+    )
 
 
 def wait_for_port(host: str, port: int, child: Child, timeout_s: float) -> None:

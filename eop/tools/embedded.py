@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import importlib.util
 import os
 import shutil
@@ -26,18 +25,13 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
 from eop import errors
 from eop.tools import _child
-
-if TYPE_CHECKING:
-    from types import TracebackType
-
-    from typing_extensions import Self
 
 HOST = "127.0.0.1"
 """The address every embedded server listens on."""
@@ -115,7 +109,7 @@ def _version_key(name: str) -> tuple[int, ...]:
     return tuple(int(part) for part in name.split(".") if part.isdigit())
 
 
-class NatsServer:
+class NatsServer(_child.Server):
     """A nats-server with JetStream on 127.0.0.1 and file storage that survives restarts.
 
     ``store_dir`` defaults to a temporary directory removed by :meth:`close`;
@@ -160,15 +154,6 @@ class NatsServer:
         """The JetStream store directory (``-sd``)."""
         return self._store_dir
 
-    @property
-    def pid(self) -> int | None:
-        """The server's process id while it runs."""
-        return self._child.pid
-
-    def log(self) -> str:
-        """The server's output so far (its last 100 kB)."""
-        return self._child.tail(100_000)
-
     def start(self) -> None:
         """Start the server and wait until its client port accepts connections."""
         if self.pid is not None:
@@ -195,26 +180,9 @@ class NatsServer:
         """SIGKILL the server, as a crash would."""
         self._child.kill()
 
-    def restart(self) -> None:
-        """Stop (if running) and start again on the same port and store."""
-        self.stop()
-        self.start()
-
     def close(self) -> None:
         """Stop the server and remove its temporary directory."""
         self._finalizer()
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _normalise(url: str | sa.URL) -> sa.URL:
@@ -309,32 +277,12 @@ class PostgresCluster:
             conn.execute(sa.text(sql))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Account:
-    name: str
-    uid: int
-    gid: int
+# As root: postgres, Debian's server package's; pgserver, created by the pgserver wheel
+# when it runs as root; nobody, present everywhere else.
+_SERVER_ACCOUNTS = ("postgres", "pgserver", "nobody")
 
 
-def _server_account(name: str | None) -> _Account | None:
-    """The unprivileged account PostgreSQL runs as when we are root (it refuses root)."""
-    if os.name != "posix" or os.geteuid() != 0:
-        return None
-    import pwd
-
-    # postgres: Debian's server package; pgserver: created by the pgserver
-    # wheel when it runs as root; nobody: present everywhere else.
-    for candidate in [name] if name else ["postgres", "pgserver", "nobody"]:
-        with contextlib.suppress(KeyError):
-            entry = pwd.getpwnam(candidate)
-            return _Account(candidate, entry.pw_uid, entry.pw_gid)
-    raise errors.EmbeddedServerError(
-        f"running as root, PostgreSQL needs an unprivileged account: {name or 'postgres'!r} "
-        "does not exist"
-    )
-
-
-class PostgresServer(PostgresCluster):
+class PostgresServer(PostgresCluster, _child.Server):
     """A throwaway PostgreSQL cluster on 127.0.0.1: user ``postgres``, trust authentication.
 
     ``data_dir`` defaults to a temporary directory removed by :meth:`close`.
@@ -359,7 +307,9 @@ class PostgresServer(PostgresCluster):
         port = port if port is not None else free_port()
         super().__init__(f"postgresql://postgres@{HOST}:{port}/postgres")
         self._bin_dir = Path(bin_dir) if bin_dir is not None else postgres_bin_dir()
-        self._account = _server_account(os_user)
+        self._account = _child.unprivileged_account(
+            [os_user] if os_user else _SERVER_ACCOUNTS, "PostgreSQL"
+        )
         # SIGQUIT is PostgreSQL's immediate shutdown, which still frees its
         # shared memory: the right way out for a server left running at exit.
         self._child = _child.Child("pg", signal.SIGQUIT)
@@ -377,15 +327,6 @@ class PostgresServer(PostgresCluster):
         """The cluster's data directory."""
         return self._data_dir
 
-    @property
-    def pid(self) -> int | None:
-        """The postmaster's process id while it runs."""
-        return self._child.pid
-
-    def log(self) -> str:
-        """The server's output so far (its last 100 kB)."""
-        return self._child.tail(100_000)
-
     def start(self) -> None:
         """Start the server (running initdb first if needed) and wait until it is ready."""
         if self.pid is not None:
@@ -400,7 +341,7 @@ class PostgresServer(PostgresCluster):
             argv += ["-c", f"{name}={value}"]
         # The postmaster is started directly rather than through pg_ctl: as our
         # own child it can be waited for, reaped and killed with its backends.
-        proc = self._child.start(argv, cwd=self._data_dir, account=self._account_ids())
+        proc = self._child.start(argv, cwd=self._data_dir, account=self._account)
         self._wait_ready(proc)
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -418,34 +359,17 @@ class PostgresServer(PostgresCluster):
         self._child.kill()
         self._release_shared_memory()
 
-    def restart(self) -> None:
-        """Stop (if running) and start again on the same port and data directory."""
-        self.stop()
-        self.start()
-
     def close(self) -> None:
         """Stop the server and remove its temporary directory."""
         self.stop()
         self._finalizer()
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _initdb(self) -> None:
         self._data_dir.mkdir(parents=True, exist_ok=True)
         self._give(self._data_dir)
         argv = [str(self._bin_dir / "initdb"), "-D", str(self._data_dir), "--no-sync"]
         argv += ["-A", "trust", "-U", "postgres", "-E", "UTF8", "--locale=C"]
-        proc = self._child.spawn(argv, cwd=self._data_dir, account=self._account_ids())
+        proc = self._child.spawn(argv, cwd=self._data_dir, account=self._account)
         if proc.wait(self._start_timeout_s) != 0:
             raise self._child.failed(f"initdb exited with status {proc.returncode}")
 
@@ -475,9 +399,6 @@ class PostgresServer(PostgresCluster):
             ipc_rmid = 0
             ctypes.CDLL(None, use_errno=True).shmctl(shmid, ipc_rmid, None)
 
-    def _account_ids(self) -> _child.Account | None:
-        return None if self._account is None else (self._account.uid, self._account.gid)
-
     def _give(self, path: Path) -> None:
         if self._account is not None:
-            os.chown(path, self._account.uid, self._account.gid)
+            os.chown(path, *self._account)

@@ -20,11 +20,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from eop import errors
-from eop.tools import embedded
+from eop.tools import _child, embedded
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     from typing_extensions import Self
 
 CLUSTER_NAME = "eop"
@@ -32,7 +30,7 @@ CLUSTER_NAME = "eop"
 names are refused)."""
 
 
-class NatsCluster:
+class NatsCluster(_child.Managed):
     """``size`` clustered nats-servers on 127.0.0.1, by server name.
 
     ``args`` go to every server (``["--user", "u", "--pass", "p"]``: clients
@@ -150,17 +148,10 @@ class NatsCluster:
             ) from None
 
     def __enter__(self) -> Self:
+        # A failed start leaves the servers started before it running: stop them now,
+        # not when their objects are collected.
         try:
-            self.start()
+            return super().__enter__()
         except BaseException:
             self.close()
             raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

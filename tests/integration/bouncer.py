@@ -8,13 +8,11 @@ tests count the connections a worker holds.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
-from types import TracebackType
 from typing import Literal
 
 import psycopg
@@ -59,7 +57,7 @@ def no_prepared_statements(path: str) -> dict[str, str]:
     return {"max_prepared_statements": "0"} if version(path) >= PREPARED else {}
 
 
-class PgBouncer:
+class PgBouncer(_child.Managed):
     """PgBouncer on 127.0.0.1 in ``mode``, trusting user ``postgres``, for every database.
 
     ``pool_size`` is each (database, user) pool's server connections;
@@ -116,9 +114,8 @@ class PgBouncer:
         ini = scratch / "pgbouncer.ini"
         ini.write_text(config)
         argv = [self._path, str(ini)]
-        account = None
-        if os.geteuid() == 0:
-            account = _unprivileged()
+        account = _child.unprivileged_account(("postgres", "pgbouncer", "nobody"), "PgBouncer")
+        if account is not None:
             for path in (scratch, ini, scratch / "users.txt"):
                 os.chown(path, *account)
         self._child.start(argv, cwd=scratch, account=account)
@@ -149,25 +146,3 @@ class PgBouncer:
     def close(self) -> None:
         """Stop PgBouncer and remove its directory."""
         self._child.cleanup()
-
-    def __enter__(self) -> PgBouncer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-def _unprivileged() -> tuple[int, int]:
-    import pwd
-
-    for name in ("postgres", "pgbouncer", "nobody"):
-        with contextlib.suppress(KeyError):
-            entry = pwd.getpwnam(name)
-            return entry.pw_uid, entry.pw_gid
-    raise RuntimeError("running as root, PgBouncer needs an unprivileged account")

@@ -202,14 +202,8 @@ async def _blocking_sleep(seconds: float) -> None:
 
 async def _connected(awaitable: Awaitable[Any]) -> None:
     """The first statement opens the connection: 'cannot connect' is DatabaseUnavailable."""
-    try:
+    with failures.unavailable_when_unreachable(describe=lambda exc: _describe(exc)[:200]):
         await awaitable
-    except Exception as exc:
-        if failures.unreachable(exc):
-            raise errors.DatabaseUnavailable(
-                f"PostgreSQL is unreachable: {_describe(exc)[:200]}"
-            ) from exc
-        raise
 
 
 class _NeedsIsolation(Exception):

@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from eop import errors, log
+from eop import log
 from eop.app import App
 from eop.handler import HandlerSpec
 from eop.pg import failures, floors, models
@@ -39,6 +39,13 @@ class Recorded:
     """For a dead letter: the start of its error (``eop.pg.sql.audit.AUDIT_ERROR_CHARS``)."""
 
 
+def _unavailable() -> contextlib.AbstractContextManager[None]:
+    """PostgreSQL gone during the audit raises :class:`eop.DatabaseUnavailable`."""
+    return failures.unavailable_when_unreachable(
+        "PostgreSQL failed during the audit", log.describe_error
+    )
+
+
 class Outcomes:
     """Reads the outcomes recorded for one handler of an app."""
 
@@ -49,26 +56,14 @@ class Outcomes:
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[Any]:
         """A session whose lost connection raises :class:`eop.DatabaseUnavailable`."""
-        try:
+        with _unavailable():
             async with self.app.sessionmaker() as session:
                 yield session
-        except Exception as exc:
-            if failures.unreachable(exc):
-                raise errors.DatabaseUnavailable(
-                    f"PostgreSQL failed during the audit: {log.describe_error(exc)}"
-                ) from exc
-            raise
 
     async def observed_floors(self) -> dict[str, floors.Observed]:
         """The handler's consumers as the workers last recorded them, by name."""
-        try:
+        with _unavailable():
             return await floors.read(self.app.engine, self.tables, self.spec.name, self.spec.stream)
-        except Exception as exc:
-            if failures.unreachable(exc):
-                raise errors.DatabaseUnavailable(
-                    f"PostgreSQL failed during the audit: {log.describe_error(exc)}"
-                ) from exc
-            raise
 
     async def count(self, epoch: str, lo: int, hi: int) -> int:
         """How many inbox rows of ``epoch`` lie in ``lo..hi``."""

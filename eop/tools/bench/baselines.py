@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -154,9 +154,15 @@ def _write_records(out: str, records: Any) -> None:
             file.write(f"{seq} {stamp} {at}\n")
 
 
-async def handwritten(nats_url: str, database_url: str, stream: str, durable: str) -> None:
-    """(h): batched exactly-once on asyncpg, until SIGTERM."""
-    import nats
+async def _hand_batches(
+    nats_url: str,
+    database_url: str,
+    stream: str,
+    durable: str,
+    settle: Callable[[Any, list[Any]], Awaitable[None]],
+) -> None:
+    """(h)'s and (fh)'s loop, until SIGTERM: :data:`HAND_IN_FLIGHT` subscriptions, each
+    fetching :data:`HAND_BATCH` at a time and handing them to ``settle(pool, msgs)``."""
     import nats.errors
 
     stop = _stop_on_sigterm()
@@ -169,22 +175,31 @@ async def handwritten(nats_url: str, database_url: str, stream: str, durable: st
                 msgs = await sub.fetch(HAND_BATCH, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
-            metas = [m.metadata for m in msgs]
-            async with pool.acquire() as conn, conn.transaction():
-                seqs = [meta.sequence.stream for meta in metas]
-                claimed = {row[0] for row in await conn.fetch(_HAND_CLAIM, stream, seqs)}
-                rows = [
-                    (durable, meta.sequence.stream, meta.timestamp)
-                    for meta in metas
-                    if meta.sequence.stream in claimed
-                ]
-                if rows:
-                    await conn.executemany(_HAND_INSERT, rows)
-            await asyncio.gather(*(m.ack_sync(timeout=5.0) for m in msgs))
+            await settle(pool, msgs)
 
     await asyncio.gather(*(batches() for _ in range(HAND_IN_FLIGHT)))
     await nc.close()
     await pool.close()
+
+
+async def handwritten(nats_url: str, database_url: str, stream: str, durable: str) -> None:
+    """(h): batched exactly-once on asyncpg, until SIGTERM."""
+
+    async def settle(pool: Any, msgs: list[Any]) -> None:
+        metas = [m.metadata for m in msgs]
+        async with pool.acquire() as conn, conn.transaction():
+            seqs = [meta.sequence.stream for meta in metas]
+            claimed = {row[0] for row in await conn.fetch(_HAND_CLAIM, stream, seqs)}
+            rows = [
+                (durable, meta.sequence.stream, meta.timestamp)
+                for meta in metas
+                if meta.sequence.stream in claimed
+            ]
+            if rows:
+                await conn.executemany(_HAND_INSERT, rows)
+        await asyncio.gather(*(m.ack_sync(timeout=5.0) for m in msgs))
+
+    await _hand_batches(nats_url, database_url, stream, durable, settle)
 
 
 def nak_delay_s(delivered: int, base_s: float, max_s: float) -> float:
@@ -265,31 +280,18 @@ async def handwritten_flood(
     backoff_max_s: str,
 ) -> None:
     """(fh): (h) handling failures as a competent user would without eop, until SIGTERM."""
-    import nats
-    import nats.errors
-
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s")
-    stop = _stop_on_sigterm()
-    nc, js, pool = await _hand_connections(nats_url, database_url)
     attempts, base_s, max_s = int(max_attempts), float(backoff_base_s), float(backoff_max_s)
 
-    async def batches() -> None:
-        sub = await js.pull_subscribe_bind(durable=durable, stream=stream)
-        while not stop.is_set():
-            try:
-                msgs = await sub.fetch(HAND_BATCH, timeout=1.0)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                continue
-            async with pool.acquire() as conn:
-                failed = await _flood_transaction(conn, stream, durable, msgs, attempts)
-            unsettled = {id(m) for m in failed}
-            settled = [m for m in msgs if id(m) not in unsettled]
-            naks = [m.nak(nak_delay_s(m.metadata.num_delivered, base_s, max_s)) for m in failed]
-            await asyncio.gather(*(m.ack_sync(timeout=5.0) for m in settled), *naks)
+    async def settle(pool: Any, msgs: list[Any]) -> None:
+        async with pool.acquire() as conn:
+            failed = await _flood_transaction(conn, stream, durable, msgs, attempts)
+        unsettled = {id(m) for m in failed}
+        settled = [m for m in msgs if id(m) not in unsettled]
+        naks = [m.nak(nak_delay_s(m.metadata.num_delivered, base_s, max_s)) for m in failed]
+        await asyncio.gather(*(m.ack_sync(timeout=5.0) for m in settled), *naks)
 
-    await asyncio.gather(*(batches() for _ in range(HAND_IN_FLIGHT)))
-    await nc.close()
-    await pool.close()
+    await _hand_batches(nats_url, database_url, stream, durable, settle)
 
 
 async def naive_loop(nats_url: str, database_url: str, stream: str, durable: str) -> None:

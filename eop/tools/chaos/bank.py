@@ -17,13 +17,13 @@ import dataclasses
 import json
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
 import eop
-from eop.tools.chaos.target import Payload, Target
+from eop.tools.chaos.target import GoodFactory, Payload, Target
 
 STREAM = "CHAOS"
 SUBJECT = "chaos.transfers.new"
@@ -39,6 +39,8 @@ DUPLICATE_WINDOW_S = 2.0
 
 CANARY_PAYLOAD = "eop-canary-payload-5d1e8a"
 """Planted in every payload: it must never appear in a log line."""
+POISON_KINDS = ("undecodable", "poison", "failing")
+"""The kinds of :func:`poison`, which :func:`mixed_payload` takes in turn."""
 
 app = eop.App()
 app.stream(STREAM, subjects=["chaos.transfers.>"], duplicate_window_s=DUPLICATE_WINDOW_S)
@@ -80,15 +82,29 @@ async def book(msg: eop.Message, session: AsyncSession) -> None:
 
 def make_payload(index: int, rng: random.Random) -> Payload:
     """The ``index``-th transfer; about one in 150 is poison of one of three kinds."""
+    return mixed_payload(index, rng, make_transfer)
+
+
+def mixed_payload(index: int, rng: random.Random, make_good: GoodFactory) -> Payload:
+    """The ``index``-th message of a target: one in 150 poison, of :data:`POISON_KINDS` in
+    turn (key ``p000149``...), the others good ones ``make_good`` makes (key ``t000000``...)."""
     if index % 150 == 149:
-        kind = ("undecodable", "poison", "failing")[(index // 150) % 3]
-        key = f"p{index:06d}"
-        if kind == "undecodable":
-            data = b"\xff\xfe not json " + CANARY_PAYLOAD.encode()
-        else:
-            data = json.dumps({"id": key, "kind": kind, "memo": CANARY_PAYLOAD}).encode()
-        return Payload(key=key, data=data, poison=True)
-    return make_transfer(f"t{index:06d}", rng)
+        return poison(f"p{index:06d}", POISON_KINDS[(index // 150) % len(POISON_KINDS)])
+    return make_good(f"t{index:06d}", rng)
+
+
+def poison(key: str, kind: str = "poison", *, subject: str | None = None) -> Payload:
+    """A message the built-in targets' handlers must not take effect for, the canary in it.
+
+    ``undecodable``: not JSON (dead-lettered undecoded); ``poison``: rejected
+    (``eop.Reject``); ``failing``: raises on every delivery, dead-lettered once its
+    attempts run out.
+    """
+    if kind == "undecodable":
+        data = b"\xff\xfe not json " + CANARY_PAYLOAD.encode()
+    else:
+        data = json.dumps({"id": key, "kind": kind, "memo": CANARY_PAYLOAD}).encode()
+    return Payload(key=key, data=data, poison=True, subject=subject)
 
 
 def make_transfer(key: str, rng: random.Random, accounts: Sequence[str] = ACCOUNTS) -> Payload:
@@ -105,9 +121,8 @@ def make_transfer(key: str, rng: random.Random, accounts: Sequence[str] = ACCOUN
 
 
 def make_failing(key: str) -> Payload:
-    """A transfer that fails on every delivery: dead-lettered when its attempts run out."""
-    data = json.dumps({"id": key, "kind": "failing", "memo": CANARY_PAYLOAD}).encode()
-    return Payload(key=key, data=data, poison=True)
+    """A message that fails on every delivery: dead-lettered when its attempts run out."""
+    return poison(key, "failing")
 
 
 def make_few_payload(index: int, rng: random.Random) -> Payload:
@@ -117,15 +132,29 @@ def make_few_payload(index: int, rng: random.Random) -> Payload:
 
 def setup(sync_url: str) -> None:
     """Create the accounts (all at 0) and the effects table."""
+    create_tables(
+        sync_url,
+        (_ACCOUNTS_DDL, _EFFECTS_DDL),
+        "INSERT INTO chaos_accounts (name, balance) VALUES (:name, 0)",
+        [{"name": name} for name in ACCOUNTS],
+    )
+
+
+def create_tables(
+    sync_url: str,
+    ddl: Sequence[str],
+    insert: str | None = None,
+    rows: Sequence[Mapping[str, object]] = (),
+) -> None:
+    """A target's :data:`~eop.tools.chaos.target.Setup`: run ``ddl``, then ``insert`` once
+    per row of ``rows``, in one transaction."""
     engine = sa.create_engine(sync_url)
     try:
         with engine.begin() as conn:
-            conn.execute(sa.text(_ACCOUNTS_DDL))
-            conn.execute(sa.text(_EFFECTS_DDL))
-            conn.execute(
-                sa.text("INSERT INTO chaos_accounts (name, balance) VALUES (:name, 0)"),
-                [{"name": name} for name in ACCOUNTS],
-            )
+            for statement in ddl:
+                conn.execute(sa.text(statement))
+            if insert is not None:
+                conn.execute(sa.text(insert), list(rows))
     finally:
         engine.dispose()
 

@@ -20,7 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 import eop
-from eop.tools.chaos.bank import CANARY_PAYLOAD, DUPLICATE_WINDOW_S
+from eop.tools.chaos.bank import (
+    CANARY_PAYLOAD,
+    DUPLICATE_WINDOW_S,
+    create_tables,
+    make_failing,
+    poison,
+)
 from eop.tools.chaos.target import Payload, Target
 
 STREAM = "CHAOSHOT"
@@ -61,34 +67,21 @@ def make_item(key: str, rng: random.Random) -> Payload:
     return Payload(key=key, data=json.dumps(body).encode())
 
 
-def make_failing(key: str) -> Payload:
-    """An item that fails on every delivery."""
-    data = json.dumps({"id": key, "kind": "failing", "memo": CANARY_PAYLOAD}).encode()
-    return Payload(key=key, data=data, poison=True)
-
-
 def make_payload(index: int, rng: random.Random) -> Payload:
     """The ``index``-th item; about one in 200 is rejected as poison."""
     if index % 200 == 199:
-        key = f"p{index:06d}"
-        data = json.dumps({"id": key, "kind": "poison", "memo": CANARY_PAYLOAD}).encode()
-        return Payload(key=key, data=data, poison=True)
+        return poison(f"p{index:06d}")
     return make_item(f"h{index:06d}", rng)
 
 
 def setup(sync_url: str) -> None:
     """Create the hot rows (all at 0) and the effects table."""
-    engine = sa.create_engine(sync_url)
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.text(_ROWS_DDL))
-            conn.execute(sa.text(_EFFECTS_DDL))
-            conn.execute(
-                sa.text("INSERT INTO chaos_hot (id, total) VALUES (:id, 0)"),
-                [{"id": row} for row in range(ROWS)],
-            )
-    finally:
-        engine.dispose()
+    create_tables(
+        sync_url,
+        (_ROWS_DDL, _EFFECTS_DDL),
+        "INSERT INTO chaos_hot (id, total) VALUES (:id, 0)",
+        [{"id": row} for row in range(ROWS)],
+    )
 
 
 def check_totals(conn: sa.Connection, payloads: Sequence[Payload]) -> list[str]:

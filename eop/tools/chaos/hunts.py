@@ -30,6 +30,7 @@ import random
 import string
 import subprocess
 import time
+from collections.abc import Callable
 
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
@@ -42,6 +43,15 @@ LONG_MSG_ID_CHARS = 5000
 TERM_WAIT_S = 30.0
 """How long a scheduled SIGTERM waits for a running worker before it is skipped."""
 _RAW_INBOX = b"_INBOX.eopchaos.raw"
+
+
+async def down_for(stop: Callable[[], object], start: Callable[[], object], seconds: float) -> bool:
+    """A server's outage: ``stop`` it (a clean stop or a kill), wait ``seconds``, ``start``
+    it again (both in a thread: they wait for the process). True: the fault was applied."""
+    await asyncio.to_thread(stop)
+    await asyncio.sleep(seconds)
+    await asyncio.to_thread(start)
+    return True
 
 
 class Hunts:
@@ -72,10 +82,7 @@ class Hunts:
     # -- PostgreSQL
     async def pg_outage_long(self, fault: schedule.Fault) -> bool:
         """Stop PostgreSQL for longer than a message's attempts budget."""
-        await asyncio.to_thread(self.pg.stop)
-        await asyncio.sleep(fault.duration_s)
-        await asyncio.to_thread(self.pg.start)
-        return True
+        return await down_for(self.pg.stop, self.pg.start, fault.duration_s)
 
     async def pg_read_only(self, fault: schedule.Fault) -> bool:
         """Make the database read-only for new sessions, and cut the old ones."""

@@ -117,28 +117,16 @@ class Injector:
         return True
 
     async def _nats_kill(self, fault: schedule.Fault) -> bool:
-        await asyncio.to_thread(self.nats.kill)
-        await asyncio.sleep(fault.duration_s)
-        await asyncio.to_thread(self.nats.start)
-        return True
+        return await hunts.down_for(self.nats.kill, self.nats.start, fault.duration_s)
 
     async def _nats_restart(self, fault: schedule.Fault) -> bool:
-        await asyncio.to_thread(self.nats.stop)
-        await asyncio.sleep(fault.duration_s)
-        await asyncio.to_thread(self.nats.start)
-        return True
+        return await hunts.down_for(self.nats.stop, self.nats.start, fault.duration_s)
 
     async def _pg_restart(self, fault: schedule.Fault) -> bool:
-        await asyncio.to_thread(self.pg.stop)
-        await asyncio.sleep(fault.duration_s)
-        await asyncio.to_thread(self.pg.start)
-        return True
+        return await hunts.down_for(self.pg.stop, self.pg.start, fault.duration_s)
 
     async def _pg_crash(self, fault: schedule.Fault) -> bool:
-        await asyncio.to_thread(self.pg.kill)
-        await asyncio.sleep(fault.duration_s)
-        await asyncio.to_thread(self.pg.start)
-        return True
+        return await hunts.down_for(self.pg.kill, self.pg.start, fault.duration_s)
 
     async def _pg_terminate(self, fault: schedule.Fault) -> bool:
         if self.pg.pid is None:

@@ -32,7 +32,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
 import eop
-from eop.tools.chaos.bank import CANARY_PAYLOAD, DUPLICATE_WINDOW_S
+from eop.tools.chaos.bank import CANARY_PAYLOAD, DUPLICATE_WINDOW_S, create_tables, poison
 from eop.tools.chaos.target import Payload, Target
 
 STREAM = "CHAOSORD"
@@ -130,12 +130,8 @@ def make_payload(index: int, rng: random.Random) -> Payload:
     rounds, number = divmod(block, len(ACCOUNTS))
     account, item = ACCOUNTS[number], rounds * BURST + offset
     if item % GARBAGE_EVERY == GARBAGE_EVERY - 1:
-        key = _garbage_key(account, item)
-        if (item // GARBAGE_EVERY + number) % 2 == 0:
-            data = b"\xff\xfe not json " + CANARY_PAYLOAD.encode()
-        else:
-            data = json.dumps({"id": key, "kind": "poison", "memo": CANARY_PAYLOAD}).encode()
-        return Payload(key=key, data=data, poison=True, subject=subject_of(account))
+        kind = "undecodable" if (item // GARBAGE_EVERY + number) % 2 == 0 else "poison"
+        return poison(_garbage_key(account, item), kind, subject=subject_of(account))
     step = item + 1 - (item + 1) // GARBAGE_EVERY
     after = item >= 1 and (item - 1) % GARBAGE_EVERY == GARBAGE_EVERY - 1
     key = f"s-{account}-{step:05d}"
@@ -153,17 +149,12 @@ def make_payload(index: int, rng: random.Random) -> Payload:
 
 def setup(sync_url: str) -> None:
     """Create the accounts (all at step 0) and the effects table."""
-    engine = sa.create_engine(sync_url)
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.text(_ACCOUNTS_DDL))
-            conn.execute(sa.text(_EFFECTS_DDL))
-            conn.execute(
-                sa.text("INSERT INTO chaos_ordered_accounts VALUES (:account, 0)"),
-                [{"account": account} for account in ACCOUNTS],
-            )
-    finally:
-        engine.dispose()
+    create_tables(
+        sync_url,
+        (_ACCOUNTS_DDL, _EFFECTS_DDL),
+        "INSERT INTO chaos_ordered_accounts VALUES (:account, 0)",
+        [{"account": account} for account in ACCOUNTS],
+    )
 
 
 def target() -> Target:

@@ -33,7 +33,13 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 import eop
-from eop.tools.chaos.bank import CANARY_PAYLOAD, DUPLICATE_WINDOW_S
+from eop.tools.chaos.bank import (
+    CANARY_PAYLOAD,
+    DUPLICATE_WINDOW_S,
+    create_tables,
+    make_failing,
+    mixed_payload,
+)
 from eop.tools.chaos.target import Payload, Stage, Target, WriterResult
 
 STREAM_A = "CHAOSPA"
@@ -112,36 +118,15 @@ def make_item(key: str, rng: random.Random) -> Payload:
     return Payload(key=key, data=json.dumps(body).encode())
 
 
-def make_failing(key: str) -> Payload:
-    """An item that fails on every delivery of the first handler."""
-    data = json.dumps({"id": key, "kind": "failing", "memo": CANARY_PAYLOAD}).encode()
-    return Payload(key=key, data=data, poison=True)
-
-
 def make_payload(index: int, rng: random.Random) -> Payload:
-    """The ``index``-th item for stream A; about one in 150 is poison of one of three kinds."""
-    if index % 150 == 149:
-        kind = ("undecodable", "poison", "failing")[(index // 150) % 3]
-        key = f"p{index:06d}"
-        if kind == "undecodable":
-            data = b"\xff\xfe not json " + CANARY_PAYLOAD.encode()
-        elif kind == "failing":
-            return make_failing(key)
-        else:
-            data = json.dumps({"id": key, "kind": kind, "memo": CANARY_PAYLOAD}).encode()
-        return Payload(key=key, data=data, poison=True)
-    return make_item(f"t{index:06d}", rng)
+    """The ``index``-th item for stream A; about one in 150 is poison of one of three kinds
+    (a failing one fails on every delivery of the first handler)."""
+    return mixed_payload(index, rng, make_item)
 
 
 def setup(sync_url: str) -> None:
     """Create the effects and orders tables."""
-    engine = sa.create_engine(sync_url)
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.text(_EFFECTS_DDL))
-            conn.execute(sa.text(_ORDERS_DDL))
-    finally:
-        engine.dispose()
+    create_tables(sync_url, (_EFFECTS_DDL, _ORDERS_DDL))
 
 
 # -- the order writer: a web service's requests

@@ -170,6 +170,28 @@ def _focused(kind: schedule.Kind) -> dict[schedule.Kind, float]:
     return {kind: 0.05, **_AROUND}
 
 
+def _hunt(
+    name: str,
+    summary: str,
+    kind: schedule.Kind,
+    *,
+    weights: Mapping[schedule.Kind, float] | None = None,
+    slot_env: Callable[[int], Mapping[str, str | None]] = _no_slot_env,
+) -> Scenario:
+    """A focused hunt for ``kind``: once early in every run, then as the seed draws it
+    (``weights``: :func:`_focused` by default), on the small attempts budget, at the
+    hunts' pace."""
+    return Scenario(
+        name,
+        summary,
+        weights=_focused(kind) if weights is None else weights,
+        required=(kind, "worker_term"),
+        env=_BUDGET_ENV,
+        slot_env=slot_env,
+        overrides=_HUNT_PACE,
+    )
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -210,46 +232,23 @@ SCENARIOS: dict[str, Scenario] = {
                 **_HUNT_PACE,
             },
         ),
-        Scenario(
-            "pg-outage",
-            "PostgreSQL down for longer than the attempts budget",
-            weights=_focused("pg_outage_long"),
-            required=("pg_outage_long", "worker_term"),
-            env=_BUDGET_ENV,
-            overrides=_HUNT_PACE,
-        ),
-        Scenario(
+        _hunt("pg-outage", "PostgreSQL down for longer than the attempts budget", "pg_outage_long"),
+        _hunt(
             "read-only",
             "the database read-only for longer than the attempts budget",
-            weights=_focused("pg_read_only"),
-            required=("pg_read_only", "worker_term"),
-            env=_BUDGET_ENV,
-            overrides=_HUNT_PACE,
+            "pg_read_only",
         ),
-        Scenario(
+        _hunt(
             "lock-timeouts",
             "a handler's row held locked past lock_timeout / statement_timeout",
-            weights=_focused("row_lock_hold"),
-            required=("row_lock_hold", "worker_term"),
-            env=_BUDGET_ENV,
+            "row_lock_hold",
             slot_env=_timeouts_by_slot,
-            overrides=_HUNT_PACE,
         ),
-        Scenario(
-            "long-msg-id",
-            "a good message with a 5,000-character Nats-Msg-Id",
-            weights=_focused("long_msg_id"),
-            required=("long_msg_id", "worker_term"),
-            env=_BUDGET_ENV,
-            overrides=_HUNT_PACE,
-        ),
-        Scenario(
+        _hunt("long-msg-id", "a good message with a 5,000-character Nats-Msg-Id", "long_msg_id"),
+        _hunt(
             "bad-subject",
             "a raw-protocol publish with a subject that is not UTF-8",
-            weights=_focused("raw_bad_subject"),
-            required=("raw_bad_subject", "worker_term"),
-            env=_BUDGET_ENV,
-            overrides=_HUNT_PACE,
+            "raw_bad_subject",
         ),
         Scenario(
             "pipeline",
@@ -299,13 +298,11 @@ SCENARIOS: dict[str, Scenario] = {
                 (0.65, "scale_workers", 2),
             ),
         ),
-        Scenario(
+        _hunt(
             "poison-flood",
             "always-failing messages just ahead of good ones (time to good reported)",
+            "poison_flood",
             weights=_AROUND,
-            required=("poison_flood", "worker_term"),
-            env=_BUDGET_ENV,
-            overrides=_HUNT_PACE,
         ),
     )
 }

@@ -1,0 +1,63 @@
+"""A background round's failure (compaction, the unacked watch): logged, or raised if a bug."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+import pytest
+import sqlalchemy.exc as sa_exc
+from structlog.testing import capture_logs
+
+from eop import errors, log
+from eop.protocol import background
+
+
+def failing(exc: Exception) -> background.Step:
+    """A round that raises ``exc``."""
+
+    async def step() -> None:
+        raise exc
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError("connection reset"),
+        asyncio.TimeoutError(),
+        nats.errors.NoServersError(),
+        errors.DatabaseUnavailable("gone"),
+        sa_exc.TimeoutError("QueuePool limit reached"),
+    ],
+)
+async def test_an_io_or_database_failure_of_a_round_is_logged_not_raised(exc: Exception) -> None:
+    """NATS, the network, a timeout and a failure of the database (classified other than
+    OTHER) cost the round only: one warning with the event given and the error's type."""
+    with capture_logs() as logs:
+        await background.quietly(failing(exc), log.get_logger(), log.Event.COMPACTION_FAILED)
+    assert [(e["event"], e["log_level"], e["error"]) for e in logs] == [
+        (log.Event.COMPACTION_FAILED, "warning", type(exc).__name__)
+    ]
+
+
+async def test_a_bug_in_a_round_is_raised() -> None:
+    """An error that is neither I/O nor the database's (a bug) is raised, not logged."""
+    with capture_logs() as logs, pytest.raises(ValueError, match="a bug"):
+        await background.quietly(
+            failing(ValueError("a bug")), log.get_logger(), log.Event.UNACKED_WATCH_FAILED
+        )
+    assert logs == []
+
+
+async def test_a_round_that_succeeds_logs_nothing() -> None:
+    """A round that ends well is run once and leaves no log line."""
+    ran: list[int] = []
+
+    async def step() -> None:
+        ran.append(1)
+
+    with capture_logs() as logs:
+        await background.quietly(step, log.get_logger(), log.Event.COMPACTION_FAILED)
+    assert (ran, logs) == ([1], [])
