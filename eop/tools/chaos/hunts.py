@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
 import string
 import subprocess
 import time
@@ -178,7 +179,8 @@ class Hunts:
         self.pool.record_stop(inc, "mid-run", code)
         if code is None:
             inc.killed_by_harness = True
-            inc.proc.kill()
+            # The whole group: a hung supervisor's children would outlive a kill of it alone.
+            inc.send(signal.SIGKILL)
         return True
 
     # -- messages
