@@ -26,9 +26,17 @@ The shapes, each a transaction per batch (BEGIN, the claim, COMMIT):
   (subscription, stream, epoch) and the sequence, without the subject, the
   watermark read once for the statement (the proposal in BENCHMARKS.md,
   "Where PostgreSQL's time goes");
-- ``eop+compaction``: ``eop``, plus compaction's raise and delete (each in
-  its own transaction, as :class:`eop.protocol.compaction.Compactor` sends
-  them) after every 16 batches (1,024 messages, about one round's count).
+- ``eop+compaction``: ``eop``, plus compaction's round after every 16 batches
+  (1,024 messages, about one round's count), as
+  :class:`eop.protocol.compaction.Compactor` sends a round counted by
+  messages: the raise in a transaction of its own, then the delete of the
+  sequences above the previous round's watermark (one chunk) in another;
+- ``eop+compaction-lookup``: the same with the look-up of the first row that
+  may go before the delete, as the compactor sends it before every chunk but
+  a counted round's first;
+- ``eop+compaction-ctid``: the same with the delete compaction sent before it
+  deleted by key range (``ctid = ANY(array(SELECT ctid ... LIMIT n))``, the
+  rows read twice), for the comparison.
 
 The handler's INSERT, the same for all, is left out; ``--handler-insert`` adds
 it (the bench's row, an ``EXECUTE`` a message as an ``executemany`` sends it), so
@@ -86,7 +94,8 @@ _HAND = (
     " ON CONFLICT DO NOTHING RETURNING seq"
 )
 _EFFECT = "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)"
-SHAPES = ("hand", "eop", "eop-nowm", "lanes", "eop+compaction")
+COMPACTING = ("eop+compaction", "eop+compaction-lookup", "eop+compaction-ctid")
+SHAPES = ("hand", "eop", "eop-nowm", "lanes", *COMPACTING)
 
 
 def _claim(shape: str) -> str:
@@ -133,14 +142,50 @@ def _literal(value: object) -> str:
     return repr(value)
 
 
-def _compaction(top: int) -> list[str]:
+def _compaction(top: int, shape: str) -> list[str]:
     """Compaction's round after the messages up to ``top``: the raise, then the delete of
     the rows above the previous round's watermark, each in a transaction of its own."""
     t, epoch = models.tables("eop"), (SUBSCRIPTION, STREAM, EPOCH)
     raise_ = _prepared(inbox_sql.advance_watermark(t, *epoch, top), "raise")[1]
     after = top - 16 * BATCH
-    sweep = inbox_sql.delete_below_watermark(t, *epoch, top, 5000, 3600.0, after)
-    return ["BEGIN;", raise_, "COMMIT;", "BEGIN;", _prepared(sweep, "sweep")[1], "COMMIT;"]
+    if shape == "eop+compaction-ctid":
+        sweep = [_prepared(_ctid_delete(t, top, after), "sweep")[1]]
+    else:
+        # The chunk starts where the previous round ended and, at most 5,000 sequences
+        # long, ends at the watermark; a look-up finds its first row at after + 1.
+        chunk = inbox_sql.delete_below_watermark(t, *epoch, top, 5000, 3600.0, after)
+        sweep = [_prepared(chunk, "sweep")[1]]
+        if shape == "eop+compaction-lookup":
+            first = inbox_sql.first_to_delete(t, *epoch, top, 3600.0, after)
+            sweep.insert(0, _prepared(first, "first")[1])
+    return ["BEGIN;", raise_, "COMMIT;", "BEGIN;", *sweep, "COMMIT;"]
+
+
+def _ctid_delete(t: models.Tables, top: int, after: int) -> tuple[sa.Executable, dict[str, object]]:
+    """The delete compaction sent before the key range: up to 5,000 rows' ctids selected
+    (``LIMIT``), then deleted by them, the same rows kept."""
+    c = t.inbox.c
+    retention_s = sa.bindparam("p_retention_s", type_=sa.Float)
+    cutoff = sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, retention_s)
+    chunk = (
+        sa.select(sa.literal_column("ctid"))
+        .select_from(t.inbox)
+        .where(
+            c.subscription == SUBSCRIPTION,
+            c.stream == STREAM,
+            c.stream_epoch == EPOCH,
+            c.stream_seq > sa.bindparam("p_after", type_=sa.BigInteger),
+            c.stream_seq <= sa.bindparam("p_value", type_=sa.BigInteger),
+            sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),
+            c.outcome != models.OUTCOME_RETRYING,
+        )
+        .limit(sa.bindparam("p_limit", type_=sa.Integer))
+    )
+    stmt = sa.delete(t.inbox).where(
+        sa.literal_column("ctid") == sa.any_(sa.func.array(chunk.scalar_subquery()))
+    )
+    params = {"p_after": after, "p_value": top, "p_limit": 5000, "p_retention_s": 3600.0}
+    return stmt, params
 
 
 def script(shape: str, transactions: int, handler: bool = False) -> str:
@@ -148,19 +193,25 @@ def script(shape: str, transactions: int, handler: bool = False) -> str:
     ``handler``, each batch's transaction also inserts the bench's row for each message."""
     claim = {"hand": _HAND, "lanes": _LANES}.get(shape) or _claim(shape)
     lines = [f"PREPARE claim AS {claim};", f"PREPARE effect AS {_EFFECT};"]
-    if shape == "eop+compaction":
+    if shape in COMPACTING:
         t, epoch = models.tables("eop"), (SUBSCRIPTION, STREAM, EPOCH)
         lines.append(_prepared(inbox_sql.advance_watermark(t, *epoch, 0), "raise")[0])
-        sweep = inbox_sql.delete_below_watermark(t, *epoch, 0, 5000, 3600.0)
-        lines.append(_prepared(sweep, "sweep")[0])
+        if shape == "eop+compaction-ctid":
+            lines.append(_prepared(_ctid_delete(t, 0, 0), "sweep")[0])
+        else:
+            sweep = inbox_sql.delete_below_watermark(t, *epoch, 0, 5000, 3600.0)
+            lines.append(_prepared(sweep, "sweep")[0])
+        if shape == "eop+compaction-lookup":
+            first = inbox_sql.first_to_delete(t, *epoch, 0, 3600.0)
+            lines.append(_prepared(first, "first")[0])
     for n in range(transactions):
         seqs = list(range(n * BATCH + 1, (n + 1) * BATCH + 1))
         lines += ["BEGIN;", f"EXECUTE claim({_claim_values(shape, seqs)});"]
         if handler:  # an executemany: an Execute a row
             lines += [f"EXECUTE effect('{SUBSCRIPTION}', {seq}, now());" for seq in seqs]
         lines.append("COMMIT;")
-        if shape == "eop+compaction" and (n + 1) % 16 == 0:
-            lines += _compaction(seqs[-1])
+        if shape in COMPACTING and (n + 1) % 16 == 0:
+            lines += _compaction(seqs[-1], shape)
     return "\n".join(lines) + "\n"
 
 
@@ -232,7 +283,7 @@ def main() -> None:
             long = _count(template, shape, args.long, folder, args.handler_insert)
             per = (long - short) / ((args.long - args.short) * BATCH)
             took = time.monotonic() - started
-            print(f"{shape:<16} {per:>9,.0f} instructions a message  ({took:.0f} s)")
+            print(f"{shape:<20} {per:>9,.0f} instructions a message  ({took:.0f} s)")
 
 
 if __name__ == "__main__":

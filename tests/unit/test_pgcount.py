@@ -8,10 +8,20 @@ import json
 from pathlib import Path
 
 import pytest
+from sqlalchemy.dialects import postgresql
 
 from eop import errors
+from eop.pg import models
+from eop.pg.sql import base
 from eop.pg.sql import inbox as inbox_sql
 from eop.tools.bench import pgcount, pgprofile, runs
+
+T, EPOCH = models.tables("eop"), ("s", "S", "e")
+
+
+def _sent(bound: base.Bound) -> str:
+    """A statement's text as asyncpg sends it (and the server's log shows it)."""
+    return str(bound[0].compile(dialect=postgresql.asyncpg.dialect()))  # type: ignore[no-untyped-call]
 
 
 @pytest.mark.parametrize(
@@ -27,10 +37,8 @@ from eop.tools.bench import pgcount, pgprofile, runs
             "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)",
             "handler INSERT",
         ),
-        (
-            'DELETE FROM "eop".inbox WHERE ctid = ANY (array((SELECT ctid FROM eop.inbox)))',
-            "compaction: delete",
-        ),
+        (_sent(inbox_sql.delete_below_watermark(T, *EPOCH, 9, 10, 1.0, 2)), "compaction: delete"),
+        (_sent(inbox_sql.first_to_delete(T, *EPOCH, 9, 1.0, 2)), "compaction: first row"),
         (
             "UPDATE eop.watermarks SET watermark=greatest(eop.watermarks.watermark, $1)",
             "compaction: raise watermark",
@@ -46,6 +54,12 @@ def test_each_statement_is_labelled_by_the_concern_it_serves(sql: str, expected:
     """eop's statements and the hand-written consumer's get the label of their concern,
     quotes and line breaks aside; an unknown one its first words."""
     assert pgcount.label(sql) == expected
+
+
+def test_an_unclaim_is_not_counted_as_compaction() -> None:
+    """A batch's unclaim deletes from the inbox too, by its whole key: it is not labelled
+    as compaction's delete (whose count follows the rounds, not the failures)."""
+    assert not pgcount.label(_sent(inbox_sql.unclaim(T, *EPOCH, 2))).startswith("compaction")
 
 
 def _line(pid: int, message: str, app: str = "eop", backend: str = "client backend") -> str:

@@ -69,7 +69,8 @@ _LABELS: tuple[tuple[str, str], ...] = (
     (r"^INSERT INTO bench_hand_inbox", "claim (hand inbox)"),
     (r"^INSERT INTO bench_effects", "handler INSERT"),
     (r"^UPDATE \w+\.watermarks", "compaction: raise watermark"),
-    (r"^DELETE FROM \w+\.inbox WHERE ctid", "compaction: delete"),
+    (r"^DELETE FROM \w+\.inbox WHERE .*\bleast\(", "compaction: delete"),
+    (r"^SELECT \w+\.inbox\.stream_seq FROM .* LIMIT", "compaction: first row"),
     (r"^INSERT INTO \w+\.watermarks", "compaction: create watermark"),
     (r"\w+\.retries\b", "retries"),
     (r"\w+\.ack_floors\b", "ack floors record"),
@@ -99,6 +100,7 @@ PER_MESSAGE = frozenset(
         "handler INSERT",
         "compaction: raise watermark",
         "compaction: delete",
+        "compaction: first row",
         "asyncpg pool reset",
     }
 )
