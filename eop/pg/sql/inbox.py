@@ -287,8 +287,8 @@ def first_to_delete(
 
     One walk of the primary key's index from ``after``, stopping at the first
     row that may go: the rows that must stay (:func:`delete_below_watermark`)
-    are passed over here once, not swept by a delete for every ``limit`` of
-    their sequences.
+    are passed over here once, not swept by a delete for every chunk of
+    their sequences (:func:`delete_below_watermark`'s ``limit``).
     """
     params = {
         **epoch_params(subscription, stream, epoch),
