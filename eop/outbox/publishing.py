@@ -30,7 +30,9 @@ class Row:
 
     id: int
     msg_id: str
-    """Sent with every publish of the row: the target keeps one copy per msg-id."""
+    """Sent with every publish of the row. JetStream keeps one copy per msg-id (within its
+    duplicate window); a target that cannot gets a second copy of a row the relay sent
+    again after a stop between the publish and its mark."""
     subject: str
     headers: Mapping[str, str]
     """Sent with :attr:`msg_id` as ``Nats-Msg-Id``, in place of any among them."""
