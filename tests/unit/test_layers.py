@@ -338,7 +338,6 @@ LARGER: Mapping[str, tuple[int, str]] = {
     "eop/testing/store.py": (560, "the in-memory inbox apart from its transactions"),
     "eop/pg/transactions.py": (525, "the sync and async transactions apart"),
     "eop/testing/app.py": (520, "the test kit's delivery loop apart from its app"),
-    "eop/ops/status.py": (505, "the ordered handlers' part beside partition_status"),
 }
 
 
