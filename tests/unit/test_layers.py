@@ -336,7 +336,6 @@ MODULE_LINES = 500
 LARGER: Mapping[str, tuple[int, str]] = {
     "eop/tools/chaos/harness.py": (655, "the run's set-up and its checks apart"),
     "eop/testing/store.py": (560, "the in-memory inbox apart from its transactions"),
-    "eop/pg/transactions.py": (525, "the sync and async transactions apart"),
     "eop/testing/app.py": (520, "the test kit's delivery loop apart from its app"),
 }
 
