@@ -20,10 +20,12 @@ from collections.abc import Iterable, Sequence
 import nats.js.errors
 from nats.js import JetStreamContext, api
 
+from eop.app import App
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.ops import tables
-from eop.pg import ownership
+from eop.ops.jetstream_state import group_warnings, window_warnings
+from eop.pg import models, ownership
 
 
 @dataclasses.dataclass
@@ -132,6 +134,17 @@ def from_rows(
     return status
 
 
+async def read_ownership(
+    app: App, specs: Sequence[HandlerSpec]
+) -> tuple[list[ownership.PartitionRow], list[ownership.MemberRow]]:
+    """Every ordered handler's partitions and live members (nothing without one)."""
+    if not any(spec.order_by is not None for spec in specs):
+        return [], []
+    t = models.tables(app.settings.schema)
+    rows = await ownership.read_status(app.engine, t)
+    return rows, await ownership.read_members(app.engine, t)
+
+
 async def read_lag(
     js: JetStreamContext, spec: HandlerSpec, status: OrderedStatus, warnings: list[str]
 ) -> list[tuple[PartitionStatus, api.ConsumerInfo]]:
@@ -160,6 +173,22 @@ async def read_lag(
         p.redelivered = int(info.num_redelivered or 0)
         read.append((p, info))
     return read
+
+
+async def read_consumers(
+    js: JetStreamContext, spec: HandlerSpec, status: OrderedStatus, warnings: list[str]
+) -> int | None:
+    """The partition consumers' lag (:func:`read_lag`), and the warnings about each one's
+    ack-pending window and replicas; returns their ``max_ack_pending`` (None: none answered)."""
+    limit = None
+    for p, info in await read_lag(js, spec, status, warnings):
+        limit = int(info.config.max_ack_pending or 0)
+        warnings.extend(
+            w.replace("WARNING: ", f"WARNING: partition {p.partition}: ", 1)
+            for w in window_warnings(p.ack_pending or 0, limit)
+        )
+        warnings.extend(group_warnings(f"consumer {p.consumer!r}", info.cluster))
+    return limit
 
 
 def findings(spec: HandlerSpec, status: OrderedStatus) -> tuple[list[str], list[str]]:

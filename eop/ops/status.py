@@ -23,50 +23,26 @@ from typing import Any
 
 import nats.js.errors
 from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext, api
+from nats.js import JetStreamContext
 
 from eop import errors
 from eop.app import App, select_handlers
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.ops import partition_status, stuck, tables
-from eop.pg import floors, migrate, models, ownership
+
+# Re-exported as well: this module named them before they moved.
+from eop.ops.jetstream_state import NEARLY_FULL as NEARLY_FULL
+from eop.ops.jetstream_state import Replica as Replica
+from eop.ops.jetstream_state import group
+from eop.ops.jetstream_state import group_warnings as group_warnings
+from eop.ops.jetstream_state import persistence_warnings as persistence_warnings
+from eop.ops.jetstream_state import window_warnings as window_warnings
+from eop.pg import floors, migrate, models
 from eop.pg.sql import dead_letters as dead_letters_sql
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import retries as retries_sql
 from eop.settings import Settings
-
-#: Share of max_ack_pending from which the window is reported as nearly full.
-NEARLY_FULL = 0.9
-
-
-@dataclasses.dataclass
-class Replica:
-    """A follower's copy of a stream or consumer, as the group's leader sees it."""
-
-    name: str
-    """The server's name."""
-    current: bool
-    """Up to date with the leader."""
-    offline: bool
-    lag: int
-    """Operations it is behind the leader."""
-    active_s: float | None
-    """Seconds since the leader last heard from it."""
-
-    def describe(self) -> str:
-        """``n2 current``, ``n3 behind by 12, seen 40 s ago``, ``n3 not current``, ``n1 offline``.
-
-        A server that crashed is not offline to its group (that takes a clean
-        shutdown): it falls behind, and the leader stops hearing from it.
-        """
-        if self.offline:
-            return f"{self.name} offline"
-        if not self.current:
-            seen = f", seen {self.active_s:.0f} s ago" if (self.active_s or 0) >= 2 else ""
-            state = f"behind by {self.lag}" if self.lag else "not current"
-            return f"{self.name} {state}{seen}"
-        return f"{self.name} current"
 
 
 @dataclasses.dataclass
@@ -136,24 +112,6 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def window_warnings(ack_pending: int, max_ack_pending: int) -> list[str]:
-    """Warnings about the ack-pending window (max_ack_pending <= 0 means unlimited)."""
-    if max_ack_pending <= 0:
-        return []
-    if ack_pending >= max_ack_pending:
-        return [
-            f"WARNING: ack-pending window full ({ack_pending}/{max_ack_pending}): the server "
-            "hands out no more messages until some are acked; fetches stall silently "
-            "(slow or stuck handlers, or workers that died holding deliveries until AckWait)"
-        ]
-    if ack_pending >= NEARLY_FULL * max_ack_pending:
-        return [
-            f"WARNING: ack-pending window nearly full ({ack_pending}/{max_ack_pending}): "
-            "fetches stall once it is full"
-        ]
-    return []
-
-
 async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]:
     """The status of the app's handlers (all, or those named).
 
@@ -170,7 +128,7 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
     try:
         js = nc.jetstream()
         epochs = jetstream.StreamEpochs(nc)
-        owners = await _ownership(app, specs)
+        owners = await partition_status.read_ownership(app, specs)
         statuses = []
         for spec in specs:
             status = HandlerStatus(handler=spec.name, stream=spec.stream, consumer=spec.durable)
@@ -213,11 +171,17 @@ async def _from_nats(
         return
     status.epoch = await epochs.refresh(spec.stream)
     status.stream_replicas = stream.config.num_replicas or 1
-    status.stream_leader, status.stream_followers = _group(stream.cluster)
+    status.stream_leader, status.stream_followers = group(stream.cluster)
     status.warnings.extend(group_warnings(f"stream {spec.stream!r}", stream.cluster))
     status.warnings.extend(persistence_warnings(spec.stream, stream.config))
     if status.ordered is not None:
-        await _partitions_from_nats(js, spec, status, status.ordered)
+        ordered = status.ordered
+        status.max_ack_pending = await partition_status.read_consumers(
+            js, spec, ordered, status.warnings
+        )
+        status.num_pending, status.ack_pending, status.redelivered = partition_status.totals(
+            ordered
+        )
         return
     try:
         info = await js.consumer_info(spec.stream, spec.durable)
@@ -230,7 +194,7 @@ async def _from_nats(
     except jetstream.NATS_ERRORS as exc:
         status.problems.append(_silent(f"consumer {spec.durable!r}", exc))
         return
-    status.consumer_leader, status.consumer_followers = _group(info.cluster)
+    status.consumer_leader, status.consumer_followers = group(info.cluster)
     # Its config says 0 when it follows its stream's: count the group's members instead
     # (without a leader, during an election, the server lists them all as replicas).
     members = {r.name for r in status.consumer_followers} | {status.consumer_leader}
@@ -285,104 +249,12 @@ async def _unacked(
     status.anomalies.extend(w.describe() for w in found if w.stuck)
 
 
-async def _ownership(
-    app: App, specs: Sequence[HandlerSpec]
-) -> tuple[list[ownership.PartitionRow], list[ownership.MemberRow]]:
-    """Every ordered handler's partitions and live members (nothing without one)."""
-    if not any(spec.order_by is not None for spec in specs):
-        return [], []
-    t = models.tables(app.settings.schema)
-    rows = await ownership.read_status(app.engine, t)
-    return rows, await ownership.read_members(app.engine, t)
-
-
-async def _partitions_from_nats(
-    js: JetStreamContext,
-    spec: HandlerSpec,
-    status: HandlerStatus,
-    ordered: partition_status.OrderedStatus,
-) -> None:
-    """An ordered handler's partition consumers: each one's lag, and the sums as its own."""
-    read = await partition_status.read_lag(js, spec, ordered, status.warnings)
-    for p, info in read:
-        limit = int(info.config.max_ack_pending or 0)
-        status.max_ack_pending = limit
-        status.warnings.extend(
-            w.replace("WARNING: ", f"WARNING: partition {p.partition}: ", 1)
-            for w in window_warnings(p.ack_pending or 0, limit)
-        )
-        status.warnings.extend(group_warnings(f"consumer {p.consumer!r}", info.cluster))
-    status.num_pending, status.ack_pending, status.redelivered = partition_status.totals(ordered)
-
-
 def _silent(what: str, exc: BaseException) -> str:
     # The connection is up (collect connected): the group's leader did not answer.
     return (
         f"{what} did not answer ({type(exc).__name__}): in a cluster, it has no leader now "
         "(an election is under way, or too few of its servers are up); try again"
     )
-
-
-def _group(cluster: api.ClusterInfo | None) -> tuple[str | None, list[Replica]]:
-    """The leader and followers of a stream's or consumer's group; no leader off a cluster."""
-    if cluster is None or not cluster.name:
-        # A lone server names itself the leader, by its id: nothing to report.
-        return None, []
-    followers = [
-        Replica(
-            name=str(peer.name),
-            current=bool(peer.current),
-            offline=bool(peer.offline),
-            lag=int(peer.lag or 0),
-            # The server reports nanoseconds.
-            active_s=peer.active / 1e9 if peer.active is not None else None,
-        )
-        for peer in cluster.replicas or []
-    ]
-    return cluster.leader or None, followers
-
-
-def group_warnings(what: str, cluster: api.ClusterInfo | None) -> list[str]:
-    """Warnings about a clustered stream's or consumer's replicas: no leader, one offline
-    or behind."""
-    if cluster is None or not cluster.name:
-        return []
-    leader, followers = _group(cluster)
-    found = []
-    if leader is None:
-        found.append(
-            f"WARNING: {what} has no leader (an election is under way, or too few of its "
-            "servers are up): publishes, fetches and acks wait until it has one"
-        )
-    for peer in followers:
-        if peer.offline:
-            found.append(f"WARNING: {what}: its replica on {peer.name} is offline")
-        elif not peer.current:
-            found.append(
-                f"WARNING: {what}: its replica on {peer.name} is not current "
-                f"({peer.describe()}; down, or catching up)"
-            )
-    return found
-
-
-def persistence_warnings(stream: str, config: api.StreamConfig) -> list[str]:
-    """A stream whose storage can lose messages nats-server acknowledged: ``persist_mode:
-    async`` (nats-server 2.12+), or memory storage."""
-    mode = config.persist_mode
-    if mode is not None and api.PersistMode(mode) is api.PersistMode.ASYNC:
-        return [
-            f"WARNING: stream {stream!r} has persist_mode async: nats-server acknowledges a "
-            "publish before the message is on disk, so a nats-server crash can lose messages "
-            "a publisher (or eop's outbox) was told are stored, and no handler ever sees them. "
-            "nats-server cannot change it on a stream: recreate the stream without it to keep "
-            "every acknowledged message"
-        ]
-    if config.storage is not None and api.StorageType(config.storage) is api.StorageType.MEMORY:
-        return [
-            f"WARNING: stream {stream!r} keeps its messages in memory: a nats-server restart "
-            "loses those not yet processed (use file storage to keep them)"
-        ]
-    return []
 
 
 def replicas_warnings(declared: int | None, status: HandlerStatus) -> list[str]:

@@ -36,8 +36,9 @@ that keep the semantics that matter and can be told to fail::
 - :class:`FakeEpochs`: stream epochs from a dict.
 
 Its modules: :mod:`~eop.testing.deliveries`, :mod:`~eop.testing.epochs`,
-:mod:`~eop.testing.store` (the store and its transactions, with the rows
-of :mod:`~eop.testing.rows`) and :mod:`~eop.testing.failures` (the errors the
+:mod:`~eop.testing.store` (the store, its state in :mod:`~eop.testing.inbox`
+and its transactions in :mod:`~eop.testing.transaction`, with the rows of
+:mod:`~eop.testing.rows`) and :mod:`~eop.testing.failures` (the errors the
 fakes can be told to raise).
 """
 

@@ -19,44 +19,33 @@ delivery: no NATS server is involved. The inbox is a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from eop import errors, message
+from eop import errors
 from eop.broker import consumers
 from eop.handler import HandlerSpec
 from eop.pg import migrate
-from eop.protocol import misconfiguration
-from eop.protocol.batch import BatchProcessor
-from eop.protocol.processor import Processor
 from eop.testing.backends import Backend, MemoryBackend, PostgresBackend
 from eop.testing.deliveries import FakeDelivery
-from eop.testing.epochs import FakeEpochs
-from eop.testing.lanes import Lanes
+from eop.testing.delivery_loop import DeliveryLoop, delivery_headers, next_delivery
 from eop.testing.results import (
     Delivered,
-    Recorder,
     Result,
     describe_handlers,
     payload_bytes,
-    raise_unexpected,
 )
-from eop.testing.rows import InboxKey, inbox_key
-from eop.types import Outcome
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     from eop.app import App
-    from eop.outbox.outgoing import Outgoing
     from eop.testing.rows import DeadLetterRow
     from eop.testing.store import MemoryStore
-    from eop.types import Delivery
 
 Database = str | sa.URL | AsyncEngine
 
@@ -65,7 +54,7 @@ Database = str | sa.URL | AsyncEngine
 _SETTLE_ROUNDS = 1000
 
 
-class TestApp:
+class TestApp(DeliveryLoop):
     """Runs an app's handlers on test deliveries through eop's protocol (:mod:`eop.testing.app`).
 
     - without ``database``: the inbox, the handlers' writes (``session.add``,
@@ -104,28 +93,11 @@ class TestApp:
     ) -> None:
         self.source = app
         """The app as given."""
-        self.app = app
-        """The app the handlers run in (in database mode: on ``database``)."""
         self._database = database
         self._schema = schema
         self._migrate = migrate
         self._store = store
-        self.raise_errors = raise_errors
-        self.timeout_s = timeout_s
-        self.epochs = FakeEpochs()
-        """The streams' epochs (one per stream unless a test changes them)."""
-        self.outbox: list[Outgoing] = []
-        """Every outbox message committed by this test's deliveries, in order."""
-        self.results: list[Result] = []
-        """Every result of this test's deliveries and retries, in order."""
-        self._backend: Backend | None = None
-        self._recorder = Recorder()
-        self._processors: dict[str, Processor] = {}
-        self._misconfigured = misconfiguration.Watch(stop=self._stop_deliveries)
-        self._seqs: dict[str, int] = {}
-        self._messages: dict[InboxKey, message.Message] = {}
-        self._naked: list[tuple[HandlerSpec, FakeDelivery]] = []
-        self._lanes = Lanes(self._run, self._held)
+        super().__init__(app, raise_errors=raise_errors, timeout_s=timeout_s)
 
     # -- set-up
 
@@ -140,32 +112,8 @@ class TestApp:
             else:
                 await migrate.ensure_ready(self.app.engine, s.schema)
             backend = PostgresBackend(self.app)
-        await backend.start()
-        self._backend = backend
-        for spec in self.app.handlers.values():
-            self._processors[spec.name] = Processor(
-                spec=spec,
-                settings=self.app.settings,
-                store=backend.store,
-                epochs=self.epochs,
-                observer=self._recorder,
-                misconfigured=self._misconfigured,
-            )
+        await self._start(backend)
         return self
-
-    def _stop_deliveries(self, error: errors.ConfigurationError) -> None:
-        # As the worker stops: whatever waits to be retried is handed back at once.
-        for proc in self._processors.values():
-            proc.stopping.set()
-
-    def _raise_misconfiguration(self) -> None:
-        error = self._misconfigured.error
-        if error is None:
-            return
-        self._misconfigured.reset()
-        for proc in self._processors.values():
-            proc.stopping = asyncio.Event()
-        raise error
 
     async def __aexit__(
         self,
@@ -173,10 +121,7 @@ class TestApp:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for proc in self._processors.values():
-            await proc.critical.drain()
-        if self._backend is not None:
-            await self._backend.close()
+        await self._stop()
 
     # -- what a test reads
 
@@ -276,7 +221,7 @@ class TestApp:
                     subject=subject,
                     stream=spec.stream,
                     seq=first[spec.stream] + i,
-                    headers=_headers(headers, ids[i]),
+                    headers=delivery_headers(headers, ids[i]),
                     consumer=spec.durable,
                     timestamp=now,
                 )
@@ -306,7 +251,7 @@ class TestApp:
         results = []
         for result in previous:
             spec = self._spec(result.handler)
-            results.append(await self._deliver(spec, _again(result.message, spec)))
+            results.append(await self._deliver(spec, next_delivery(result.message, spec)))
         again = Delivered(previous[0].message.subject, results)
         self._check(results + self._lanes.take_released(), raise_errors)
         return again
@@ -356,11 +301,6 @@ class TestApp:
 
     # -- internals
 
-    def _ready(self) -> Backend:
-        if self._backend is None:
-            raise RuntimeError("use TestApp as `async with TestApp(app) as t:`")
-        return self._backend
-
     def _memory(self) -> MemoryStore:
         backend = self._ready()
         if not isinstance(backend, MemoryBackend):
@@ -389,128 +329,8 @@ class TestApp:
             raise errors.ConfigurationError(f"no handler takes {subject!r}; the app has: {known}")
         return specs
 
-    def _next_seqs(self, stream: str, count: int) -> int:
-        first = self._seqs.get(stream, 0) + 1
-        self._seqs[stream] = first + count - 1
-        return first
-
-    async def _run_batch(self, spec: HandlerSpec, deliveries: list[FakeDelivery]) -> list[Result]:
-        proc = self._processors[spec.name]
-        # A worker runs an ordered handler's messages one by one, in their keys' lanes.
-        if len(deliveries) == 1 or not self.app.settings.batch_transactions or spec.order_by:
-            return [await self._deliver(spec, d) for d in deliveries]
-        msgs = [await self._message(spec, d) for d in deliveries]
-        batch = BatchProcessor(proc)
-        await self._bounded(batch.handle_batch(deliveries, proc.clock()), proc, *deliveries)
-        # One transaction: its outbox messages are the batch's, not one message's.
-        self.outbox += await self._ready().new_outbox()
-        return [
-            await self._result(spec, d, m, Outcome.LEFT, outbox=False)
-            for d, m in zip(deliveries, msgs, strict=True)
-        ]
-
-    async def _deliver(self, spec: HandlerSpec, delivery: FakeDelivery) -> Result:
-        """Run one delivery; an ordered handler's in its key's lane (:mod:`eop.testing.lanes`)."""
-        if spec.order_by is None:
-            return await self._run(spec, delivery)
-        return await self._lanes.deliver(spec, delivery)
-
-    async def _held(self, spec: HandlerSpec, delivery: FakeDelivery, behind: int) -> Result:
-        """The result of a delivery its key's lane holds back behind sequence ``behind``."""
-        msg = await self._message(spec, delivery)
-        result = Result(handler=spec.name, outcome=None, message=msg, held_behind=behind)
-        self.results.append(result)
-        return result
-
-    async def _run(self, spec: HandlerSpec, delivery: FakeDelivery) -> Result:
-        proc = self._processors[spec.name]
-        msg = await self._message(spec, delivery)
-        outcome = await self._bounded(proc.handle(delivery, proc.clock()), proc, delivery)
-        return await self._result(spec, delivery, msg, outcome)
-
-    async def _message(self, spec: HandlerSpec, delivery: FakeDelivery) -> message.Message:
-        epoch = await self.epochs.get(spec.stream)
-        msg = message.from_nats(delivery, subscription=spec.name, stream_epoch=epoch)
-        self._messages[inbox_key(msg)] = msg
-        return msg
-
-    async def _result(
-        self,
-        spec: HandlerSpec,
-        delivery: Delivery,
-        msg: message.Message,
-        outcome: Outcome,
-        *,
-        outbox: bool = True,
-    ) -> Result:
-        settled, error = self._recorder.take(delivery)
-        if settled is not None:
-            outcome = settled.outcome
-        added = await self._ready().new_outbox() if outbox else []
-        self.outbox += added
-        if isinstance(delivery, FakeDelivery) and delivery.naked:
-            self._naked.append((spec, delivery))
-        result = Result(
-            handler=spec.name,
-            outcome=outcome,
-            message=msg,
-            error=error,
-            reason=None if settled is None else settled.reason,
-            outbox=tuple(added),
-        )
-        self.results.append(result)
-        return result
-
-    async def _bounded(self, work: Awaitable[Any], proc: Processor, *deliveries: Delivery) -> Any:
-        """``work``, or :class:`DeliveryStalled` if it does not end within :attr:`timeout_s`."""
-        task = asyncio.ensure_future(work)
-        done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
-        if done:
-            self._raise_misconfiguration()
-            return task.result()
-        # As a stopping worker does: a transaction waiting to be retried hands its
-        # message back at once; a handler still running is cancelled.
-        proc.stopping.set()
-        done, _ = await asyncio.wait({task}, timeout=5.0)
-        if not done:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        proc.stopping = asyncio.Event()
-        what = ", ".join(f"{d.metadata.stream} #{d.metadata.sequence.stream}" for d in deliveries)
-        raise errors.DeliveryStalled(
-            f"handler {proc.spec.name!r} did not settle {what} within {self.timeout_s:g} s "
-            "(raise TestApp(timeout_s=...) if it is slow): the database kept failing, "
-            "or the handler hangs; the worker's log lines (transaction.retry) tell which"
-        )
-
-    def _check(self, results: Sequence[Result], raise_errors: bool | None) -> None:
-        if self.raise_errors if raise_errors is None else raise_errors:
-            raise_unexpected(results)
-
 
 def _as_database(database: Database) -> str | AsyncEngine:
     if isinstance(database, sa.URL):
         return database.render_as_string(hide_password=False)
     return database
-
-
-def _headers(headers: Mapping[str, str] | None, msg_id: str | None) -> dict[str, str] | None:
-    merged = dict(headers or {})
-    if msg_id is not None:
-        merged["Nats-Msg-Id"] = msg_id
-    return merged or None
-
-
-def _again(msg: message.Message, spec: HandlerSpec) -> FakeDelivery:
-    """The next delivery of a stored message."""
-    return FakeDelivery.make(
-        data=msg.data,
-        subject=msg.subject,
-        stream=msg.stream,
-        seq=msg.seq,
-        num_delivered=msg.num_delivered + 1,
-        headers=dict(msg.headers) or None,
-        consumer=spec.durable,
-        timestamp=msg.timestamp or datetime.datetime.now(datetime.timezone.utc),
-    )

@@ -35,7 +35,7 @@ from eop import errors
 from eop.broker import consumers, jetstream
 from eop.handler import HandlerSpec
 from eop.tools import embedded_cluster
-from eop.tools.chaos import harness, publisher, scenarios, workers
+from eop.tools.chaos import harness, publisher, scenarios, testbed, workers
 from eop.tools.chaos.report import Report
 from eop.tools.chaos.target import Payload
 
@@ -44,11 +44,11 @@ Role = Literal["stream", "consumer"]
 _INFO_ERRORS = (*jetstream.NATS_ERRORS, nats.js.errors.Error)
 
 
-def run(config: harness.Config) -> Report:
+def run(config: testbed.Config) -> Report:
     """Run the ``cluster`` scenario (or another with ``nats_nodes`` > 1)."""
-    config = harness.with_scenario(config)
+    config = testbed.with_scenario(config)
     nodes_count = scenarios.get(config.scenario).nats_nodes
-    return harness.execute(
+    return testbed.execute(
         config,
         lambda args: embedded_cluster.NatsCluster(nodes_count, args=args),
         lambda nodes: nodes.servers[nodes.names[0]],
@@ -165,9 +165,9 @@ class _ClusterRun(harness._Run):
 
     def __init__(
         self,
-        config: harness.Config,
+        config: testbed.Config,
         seed: int,
-        servers: harness._Servers,
+        servers: testbed.Servers,
         log_dir: Path,
         nodes: embedded_cluster.NatsCluster,
     ) -> None:

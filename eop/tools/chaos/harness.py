@@ -12,24 +12,23 @@ consumer to drain (a liveness failure if it does not in time); stop the workers;
 every message, the aggregate invariant and every log line. A pipeline target (downstream
 stages, a writer) is checked stage by stage, and its outbox against the streams the
 relays published to (:mod:`eop.tools.chaos.relayed`).
+
+Its test bed (the run's :class:`Config`, its servers, their set-up and teardown) is
+:mod:`eop.tools.chaos.testbed`, its checks :mod:`eop.tools.chaos.verdict`; this module is
+the run between them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime
 import functools
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
 
 import nats
 import nats.errors
@@ -38,121 +37,33 @@ from nats.js import JetStreamContext
 
 from eop import errors
 from eop.app import App
-from eop.broker import jetstream, partitions
+from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.outbox import sql as outbox_sql
-from eop.pg import migrate, models
+from eop.pg import models
 from eop.pg.sql import retries as retries_sql
 from eop.settings import Settings
 from eop.tools import embedded
 from eop.tools.chaos import (
-    bank,
-    checker,
     hunts,
     injector,
     proxy,
     publisher,
-    relayed,
     scenarios,
     schedule,
+    verdict,
     workers,
 )
 from eop.tools.chaos.report import Report
-from eop.tools.chaos.target import Payload, Target, WriterResult
-from eop.tools.chaos.workers import BatchMode
+from eop.tools.chaos.target import Payload, WriterResult
 
-DATABASE = "chaos"
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The shape of a chaos run. The defaults are the CI size."""
-
-    target: Target = dataclasses.field(default_factory=bank.target)
-    messages: int = 3000
-    workers: int = 3
-    duration_s: float = 75.0
-    """The chaos phase: publishing and fault injection."""
-    seed: int | None = None
-    mean_fault_gap_s: float = 0.3
-    drain_deadline_s: float = 90.0
-    ack_wait_s: float = 4.0
-    concurrency: int = 4
-    max_attempts: int = 15
-    batch_mode: BatchMode = "mixed"
-    """Per-message transactions on even worker slots, batch transactions on odd ones."""
-    worker_args: tuple[str, ...] = ()
-    """Extra ``eop worker`` flags (for example ``--batch 8``)."""
-    log_dir: Path | None = None
-    """Where worker logs go (default: a temporary folder, kept only if the run fails)."""
-    require_evidence: bool = True
-    """Fail unless the logs show every fault point killed and the hard races happened
-    (demanded by the ``classic`` scenario only)."""
-    scenario: str = "classic"
-    """Which :mod:`eop.tools.chaos.scenarios` to run: its target (unless ``target`` is set to
-    another than the bank), worker settings and fault mix."""
-    flood: tuple[int, int] = (1200, 200)
-    """A poison flood: always-failing messages, then good ones."""
-
-    def command(self, seed: int) -> str:
-        """The ``eop chaos`` command line that replays this run's fault schedule."""
-        parts = [
-            "eop chaos",
-            f"--seed {seed}",
-            f"--messages {self.messages}",
-            f"--workers {self.workers}",
-            f"--duration-s {self.duration_s:g}",
-            f"--fault-gap-s {self.mean_fault_gap_s:g}",
-            f"--batch-mode {self.batch_mode}",
-        ]
-        if self.scenario != "classic":
-            parts.append(f"--scenario {self.scenario}")
-        if self.target.app not in (bank.target().app, *_BUILT_IN_APPS):
-            parts.append(f"--app {self.target.app} --handler {self.target.handler} ...")
-        return " ".join(parts)
-
-
-_BUILT_IN_APPS = (
-    "eop.tools.chaos.hot:app",
-    "eop.tools.chaos.pipeline:app",
-    "eop.tools.chaos.ordered:app",
-)
-
-
-@dataclasses.dataclass
-class _Servers:
-    nats: embedded.NatsServer
-    pg: embedded.PostgresServer
-    canaries: dict[str, str]
-    nats_user: str = "chaos"
-
-    @property
-    def nats_url(self) -> str:
-        return self.nats_url_at(self.nats.port)
-
-    def nats_url_at(self, port: int) -> str:
-        return f"nats://{self.nats_user}:{self.canaries['nats password']}@127.0.0.1:{port}"
-
-    def database_url(self, port: int) -> str:
-        # Trust authentication ignores the password: it is there to be leaked, or not.
-        password = self.canaries["postgres password"]
-        return f"postgresql+asyncpg://postgres:{password}@127.0.0.1:{port}/{DATABASE}"
-
-
-def make_canaries(seed: int) -> dict[str, str]:
-    """Secrets planted in the run; none may appear in a log line."""
-    rng = random.Random(f"eop-chaos-canary:{seed}")
-
-    def token(kind: str) -> str:
-        return f"cnry{kind}{rng.getrandbits(64):016x}"
-
-    return {
-        "nats password": token("nats"),
-        "postgres password": token("pg"),
-        "authorization header": token("auth"),
-        "api key header": token("key"),
-        "payload": bank.CANARY_PAYLOAD,
-    }
+# The test bed's names, importable from here as they were before it was a module of its own.
+from eop.tools.chaos.testbed import DATABASE as DATABASE
+from eop.tools.chaos.testbed import Config as Config
+from eop.tools.chaos.testbed import Servers as Servers
+from eop.tools.chaos.testbed import execute as execute
+from eop.tools.chaos.testbed import make_canaries as make_canaries
+from eop.tools.chaos.testbed import with_scenario as with_scenario
 
 
 def run(config: Config) -> Report:
@@ -171,68 +82,10 @@ def run(config: Config) -> Report:
     )
 
 
-class _NatsProcesses(Protocol):
-    def start(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-N = TypeVar("N", bound=_NatsProcesses)
-
-
-def execute(
-    config: Config,
-    nats_with: Callable[[list[str]], N],
-    first: Callable[[N], embedded.NatsServer],
-    run_on: Callable[[int, _Servers, Path, N], Coroutine[Any, Any, Report]],
-) -> Report:
-    """One chaos run of ``config`` (its scenario applied): the servers, the database, the run.
-
-    ``nats_with(args)`` makes the NATS server(s) with the chaos user's flags,
-    ``first`` names the one the checker talks to, ``run_on(seed, servers,
-    log_dir, nats)`` is the run itself. The log directory is removed after a
-    clean run unless the caller chose it.
-    """
-    seed = config.seed if config.seed is not None else random.randrange(1_000_000)
-    canaries = make_canaries(seed)
-    log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="eop-chaos-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    nats_processes = nats_with(["--user", "chaos", "--pass", canaries["nats password"]])
-    pg = embedded.PostgresServer(settings={"deadlock_timeout": "100ms", "max_connections": "300"})
-    try:
-        nats_processes.start()
-        pg.start()
-        servers = _Servers(first(nats_processes), pg, canaries)
-        migrate.upgrade(pg.create_database(DATABASE))
-        if config.target.setup is not None:
-            config.target.setup(pg.url_for(DATABASE, driver="psycopg"))
-        report = asyncio.run(run_on(seed, servers, log_dir, nats_processes))
-    finally:
-        pg.close()
-        nats_processes.close()
-    report.timings_s["total"] = time.monotonic() - started
-    report.log_dir = str(log_dir)
-    if report.ok and config.log_dir is None:
-        shutil.rmtree(log_dir, ignore_errors=True)
-        report.log_dir = ""
-    return report
-
-
-def with_scenario(config: Config) -> Config:
-    """``config`` with its scenario's target (unless a custom one was set) and overrides."""
-    scenario = scenarios.get(config.scenario)
-    changes: dict[str, Any] = dict(scenario.overrides)
-    if config.target == bank.target():
-        changes["target"] = scenario.target()
-    changes["require_evidence"] = config.require_evidence and scenario.require_evidence
-    return dataclasses.replace(config, **changes)
-
-
 class _Run:
     """One run's moving parts, inside the event loop."""
 
-    def __init__(self, config: Config, seed: int, servers: _Servers, log_dir: Path) -> None:
+    def __init__(self, config: Config, seed: int, servers: Servers, log_dir: Path) -> None:
 
         self.config, self.seed, self.servers, self.log_dir = config, seed, servers, log_dir
         app = App.from_path(config.target.app)
@@ -470,7 +323,7 @@ class _Run:
         overlaps = await asyncio.to_thread(_count_in_logs, pool, '"message.claim_timeout"')
         await asyncio.to_thread(functools.partial(pool.replace_all, stall=overlaps == 0))
         monitor = asyncio.create_task(_monitor(pool, self.report.timings_s))
-        engine = sa.create_engine(self.servers.pg.url_for(DATABASE, driver="psycopg"))
+        engine = sa.create_engine(self._database_url())
 
         def waiting() -> int:
             # A failed message waits for its retry in the database, acked in NATS;
@@ -486,7 +339,7 @@ class _Run:
                 return found
 
         try:
-            drained = await _wait_drained(
+            drained = await verdict.wait_drained(
                 js, self.specs, self.config.drain_deadline_s, lambda: asyncio.to_thread(waiting)
             )
         finally:
@@ -497,95 +350,39 @@ class _Run:
         if not drained:
             self.report.liveness = (
                 f"the consumer did not drain within {self.config.drain_deadline_s:g} s "
-                f"after healing (pending: {await _pending(js, self.specs)})"
+                f"after healing (pending: {await verdict.describe_pending(js, self.specs)})"
             )
         self.report.timings_s["drain"] = time.monotonic() - started
 
+    def _check(self, pool: workers.WorkerPool, payloads: list[Payload]) -> None:
+        """The run's checks once its workers stopped (:func:`eop.tools.chaos.verdict.check`)."""
+        self.effects_by_handler.update(
+            verdict.check(
+                self.report,
+                self.config.target,
+                self.scenario,
+                database_url=self._database_url(),
+                pool=pool,
+                payloads=payloads,
+                late_keys=self.late_keys,
+                canaries=self.servers.canaries,
+                require_evidence=self.config.require_evidence,
+            )
+        )
+
     async def _check_outbox(self, js: JetStreamContext) -> None:
         """Every outbox row against the streams it went to (:mod:`eop.tools.chaos.relayed`)."""
-        target = self.config.target
-        engine = sa.create_engine(self.servers.pg.url_for(DATABASE, driver="psycopg"))
-        try:
-            with engine.connect() as conn:
-                rows = relayed.read_rows(conn, target.key_header)
-        finally:
-            engine.dispose()
-        names = sorted({row.stream for row in rows if row.stream is not None})
-        streams = {name: await relayed.read_stream(js, name) for name in names}
-        effects = {
-            name: [self.effects_by_handler.get(s.name, {}) for s in self.specs if s.stream == name]
-            for name in names
-        }
-        self.report.outbox = verdict = relayed.check(rows, streams, effects)
-        guarded = self.report.logs.guard_skips
-        for name in names:
-            skips = sum(guarded[spec.name] for spec in self.specs if spec.stream == name)
-            self.report.figures[f"msg-id guard in {name}"] = (
-                f"{verdict.copied_in.get(name, 0)} outbox messages stored more than once; "
-                f"{skips} deliveries skipped by the guard (as logged, the publisher's "
-                "republishes included; a worker killed right after its ack logs none)"
-            )
+        await verdict.check_outbox(
+            self.report,
+            self.config.target,
+            self.specs,
+            self.effects_by_handler,
+            database_url=self._database_url(),
+            js=js,
+        )
 
-    def _check(self, pool: workers.WorkerPool, payloads: list[Payload]) -> None:
-        r, target = self.report, self.config.target
-        engine = sa.create_engine(self.servers.pg.url_for(DATABASE, driver="psycopg"))
-        try:
-            with engine.connect() as conn:
-                effects, dead = _effects(conn, target.handler, target.effects_sql)
-                self.effects_by_handler[target.handler] = effects
-                for index, stage in enumerate(target.downstream, 1):
-                    # Dead letters are keyed by msg-id: downstream, a forwarded message's
-                    # is the one its outbox row got, so one shows as unexpected, and its
-                    # message as lost. None is expected there.
-                    stage_effects, stage_dead = _effects(conn, stage.handler, stage.effects_sql)
-                    self.effects_by_handler[stage.handler] = stage_effects
-                    r.stages[stage.handler] = checker.check_outcomes(
-                        checker.planned_at(payloads, index), stage_effects, stage_dead
-                    )
-                if target.invariant is not None:
-                    r.invariant_problems += target.invariant(conn, payloads)
-                if target.invariant_sql:
-                    violations = conn.execute(sa.text(target.invariant_sql)).all()
-                    r.invariant_problems += [f"invariant_sql row {tuple(v)}" for v in violations]
-                if target.order_sql:
-                    r.order = checker.check_order(conn.execute(sa.text(target.order_sql)))
-        finally:
-            engine.dispose()
-        r.outcomes = checker.check_outcomes(checker.planned_at(payloads, 0), effects, dead)
-        # Say which duplicates were republished after the server's window: it
-        # tells a msg-id guard failure from a protocol one at a glance.
-        r.outcomes.duplicated = [
-            f"{item} (republished after the duplicate window)"
-            if item.split(":")[0] in self.late_keys
-            else item
-            for item in r.outcomes.duplicated
-        ]
-        r.logs = checker.scan_logs(pool.logs(), self.servers.canaries)
-        spots = (*self.scenario.kill_spots, *self.scenario.relay_spots)
-        r.evidence = checker.evidence(r.logs, spots)
-        if self.config.require_evidence:
-            r.missing_evidence = checker.missing_evidence(
-                r.evidence, spots, races=self.scenario.evidence_races
-            )
-        r.worker_exits = pool.exits
-        r.incarnations = len(pool.incarnations)
-        r.stops = list(pool.stops)
-        r.stop_limit_s = pool.stop_limit_s
-
-
-def _effects(
-    conn: sa.Connection, handler: str, effects_sql: str
-) -> tuple[dict[str, int], dict[str | None, list[str]]]:
-    """A handler's effects per key, and its dead letters' reasons per msg-id."""
-    effects = {str(k): int(n) for k, n in conn.execute(sa.text(effects_sql))}
-    dead: dict[str | None, list[str]] = {}
-    rows = conn.execute(
-        sa.text("SELECT msg_id, reason FROM eop.dead_letters WHERE subscription = :s"),
-        {"s": handler},
-    )
-    for msg_id, reason in rows:
-        dead.setdefault(msg_id, []).append(str(reason))
-    return effects, dead
+    def _database_url(self) -> str:
+        return self.servers.pg.url_for(DATABASE, driver="psycopg")
 
 
 def _count_in_logs(pool: workers.WorkerPool, needle: str) -> int:
@@ -609,47 +406,3 @@ async def _monitor(pool: workers.WorkerPool, lag: dict[str, float]) -> None:
         await asyncio.sleep(0.1)
         late = loop.time() - before - 0.1
         lag["max loop lag"] = max(lag.get("max loop lag", 0.0), late)
-
-
-async def _pending(js: JetStreamContext, specs: list[HandlerSpec]) -> str:
-    found = []
-    for spec in specs:
-        try:
-            infos = await partitions.handler_consumers(js, spec)
-        except Exception as exc:  # only for the message of a liveness failure
-            found.append(f"{spec.name}: unknown ({type(exc).__name__})")
-            continue
-        pending = sum(i.num_pending or 0 for i in infos)
-        unacked = sum(i.num_ack_pending or 0 for i in infos)
-        found.append(f"{spec.name}: {pending} undelivered, {unacked} awaiting ack")
-    return "; ".join(found)
-
-
-async def _consumers_quiet(js: JetStreamContext, specs: list[HandlerSpec]) -> bool:
-    for spec in specs:
-        infos = await partitions.handler_consumers(js, spec)
-        if not infos or any(i.num_pending or i.num_ack_pending for i in infos):
-            return False
-    return True
-
-
-async def _wait_drained(
-    js: JetStreamContext,
-    specs: list[HandlerSpec],
-    deadline_s: float,
-    waiting: Callable[[], Awaitable[int]],
-) -> bool:
-    """Wait until every consumer has nothing undelivered and nothing unacked, and nothing
-    waits in the database (a parked retry, an outbox row), twice in a row."""
-    end = time.monotonic() + deadline_s
-    streak = 0
-    while time.monotonic() < end:
-        try:
-            quiet = await _consumers_quiet(js, specs) and await waiting() == 0
-        except Exception:  # a liveness probe: anything but "drained" means "not yet"
-            quiet = False
-        streak = streak + 1 if quiet else 0
-        if streak >= 2:
-            return True
-        await asyncio.sleep(0.5)
-    return False

@@ -1,0 +1,200 @@
+"""The inbox transaction on an ``AsyncSession`` (asyncpg), for ``async def`` handlers:
+:class:`eop.pg.contract.Transaction` with asyncpg's own connection where SQLAlchemy's
+session would only add work (the local timeouts, the batch claim, queued writes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from eop.outbox import table as outbox
+from eop.pg import direct, models
+from eop.pg.failures import INFRASTRUCTURE, DbFailure, classify
+from eop.pg.sql import inbox as inbox_sql
+from eop.pg.sql_transaction import SqlTransaction, translate_commit
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from eop.handler import HandlerSpec
+    from eop.message import Message
+
+
+class AsyncTransaction(SqlTransaction):
+    """A transaction on an ``AsyncSession``, for ``async def`` handlers."""
+
+    def __init__(
+        self,
+        session: AsyncSession,
+        tables: models.Tables,
+        spec: HandlerSpec,
+        outbox_context: outbox.Context | None = None,
+    ) -> None:
+        super().__init__(session, tables, spec, outbox_context)
+        self.session = session
+        self._raw: Any = None
+        """The asyncpg connection :meth:`begin` ran on, for the first :meth:`_driver` call."""
+        self._adapter: Any = None
+        """SQLAlchemy's DBAPI connection under the session since :meth:`begin`, when asyncpg's,
+        until the transaction ends: where :meth:`flush` sends queued writes itself."""
+
+    async def begin(self, timeouts: sa.Executable, timeouts_text: str) -> None:
+        """BEGIN, then the local timeouts as a simple query on asyncpg's own connection.
+
+        Through the session, that statement cost a quarter of a batch
+        transaction's own work (an ORM execution, a greenlet hop, a prepared
+        statement and its result); the BEGIN is still the dialect's, so
+        SQLAlchemy commits and rolls back this transaction as its own. Other
+        drivers (or a dialect without that BEGIN) take the session's way.
+        """
+        connection = await self.session.connection()
+        if connection.dialect.driver == "asyncpg":
+            raw = await connection.get_raw_connection()
+            adapter = raw.dbapi_connection
+            driver: Any = raw.driver_connection  # asyncpg.Connection; untyped in SQLAlchemy
+            start = getattr(adapter, "_start_transaction", None)
+            if start is not None and getattr(adapter, "_transaction", False) is None:
+                try:
+                    await start()
+                    await driver.execute(timeouts_text)
+                except Exception as exc:
+                    if classify(exc) is DbFailure.CONNECTION:
+                        # What SQLAlchemy does to a connection that failed under it:
+                        # the pool drops it rather than hand it out again.
+                        with contextlib.suppress(Exception):
+                            await connection.invalidate(exc)
+                    raise
+                self._raw = driver
+                self._adapter = adapter
+                return
+        await self._rows(timeouts)
+
+    async def _rows(
+        self, stmt: sa.Executable, params: dict[str, Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        result = await self.session.execute(stmt, params)
+        return [tuple(row) for row in result]
+
+    async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
+        await self.session.execute(stmt, params)
+
+    async def _execute_many(self, stmt: sa.Executable, params: list[dict[str, Any]]) -> None:
+        await self.session.execute(stmt, params)
+
+    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
+        """Claim a batch in one statement, sent on asyncpg's own connection when it is one.
+
+        The transaction is already open on that connection (the local
+        timeouts were set through the session), so the claim is part of it.
+        """
+        driver = await self._driver()
+        if driver is None:
+            return await super().claim_many(messages, outcome)
+        if not messages:
+            return set()
+        arguments = self.claim_arguments(messages, outcome)
+        records = await driver.fetch(inbox_sql.claim_driver_text(self.tables.schema), *arguments)
+        return {int(record[0]) for record in records}
+
+    async def _driver(self) -> Any:
+        """The asyncpg connection under the session, or None for another driver."""
+        # Taken once: by then nothing but eop's statements ran since begin(), so the
+        # session still has its first connection; later calls ask the session.
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            return raw
+        connection = await self.session.connection()
+        if connection.dialect.driver != "asyncpg":
+            return None
+        raw = await connection.get_raw_connection()
+        return raw.driver_connection
+
+    async def run(self, message: Message, *, flush: bool = True) -> None:
+        """Await the handler with this transaction's session (or write queue)."""
+        await self._call([message], flush=flush)
+
+    async def run_many(self, messages: list[Message], *, flush: bool = True) -> None:
+        """Await a batch handler with the messages of a batch."""
+        await self._call(messages, flush=flush)
+
+    async def _call(self, messages: list[Message], *, flush: bool = True) -> None:
+        arg, extra = self.spec.arguments(messages)
+        func: Any = self.spec.func  # an async handler, given the AsyncSession or Writes
+        await func(arg, self._second_argument(self.session), **extra)
+        if flush:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Send queued writes and pending ORM objects, so their errors are the handler's.
+
+        A handler that only executed statements left nothing to send: no
+        greenlet hop then.
+        """
+        if self.writes:
+            # A handler given only the write queue cannot have ended the session's
+            # transaction (and so changed its connection); one given the session, or
+            # that asked for writes.session, may have.
+            if (
+                self._adapter is not None
+                and self.spec.takes_writes
+                and not self.writes.session_used
+            ):
+                await direct.send(self.writes, self.session, self._adapter)
+            else:
+                await self.session.run_sync(self.writes.send)
+        if self.session.new or self.session.dirty or self.session.deleted:
+            await self.session.flush()
+
+    async def run_isolated(self, messages: list[Message]) -> Exception | None:
+        """Run the handler inside a savepoint; roll it back alone if it fails.
+
+        An ``eop.Writes`` handler that sends nothing while it runs runs before
+        the savepoint, which then holds only the sending of its writes
+        (:meth:`_sends_nothing`).
+        """
+        ran = self._sends_nothing()
+        if ran:
+            try:
+                arg, extra = self.spec.arguments(messages)
+                func: Any = self.spec.func  # an async handler, given the write queue
+                await func(arg, self.writes, **extra)
+            except Exception as exc:
+                return self._unsent_failure(exc)
+            self._check_sent_nothing()
+            if not self.writes:
+                return None
+        savepoint = await self.session.begin_nested()
+        try:
+            # SQLAlchemy sends the SAVEPOINT with the session's next statement; queued
+            # writes sent on asyncpg's own connection (eop.pg.direct) are none, and a
+            # failing one would abort the whole transaction: send it now.
+            await self.session.connection()
+            if ran:
+                await self.flush()
+            else:
+                await self._call(messages)
+            await savepoint.commit()
+        except Exception as exc:
+            self.writes.discard()
+            if classify(exc) in INFRASTRUCTURE:
+                raise
+            await savepoint.rollback()
+            return exc
+        return None
+
+    async def commit(self) -> None:
+        """COMMIT; a connection lost during it makes the outcome unknown."""
+        if self.writes:
+            await self.flush()  # never left behind, whoever ran the handler
+        self._raw = self._adapter = None
+        await translate_commit(self.session.commit)
+        self.committed = True
+
+    async def rollback(self) -> None:
+        """ROLLBACK, ignoring a broken connection."""
+        self._raw = self._adapter = None
+        with contextlib.suppress(Exception):
+            await self.session.rollback()

@@ -1,0 +1,112 @@
+"""What eop's two SQLAlchemy transactions share (:mod:`eop.pg.async_transaction`,
+:mod:`eop.pg.sync_transaction`): the statements on a session, the handler's write queue,
+the run outside a savepoint of a handler that sends nothing, and COMMIT's errors translated.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from eop import errors, writes
+from eop.outbox import table as outbox
+from eop.outbox.outgoing import DEFAULT_MAX_PAYLOAD
+from eop.pg import models
+from eop.pg.failures import INFRASTRUCTURE, DbFailure, classify
+from eop.pg.statements import Statements
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import Session
+
+    from eop.handler import HandlerSpec
+
+
+class SqlTransaction(Statements):
+    """The protocol's statements over a SQLAlchemy session (async or sync)."""
+
+    def __init__(
+        self,
+        session: AsyncSession | Session,
+        tables: models.Tables,
+        spec: HandlerSpec,
+        outbox_context: outbox.Context | None = None,
+    ) -> None:
+        super().__init__(tables, spec)
+        self.writes = writes.Writes(session)
+        """The transaction's write queue: the handler's, when it takes one
+        (:attr:`HandlerSpec.takes_writes`), and the rows it adds to the outbox."""
+        info = session.info
+        info[outbox.WRITES_KEY] = self.writes
+        info[outbox.CONTEXT_KEY] = outbox_context or outbox.Context(tables, DEFAULT_MAX_PAYLOAD)
+
+    def _second_argument(self, session: Any) -> Any:
+        """What the handler gets after the message: its write queue, or the session."""
+        return self.writes if self.spec.takes_writes else session
+
+    def _sends_nothing(self) -> bool:
+        """Whether the handler can run outside a savepoint in :meth:`run_isolated`.
+
+        An ``eop.Writes`` handler that does not ask for :attr:`Writes.session`
+        sends nothing while it runs: its writes wait in the queue. If it fails,
+        there is nothing to roll back (its queue is dropped); if it succeeds,
+        only the sending of its writes needs a savepoint. In a flood of failing
+        messages that spares two statements (SAVEPOINT, ROLLBACK TO SAVEPOINT) a run.
+        """
+        return (
+            self.spec.takes_writes
+            and not self.writes
+            and not self.writes.session_used
+            and self.spec not in _SESSION_USERS
+        )
+
+    def _check_sent_nothing(self) -> None:
+        """After a run outside a savepoint: if the handler asked for the session after all,
+        it may have sent statements that no savepoint can take back alone."""
+        if self.writes.session_used:
+            _SESSION_USERS.add(self.spec)
+            self.writes.discard()
+            raise _SavepointNeeded()
+
+    def _unsent_failure(self, exc: Exception) -> Exception:
+        """The error of a handler run outside a savepoint, as :meth:`run_isolated` returns it."""
+        self._check_sent_nothing()
+        self.writes.discard()
+        if classify(exc) in INFRASTRUCTURE:
+            raise exc
+        return exc
+
+    async def begin(self, timeouts: sa.Executable, timeouts_text: str) -> None:
+        """BEGIN and set the transaction's local timeouts
+        (:func:`eop.pg.sql.base.set_local_timeouts`, or the same as plain SQL,
+        ``timeouts_text``): the transaction's first statement."""
+        await self._rows(timeouts)
+
+
+_SESSION_USERS: weakref.WeakSet[HandlerSpec] = weakref.WeakSet()
+"""``eop.Writes`` handlers seen asking for the session: they always run in a savepoint."""
+
+
+class _SavepointNeeded(errors.DatabaseUnavailable):
+    """An ``eop.Writes`` handler run outside a savepoint (it usually sends nothing) asked for
+    the session: whatever it sent cannot be taken back alone, so the transaction is rolled
+    back and run again, never counted (a failure of eop's, not the handler's), this time
+    with the handler in a savepoint, as it will be from now on."""
+
+
+async def translate_commit(commit: Callable[[], Awaitable[object]]) -> None:
+    """Await ``commit()``; a connection lost during it is :class:`eop.AmbiguousCommit`,
+    a serialization failure or deadlock :class:`eop.TransactionConflict`."""
+    try:
+        await commit()
+    except Exception as exc:
+        failure = classify(exc)
+        # COMMIT runs no handler code: an OSError here is the database's socket.
+        if failure is DbFailure.CONNECTION or isinstance(exc, OSError):
+            raise errors.AmbiguousCommit() from exc
+        if failure is DbFailure.CONFLICT:
+            raise errors.TransactionConflict() from exc
+        raise
