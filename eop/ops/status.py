@@ -29,8 +29,10 @@ from eop import errors
 from eop.app import App, select_handlers
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
-from eop.ops import partition_status, stuck, tables
-from eop.pg import floors, migrate, models, ownership
+from eop.ops import stuck, tables
+from eop.ordering import ownership
+from eop.ordering import status as partition_status
+from eop.pg import floors, migrate, models
 from eop.pg.sql import dead_letters as dead_letters_sql
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import retries as retries_sql

@@ -38,8 +38,9 @@ from nats.js import JetStreamContext
 
 from eop import errors
 from eop.app import App
-from eop.broker import jetstream, partitions
+from eop.broker import jetstream
 from eop.handler import HandlerSpec
+from eop.ordering import partitions
 from eop.outbox import sql as outbox_sql
 from eop.pg import migrate, models
 from eop.pg.sql import retries as retries_sql
