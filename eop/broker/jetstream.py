@@ -280,7 +280,7 @@ async def ensure_stream(
     """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata).
 
     ``transform`` is the subject transform (src, dest) a stream eop creates gets
-    for a handler whose keys are spread over partitions (:mod:`eop.broker.partitions`,
+    for a handler whose keys are spread over partitions (:mod:`eop.ordering.partitions`,
     which checks a stream that exists).
 
     A stream that exists is used as it is; if it has another number of

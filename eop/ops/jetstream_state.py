@@ -1,6 +1,6 @@
 """What JetStream says of a stream or a consumer, read alike for every handler's status
 and for each partition consumer of an ordered one (:mod:`eop.ops.status`,
-:mod:`eop.ops.partition_status`): its replica group (the leader, each follower's state as
+:mod:`eop.ordering.status`): its replica group (the leader, each follower's state as
 the leader sees it), the ack-pending window, and the stream's persistence.
 """
 

@@ -9,7 +9,7 @@ the state of every other replica as the leader sees it (current, behind,
 offline).
 
 An ordered handler has no consumer of its own but one per partition
-(:mod:`eop.ops.partition_status`): its lag and ack-pending counts are the
+(:mod:`eop.ordering.status`): its lag and ack-pending counts are the
 partitions' sums, and its status adds who owns which partition, each
 partition's lag, the last rebalance and the live members.
 """
@@ -29,7 +29,7 @@ from eop import errors
 from eop.app import App, select_handlers
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
-from eop.ops import partition_status, stuck, tables
+from eop.ops import stuck, tables
 
 # Re-exported as well: this module named them before they moved.
 from eop.ops.jetstream_state import NEARLY_FULL as NEARLY_FULL
@@ -38,6 +38,7 @@ from eop.ops.jetstream_state import group
 from eop.ops.jetstream_state import group_warnings as group_warnings
 from eop.ops.jetstream_state import persistence_warnings as persistence_warnings
 from eop.ops.jetstream_state import window_warnings as window_warnings
+from eop.ordering import status as partition_status
 from eop.pg import floors, migrate, models
 from eop.pg.sql import dead_letters as dead_letters_sql
 from eop.pg.sql import inbox as inbox_sql

@@ -17,8 +17,9 @@ from typing import Any
 
 from eop import errors, log, redaction
 from eop.app import App
-from eop.broker import connection, jetstream, partitions
+from eop.broker import connection, jetstream
 from eop.handler import HandlerSpec
+from eop.ordering import partitions
 from eop.outbox import relay
 from eop.outbox.jetstream_publisher import JetStreamPublisher
 from eop.pg import migrate
@@ -101,7 +102,7 @@ async def _relay(app: App, process: RelayProcess, observer: Any) -> None:
     try:
         js = nc.jetstream()
         # A stream this relay creates first gets the partition transform its ordered
-        # handlers need (eop.broker.partitions).
+        # handlers need (eop.ordering.partitions).
         transforms = partitions.stream_transforms(app.handlers.values())
         await wait.streams(js, app.streams.values(), transforms)
         log.get_logger().info(log.Event.RELAY_STARTED)

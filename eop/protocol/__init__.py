@@ -1,1 +1,1 @@
-"""The exactly-once protocol: one message, a batch, ordering, compaction."""
+"""The exactly-once protocol: one message, a batch, parked retries, compaction."""

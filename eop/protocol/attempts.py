@@ -50,7 +50,7 @@ class Attempts:
     @property
     def parks(self) -> bool:
         """Whether failed messages wait for their retry in the database (not ordered ones:
-        a key's later messages must wait behind its retried one: :mod:`eop.protocol.ordering`)."""
+        a key's later messages must wait behind its retried one: :mod:`eop.ordering.keys`)."""
         return self.spec.order_by is None
 
     async def settle_failure(

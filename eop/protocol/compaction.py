@@ -54,7 +54,7 @@ class Compactor:
         self.settle_lock_ms = settle_lock_ms
         self._floor = floor
         """Where the floor comes from when it is not the handler's durable's ack floor
-        (an ordered handler's partitions: :meth:`eop.runtime.ordered.OrderedRunner.floor`)."""
+        (an ordered handler's partitions: :meth:`eop.ordering.share.OrderedRunner.floor`)."""
         self.msg_id_retention_s = store.app.settings.msg_id_retention_s
         self.js = js
         self.store = store

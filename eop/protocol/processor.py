@@ -152,7 +152,7 @@ class Processor:
     @property
     def parks(self) -> bool:
         """Whether failed messages wait for their retry in the database (not ordered ones:
-        a key's later messages must wait behind its retried one: :mod:`eop.protocol.ordering`)."""
+        a key's later messages must wait behind its retried one: :mod:`eop.ordering.keys`)."""
         return self.attempts.parks
 
     @property

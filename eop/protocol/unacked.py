@@ -33,7 +33,8 @@ from eop.pg import models
 from eop.protocol import background
 from eop.settings import Settings
 
-#: An ordered handler's consumer of each partition (:meth:`eop.pg.ownership.Ownership.consumers`).
+#: An ordered handler's consumer of each partition
+#: (:meth:`eop.ordering.ownership.Ownership.consumers`).
 Consumers = Callable[[], Awaitable[Mapping[int, str | None]]]
 
 

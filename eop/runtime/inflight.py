@@ -7,7 +7,7 @@ of its own, which a stop waits for within the grace period.
 :meth:`InFlight.process` runs a group of them through the protocol: one
 message alone, a fetched batch in one transaction (:mod:`eop.protocol.batch`)
 or a poll's due retries in one (:mod:`eop.protocol.retry_batch`); an ordered
-handler's lanes (:mod:`eop.runtime.lanes`) run theirs one by one.
+handler's lanes (:mod:`eop.ordering.lanes`) run theirs one by one.
 """
 
 from __future__ import annotations

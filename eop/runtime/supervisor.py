@@ -18,7 +18,7 @@ The supervisor is deliberately small:
   (:mod:`eop.runtime.gathered`), and serve nothing.
 - Every child runs every handler: an ordered handler's partitions are shared
   out among all the processes that run it, here and on other machines
-  (:mod:`eop.runtime.ordered`).
+  (:mod:`eop.ordering.share`).
 - SIGTERM and SIGINT are passed on to every child. A child that exits on its
   own (a fatal error, or killed) stops the others with SIGTERM, and the
   supervisor exits with that first child's status: an orchestrator restarts

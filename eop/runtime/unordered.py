@@ -36,7 +36,7 @@ class Unordered:
     """The fetch loop of an unordered handler's consumer in one process.
 
     ``transforms`` are the partition transforms of the app's streams
-    (:func:`eop.broker.partitions.stream_transforms`), for a stream made again.
+    (:func:`eop.ordering.partitions.stream_transforms`), for a stream made again.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 Several worker processes may share one durable consumer. An ordered
 handler's partitions are shared out among the processes that run it, each
-with a consumer of its own (:mod:`eop.runtime.ordered`). A stop (SIGTERM,
+with a consumer of its own (:mod:`eop.ordering.share`). A stop (SIGTERM,
 SIGINT, or a host's :meth:`~eop.runtime.hosting.Hosted.shutdown`) stops
 fetching, lets in-flight messages finish within the grace period, and never
 cuts between a COMMIT and its ack.
@@ -11,7 +11,7 @@ This module is the worker's life: its start (the servers waited for, the
 streams and consumers bound, each handler's loops started, the outbox
 relay), its stop and what it closes. The loops are their own modules: an
 unordered handler's fetch loop (:mod:`eop.runtime.unordered`), an ordered
-handler's lanes (:mod:`eop.runtime.lanes`), the parked retries'
+handler's lanes (:mod:`eop.ordering.lanes`), the parked retries'
 (:mod:`eop.runtime.parked`), all sharing the worker's messages in flight
 (:mod:`eop.runtime.inflight`).
 """
@@ -29,25 +29,16 @@ import nats.errors
 
 from eop import errors, log, redaction
 from eop.app import App, select_handlers
-from eop.broker import ack, client, connection, jetstream, leases, partitions
+from eop.broker import ack, client, connection, jetstream, leases
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
+from eop.ordering import lanes, partitions
 from eop.outbox import relay
 from eop.outbox.jetstream_publisher import JetStreamPublisher
 from eop.pg import migrate
 from eop.pg.store import PostgresStore
 from eop.protocol import compaction, misconfiguration, processor, unacked
-from eop.runtime import (
-    hosting,
-    inflight,
-    lanes,
-    parked,
-    shutdown,
-    slots,
-    startup,
-    telemetry,
-    unordered,
-)
+from eop.runtime import hosting, inflight, parked, shutdown, slots, startup, telemetry, unordered
 
 if TYPE_CHECKING:
     import prometheus_client

@@ -1,13 +1,13 @@
 """Per-key order in a :class:`~eop.testing.app.TestApp`: the lanes of ``order_by`` handlers.
 
 A worker gives each key of an ``order_by`` handler a lane
-(:mod:`eop.protocol.ordering`): when a message is retried (nak'ed), the
+(:mod:`eop.ordering.keys`): when a message is retried (nak'ed), the
 later messages of its key wait in the lane, unrun, until it has an outcome
 (processed, dead-lettered...), then run in stream order. :class:`Lanes`
 does the same for the test kit: it knows which key waits for which retried
 message, holds the deliveries behind it, and runs them once it is settled.
 
-The rule is :class:`eop.protocol.ordering.BlockedKeys`'s: a key is held
+The rule is :class:`eop.ordering.keys.BlockedKeys`'s: a key is held
 until its retried message has an outcome. A worker also lets a key go when
 its partition moves to another process or the stream no longer holds the
 message; the kit, one process holding every key, lets it go when
@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
-from eop.protocol import ordering
+from eop.ordering import keys
 from eop.types import Outcome
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def seq_of(delivery: FakeDelivery) -> int:
 
 def lane_of(spec: HandlerSpec, delivery: FakeDelivery) -> LaneKey:
     """The lane of a delivery: its handler and its ordering key, as a worker computes it."""
-    return (spec.name, ordering.key_of(spec, delivery))
+    return (spec.name, keys.key_of(spec, delivery))
 
 
 class Lanes:

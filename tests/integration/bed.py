@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import eop
 from eop import settings as settings_mod
-from eop.broker import partitions
+from eop.ordering import partitions
 from eop.runtime.worker import Worker
 
 STREAM = "ORDERS"

@@ -303,8 +303,9 @@ async def test_a_process_frozen_in_the_middle_of_its_tick_does_not_keep_its_part
     """A tick holds its partitions' rows locked until it commits: a process frozen in the
     middle of one (SIGSTOP) would keep anyone from taking them for as long as it stays
     frozen. The tick's idle-in-transaction timeout ends its transaction on the server."""
-    from eop.pg import models, ownership
-    from eop.pg.sql import ownership as ownership_sql
+    from eop.ordering import ownership
+    from eop.ordering import sql as ownership_sql
+    from eop.pg import models
 
     tables = models.tables("eop")
     member = ownership.Member(name="b", host="h", pid=2)

@@ -19,9 +19,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import eop
 from eop import errors
-from eop.broker import partitions
 from eop.handler import HandlerSpec
 from eop.ops import audit, dlq, status
+from eop.ordering import partitions
 
 from .bed import bed_settings, drained, running, wait_for
 from .test_cli import Workers, eop_env

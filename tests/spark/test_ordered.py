@@ -14,10 +14,11 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import cli, errors
-from eop.broker import jetstream, partitions
+from eop.broker import jetstream
 from eop.contrib.spark import fleet, jobs, sink
 from eop.contrib.spark.apply import Counts
 from eop.message import fingerprint
+from eop.ordering import partitions
 from tests.integration.bed import STREAM, bed_settings, create_effects_table, running, wait_for
 
 from . import sparkapp

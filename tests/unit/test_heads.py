@@ -1,4 +1,4 @@
-"""The head messages of an ordered handler's lanes (:mod:`eop.protocol.heads`), on fakes.
+"""The head messages of an ordered handler's lanes (:mod:`eop.ordering.heads`), on fakes.
 
 Messages handed in while the handler's transactions are all busy run together
 in the next one, each lane getting its own message's outcome; a failing
@@ -15,7 +15,7 @@ import pytest
 
 from eop import testing
 from eop.message import Message
-from eop.protocol import heads
+from eop.ordering import heads
 from eop.types import Outcome
 
 from .support import MakeHarness, delivery

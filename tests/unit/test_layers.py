@@ -95,6 +95,17 @@ FEATURES: Mapping[str, Mapping[str, str]] = {
         "eop.outbox.operations": "operations",
         "eop.outbox.cli": "cli",
     },
+    "eop.ordering": {
+        "eop.ordering": "edges",  # no code: below each of its modules
+        "eop.ordering.partitions": "edges",
+        "eop.ordering.ownership": "edges",
+        "eop.ordering.sql": "edges",
+        "eop.ordering.keys": "protocol",
+        "eop.ordering.heads": "protocol",
+        "eop.ordering.share": "runtime",
+        "eop.ordering.lanes": "runtime",
+        "eop.ordering.status": "operations",
+    },
 }
 
 #: What ``eop worker`` must never load: the developer tools, the integrations, the test kit
@@ -105,8 +116,15 @@ TOOLS = ("eop.tools", "eop.contrib", "eop.testing", *MOVED)
 #: the feature packages' modules that belong to it.
 APART: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (
-        ("eop.broker", "eop.outbox.jetstream_publisher"),
-        ("eop.pg", "eop.outbox.table", "eop.outbox.sql", "eop.outbox.notifications"),
+        ("eop.broker", "eop.outbox.jetstream_publisher", "eop.ordering.partitions"),
+        (
+            "eop.pg",
+            "eop.outbox.table",
+            "eop.outbox.sql",
+            "eop.outbox.notifications",
+            "eop.ordering.ownership",
+            "eop.ordering.sql",
+        ),
     ),
 )
 

@@ -9,9 +9,7 @@ from collections.abc import Sequence
 from eop import testing
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
-from eop.pg import ownership
-from eop.protocol import ordering
-from eop.runtime import ordered
+from eop.ordering import keys, ownership, share
 from eop.settings import Settings
 from eop.types import Outcome
 
@@ -26,7 +24,7 @@ async def _never(seq: int) -> bool:
 
 async def test_a_retried_message_blocks_its_key_until_it_settles() -> None:
     """The key waits while its retried message has no outcome and goes on once it has."""
-    blocked = ordering.BlockedKeys()
+    blocked = keys.BlockedKeys()
     retried = testing.FakeDelivery.make(seq=1)
     blocked.update("h", "k", retried, Outcome.RETRY)
     assert blocked.blocked_seq("h", "k") == 1
@@ -43,7 +41,7 @@ async def test_a_retried_message_blocks_its_key_until_it_settles() -> None:
 async def test_a_blocked_key_waits_past_any_time_while_its_message_is_stored() -> None:
     """No time limit lets a key's later messages overtake its retried one: after each
     hold the stream is asked, and the key stays blocked while it still holds the message."""
-    blocked = ordering.BlockedKeys()
+    blocked = keys.BlockedKeys()
     blocked.update("h", "k", testing.FakeDelivery.make(seq=5), Outcome.RETRY)
     asked: list[int] = []
 
@@ -66,7 +64,7 @@ async def test_a_blocked_key_waits_past_any_time_while_its_message_is_stored() -
 async def test_a_blocked_key_is_released_when_the_stream_no_longer_holds_the_message() -> None:
     """A retried message deleted from the stream (limits, a purge) never comes back: its
     key goes on instead of waiting for ever."""
-    blocked = ordering.BlockedKeys()
+    blocked = keys.BlockedKeys()
     blocked.update("h", "k", testing.FakeDelivery.make(seq=5), Outcome.RETRY)
     went_on = await asyncio.wait_for(
         blocked.wait("h", "k", 0, lost=asyncio.Event(), stored=_never, hold_s=0.02, poll_s=0.01),
@@ -79,7 +77,7 @@ async def test_a_blocked_key_is_released_when_the_stream_no_longer_holds_the_mes
 async def test_a_key_stops_waiting_when_its_partition_is_lost() -> None:
     """Once the process no longer owns the partition, its waiting messages are left for
     the new owner (False), not run."""
-    blocked = ordering.BlockedKeys()
+    blocked = keys.BlockedKeys()
     blocked.update("h", "k", testing.FakeDelivery.make(seq=5), Outcome.RETRY)
     lost = asyncio.Event()
     task = asyncio.ensure_future(
@@ -96,14 +94,14 @@ def test_partition_shares_add_up_whoever_computes_them() -> None:
     for count in (1, 2, 7, 16):
         for n in (1, 2, 3, 5):
             members = [f"m{i}" for i in range(n)]
-            shares = [ordered.share(members, m, count) for m in members]
+            shares = [share.share(members, m, count) for m in members]
             assert sum(shares) == count
             assert max(shares) - min(shares) <= 1
-    assert ordered.share(["a", "b"], "c", 4) == 0
+    assert share.share(["a", "b"], "c", 4) == 0
 
 
 class _FakeOwners:
-    """Stands in for eop.pg.ownership.Ownership: records what each tick gave up."""
+    """Stands in for eop.ordering.ownership.Ownership: records what each tick gave up."""
 
     def __init__(self) -> None:
         self.count = 2
@@ -123,8 +121,8 @@ class _FakeOwners:
         return ownership.Tick(members=("me",), owned=owned, acquired=())
 
 
-def _runner(owners: _FakeOwners) -> ordered.OrderedRunner:
-    return ordered.OrderedRunner(
+def _runner(owners: _FakeOwners) -> share.OrderedRunner:
+    return share.OrderedRunner(
         spec=HandlerSpec(
             func=_handler, name="h", stream="S", subject="s.*", durable="d", order_by="subject:1"
         ),
@@ -137,7 +135,7 @@ def _runner(owners: _FakeOwners) -> ordered.OrderedRunner:
         give_slots=lambda n: None,
         stopping=asyncio.Event(),
         observer=observe.NOOP,
-        blocked=ordering.BlockedKeys(),
+        blocked=keys.BlockedKeys(),
     )
 
 
@@ -149,7 +147,7 @@ async def test_partitions_whose_lease_may_have_run_out_are_given_up_not_resumed(
     runner = _runner(owners)
     runner.members = ("me",)
     for n in (0, 1):
-        runner.owned[n] = ordered.Partition(n, 1, None, consumer=f"d-p{n}-e1")
+        runner.owned[n] = share.Partition(n, 1, None, consumer=f"d-p{n}-e1")
     owners.fail = True
     with contextlib.suppress(OSError):
         await runner.tick()
@@ -168,7 +166,7 @@ async def test_a_partition_given_up_with_runs_cut_short_is_expired_not_released(
     runner = _runner(owners)
     runner.members = ("me",)
     for n in (0, 1):
-        part = ordered.Partition(n, 1, None, consumer=f"d-p{n}-e1")
+        part = share.Partition(n, 1, None, consumer=f"d-p{n}-e1")
         part.releasing, part.release_by = True, 0.0
         runner.owned[n] = part
     runner.owned[1].inflight = 2

@@ -7,8 +7,8 @@ import types
 import pytest
 
 import eop
-from eop.broker import partitions
 from eop.handler import HandlerSpec
+from eop.ordering import partitions
 
 
 async def _handler(msg: eop.Message, session: object) -> None:

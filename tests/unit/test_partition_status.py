@@ -6,8 +6,8 @@ import datetime
 
 import eop
 from eop.handler import HandlerSpec
-from eop.ops import partition_status
-from eop.pg import ownership
+from eop.ordering import ownership
+from eop.ordering import status as partition_status
 
 NOW = datetime.datetime(2026, 11, 28, 14, 0, tzinfo=datetime.timezone.utc)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import eop
-from eop.broker import partitions
 from eop.handler import HandlerSpec
+from eop.ordering import partitions
 
 
 def _spec(count: int) -> HandlerSpec:

@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from eop.ops import partition_status, status
+from eop.ops import status
+from eop.ordering import status as partition_status
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 SECTION = "### The fields of `eop status --json`"

@@ -1,7 +1,7 @@
 """An ordered handler's workers and a Spark job of it: the job refuses to start beside them.
 
 The workers keep a key's messages in order across processes by owning each
-partition of the handler's keys through a lease (:mod:`eop.pg.ownership`,
+partition of the handler's keys through a lease (:mod:`eop.ordering.ownership`,
 docs/ordering.md). A Spark job runs a
 key's messages in stream order within its own partition, while a worker may
 run the same key's next message at the same time. So a job of an ordered
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from eop import errors
 from eop.contrib.spark import lease
+from eop.ordering import sql
 from eop.pg import models
-from eop.pg.sql import ownership as sql
 
 if TYPE_CHECKING:
     from eop.app import App

@@ -72,7 +72,7 @@ def stored_subject(spec: HandlerSpec) -> str:
     """The filter of ``spec``'s messages as the stream stores them.
 
     With ``partitions`` > 1 the stream puts each message's partition in front
-    of its subject (:mod:`eop.broker.partitions`): ``3.ledger.acc1.step`` for
+    of its subject (:mod:`eop.ordering.partitions`): ``3.ledger.acc1.step`` for
     ``ledger.acc1.step``. The sink takes that token off again
     (:func:`eop.contrib.spark.sink.messages_from_rows`), as the workers do.
     """

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 from eop import errors as eop_errors
 from eop import log
 from eop.contrib.spark import errors
+from eop.ordering import sql
 from eop.pg import models, statements
-from eop.pg.sql import ownership as sql
 
 if TYPE_CHECKING:
     from sqlalchemy import orm

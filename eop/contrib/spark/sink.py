@@ -291,7 +291,7 @@ def messages_from_rows(
     ``partitions`` > 1 the stream stored each subject behind its partition's
     number (``3.ledger.acc1.step``): the handler and the fingerprint get the
     subject as published (``ledger.acc1.step``), as the workers' fetches
-    strip it (:mod:`eop.runtime.ordered`), and a row without such a token,
+    strip it (:mod:`eop.ordering.share`), and a row without such a token,
     which no partition's consumer would deliver, is left out.
     """
     for row in rows:

@@ -17,10 +17,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from eop import log
 from eop.app import App
 from eop.handler import HandlerSpec
+from eop.ordering import sql as ownership_sql
 from eop.pg import failures, floors, models
 from eop.pg.sql import audit as audit_sql
 from eop.pg.sql import inbox as inbox_sql
-from eop.pg.sql import ownership
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ class Outcomes:
 
     async def partition_consumers(self) -> dict[int, str | None]:
         """An ordered handler's current consumer of each partition (None: never owned)."""
-        stmt = ownership.consumers(self.tables, self.spec.name)
+        stmt = ownership_sql.consumers(self.tables, self.spec.name)
         async with self.session() as session:
             return {int(p): name for p, name in await session.execute(stmt)}
 

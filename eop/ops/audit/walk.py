@@ -5,7 +5,7 @@ throwaway ordered consumer; single messages are fetched by sequence where a
 recorded outcome needs its message's fingerprint.
 
 An ordered handler has a consumer per partition instead of its durable
-(:mod:`eop.broker.partitions`): the walk takes all their filters, and each
+(:mod:`eop.ordering.partitions`): the walk takes all their filters, and each
 message's partition says whose ack floor it stands under. With several
 partitions the stream stores each subject behind its partition
 (``3.ledger.acc1.step``) while the handler, and so the inbox's fingerprint,
@@ -29,8 +29,9 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 
 from eop import errors, message
-from eop.broker import consumers, jetstream, partitions
+from eop.broker import consumers, jetstream
 from eop.handler import HandlerSpec
+from eop.ordering import partitions
 
 _GETS_IN_FLIGHT = 64
 

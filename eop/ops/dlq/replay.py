@@ -13,8 +13,9 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 
 from eop import errors, message, redaction
-from eop.broker import consumers, jetstream, partitions
+from eop.broker import consumers, jetstream
 from eop.ops.dlq import rerun, state
+from eop.ordering import partitions
 from eop.pg import models
 from eop.pg.sql import dead_letters as dead_letters_sql
 
@@ -181,7 +182,7 @@ class Replayer:
         for info in infos:
             config = info.config
             name = config.durable_name
-            # An ordered handler's own consumers are its partitions' (see eop.broker.partitions).
+            # An ordered handler's own consumers are its partitions' (see eop.ordering.partitions).
             if not name or name == own or partitions.is_consumer_of(own, name):
                 continue
             filters = consumers.consumer_filters(config.filter_subjects, config.filter_subject)

@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 import sqlalchemy as sa
 from nats.js import JetStreamContext
 
-from eop.broker import partitions
 from eop.handler import HandlerSpec
+from eop.ordering import partitions
 from eop.tools.chaos import checker, relayed, scenarios, workers
 from eop.tools.chaos.report import Report
 from eop.tools.chaos.target import Payload, Target

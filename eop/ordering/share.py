@@ -6,7 +6,7 @@ Every process that runs an ordered handler is a member of it (a row of
 up partitions so that it owns its share: the partition count divided by
 the live members, the remainder going to the first ones by name. A
 partition it takes gets a new epoch and a consumer of its own, created at
-the ack floor of the consumers before it (:mod:`eop.broker.partitions`);
+the ack floor of the consumers before it (:mod:`eop.ordering.partitions`);
 a partition it gives up is first drained (no more fetches; the lanes
 already running finish). A member that stops gives everything up at once;
 one that dies loses its leases when they run out. docs/ordering.md has the
@@ -31,11 +31,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from eop import backoff, errors, log
-from eop.broker import fetcher, jetstream, partitions
+from eop.broker import fetcher, jetstream
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
-from eop.pg import failures, ownership
-from eop.protocol import ordering
+from eop.ordering import keys, ownership, partitions
+from eop.pg import failures
 from eop.runtime.slots import Slots
 from eop.settings import Settings
 from eop.types import Delivery
@@ -133,7 +133,7 @@ class OrderedRunner:
         give_slots: Callable[[int], None],
         stopping: asyncio.Event,
         observer: observe.Observer,
-        blocked: ordering.BlockedKeys,
+        blocked: keys.BlockedKeys,
     ) -> None:
         self.spec = spec
         self.nc = nc

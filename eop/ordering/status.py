@@ -3,7 +3,7 @@
 An ordered handler has no durable consumer of its own: each of its
 partitions is owned by one process at a time through a lease in the
 database, and each ownership fetches from a consumer of its own
-(``<durable>-p<partition>-e<epoch>``, :mod:`eop.broker.partitions`). Its
+(``<durable>-p<partition>-e<epoch>``, :mod:`eop.ordering.partitions`). Its
 status shows who owns which partition, each partition consumer's lag,
 the last rebalance (the newest acquisition) and the live members. A
 partition nobody owns, or whose owner's lease ran out, is waiting for a
@@ -25,7 +25,8 @@ from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.ops import tables
 from eop.ops.jetstream_state import group_warnings, window_warnings
-from eop.pg import models, ownership
+from eop.ordering import ownership
+from eop.pg import models
 
 
 @dataclasses.dataclass
@@ -106,7 +107,7 @@ def from_rows(
     rows: Iterable[ownership.PartitionRow],
     members: Iterable[ownership.MemberRow],
 ) -> OrderedStatus:
-    """The handler's share of :func:`eop.pg.ownership.read_status` and ``read_members``."""
+    """The handler's share of :func:`eop.ordering.ownership.read_status` and ``read_members``."""
     own = [r for r in rows if r.subscription == spec.name]
     status = OrderedStatus(partition_count=own[0].count if own else spec.partitions)
     for r in own:

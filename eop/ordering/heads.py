@@ -1,6 +1,6 @@
 """The head messages of an ordered handler's lanes, settled together.
 
-Each lane of an ordered handler (:mod:`eop.runtime.lanes`) runs its key's
+Each lane of an ordered handler (:mod:`eop.ordering.lanes`) runs its key's
 messages one at a time: it hands its next message to :meth:`Heads.handle`
 and waits for that message's outcome before it hands the following one.
 A message handed in while no transaction of the handler runs starts at

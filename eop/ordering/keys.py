@@ -10,7 +10,7 @@ cannot overtake it.
 
 Across processes and machines, each partition has one owner at a time, and
 a new owner starts from the partition's ack floor
-(:mod:`eop.runtime.ordered`, :mod:`eop.broker.partitions`); docs/ordering.md
+(:mod:`eop.ordering.share`, :mod:`eop.ordering.partitions`); docs/ordering.md
 has the guarantee and why it holds.
 """
 

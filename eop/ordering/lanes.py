@@ -1,13 +1,13 @@
 """An ordered handler's keys in one process: a lane each, its messages run in stream order.
 
-The partitions this process owns (:mod:`eop.runtime.ordered`) hand their
+The partitions this process owns (:mod:`eop.ordering.share`) hand their
 fetched messages to :meth:`Lanes.dispatch`, which gives each key of them a
 lane: a task that runs the key's messages one after another, once the
 key's previous lane has ended. When one of them is retried, the key's
-followers wait behind it (:mod:`eop.protocol.ordering`), keeping their
+followers wait behind it (:mod:`eop.ordering.keys`), keeping their
 leases; a lane whose partition is lost stops, leaving the rest unacked for
 the partition's next consumer. A lane's messages go through the handler's
-:class:`~eop.protocol.heads.Heads`, which lets the heads of several lanes
+:class:`~eop.ordering.heads.Heads`, which lets the heads of several lanes
 share a transaction.
 """
 
@@ -23,10 +23,10 @@ from nats.js import JetStreamContext
 
 from eop.app import App
 from eop.handler import HandlerSpec
-from eop.pg import ownership
+from eop.ordering import heads, keys, ownership, share
 from eop.pg.store import PostgresStore
-from eop.protocol import heads, ordering, processor
-from eop.runtime import ordered, startup
+from eop.protocol import processor
+from eop.runtime import startup
 from eop.runtime.inflight import InFlight
 from eop.types import Delivery, Outcome
 
@@ -36,9 +36,9 @@ class Lanes:
 
     def __init__(self, flight: InFlight) -> None:
         self._flight = flight
-        self.blocked = ordering.BlockedKeys()
+        self.blocked = keys.BlockedKeys()
         """The keys held behind a retried message, shared with the runners."""
-        self.runners: dict[str, ordered.OrderedRunner] = {}
+        self.runners: dict[str, share.OrderedRunner] = {}
         """Each ordered handler's runner of its partitions in this process, by name."""
         self._heads: dict[str, heads.Heads] = {}
         self._lanes: dict[tuple[str, str], asyncio.Task[Any]] = {}
@@ -52,7 +52,7 @@ class Lanes:
         proc: processor.Processor,
         store: PostgresStore,
         patience: startup.Patience,
-    ) -> ordered.OrderedRunner:
+    ) -> share.OrderedRunner:
         """The runner of an ordered handler's partitions in this process, prepared."""
         flight = self._flight
         settings = flight.settings
@@ -61,10 +61,10 @@ class Lanes:
             store.tables,
             spec.name,
             spec.partitions,
-            ordered.member(),
+            share.member(),
             settings.partition_lease_s,
         )
-        runner = ordered.OrderedRunner(
+        runner = share.OrderedRunner(
             spec=spec,
             nc=nc,
             js=js,
@@ -77,7 +77,7 @@ class Lanes:
             observer=flight.observer,
             blocked=self.blocked,
         )
-        await patience(functools.partial(ordered.prepare, runner))
+        await patience(functools.partial(share.prepare, runner))
         self.runners[spec.name] = runner
         self._heads[spec.name] = heads.Heads(
             proc,
@@ -93,13 +93,13 @@ class Lanes:
         proc: processor.Processor,
         msgs: Sequence[Delivery],
         at: float,
-        part: ordered.Partition,
+        part: share.Partition,
     ) -> None:
         """One lane per key: a key's messages run one after another, in stream order."""
         self._flight.leases.hold(msgs, proc.ack_wait_s, at=at)
         by_key: dict[str, list[Delivery]] = {}
         for msg in msgs:
-            by_key.setdefault(ordering.key_of(proc.spec, msg), []).append(msg)
+            by_key.setdefault(keys.key_of(proc.spec, msg), []).append(msg)
         for key, group in by_key.items():
             lane = self._lanes.get((proc.spec.name, key))
             task = self._flight.spawn(self._process_lane(proc, key, group, at, lane, part))
@@ -117,7 +117,7 @@ class Lanes:
         msgs: Sequence[Delivery],
         received_at: float,
         previous: asyncio.Task[Any] | None,
-        part: ordered.Partition,
+        part: share.Partition,
     ) -> None:
         """Process a key's messages in order; when one is retried, its followers wait."""
         flight = self._flight
@@ -152,7 +152,7 @@ class Lanes:
         key: str,
         msgs: Sequence[Delivery],
         received_at: float,
-        part: ordered.Partition,
+        part: share.Partition,
     ) -> bool:
         """Run ``msgs`` in order; False once the partition is lost (the rest are left
         unacked: the next owner's consumer starts at or below them)."""

@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import errors
+from eop.ordering import sql
 from eop.pg import models
-from eop.pg.sql import ownership as sql
 
 
 @dataclasses.dataclass(frozen=True)
