@@ -262,6 +262,17 @@ def enabled(level: int) -> bool:
     return True if check is None else bool(check(None, level))
 
 
+#: The most characters of a failure's description a dead letter, a parked retry or an
+#: error line keeps.
+ERROR_CHARS = 2000
+
+
+def bounded_error(exc: BaseException) -> str:
+    """:func:`describe_error`, cut to :data:`ERROR_CHARS`: what a dead letter, a parked
+    retry or an error line records."""
+    return describe_error(exc)[:ERROR_CHARS]
+
+
 def describe_error(exc: BaseException) -> str:
     """``exc`` as ``Type: message``, for a log line or a dead letter's ``error``.
 

@@ -199,10 +199,9 @@ async def translate_claim_errors(claim: Awaitable[T]) -> T:
         if classify(exc) is DbFailure.LOCK_TIMEOUT:
             raise errors.ClaimTimeout() from exc
         if refuses_values(exc):
-            # Bounded as a dead letter records an error: the message is dead-lettered with it.
-            described = log.describe_error(exc)[:2000]
+            # The message is dead-lettered with this text: bounded as a dead letter's error.
             raise errors.UnclaimableMessage(
-                f"the inbox refuses this message's row: {described}"
+                f"the inbox refuses this message's row: {log.bounded_error(exc)}"
             ) from exc
         raise
 

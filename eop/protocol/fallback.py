@@ -53,7 +53,7 @@ def log_failure(
         last_seq=last.seq,
         messages=len(msgs),
         **extra,
-        error=log.describe_error(exc)[:2000],
+        error=log.bounded_error(exc),
         traceback=log.format_traceback(exc),
     )
 

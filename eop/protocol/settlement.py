@@ -395,4 +395,4 @@ class Settlement:
 
 def describe(exc: BaseException) -> str:
     """A failure as a dead letter or a parked retry records it (bounded)."""
-    return log.describe_error(exc)[:2000]
+    return log.bounded_error(exc)

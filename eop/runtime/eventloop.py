@@ -62,5 +62,5 @@ def _report(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     exc = context.get("exception")
     fields: dict[str, Any] = {"what": str(context.get("message", ""))[:200]}
     if isinstance(exc, BaseException):
-        fields["error"] = log.describe_error(exc)[:2000]
+        fields["error"] = log.bounded_error(exc)
     log.get_logger().error(log.Event.LOOP_ERROR, **fields)

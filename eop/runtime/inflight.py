@@ -118,7 +118,7 @@ class InFlight:
         self.logger.error(
             log.Event.MESSAGE_FAILED,
             handler=proc.spec.name,
-            error=log.describe_error(exc)[:2000],
+            error=log.bounded_error(exc),
         )
         self.observer.errored(proc.spec, msgs, exc)
         for msg in msgs:

@@ -412,4 +412,4 @@ def _chunks(items: list[Message], size: int) -> list[list[Message]]:
 
 
 def _describe(exc: BaseException) -> str:
-    return log.describe_error(exc)[:2000]
+    return log.bounded_error(exc)
