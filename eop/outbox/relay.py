@@ -15,7 +15,11 @@ out in ``id`` order. A round:
    their PubAcks); every send of a row carries its ``Nats-Msg-Id``, so a re-send is
    dropped by the stream inside its duplicate window and by an eop
    consumer's msg-id guard after it;
-4. marks the acknowledged rows published, with their stream sequence.
+4. marks the acknowledged rows published, with their stream sequence. When
+   the round was a full batch (a backlog) and every row was acknowledged, the
+   mark runs while the next round reads and publishes, at most one mark in
+   flight: the order of the sends does not depend on it, and the next read
+   skips the rows it marks.
 
 A row the server refuses for good (too large, a header it rejects) is parked
 at once; one whose subject no stream holds, as JetStream itself answers, is
@@ -121,6 +125,10 @@ class Relay:
         self._wake = asyncio.Event()
         self._held: dict[str, tuple[float, int]] = {}
         self._unmarked: list[tuple[int, str, int]] = []
+        self._marking: asyncio.Task[None] | None = None
+        """The previous round's mark, while it runs beside this round's read and publish."""
+        self._marking_ids: list[int] = []
+        """The ids that mark covers, sorted: the next read skips them."""
         self._lease_until = 0.0
         self._holding = False
         self._renew_at = 0.0
@@ -231,6 +239,9 @@ class Relay:
     async def _leave(self) -> None:
         """On the way out: mark what was published, give the lease up, stop listening."""
         await self._listener.close()
+        with contextlib.suppress(Exception):
+            # A mark that failed put its rows back into _unmarked, marked just below.
+            await asyncio.wait_for(self.marked(), self.settings.publish_timeout_s)
         if not self._holding and not self._unmarked:
             self._logger.info(log.Event.RELAY_STOPPED, published=self.published)
             return
@@ -249,15 +260,28 @@ class Relay:
     # -- a round
 
     async def round(self) -> int:
-        """Publish the oldest pending rows once; how many were sent."""
-        await self._mark_unmarked()
+        """Publish the oldest pending rows once; how many were sent.
+
+        When they were a full batch, every row acknowledged, their mark is left running
+        (:meth:`marked` waits for it) while the next round reads and publishes. A
+        smaller round marks before it returns: nothing follows it at once, and its
+        rows' latency would pay for the next read's skipping them.
+        """
+        if self._marking is None:
+            await self._mark_unmarked()
         rows = await self._read()
         if not rows or not self.leading:
             # Not leading any more (the read outlived the lease): the new holder sends them.
+            await self.marked()
             return 0
         result = _Round.of(rows, await self.publisher.publish(rows))
         await faults.point("relay_after_publish")
         self._unmarked.extend(result.published)
+        # One mark in flight at most; a failed one put its rows back into _unmarked.
+        await self.marked()
+        if len(result.published) == len(rows) >= self.settings.outbox_batch:
+            self._start_marking()
+            return len(rows)
         await self._mark_unmarked()
         await faults.point("relay_after_mark")
         await self._settle_refusals(result)
@@ -274,9 +298,28 @@ class Relay:
             )
         return len(rows)
 
+    async def marked(self) -> None:
+        """Wait for the mark in flight, if any; raises what failed it (its rows are kept)."""
+        marking, self._marking = self._marking, None
+        self._marking_ids = []
+        if marking is not None:
+            await marking
+
+    def _start_marking(self) -> None:
+        """Mark what was published in a task of its own, to overlap the next round."""
+        if not self._unmarked:
+            return
+        done, self._unmarked = self._unmarked, []
+        self._marking_ids = sorted(row_id for row_id, _, _ in done)
+        self._marking = asyncio.create_task(self._mark_then_point(done))
+
+    async def _mark_then_point(self, done: list[tuple[int, str, int]]) -> None:
+        await self._mark(done)
+        await faults.point("relay_after_mark")
+
     async def _read(self) -> list[Row]:
         held = self._held_subjects()
-        stmt = sql.pending(self.tables, self.settings.outbox_batch, held)
+        stmt = sql.pending(self.tables, self.settings.outbox_batch, held, self._marking_ids)
         async with self.engine.connect() as conn:
             result = await failures.connected(conn.execute(stmt))
             records = result.all()
@@ -296,6 +339,10 @@ class Relay:
         if not self._unmarked:
             return
         done, self._unmarked = self._unmarked, []
+        await self._mark(done)
+
+    async def _mark(self, done: list[tuple[int, str, int]]) -> None:
+        """Mark the published rows ``done``; on failure they go back to ``_unmarked``."""
         ids, streams, seqs = (list(column) for column in zip(*done, strict=True))
         try:
             async for attempt in _retrying():

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
 from eop.pg import models
 
@@ -40,13 +41,40 @@ def _pending(c: Any) -> tuple[sa.ColumnElement[bool], ...]:
     return (c.published_at.is_(None), c.parked_at.is_(None))
 
 
-def pending(t: models.Tables, limit: int, held: Sequence[str] = ()) -> sa.Select[Any]:
-    """The oldest rows neither published nor parked, in id order, skipping ``held`` subjects."""
+def pending(
+    t: models.Tables,
+    limit: int,
+    held: Sequence[str] = (),
+    marking: Sequence[int] = (),
+) -> sa.Select[Any]:
+    """The oldest rows neither published nor parked, in id order, skipping ``held`` subjects
+    and the rows ``marking`` (sorted ids: published, their mark still in flight).
+
+    The rows ``marking`` are skipped as if their mark had committed, so the rows
+    read, and their order, are the same as after it. The ids around them are read
+    as ranges of the pending index; only those between the first and the last of
+    ``marking`` (the rows in flight, and any that committed after the read that
+    found those) are tested against them.
+    """
     c = t.outbox.c
     stmt = sa.select(*(c[name] for name in PENDING_COLUMNS)).where(*_pending(c))
     if held:
         stmt = stmt.where(c.subject.not_in(list(held)))
-    return stmt.order_by(c.id).limit(limit)
+    if not marking:
+        return stmt.order_by(c.id).limit(limit)
+    lo, hi = marking[0], marking[-1]
+    in_flight = sa.select(
+        sa.func.unnest(
+            sa.bindparam("marking", list(marking), type_=postgresql.ARRAY(sa.BigInteger))
+        )
+    ).scalar_subquery()
+    parts = (
+        stmt.where(c.id < lo),
+        stmt.where(c.id.between(lo, hi), c.id.not_in(in_flight)),
+        stmt.where(c.id > hi),
+    )
+    both = sa.union_all(*(part.order_by(c.id).limit(limit) for part in parts)).subquery()
+    return sa.select(*(both.c[name] for name in PENDING_COLUMNS)).order_by(both.c.id).limit(limit)
 
 
 def mark_published(t: models.Tables, ids: list[int], streams: list[str], seqs: list[int]) -> Any:

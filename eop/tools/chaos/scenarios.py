@@ -264,6 +264,9 @@ SCENARIOS: dict[str, Scenario] = {
                 "EOP_RELAY_LEASE_S": "3",
                 # Every row stays, to be checked against stream B after the run.
                 "EOP_OUTBOX_KEEP_S": "86400",
+                # Rounds of 20 rows: a backlog fills them, and a full round's mark
+                # runs beside the next round, where the relays are killed too.
+                "EOP_OUTBOX_BATCH": "20",
             },
             require_evidence=True,
             arm_workers=True,
