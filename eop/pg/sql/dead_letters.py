@@ -10,7 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from eop.pg import models
-from eop.pg.sql.base import in_epoch
+from eop.pg.sql.base import in_lane
 
 # --- Dead letters (`eop dlq`) and handler status (`eop status`) -------------
 
@@ -128,7 +128,7 @@ def settle_rerun_inbox(
     return (
         sa.update(t.inbox)
         .where(
-            *in_epoch(c, subscription, stream, epoch),
+            *in_lane(t, subscription, stream, epoch),
             c.stream_seq == seq,
             c.fingerprint == fingerprint,
             c.outcome == models.OUTCOME_DEAD_LETTERED,
