@@ -252,3 +252,18 @@ def privileges(url: str, role: str) -> set[str]:
             {"r": role},
         )
         return {str(p) for (p,) in rows}
+
+
+def test_making_a_lane_that_exists_uses_up_no_lane(database_url: str) -> None:
+    """A claim that finds some of its messages taken (every duplicate) asks for their lanes
+    to be made: a lane that exists is left alone without taking a number from the lanes'
+    sequence (an integer: used up once a duplicate, it would run out), and the next lane
+    made follows the last."""
+    t = models.tables()
+    with engine(database_url).begin() as conn:
+        first = conn.execute(*inbox_sql.create_lanes(t, "h", "S", [EPOCH_A])).scalars().all()
+        for _ in range(5):
+            assert conn.execute(*inbox_sql.create_lanes(t, "h", "S", [EPOCH_A])).all() == []
+            assert conn.execute(*inbox_sql.create_watermark(t, "h", "S", EPOCH_A)).all() == []
+        both = conn.execute(*inbox_sql.create_lanes(t, "h", "S", [EPOCH_A, EPOCH_B]))
+        assert both.scalars().all() == [first[0] + 1]

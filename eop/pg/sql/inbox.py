@@ -233,17 +233,10 @@ def watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> s
     return sa.select(w.watermark).where(*in_epoch(w, subscription, stream, epoch))
 
 
-def create_watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> sa.Insert:
-    """Make sure the watermark row exists (at 0), so raising it is always an UPDATE.
-
-    RETURNING yields a row only when this call created it.
-    """
-    return (
-        postgresql.insert(t.watermarks)
-        .values(subscription=subscription, stream=stream, stream_epoch=epoch, watermark=0)
-        .on_conflict_do_nothing()
-        .returning(t.watermarks.c.watermark)
-    )
+def create_watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> Bound:
+    """Make sure the watermark row exists (at 0), so raising it is always an UPDATE;
+    RETURNING a row only when this call created it."""
+    return create_lanes(t, subscription, stream, [epoch])
 
 
 def create_lanes(t: models.Tables, subscription: str, stream: str, epochs: list[str]) -> Bound:
@@ -257,12 +250,18 @@ def create_lanes(t: models.Tables, subscription: str, stream: str, epochs: list[
 
 @functools.cache
 def _create_lanes(t: models.Tables) -> sa.Executable:
+    w = t.watermarks.c
+    sub, stream = (sa.bindparam(n, type_=sa.Text) for n in ("p_subscription", "p_stream"))
     epochs = sa.func.unnest(sa.bindparam("p_epochs", type_=postgresql.ARRAY(sa.Text)))
-    names = ("p_subscription", "p_stream")
-    rows = sa.select(*(sa.bindparam(n, type_=sa.Text) for n in names), epochs, sa.literal(0))
+    epoch = epochs.table_valued("epoch").render_derived(name="e").c.epoch
+    # Only the rows missing: a row's lane is taken from its identity's sequence before
+    # ON CONFLICT finds the row there, and a claim finding some of its rows taken (every
+    # duplicate) would use up a lane each time.
+    there = sa.exists().where(w.subscription == sub, w.stream == stream, w.stream_epoch == epoch)
+    rows = sa.select(sub, stream, epoch, sa.literal(0)).where(~there)
     columns = ["subscription", "stream", "stream_epoch", "watermark"]
     insert = postgresql.insert(t.watermarks).from_select(columns, rows)
-    return insert.on_conflict_do_nothing().returning(t.watermarks.c.lane)
+    return insert.on_conflict_do_nothing().returning(w.lane)
 
 
 def lock_inbox_shared(t: models.Tables) -> sa.TextClause:
