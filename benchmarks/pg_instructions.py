@@ -19,13 +19,15 @@ The shapes, each a transaction per batch (BEGIN, the claim, COMMIT):
 
 - ``hand``: the hand-written consumer's claim (``eop bench``'s (h)), a table of
   (stream, seq);
-- ``eop``: eop's claim as it sends it (:func:`eop.pg.sql.inbox.claim_driver_text`);
-- ``eop-nowm``: the same without the watermark condition (what reading the
-  watermark costs);
-- ``lanes``: the claim into a narrower inbox, keyed by an integer for the
-  (subscription, stream, epoch) and the sequence, without the subject, the
-  watermark read once for the statement (the proposal in BENCHMARKS.md,
-  "Where PostgreSQL's time goes");
+- ``eop``: eop's claim as it sends it (:func:`eop.pg.sql.inbox.claim_driver_text`):
+  since ``eop_0011`` into the inbox keyed by (lane, stream_seq), the lane and
+  the watermark read from the watermark row once;
+- ``eop-nowm``: the same without the watermark condition (what comparing with
+  the watermark costs; the row is still read, for the lane);
+- ``lanes``: the proposal the narrow key was measured by before it was built
+  (BENCHMARKS.md, "Where PostgreSQL's time goes"): the lane passed as a value,
+  not read from the watermark row, the outcome as one byte, the subscription
+  as an integer;
 - ``eop+compaction``: ``eop``, plus compaction's round after every 16 batches
   (1,024 messages, about one round's count), as
   :class:`eop.protocol.compaction.Compactor` sends a round counted by
@@ -60,11 +62,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from eop.pg import migrate, models
+from eop.pg.sql import base as base_sql
 from eop.pg.sql import inbox as inbox_sql
 from eop.tools import embedded
 
 BATCH = 64
-SUBSCRIPTION, STREAM, EPOCH, SUBJECT = "bench-one", "BENCH_C1", "e" * 32, "bench.c1"
+SUBSCRIPTION, STREAM, EPOCH = "bench-one", "BENCH_C1", "e" * 32
 SETUP = (
     "CREATE TABLE hand_inbox (stream text, seq bigint, PRIMARY KEY (stream, seq))",
     "CREATE TABLE bench_effects (variant text NOT NULL, seq bigint NOT NULL,"
@@ -120,7 +123,7 @@ def _claim_values(shape: str, seqs: list[int]) -> str:
         return f"1, {numbers}, {prints}, 1, 1, '{{}}', '{{}}', {lane}"
     return (
         f"'{SUBSCRIPTION}', '{STREAM}', 'processed', {numbers}, {prints}, '{EPOCH}', '{{}}',"
-        f" '{SUBJECT}', '{{}}', 1, '{{}}', NULL, '{{}}'"
+        " 1, '{}', NULL, '{}'"
     )
 
 
@@ -171,9 +174,7 @@ def _ctid_delete(t: models.Tables, top: int, after: int) -> tuple[sa.Executable,
         sa.select(sa.literal_column("ctid"))
         .select_from(t.inbox)
         .where(
-            c.subscription == SUBSCRIPTION,
-            c.stream == STREAM,
-            c.stream_epoch == EPOCH,
+            c.lane == base_sql.lane_of(t, SUBSCRIPTION, STREAM, EPOCH),
             c.stream_seq > sa.bindparam("p_after", type_=sa.BigInteger),
             c.stream_seq <= sa.bindparam("p_value", type_=sa.BigInteger),
             sa.or_(c.msg_id.is_(None), c.processed_at < cutoff),

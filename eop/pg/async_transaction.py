@@ -84,18 +84,15 @@ class AsyncTransaction(SqlTransaction):
     async def _execute_many(self, stmt: sa.Executable, params: list[dict[str, Any]]) -> None:
         await self.session.execute(stmt, params)
 
-    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
-        """Claim a batch in one statement, sent on asyncpg's own connection when it is one.
+    async def _claim(self, arguments: tuple[Any, ...]) -> set[int]:
+        """Send the claim on asyncpg's own connection when it is one.
 
         The transaction is already open on that connection (the local
         timeouts were set through the session), so the claim is part of it.
         """
         driver = await self._driver()
         if driver is None:
-            return await super().claim_many(messages, outcome)
-        if not messages:
-            return set()
-        arguments = self.claim_arguments(messages, outcome)
+            return await super()._claim(arguments)
         records = await driver.fetch(inbox_sql.claim_driver_text(self.tables.schema), *arguments)
         return {int(record[0]) for record in records}
 

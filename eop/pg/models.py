@@ -75,17 +75,14 @@ def tables(schema: str = "eop") -> Tables:
     inbox = sa.Table(
         "inbox",
         metadata,
-        # The inbox key (docs/design.md, 'The inbox key'): the handler's logical
-        # name, not the consumer's, and the stream's epoch so a recreated stream
-        # whose sequences restart at 1 is not mistaken for the old one.
-        sa.Column("subscription", sa.Text, primary_key=True),
-        sa.Column("stream", sa.Text, primary_key=True),
-        sa.Column("stream_epoch", sa.Text, primary_key=True),
+        # The inbox key (docs/design.md, 'The inbox key'): the lane names one
+        # (subscription, stream, stream epoch), the integer identity of its row of
+        # the watermarks, so a recreated stream whose sequences restart at 1 (a new
+        # epoch, a new lane) is not mistaken for the old one. Two integers: a B-tree
+        # descent compares no text, and every column's offset is fixed up to
+        # `outcome` (the fixed-width columns first).
+        sa.Column("lane", sa.Integer, primary_key=True),
         sa.Column("stream_seq", sa.BigInteger, primary_key=True),
-        sa.Column("fingerprint", sa.LargeBinary, nullable=False),
-        sa.Column("msg_id", sa.Text, nullable=True),
-        sa.Column("subject", sa.Text, nullable=False),
-        sa.Column("outcome", sa.Text, nullable=False),
         sa.Column("delivery_count", sa.Integer, nullable=False),
         sa.Column(
             "processed_at",
@@ -93,6 +90,12 @@ def tables(schema: str = "eop") -> Tables:
             nullable=False,
             server_default=sa.func.now(),
         ),
+        sa.Column("outcome", sa.Text, nullable=False),
+        # The handler's logical name, for the msg-id guard (its index is per
+        # subscription, across streams and epochs) and `eop status`.
+        sa.Column("subscription", sa.Text, nullable=False),
+        sa.Column("fingerprint", sa.LargeBinary, nullable=False),
+        sa.Column("msg_id", sa.Text, nullable=True),
         # SHA-256 of msg_id's UTF-8 bytes, set by the claim (eop.pg.sql): a msg-id
         # may be any length, but a btree index row may not exceed about 2.7 kB.
         sa.Column("msg_id_digest", sa.LargeBinary, nullable=True),
@@ -168,12 +171,17 @@ def tables(schema: str = "eop") -> Tables:
         sa.Column("stream", sa.Text, primary_key=True),
         sa.Column("stream_epoch", sa.Text, primary_key=True),
         sa.Column("watermark", sa.BigInteger, nullable=False),
+        # The inbox's name for this (subscription, stream, epoch): its key is
+        # (lane, stream_seq). Never reused, and the row is never deleted: an inbox
+        # row's lane always finds its stream and epoch here.
+        sa.Column("lane", sa.Integer, sa.Identity(), nullable=False),
         sa.Column(
             "updated_at",
             sa.DateTime(timezone=True),
             nullable=False,
             server_default=sa.func.now(),
         ),
+        sa.UniqueConstraint("lane", name="watermarks_lane_key"),
     )
     retries = sa.Table(
         "retries",

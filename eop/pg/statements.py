@@ -100,12 +100,31 @@ class Statements(abc.ABC):
         """Claim a batch in one statement; returns the claimed stream sequences.
 
         The messages of one batch share a subscription and a stream, so the
-        sequence identifies each one.
+        sequence identifies each one. A message whose epoch has no watermark row
+        yet (so no lane) is not claimed by the statement: when some were not,
+        the missing rows are made here and the claim runs again, in this
+        transaction (:func:`eop.pg.sql.inbox.create_lanes`).
         """
         if not messages:
             return set()
-        stmt = inbox_sql.claim(self.tables, self.claim_arguments(messages, outcome))
-        return {int(row[0]) for row in await self._rows(stmt)}
+        arguments = self.claim_arguments(messages, outcome)
+        claimed = await self._claim(arguments)
+        if len(claimed) < len(messages) and await self._create_lanes(messages):
+            claimed |= await self._claim(arguments)
+        return claimed
+
+    async def _claim(self, arguments: tuple[Any, ...]) -> set[int]:
+        """Run the claim with ``arguments`` (:meth:`claim_arguments`); the claimed sequences.
+        A driver's transaction sends it its own way."""
+        return {int(row[0]) for row in await self._rows(inbox_sql.claim(self.tables, arguments))}
+
+    async def _create_lanes(self, messages: list[Message]) -> bool:
+        """Make the watermark rows of the epochs of ``messages`` that have none; True when
+        this made any."""
+        first = messages[0]
+        epochs = sorted({m.stream_epoch for m in messages})
+        bound = inbox_sql.create_lanes(self.tables, first.subscription, first.stream, epochs)
+        return bool(await self._rows(*bound))
 
     def claim_arguments(self, messages: list[Message], outcome: str) -> tuple[Any, ...]:
         """The claim's parameters for ``messages`` (:func:`eop.pg.sql.inbox.claim_arguments`): the
@@ -124,13 +143,13 @@ class Statements(abc.ABC):
             [m.seq for m in messages],
             [m.fingerprint for m in messages],
             [m.stream_epoch for m in messages],
-            [m.subject for m in messages],
             [m.num_delivered for m in messages],
             [m.msg_id for m in messages] if self.spec.msg_id_guard else [None] * len(messages),
         )
 
     def claim_row(self, m: Message, outcome: str) -> dict[str, Any]:
-        """The inbox row that claims ``m`` with ``outcome``."""
+        """The inbox row that claims ``m`` with ``outcome``: its key as the message names it
+        (the claim finds the lane of its subscription, stream and epoch) and its values."""
         return {
             "subscription": m.subscription,
             "stream": m.stream,
@@ -138,7 +157,6 @@ class Statements(abc.ABC):
             "stream_seq": m.seq,
             "fingerprint": m.fingerprint,
             "msg_id": m.msg_id if self.spec.msg_id_guard else None,
-            "subject": m.subject,
             "outcome": outcome,
             "delivery_count": m.num_delivered,
         }

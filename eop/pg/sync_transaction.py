@@ -122,9 +122,8 @@ class SyncTransaction(SqlTransaction):
     async def _execute_many(self, stmt: sa.Executable, params: list[dict[str, Any]]) -> None:
         await self._step(self.session.execute, stmt, params)
 
-    async def claim_many(self, messages: list[Message], outcome: str) -> set[int]:
-        """Claim a batch in one statement, as plain SQL on the session's connection when
-        its driver is psycopg.
+    async def _claim(self, arguments: tuple[Any, ...]) -> set[int]:
+        """Send the claim as plain SQL on the session's connection when its driver is psycopg.
 
         Through ``Session.execute`` the claim took the ORM's execution path and
         psycopg adapted its arrays element by element: 85,000 instructions a
@@ -134,9 +133,6 @@ class SyncTransaction(SqlTransaction):
         ``exec_driver_sql`` keeps SQLAlchemy's error translation and its
         handling of a lost connection.
         """
-        if not messages:
-            return set()
-        arguments = self.claim_arguments(messages, outcome)
 
         def execute() -> set[int]:
             connection = self.session.connection()

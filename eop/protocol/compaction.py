@@ -199,7 +199,7 @@ class Compactor:
         t, name, stream = self.store.tables, self.spec.name, self.spec.stream
         async with self.store.session() as session:
             created = (
-                await session.execute(inbox_sql.create_watermark(t, name, stream, epoch))
+                await session.execute(*inbox_sql.create_watermark(t, name, stream, epoch))
             ).all()
             await session.commit()
         if created:

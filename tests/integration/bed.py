@@ -10,11 +10,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 import eop
 from eop import settings as settings_mod
 from eop.ordering import partitions
+from eop.pg import models
+from eop.pg.sql import inbox as inbox_sql
 from eop.runtime.worker import Worker
 
 STREAM = "ORDERS"
@@ -69,6 +71,36 @@ async def scalar(engine: AsyncEngine, query: str, **params: Any) -> Any:
     """One value from a query."""
     async with engine.connect() as conn:
         return (await conn.execute(sa.text(query), params)).scalar()
+
+
+#: Columns of a row named by its message (:func:`insert_inbox`) that the inbox keeps in
+#: its lane's watermark row, or (the subject) not at all.
+_NOT_INBOX_COLUMNS = ("stream", "stream_epoch", "subject")
+
+
+async def insert_inbox(
+    conn: AsyncConnection, rows: list[dict[str, Any]], schema: str = "eop"
+) -> None:
+    """Insert inbox rows written as their message names them (``subscription``, ``stream``,
+    ``stream_epoch``, ``stream_seq`` and the inbox's other columns; a ``subject`` is
+    dropped): each under the lane of its watermark row, made (at 0) as a claim makes it."""
+    t = models.tables(schema)
+    epochs: dict[tuple[str, str], set[str]] = {}
+    for r in rows:
+        epochs.setdefault((r["subscription"], r["stream"]), set()).add(r["stream_epoch"])
+    for (subscription, stream), named in epochs.items():
+        await conn.execute(*inbox_sql.create_lanes(t, subscription, stream, sorted(named)))
+    w = t.watermarks.c
+    found = await conn.execute(sa.select(w.subscription, w.stream, w.stream_epoch, w.lane))
+    lanes = {(r[0], r[1], r[2]): int(r[3]) for r in found.all()}
+    inserted = [
+        {
+            **{k: v for k, v in r.items() if k not in _NOT_INBOX_COLUMNS},
+            "lane": lanes[r["subscription"], r["stream"], r["stream_epoch"]],
+        }
+        for r in rows
+    ]
+    await conn.execute(t.inbox.insert(), inserted)
 
 
 async def wait_for(

@@ -19,7 +19,7 @@ from eop.ops import audit
 from eop.protocol import unacked
 
 from . import auditapp
-from .bed import STREAM, SUBJECT, bed_settings, drained, publish, running, wait_for
+from .bed import STREAM, SUBJECT, bed_settings, drained, insert_inbox, publish, running, wait_for
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -215,8 +215,9 @@ async def test_limit_and_range_options(
 _NOT_BY_RULE = (
     "INSERT INTO eop.dead_letters (subscription, stream, stream_epoch, stream_seq, fingerprint,"
     " msg_id, subject, headers, payload, reason, error, delivery_count)"
-    " SELECT subscription, stream, stream_epoch, stream_seq, fingerprint, msg_id, subject,"
-    " '{}'::jsonb, ''::bytea, :reason, :error, 6 FROM eop.inbox WHERE stream_seq = :seq"
+    " SELECT i.subscription, w.stream, w.stream_epoch, i.stream_seq, i.fingerprint, i.msg_id,"
+    " :subject, '{}'::jsonb, ''::bytea, :reason, :error, 6"
+    " FROM eop.inbox AS i JOIN eop.watermarks AS w USING (lane) WHERE i.stream_seq = :seq"
 )
 
 
@@ -234,7 +235,10 @@ async def dead_letter_by_infrastructure(engine: AsyncEngine, seq: int, reason: s
             sa.text("UPDATE eop.inbox SET outcome = 'dead_lettered' WHERE stream_seq = :seq"),
             {"seq": seq},
         )
-        await conn.execute(sa.text(_NOT_BY_RULE), {"seq": seq, "reason": reason, "error": error})
+        await conn.execute(
+            sa.text(_NOT_BY_RULE),
+            {"seq": seq, "reason": reason, "error": error, "subject": SUBJECT},
+        )
 
 
 async def eop_audit(database_url: str, nats_url: str, *args: str) -> tuple[int, str]:
@@ -353,14 +357,16 @@ def test_cli_exit_codes(database_url: str, nats_url: str) -> None:
     async def outcome_beyond_the_stream() -> None:
         engine = create_async_engine(database_url)
         async with engine.begin() as conn:
-            await conn.execute(
-                sa.text(
-                    "INSERT INTO eop.inbox (subscription, stream, stream_epoch, stream_seq,"
-                    " fingerprint, subject, outcome, delivery_count) VALUES"
-                    " ('cli', :s, :e, 99, '\\x00'::bytea, :subj, 'processed', 1)"
-                ),
-                {"s": STREAM, "e": epoch, "subj": SUBJECT},
-            )
+            row = {
+                "subscription": "cli",
+                "stream": STREAM,
+                "stream_epoch": epoch,
+                "stream_seq": 99,
+                "fingerprint": b"\x00",
+                "outcome": "processed",
+                "delivery_count": 1,
+            }
+            await insert_inbox(conn, [row])
         await engine.dispose()
 
     asyncio.run(outcome_beyond_the_stream())

@@ -22,6 +22,7 @@ from .bed import (
     create_effects_table,
     drained,
     effects_by_body,
+    insert_inbox,
     publish,
     record_effect,
     running,
@@ -307,7 +308,7 @@ async def test_a_round_deletes_only_above_its_previous_watermark(engine: AsyncEn
         for seq in range(1, 21)
     ]  # fmt: skip
     async with engine.begin() as conn:
-        await conn.execute(t.inbox.insert(), rows)
+        await insert_inbox(conn, rows)
         stmt, params = inbox_sql.delete_below_watermark(t, "s", "S", "e", 15, 100, 3600.0, after=5)
         deleted = (await conn.execute(stmt, params)).rowcount
         left = (await conn.execute(sa.select(t.inbox.c.stream_seq))).scalars().all()

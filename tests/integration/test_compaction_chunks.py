@@ -16,6 +16,8 @@ from eop.pg import models
 from eop.protocol import compaction
 from eop.settings import Settings
 
+from .bed import insert_inbox
+
 SUB, STREAM, EPOCH = "orders", "ORDERS", "e1"
 NOW = datetime.datetime.now(datetime.UTC)
 OLD = NOW - datetime.timedelta(hours=2)
@@ -98,9 +100,12 @@ def stays(seq: int, watermark: int) -> bool:
 
 
 async def inbox(engine: AsyncEngine) -> set[tuple[str, str, int]]:
-    c = models.tables("eop").inbox.c
+    t = models.tables("eop")
+    c, w = t.inbox.c, t.watermarks.c
     async with engine.connect() as conn:
-        query = sa.select(c.subscription, c.stream_epoch, c.stream_seq)
+        query = sa.select(c.subscription, w.stream_epoch, c.stream_seq).join_from(
+            t.inbox, t.watermarks, w.lane == c.lane
+        )
         return {(r[0], r[1], int(r[2])) for r in (await conn.execute(query)).all()}
 
 
@@ -113,11 +118,10 @@ async def test_a_round_over_a_gap_deletes_exactly_the_rows_that_may_go_in_few_ch
     watermark, other epochs' and subscriptions' rows all stay), in a statement count set
     by the rows, not by the gap: each chunk starts at the lowest row that may go, where
     sweeping the range 10 sequences a statement would take 10,000."""
-    t = models.tables("eop")
     watermark = GAP + 30
     others = [row(seq, epoch="e0") for seq in (2, 4, GAP + 2)] + [row(4, sub="billing")]
     async with engine.begin() as conn:
-        await conn.execute(t.inbox.insert(), [*interleaved(), *others])
+        await insert_inbox(conn, [*interleaved(), *others])
     before = await inbox(engine)
     with Statements(engine) as statements:
         deleted = await compactor(engine, chunk_rows=10)._delete_below(EPOCH, watermark)
@@ -143,7 +147,7 @@ async def test_rounds_counted_by_messages_start_above_the_previous_watermark(
     deletes what may go up to its own watermark, crossing the gap with a look-up."""
     t = models.tables("eop")
     async with engine.begin() as conn:
-        await conn.execute(t.inbox.insert(), list(interleaved()))
+        await insert_inbox(conn, list(interleaved()))
     c = compactor(engine, chunk_rows=10)
     await c._delete_below(EPOCH, 20)
     async with engine.begin() as conn:  # the msg-id row 3 passes its retention

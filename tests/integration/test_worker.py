@@ -21,6 +21,7 @@ from .bed import (
     create_effects_table,
     drained,
     effects_by_body,
+    insert_inbox,
     publish,
     record_effect,
     running,
@@ -266,14 +267,16 @@ async def test_claim_held_by_another_transaction_times_out_and_naks(
         info = await js.stream_info(STREAM)
         epoch = info.config.metadata["eop_epoch"]
         async with bed_engine.connect() as holder:
-            await holder.execute(
-                sa.text(
-                    "INSERT INTO eop.inbox (subscription, stream, stream_epoch, stream_seq,"
-                    " fingerprint, subject, outcome, delivery_count)"
-                    " VALUES ('held', :s, :e, 1, '\\x00', :subj, 'processed', 1)"
-                ),
-                {"s": STREAM, "e": epoch, "subj": SUBJECT},
-            )
+            row = {
+                "subscription": "held",
+                "stream": STREAM,
+                "stream_epoch": epoch,
+                "stream_seq": 1,
+                "fingerprint": b"\x00",
+                "outcome": "processed",
+                "delivery_count": 1,
+            }
+            await insert_inbox(holder, [row])
             await publish(js, "h")
             await asyncio.sleep(1.0)
             assert runs == []
@@ -408,7 +411,8 @@ async def test_recreated_stream_is_a_new_epoch_and_processed(
         await publish(js, "new")
         await wait_for(lambda: drained(js, "eop-epoch"), what="the new message")
     assert await effects_by_body(bed_engine) == {"old": 1, "new": 1}
-    epochs = await scalar(bed_engine, "SELECT count(DISTINCT stream_epoch) FROM eop.inbox")
+    # A lane for each epoch: the new incarnation's rows are not the old one's.
+    epochs = await scalar(bed_engine, "SELECT count(DISTINCT lane) FROM eop.inbox")
     assert epochs == 2
 
 

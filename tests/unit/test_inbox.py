@@ -331,14 +331,21 @@ async def test_claim_is_true_when_the_insert_returns_a_row() -> None:
 async def test_batch_claim_on_asyncpg_sends_shared_values_once_and_the_rest_as_arrays() -> None:
     """On asyncpg the claim skips SQLAlchemy: the same statement, its parameters positional in
     the order of inbox_sql.CLAIM_PARAMS, the watermark read FOR SHARE. Subscription, stream and
-    outcome are scalars; a column whose rows all hold one value (the epoch, the subject,
-    the delivery count here) goes once, its array left empty; the others as arrays."""
+    outcome are scalars; a column whose rows all hold one value (the epoch, the delivery
+    count here) goes once, its array left empty; the others as arrays."""
     session = FakeAsyncSession(results=[[(3,)]])
     session.driver = "asyncpg"
     msgs = [message({"Nats-Msg-Id": "m-1"}), dataclasses.replace(message(), seq=4)]
     claimed = await transaction(session).claim_many(msgs, models.OUTCOME_PROCESSED)
     assert claimed == {3}
-    [(query, args)] = session.executed
+    # One message not claimed: the lanes are made if missing (none was: no claim again).
+    [(query, args), lanes] = session.executed
+    assert session.bound[-1] == {
+        "p_subscription": "orders",
+        "p_stream": "ORDERS",
+        "p_epochs": ["e1"],
+    }
+    assert "watermarks" in str(lanes)
     assert query == inbox_sql.claim_driver_text("eop")
     assert "FOR SHARE" in query
     assert "ON CONFLICT DO NOTHING" in query
@@ -351,10 +358,10 @@ async def test_batch_claim_on_asyncpg_sends_shared_values_once_and_the_rest_as_a
     assert params["stream_seq"] == [3, 4]
     assert params["fingerprint"] == [m.fingerprint for m in msgs]
     assert (params["stream_epoch"], params["stream_epoch_each"]) == ("e1", [])
-    assert (params["subject"], params["subject_each"]) == ("orders.new", [])
     assert (params["delivery_count"], params["delivery_count_each"]) == (2, [])
     assert (params["msg_id"], params["msg_id_each"]) == (None, ["m-1", None])
-    # Each row's values are those of claim_row.
+    # Each row's values are those of claim_row (the stream is the scalar the lane is
+    # found by).
     tx = transaction(FakeAsyncSession())
     for i, m in enumerate(msgs):
         row = tx.claim_row(m, models.OUTCOME_PROCESSED)
@@ -364,6 +371,25 @@ async def test_batch_claim_on_asyncpg_sends_shared_values_once_and_the_rest_as_a
             if isinstance(expected, list):
                 expected = expected[i]
             assert expected == value, name
+
+
+async def test_a_claim_that_finds_a_lane_missing_makes_it_and_claims_again() -> None:
+    """A message whose epoch has no watermark row yet (no lane) is not claimed by the
+    statement: the claim makes the batch's missing rows, in its transaction, and runs again;
+    the sequences of both runs are claimed. A full claim makes nothing."""
+    session = FakeAsyncSession(results=[[(3,)], [(7,)], [(4,)]])
+    session.driver = "asyncpg"
+    msgs = [message(), dataclasses.replace(message(), seq=4, stream_epoch="e2")]
+    claimed = await transaction(session).claim_many(msgs, models.OUTCOME_PROCESSED)
+    assert claimed == {3, 4}
+    first, lanes, again = session.executed
+    assert first == again
+    assert "INSERT INTO eop.watermarks" in str(lanes)
+    assert session.bound[-1]["p_epochs"] == ["e1", "e2"]
+    full = FakeAsyncSession(results=[[(3,)]])
+    full.driver = "asyncpg"
+    assert await transaction(full).claim_many([message()], models.OUTCOME_PROCESSED) == {3}
+    assert len(full.executed) == 1
 
 
 def test_the_psycopg_claim_sends_its_arrays_as_array_text() -> None:
@@ -377,8 +403,7 @@ def test_the_psycopg_claim_sends_its_arrays_as_array_text() -> None:
         "processed",
         [7, 8],
         [b"\x00\xff", b"ab"],
-        ["e1", "e2"],
-        ['a"b', "c\\d"],
+        ['e"1', "e\\2"],
         [1, 2],
         ["m-1", None],
     )
@@ -386,8 +411,7 @@ def test_the_psycopg_claim_sends_its_arrays_as_array_text() -> None:
     assert (params["subscription"], params["stream"], params["outcome"]) == ("s", "S", "processed")
     assert params["stream_seq"] == "{7,8}"
     assert params["fingerprint"] == '{"\\\\x00ff","\\\\x6162"}'
-    assert params["stream_epoch_each"] == '{"e1","e2"}'
-    assert params["subject_each"] == '{"a\\"b","c\\\\d"}'
+    assert params["stream_epoch_each"] == '{"e\\"1","e\\\\2"}'
     assert params["delivery_count_each"] == "{1,2}"
     assert params["msg_id_each"] == ["m-1", None]
     text = inbox_sql.claim_pyformat_text("eop")
@@ -423,7 +447,7 @@ async def test_a_sync_claim_on_another_driver_runs_the_statement_through_the_ses
 def test_claim_arguments_send_an_epoch_per_row_when_a_batch_spans_two_epochs() -> None:
     """A batch may span a stream's recreation: then every row carries its own epoch."""
     args = inbox_sql.claim_arguments(
-        "s", "S", "processed", [1, 2], [b"a", b"b"], ["e1", "e2"], ["x", "x"], [1, 1], [None, None]
+        "s", "S", "processed", [1, 2], [b"a", b"b"], ["e1", "e2"], [1, 1], [None, None]
     )
     params = dict(zip(inbox_sql.CLAIM_PARAMS, args, strict=True))
     assert (params["stream_epoch"], params["stream_epoch_each"]) == (None, ["e1", "e2"])

@@ -8,11 +8,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from eop.pg import models
-from eop.pg.sql.base import in_epoch, msg_id_digest
+from eop.pg.sql.base import in_epoch, in_lane, msg_id_digest
 
 # --- audit (eop audit): range reads of one subscription's inbox and dead letters ---
-# Each read is bounded to one (subscription, stream, epoch) so it walks the
-# primary key (inbox) or dead_letters_message_key in sequence order.
+# Each read is bounded to one (subscription, stream, epoch), the inbox's by its
+# lane, so it walks the primary key (inbox) or dead_letters_message_key in
+# sequence order.
 
 
 def audit_inbox_rows(
@@ -28,7 +29,7 @@ def audit_inbox_rows(
     c = t.inbox.c
     stmt = sa.select(c.stream_seq, c.fingerprint, c.msg_id, c.outcome, c.delivery_count)
     return (
-        stmt.where(*_in_range(c, subscription, stream, epoch, lo, hi))
+        stmt.where(*in_lane(t, subscription, stream, epoch), *_in_range(c, lo, hi))
         .order_by(c.stream_seq)
         .limit(limit)
     )
@@ -56,17 +57,15 @@ def audit_dead_letters(
     error = sa.func.left(c.error, AUDIT_ERROR_CHARS)
     stmt = sa.select(c.stream_seq, c.fingerprint, c.id, c.reason, error)
     return (
-        stmt.where(*_in_range(c, subscription, stream, epoch, lo, hi))
+        stmt.where(*in_epoch(c, subscription, stream, epoch), *_in_range(c, lo, hi))
         .order_by(c.stream_seq, c.id)
         .limit(limit)
     )
 
 
-def _in_range(
-    c: Any, subscription: str, stream: str, epoch: str, lo: int, hi: int | None
-) -> list[sa.ColumnElement[bool]]:
-    """One epoch's rows with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
-    conditions = [*in_epoch(c, subscription, stream, epoch), c.stream_seq >= lo]
+def _in_range(c: Any, lo: int, hi: int | None) -> list[sa.ColumnElement[bool]]:
+    """The rows with ``lo <= stream_seq <= hi`` (no upper bound when None)."""
+    conditions = [c.stream_seq >= lo]
     if hi is not None:
         conditions.append(c.stream_seq <= hi)
     return conditions
@@ -74,22 +73,27 @@ def _in_range(
 
 def audit_by_msg_ids(t: models.Tables, subscription: str, msg_ids: list[str]) -> sa.Select[Any]:
     """The inbox rows (any stream, any epoch) holding one of ``msg_ids`` for a subscription."""
-    c = t.inbox.c
+    c, w = t.inbox.c, t.watermarks.c
     ids = sa.func.unnest(sa.literal(msg_ids, postgresql.ARRAY(sa.Text)))
     wanted = ids.table_valued("id").render_derived(name="wanted")
-    return sa.select(c.msg_id, c.stream, c.stream_epoch, c.stream_seq, c.outcome).where(
-        c.subscription == subscription,
-        c.msg_id_digest.in_(sa.select(msg_id_digest(wanted.c.id))),
+    return (
+        sa.select(c.msg_id, w.stream, w.stream_epoch, c.stream_seq, c.outcome)
+        .join_from(t.inbox, t.watermarks, w.lane == c.lane)
+        .where(
+            c.subscription == subscription,
+            c.msg_id_digest.in_(sa.select(msg_id_digest(wanted.c.id))),
+        )
     )
 
 
 def audit_epochs(t: models.Tables, subscription: str, stream: str) -> sa.CompoundSelect[Any]:
-    """Every epoch of a stream that the subscription's inbox, dead letters or watermarks name."""
+    """Every epoch of a stream that the subscription's inbox, dead letters or watermarks name
+    (an inbox row's epoch is its lane's watermark row's)."""
     parts = [
         sa.select(table.c.stream_epoch).where(
             table.c.subscription == subscription, table.c.stream == stream
         )
-        for table in (t.inbox, t.dead_letters, t.watermarks)
+        for table in (t.dead_letters, t.watermarks)
     ]
     return sa.union(*parts)
 
@@ -103,7 +107,7 @@ def audit_count_inbox(
         sa.select(sa.func.count())
         .select_from(t.inbox)
         .where(
-            *in_epoch(c, subscription, stream, epoch),
+            *in_lane(t, subscription, stream, epoch),
             c.stream_seq.between(lo, hi),
         )
     )

@@ -10,6 +10,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from eop.pg import models
+
 
 @functools.cache
 def _psycopg() -> sa.Dialect:
@@ -42,8 +44,9 @@ def for_psycopg(
 def in_epoch(c: Any, subscription: str, stream: str, epoch: str) -> tuple[Any, ...]:
     """The conditions selecting one subscription's rows of one stream incarnation.
 
-    ``c`` is the columns of the inbox, the dead letters or the watermarks:
-    all carry (subscription, stream, stream_epoch).
+    ``c`` is the columns of the dead letters, the retries or the watermarks:
+    all carry (subscription, stream, stream_epoch). The inbox names them by
+    their lane: :func:`in_lane`.
     """
     return (c.subscription == subscription, c.stream == stream, c.stream_epoch == epoch)
 
@@ -67,6 +70,45 @@ def in_bound_epoch(c: Any) -> tuple[Any, ...]:
         c.stream == sa.bindparam("p_stream", type_=sa.Text),
         c.stream_epoch == sa.bindparam("p_epoch", type_=sa.Text),
     )
+
+
+def lane_of(t: models.Tables, subscription: Any, stream: Any, epoch: Any) -> Any:
+    """The lane of one subscription's stream incarnation: the integer of its watermark row,
+    which the inbox is keyed by (docs/design.md, 'The inbox key'). A scalar subquery
+    (PostgreSQL reads it once for the statement); NULL before the row exists, so a
+    statement naming the lane then finds no inbox row. The arguments are values,
+    columns or bind parameters."""
+    w = t.watermarks.c
+    return (
+        sa.select(w.lane)
+        .where(w.subscription == subscription, w.stream == stream, w.stream_epoch == epoch)
+        # The row is the watermarks' own, never the enclosing statement's.
+        .correlate(None)
+        .scalar_subquery()
+    )
+
+
+def in_lane(t: models.Tables, subscription: str, stream: str, epoch: str) -> tuple[Any, ...]:
+    """:func:`in_epoch` for the inbox: its rows of the lane of ``(subscription, stream, epoch)``."""
+    return (t.inbox.c.lane == lane_of(t, subscription, stream, epoch),)
+
+
+def in_bound_lane(t: models.Tables) -> tuple[Any, ...]:
+    """:func:`in_lane` with bind parameters ``p_subscription``, ``p_stream``, ``p_epoch``."""
+    return (
+        t.inbox.c.lane
+        == lane_of(
+            t,
+            sa.bindparam("p_subscription", type_=sa.Text),
+            sa.bindparam("p_stream", type_=sa.Text),
+            sa.bindparam("p_epoch", type_=sa.Text),
+        ),
+    )
+
+
+def in_bound_inbox_key(t: models.Tables) -> tuple[Any, ...]:
+    """One message's inbox row by its key: :func:`in_bound_lane` and ``p_seq``."""
+    return (*in_bound_lane(t), t.inbox.c.stream_seq == sa.bindparam("p_seq", type_=sa.BigInteger))
 
 
 def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.TextClause:

@@ -10,7 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from eop.pg import models
-from eop.pg.sql.base import in_epoch
+from eop.pg.sql.base import in_lane
 
 # --- Dead letters (`eop dlq`) and handler status (`eop status`) -------------
 
@@ -128,7 +128,7 @@ def settle_rerun_inbox(
     return (
         sa.update(t.inbox)
         .where(
-            *in_epoch(c, subscription, stream, epoch),
+            *in_lane(t, subscription, stream, epoch),
             c.stream_seq == seq,
             c.fingerprint == fingerprint,
             c.outcome == models.OUTCOME_DEAD_LETTERED,
@@ -151,12 +151,12 @@ def count_dead_letters(t: models.Tables, where: Sequence[sa.ColumnElement[bool]]
 def inbox_summary(t: models.Tables, subscription: str) -> sa.Executable:
     """Inbox rows of a subscription and its latest outcome time.
 
-    Cheap: compaction keeps the inbox down to the rows above the watermark.
+    Cheap: compaction keeps the inbox down to the rows above the watermark, and the
+    subscription's lanes bound the scan of the primary key to its own rows.
     """
-    c = t.inbox.c
-    return sa.select(sa.func.count(), sa.func.max(c.processed_at)).where(
-        c.subscription == subscription
-    )
+    c, w = t.inbox.c, t.watermarks.c
+    lanes = sa.select(w.lane).where(w.subscription == subscription)
+    return sa.select(sa.func.count(), sa.func.max(c.processed_at)).where(c.lane.in_(lanes))
 
 
 def dead_letter_summary(t: models.Tables, subscription: str) -> sa.Executable:

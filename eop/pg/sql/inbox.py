@@ -15,8 +15,11 @@ from eop.pg.sql.base import (
     Bound,
     epoch_params,
     in_bound_epoch,
+    in_bound_inbox_key,
     in_bound_key,
+    in_bound_lane,
     in_epoch,
+    in_lane,
     key_params,
     msg_id_digest,
 )
@@ -24,8 +27,8 @@ from eop.pg.sql.base import (
 # The claim's parameters, in order: (name, SQLAlchemy type, PostgreSQL type).
 # A batch shares its subscription, stream and outcome: those are scalars. Each
 # row has its own sequence and fingerprint: those are arrays. The other columns
-# are usually the same for the whole batch (one epoch, one subject, a first
-# delivery, no msg-id when the guard is off), so each is a pair: a scalar that
+# are usually the same for the whole batch (one epoch, a first delivery, no
+# msg-id when the guard is off), so each is a pair: a scalar that
 # holds the batch's value when every row has it (the array then empty), else
 # NULL beside the array of every row's value (see :func:`claim_arguments`).
 # asyncpg checks every array element against three ABCs before encoding it,
@@ -41,7 +44,6 @@ _CLAIM_ARRAYS = (
 )
 _CLAIM_SHARED = (
     ("stream_epoch", sa.Text, "text"),
-    ("subject", sa.Text, "text"),
     ("delivery_count", sa.Integer, "integer"),
     ("msg_id", sa.Text, "text"),
 )
@@ -67,7 +69,6 @@ def claim_arguments(
     seqs: list[int],
     fingerprints: list[bytes],
     epochs: list[str],
-    subjects: list[str],
     delivery_counts: list[int],
     msg_ids: list[str | None],
 ) -> tuple[Any, ...]:
@@ -80,7 +81,6 @@ def claim_arguments(
         seqs,
         fingerprints,
         *_shared_or_each(epochs),
-        *_shared_or_each(subjects),
         *_shared_or_each(delivery_counts),
         *_shared_or_each(msg_ids),
     )
@@ -108,10 +108,12 @@ def claim(t: models.Tables, arguments: tuple[Any, ...]) -> sa.TextClause:
     keys makes this wait on the unique index until that one ends: then that
     row is not inserted.
 
-    The watermark is read FOR SHARE: compaction raises it (an UPDATE of that
-    row) only once no claim that read the old value is still open, and deletes
-    rows only after that, so no claim can slip between the raise and the delete.
-    It is read once for a batch of one epoch, once per row for a batch of several.
+    The watermark row of each epoch of the batch is read once, FOR SHARE: the
+    watermark and the lane that keys the rows. Compaction raises the watermark
+    (an UPDATE of that row) only once no claim that read the old value is still
+    open, and deletes rows only after that, so no claim can slip between the
+    raise and the delete. A message whose epoch has no watermark row (no lane)
+    yet is not inserted (:func:`create_lanes`).
     """
     return _claim_text(t.schema).bindparams(
         *(
@@ -140,32 +142,31 @@ def _claim_sql(schema: str, p: dict[str, str]) -> str:
         [p[name] for name, _, _ in _CLAIM_ARRAYS]
         + [p[f"{name}_each"] for name, _, _ in _CLAIM_SHARED]
     )
-    values = {name: p[name] for name, _, _ in _CLAIM_SCALARS}
-    values.update({name: f"i.{name}" for name, _, _ in _CLAIM_ARRAYS})
-    values.update({name: f"COALESCE(i.{name}, {p[name]})" for name, _, _ in _CLAIM_SHARED})
-    columns = [name for name, _, _ in (*_CLAIM_SCALARS, *_CLAIM_ARRAYS, *_CLAIM_SHARED)]
-
-    def watermark(epoch: str) -> str:
-        # The schema name is checked to be an identifier by Settings; quoting keeps
-        # it literal.
-        return (
-            f'(SELECT w.watermark FROM "{schema}".watermarks AS w '
-            f"WHERE w.subscription = {values['subscription']} AND w.stream = {values['stream']} "
-            f"AND w.stream_epoch = {epoch} FOR SHARE)"
-        )
-
-    # A batch of one epoch (the shared value, its array empty) reads the watermark in a
-    # subquery that names no row: PostgreSQL runs it once for the statement. Naming the
-    # row's epoch, as a batch of several epochs must, runs it (an index scan and a row
-    # lock) for every row: 2.2 buffer accesses and 10,600 instructions a message, for
-    # the same value, since the first read's lock holds the row until COMMIT.
+    values = {
+        "lane": "w.lane",
+        "subscription": p["subscription"],
+        "outcome": p["outcome"],
+        "stream_seq": "i.stream_seq",
+        "fingerprint": "i.fingerprint",
+        "delivery_count": f"COALESCE(i.delivery_count, {p['delivery_count']})",
+        "msg_id": f"COALESCE(i.msg_id, {p['msg_id']})",
+    }
+    values["msg_id_digest"] = DIGEST_SQL.format(values["msg_id"])
+    # The watermark rows of the batch's one epoch (the shared value, the array empty,
+    # each row's NULL) or of each row's (the shared value NULL), in a subquery that
+    # names no inbox row: PostgreSQL reads each once. The schema name is checked to
+    # be an identifier by Settings; quoting keeps it literal.
     return (
-        f'INSERT INTO "{schema}".inbox ({", ".join(columns)}, msg_id_digest) '
-        f"SELECT {', '.join(values[c] for c in columns)}, "
-        f"{DIGEST_SQL.format(values['msg_id'])} "
-        f"FROM unnest({arrays}) AS i({', '.join(row_names)}) "
-        "WHERE i.stream_seq > COALESCE(CASE WHEN i.stream_epoch IS NULL "
-        f"THEN {watermark(p['stream_epoch'])} ELSE {watermark('i.stream_epoch')} END, 0) "
+        f'INSERT INTO "{schema}".inbox ({", ".join(values)}) '
+        f"SELECT {', '.join(values.values())} "
+        "FROM (SELECT w.lane, w.stream_epoch, w.watermark "
+        f'FROM "{schema}".watermarks AS w '
+        f"WHERE w.subscription = {p['subscription']} AND w.stream = {p['stream']} "
+        f"AND w.stream_epoch = ANY(array_append({p['stream_epoch_each']}, "
+        f"{p['stream_epoch']})) FOR SHARE) AS w "
+        f"JOIN unnest({arrays}) AS i({', '.join(row_names)}) "
+        "ON i.stream_epoch IS NULL OR i.stream_epoch = w.stream_epoch "
+        "WHERE i.stream_seq > w.watermark "
         "ON CONFLICT DO NOTHING RETURNING stream_seq"
     )
 
@@ -232,17 +233,35 @@ def watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> s
     return sa.select(w.watermark).where(*in_epoch(w, subscription, stream, epoch))
 
 
-def create_watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> sa.Insert:
-    """Make sure the watermark row exists (at 0), so raising it is always an UPDATE.
+def create_watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> Bound:
+    """Make sure the watermark row exists (at 0), so raising it is always an UPDATE;
+    RETURNING a row only when this call created it."""
+    return create_lanes(t, subscription, stream, [epoch])
 
-    RETURNING yields a row only when this call created it.
-    """
-    return (
-        postgresql.insert(t.watermarks)
-        .values(subscription=subscription, stream=stream, stream_epoch=epoch, watermark=0)
-        .on_conflict_do_nothing()
-        .returning(t.watermarks.c.watermark)
-    )
+
+def create_lanes(t: models.Tables, subscription: str, stream: str, epochs: list[str]) -> Bound:
+    """:func:`create_watermark` of ``epochs``, in a claim's transaction that found their lanes
+    missing (no compactor prepared them: the test kit, Spark, Django, a stream recreated
+    under a worker); RETURNING a row per row created. Until COMMIT the row is the claim's:
+    compaction's raise waits for it as for a claim that read it FOR SHARE."""
+    params = {"p_subscription": subscription, "p_stream": stream, "p_epochs": epochs}
+    return _create_lanes(t), params
+
+
+@functools.cache
+def _create_lanes(t: models.Tables) -> sa.Executable:
+    w = t.watermarks.c
+    sub, stream = (sa.bindparam(n, type_=sa.Text) for n in ("p_subscription", "p_stream"))
+    epochs = sa.func.unnest(sa.bindparam("p_epochs", type_=postgresql.ARRAY(sa.Text)))
+    epoch = epochs.table_valued("epoch").render_derived(name="e").c.epoch
+    # Only the rows missing: a row's lane is taken from its identity's sequence before
+    # ON CONFLICT finds the row there, and a claim finding some of its rows taken (every
+    # duplicate) would use up a lane each time.
+    there = sa.exists().where(w.subscription == sub, w.stream == stream, w.stream_epoch == epoch)
+    rows = sa.select(sub, stream, epoch, sa.literal(0)).where(~there)
+    columns = ["subscription", "stream", "stream_epoch", "watermark"]
+    insert = postgresql.insert(t.watermarks).from_select(columns, rows)
+    return insert.on_conflict_do_nothing().returning(w.lane)
 
 
 def lock_inbox_shared(t: models.Tables) -> sa.TextClause:
@@ -309,7 +328,7 @@ def _first_to_delete(t: models.Tables) -> sa.Executable:
     return (
         sa.select(c.stream_seq)
         .where(
-            *in_bound_epoch(c),
+            *in_bound_lane(t),
             c.stream_seq > sa.bindparam("p_after", type_=sa.BigInteger),
             c.stream_seq <= sa.bindparam("p_value", type_=sa.BigInteger),
             *_may_go(c),
@@ -364,7 +383,7 @@ def _delete_below_watermark(t: models.Tables) -> sa.Executable:
     # benchmarks/pg_instructions.py).
     # No RETURNING: the worker needs the count only (rowcount), not a row per deleted row.
     return sa.delete(t.inbox).where(
-        *in_bound_epoch(c), c.stream_seq > after, c.stream_seq <= upto, *_may_go(c)
+        *in_bound_lane(t), c.stream_seq > after, c.stream_seq <= upto, *_may_go(c)
     )
 
 
@@ -389,7 +408,7 @@ def unclaim(t: models.Tables, subscription: str, stream: str, epoch: str, seq: i
 @functools.cache
 def _unclaim(t: models.Tables) -> sa.Executable:
     c = t.inbox.c
-    return sa.delete(t.inbox).where(*in_bound_key(c)).returning(c.stream_seq)
+    return sa.delete(t.inbox).where(*in_bound_inbox_key(t)).returning(c.stream_seq)
 
 
 def find_by_key(t: models.Tables, subscription: str, stream: str, epoch: str, seq: int) -> Bound:
@@ -400,7 +419,7 @@ def find_by_key(t: models.Tables, subscription: str, stream: str, epoch: str, se
 @functools.cache
 def _find_by_key(t: models.Tables) -> sa.Executable:
     c = t.inbox.c
-    return sa.select(c.fingerprint, c.outcome).where(*in_bound_key(c))
+    return sa.select(c.fingerprint, c.outcome).where(*in_bound_inbox_key(t))
 
 
 def find_by_keys(
@@ -409,7 +428,7 @@ def find_by_keys(
     """The sequence, fingerprint and outcome of each of ``seqs`` the inbox holds (one query)."""
     c = t.inbox.c
     return sa.select(c.stream_seq, c.fingerprint, c.outcome).where(
-        *in_epoch(c, subscription, stream, epoch),
+        *in_lane(t, subscription, stream, epoch),
         c.stream_seq == sa.any_(sa.literal(seqs, postgresql.ARRAY(sa.BigInteger))),
     )
 
@@ -421,10 +440,15 @@ def find_by_msg_id(t: models.Tables, subscription: str, msg_id: str) -> Bound:
 
 @functools.cache
 def _find_by_msg_id(t: models.Tables) -> sa.Executable:
-    c = t.inbox.c
-    return sa.select(c.stream, c.stream_epoch, c.stream_seq, c.outcome).where(
-        c.subscription == sa.bindparam("p_subscription", type_=sa.Text),
-        c.msg_id_digest == msg_id_digest(sa.bindparam("p_msg_id", type_=sa.Text)),
+    c, w = t.inbox.c, t.watermarks.c
+    # The lane's watermark row names the stream and epoch (it is never deleted).
+    return (
+        sa.select(w.stream, w.stream_epoch, c.stream_seq, c.outcome)
+        .join_from(t.inbox, t.watermarks, w.lane == c.lane)
+        .where(
+            c.subscription == sa.bindparam("p_subscription", type_=sa.Text),
+            c.msg_id_digest == msg_id_digest(sa.bindparam("p_msg_id", type_=sa.Text)),
+        )
     )
 
 

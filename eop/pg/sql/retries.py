@@ -10,7 +10,16 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from eop.pg import models
-from eop.pg.sql.base import Bound, epoch_params, in_bound_epoch, in_bound_key, key_params
+from eop.pg.sql.base import (
+    Bound,
+    epoch_params,
+    in_bound_epoch,
+    in_bound_inbox_key,
+    in_bound_key,
+    in_bound_lane,
+    key_params,
+    lane_of,
+)
 from eop.pg.sql.inbox import DEAD_LETTER_COLUMNS
 
 # --- Handler failures and retries held in the database ----------------------
@@ -51,12 +60,8 @@ def count_run(t: models.Tables, row: dict[str, Any]) -> Bound:
 def _count_run(t: models.Tables) -> sa.Executable:
     c, i = t.retries.c, t.inbox.c
     values = {name: sa.bindparam(f"p_{name}", type_=c[name].type) for name in _RUN_COLUMNS}
-    settled = sa.exists().where(
-        i.subscription == values["subscription"],
-        i.stream == values["stream"],
-        i.stream_epoch == values["stream_epoch"],
-        i.stream_seq == values["stream_seq"],
-    )
+    lane = lane_of(t, values["subscription"], values["stream"], values["stream_epoch"])
+    settled = sa.exists().where(i.lane == lane, i.stream_seq == values["stream_seq"])
     fresh = {
         **values,
         "failures": sa.literal(0),
@@ -246,7 +251,7 @@ def _settle_retrying(t: models.Tables) -> sa.Executable:
     c = t.inbox.c
     return (
         sa.update(t.inbox)
-        .where(*in_bound_key(c), c.outcome == models.OUTCOME_RETRYING)
+        .where(*in_bound_inbox_key(t), c.outcome == models.OUTCOME_RETRYING)
         .values(outcome=sa.bindparam("p_outcome", type_=sa.Text), processed_at=sa.func.now())
         .returning(c.stream_seq)
     )
@@ -375,7 +380,7 @@ def _settle_retrying_many(t: models.Tables) -> sa.Executable:
     return (
         sa.update(t.inbox)
         .where(
-            *in_bound_epoch(c),
+            *in_bound_lane(t),
             c.stream_seq == settled.c.seq,
             c.outcome == models.OUTCOME_RETRYING,
         )

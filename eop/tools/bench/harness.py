@@ -458,8 +458,7 @@ class Bench:
         schema = runs.app.settings.schema
         query = sa.text(
             f'SELECT w.watermark, (SELECT count(*) FROM "{schema}".inbox AS i'
-            " WHERE i.subscription = w.subscription AND i.stream = w.stream"
-            " AND i.stream_epoch = w.stream_epoch AND i.stream_seq > :above)"
+            " WHERE i.lane = w.lane AND i.stream_seq > :above)"
             f' FROM "{schema}".watermarks AS w WHERE w.subscription = :s'
         )
         async with self.engine.connect() as conn:

@@ -24,9 +24,10 @@ def saw_claim(connection: Any, message: eop.Message) -> bool:
     """Whether this transaction sees the message's inbox row, not committed yet."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT count(*) FROM eop.inbox WHERE subscription = %s AND stream = %s "
-            "AND stream_seq = %s",
-            [message.subscription, message.stream, message.seq],
+            "SELECT count(*) FROM eop.inbox AS i JOIN eop.watermarks AS w USING (lane)"
+            " WHERE w.subscription = %s AND w.stream = %s AND w.stream_epoch = %s"
+            " AND i.stream_seq = %s",
+            [message.subscription, message.stream, message.stream_epoch, message.seq],
         )
         return bool(cursor.fetchone()[0] == 1)
 
