@@ -18,15 +18,30 @@ from eop.pg import failures
 Step = Callable[[], Awaitable[object]]
 """One round."""
 
+Noted = Callable[[BaseException], None]
+"""Told of each failed round: the worker's count of the failures only a change of
+configuration ends (:class:`eop.protocol.misconfiguration.Watch`), which stops it at
+the third within a minute. A pooler that loses prepared statements fails these rounds
+as it fails handlers', and an idle worker runs no handler to notice it."""
 
-async def quietly(step: Step, logger: log.Logger, failed: log.Event) -> None:
+
+async def quietly(
+    step: Step, logger: log.Logger, failed: log.Event, noted: Noted | None = None
+) -> None:
     """Run ``step``, logging ``failed`` (not raising) for the I/O failures a later round
-    recovers from; any other error (a bug) is raised."""
+    recovers from, with the error described (never its bound values), and telling
+    ``noted``; any other error (a bug) is raised."""
     try:
         await step()
     except (errors.EopError, nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
-        logger.warning(failed, error=type(exc).__name__)
+        _failed(exc, logger, failed, noted)
     except Exception as exc:
         if failures.classify(exc) is failures.DbFailure.OTHER:
             raise
-        logger.warning(failed, error=type(exc).__name__)
+        _failed(exc, logger, failed, noted)
+
+
+def _failed(exc: BaseException, logger: log.Logger, failed: log.Event, noted: Noted | None) -> None:
+    logger.warning(failed, error=log.describe_error(exc)[:500])
+    if noted is not None:
+        noted(exc)

@@ -50,8 +50,10 @@ class Compactor:
         chunk_rows: int = 5000,
         settle_lock_ms: int = 250,
         floor: Callable[[], Awaitable[int | None]] | None = None,
+        noted: background.Noted | None = None,
     ) -> None:
         self.settle_lock_ms = settle_lock_ms
+        self._noted = noted
         self._floor = floor
         """Where the floor comes from when it is not the handler's durable's ack floor
         (an ordered handler's partitions: :meth:`eop.ordering.share.OrderedRunner.floor`)."""
@@ -166,7 +168,7 @@ class Compactor:
 
     async def quietly(self, step: Callable[[], Awaitable[object]]) -> None:
         """Run ``step``, logging (not raising) the I/O failures a later round recovers from."""
-        await background.quietly(step, self._logger, log.Event.COMPACTION_FAILED)
+        await background.quietly(step, self._logger, log.Event.COMPACTION_FAILED, self._noted)
 
     async def compact_once(self) -> Compacted | None:
         """One round: read the floor, raise the watermark, delete below it in chunks."""

@@ -70,8 +70,10 @@ class UnackedWatch:
         spec: HandlerSpec,
         observer: observe.Observer = observe.NOOP,
         consumers: Consumers | None = None,
+        noted: background.Noted | None = None,
     ) -> None:
         self.nc, self.engine, self.settings, self.spec = nc, engine, settings, spec
+        self._noted = noted
         self.tables = models.tables(settings.schema)
         self.observer = observer
         self._consumers = consumers
@@ -92,7 +94,9 @@ class UnackedWatch:
                 await asyncio.wait_for(stopping.wait(), self.interval_s)
 
     async def _quietly(self) -> None:
-        await background.quietly(self.check_once, self._logger, log.Event.UNACKED_WATCH_FAILED)
+        await background.quietly(
+            self.check_once, self._logger, log.Event.UNACKED_WATCH_FAILED, self._noted
+        )
 
     async def _names(self) -> Mapping[int | None, str | None]:
         if self._consumers is None:

@@ -37,7 +37,7 @@ from eop.outbox import relay
 from eop.outbox.jetstream_publisher import JetStreamPublisher
 from eop.pg import migrate
 from eop.pg.store import PostgresStore
-from eop.protocol import compaction, misconfiguration, processor, unacked
+from eop.protocol import background, compaction, misconfiguration, processor, unacked
 from eop.runtime import hosting, inflight, parked, shutdown, slots, startup, telemetry, unordered
 
 if TYPE_CHECKING:
@@ -300,7 +300,9 @@ class Worker(hosting.Hosted):
             if spec.order_by is not None:
                 runner = await self._lanes.add(self.app, nc, js, spec, proc, store, wait)
                 floor, names = runner.floor, runner.owners.consumers
-            compactor = compaction.Compactor(js, store, spec, epochs, floor=floor)
+            compactor = compaction.Compactor(
+                js, store, spec, epochs, floor=floor, noted=self._noting("compaction", spec)
+            )
             # The watermark row before fetching; a failure only delays compaction.
             await compactor.quietly(compactor.prepare)
             if spec.order_by is not None:
@@ -320,7 +322,15 @@ class Worker(hosting.Hosted):
                         compactor.run_forever(s.compaction_interval_s, self._stopping)
                     )
                 )
-            watch = unacked.UnackedWatch(nc, self.app.engine, s, spec, self._observer, names)
+            watch = unacked.UnackedWatch(
+                nc,
+                self.app.engine,
+                s,
+                spec,
+                self._observer,
+                names,
+                noted=self._noting("the stuck-delivery watch", spec),
+            )
             compacting.append(asyncio.create_task(watch.run_forever(self._stopping)))
         # The streams only the outbox publishes to, before anything is published.
         await wait.streams(js, self.app.streams.values(), transforms)
@@ -333,6 +343,12 @@ class Worker(hosting.Hosted):
                 misconfigured=self._watch,
             )
             relaying.append(asyncio.create_task(self.relay.run(self._stopping)))
+
+    def _noting(self, what: str, spec: HandlerSpec) -> background.Noted:
+        """Count a background round's failure of ``spec``'s ``what`` as its transactions'
+        are (:mod:`eop.protocol.misconfiguration`): an idle worker has no other."""
+        where = f"{what} of handler {spec.name!r}"
+        return lambda exc: self._watch.note(exc, where, self.settings)
 
     async def _dispose(self) -> None:
         """Close the pools, without waiting on a connection that does not answer."""

@@ -34,12 +34,13 @@ def failing(exc: Exception) -> background.Step:
 )
 async def test_an_io_or_database_failure_of_a_round_is_logged_not_raised(exc: Exception) -> None:
     """NATS, the network, a timeout and a failure of the database (classified other than
-    OTHER) cost the round only: one warning with the event given and the error's type."""
+    OTHER) cost the round only: one warning with the event given and the error described."""
     with capture_logs() as logs:
         await background.quietly(failing(exc), log.get_logger(), log.Event.COMPACTION_FAILED)
     assert [(e["event"], e["log_level"], e["error"]) for e in logs] == [
-        (log.Event.COMPACTION_FAILED, "warning", type(exc).__name__)
+        (log.Event.COMPACTION_FAILED, "warning", log.describe_error(exc)[:500])
     ]
+    assert logs[0]["error"].startswith(type(exc).__name__)
 
 
 async def test_a_bug_in_a_round_is_raised() -> None:
@@ -61,3 +62,28 @@ async def test_a_round_that_succeeds_logs_nothing() -> None:
     with capture_logs() as logs:
         await background.quietly(step, log.get_logger(), log.Event.COMPACTION_FAILED)
     assert (ran, logs) == ([1], [])
+
+
+async def test_a_failed_rounds_line_says_why_and_whoever_counts_is_told() -> None:
+    """The warning carries the database's own words (a round failing on every try must be
+    diagnosable from the log: its type alone was not), and ``noted`` hears of each failure;
+    a bug is neither logged nor noted."""
+    from .test_inbox import DriverError, wrapped
+
+    pooler = wrapped(DriverError("26000", 'prepared statement "__asyncpg_stmt_a__" does not exist'))
+    noted: list[BaseException] = []
+    with capture_logs() as logs:
+        for _ in range(2):
+            await background.quietly(
+                failing(pooler), log.get_logger(), log.Event.COMPACTION_FAILED, noted.append
+            )
+        with pytest.raises(ValueError, match="a bug"):
+            await background.quietly(
+                failing(ValueError("a bug")),
+                log.get_logger(),
+                log.Event.COMPACTION_FAILED,
+                noted.append,
+            )
+    assert noted == [pooler, pooler]
+    assert len(logs) == 2
+    assert all('prepared statement "__asyncpg_stmt_a__" does not exist' in e["error"] for e in logs)

@@ -154,3 +154,36 @@ async def test_the_outbox_relay_counts_its_failures_and_stops_through_the_watch(
     await asyncio.wait_for(publisher.run(stopping), 30)
     assert len(stopped) == 1
     assert "EOP_DB_POOLER=transaction" in str(stopped[0])
+
+
+async def test_an_idle_workers_failing_compaction_stops_it_through_the_watch() -> None:
+    """A worker with no message to run still compacts: rounds that fail on a mismatched
+    pooler are counted like its transactions, and the third within the window stops it
+    with the one line naming EOP_DB_POOLER, where it used to log the error's type for ever."""
+    from .test_compaction import CountingCompactor, compactor
+
+    class Failing(CountingCompactor):
+        async def compact_once(self) -> None:
+            self.rounds += 1
+            raise POOLER
+
+    watch, stopped, _ = _watch()
+    like = compactor()
+    c = Failing(
+        like.js,
+        like.store,
+        like.spec,
+        like.epochs,
+        noted=lambda exc: watch.note(exc, "compaction of handler 'orders'", SETTINGS),
+    )
+    stopping = asyncio.Event()
+    task = asyncio.create_task(c.run_forever(0.01, stopping))
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if stopped:
+            break
+    stopping.set()
+    await asyncio.wait_for(task, 5)
+    assert c.rounds >= misconfiguration.STRIKES
+    assert len(stopped) == 1
+    assert "EOP_DB_POOLER=transaction" in str(stopped[0])
