@@ -14,6 +14,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from eop.pg import models
 
+from .bed import insert_inbox
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -142,11 +144,14 @@ async def test_each_test_gets_its_own_migrated_database(engine: AsyncEngine, run
     inbox = models.tables("eop").inbox
     async with engine.begin() as conn:
         assert (await conn.execute(sa.select(sa.func.count()).select_from(inbox))).scalar() == 0
-        await conn.execute(
-            inbox.insert().values(
-                subscription="s", stream="S", stream_epoch="e", stream_seq=1,
-                fingerprint=b"f", subject="x", outcome="processed", delivery_count=run,
-            )
+        await insert_inbox(
+            conn,
+            [
+                dict(
+                    subscription="s", stream="S", stream_epoch="e", stream_seq=1,
+                    fingerprint=b"f", outcome="processed", delivery_count=run,
+                )
+            ],
         )  # fmt: skip
 
 
