@@ -76,6 +76,11 @@ class Lanes:
             stopping=flight.stopping,
             observer=flight.observer,
             blocked=self.blocked,
+            noted=functools.partial(
+                proc.misconfigured.note,
+                where=f"the partition ownership of handler {spec.name!r}",
+                settings=settings,
+            ),
         )
         await patience(functools.partial(share.prepare, runner))
         self.runners[spec.name] = runner

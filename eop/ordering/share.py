@@ -36,6 +36,7 @@ from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.ordering import keys, ownership, partitions
 from eop.pg import failures
+from eop.protocol import background
 from eop.runtime.slots import Slots
 from eop.settings import Settings
 from eop.types import Delivery
@@ -134,8 +135,13 @@ class OrderedRunner:
         stopping: asyncio.Event,
         observer: observe.Observer,
         blocked: keys.BlockedKeys,
+        noted: background.Noted | None = None,
     ) -> None:
         self.spec = spec
+        self._noted = noted
+        """Told of each failed tick: the worker counts the failures only a change of
+        configuration ends (a pooler losing prepared statements fails every tick, and a
+        process owning nothing runs no handler to notice it)."""
         self.nc = nc
         self.js = js
         self.owners = owners
@@ -178,6 +184,8 @@ class OrderedRunner:
                     failures=failures,
                     error=log.describe_error(exc)[:500],
                 )
+                if self._noted is not None:
+                    self._noted(exc)
                 wait_s = min(self.tick_s, backoff.backoff_s(failures, _RETRY_FIRST_S, _RETRY_MAX_S))
             self.ready.set()
             with contextlib.suppress(asyncio.TimeoutError):

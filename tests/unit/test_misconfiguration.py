@@ -187,3 +187,55 @@ async def test_an_idle_workers_failing_compaction_stops_it_through_the_watch() -
     assert c.rounds >= misconfiguration.STRIKES
     assert len(stopped) == 1
     assert "EOP_DB_POOLER=transaction" in str(stopped[0])
+
+
+async def test_an_ordered_handlers_failing_partition_ticks_stop_it_through_the_watch() -> None:
+    """A process whose ownership ticks fail on a mismatched pooler owns no partition and
+    runs no handler: its ticks count like transactions, and the third within the window
+    stops the worker with the one line, where each was logged once and then at debug."""
+    import types
+
+    from eop.handler import HandlerSpec
+    from eop.observe import observer as observe
+    from eop.ordering import keys, share
+
+    class Owners:
+        member = types.SimpleNamespace(name="me")
+        count = 4
+        ticks = 0
+
+        async def tick(self, *_: object) -> None:
+            self.ticks += 1
+            raise POOLER
+
+    async def noop(msg: object, session: object) -> None:
+        """A handler never run here."""
+
+    async def no_slots() -> int:
+        return 0
+
+    watch, stopped, _ = _watch()
+    stopping = asyncio.Event()
+    owners = Owners()
+    spec = HandlerSpec(func=noop, name="ledger", stream="L", subject="l", durable="eop-l")
+    runner = share.OrderedRunner(
+        spec=spec,
+        nc=None,  # type: ignore[arg-type]  # a failing tick reaches neither server
+        js=None,  # type: ignore[arg-type]
+        owners=owners,  # type: ignore[arg-type]
+        settings=Settings(partition_lease_s=1.0),
+        dispatch=None,  # type: ignore[arg-type]
+        take_slots=no_slots,
+        give_slots=lambda n: None,
+        stopping=stopping,
+        observer=observe.NOOP,
+        blocked=keys.BlockedKeys(),
+        noted=lambda exc: (
+            watch.note(exc, "the partition ownership of handler 'ledger'", SETTINGS),
+            stopping.set() if stopped else None,
+        ),
+    )
+    await asyncio.wait_for(runner.run(), 30)
+    assert owners.ticks == misconfiguration.STRIKES
+    assert len(stopped) == 1
+    assert "EOP_DB_POOLER=transaction" in str(stopped[0])
