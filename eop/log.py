@@ -267,6 +267,17 @@ def enabled(level: int) -> bool:
 ERROR_CHARS = 2000
 
 
+#: The most characters of a failure's description a warning line or a one-line report
+#: carries.
+BRIEF_ERROR_CHARS = 500
+
+
+def brief_error(exc: BaseException) -> str:
+    """:func:`describe_error`, cut to :data:`BRIEF_ERROR_CHARS`: what a log line's ``error``
+    or a one-line report carries."""
+    return describe_error(exc)[:BRIEF_ERROR_CHARS]
+
+
 def bounded_error(exc: BaseException) -> str:
     """:func:`describe_error`, cut to :data:`ERROR_CHARS`: what a dead letter, a parked
     retry or an error line records."""

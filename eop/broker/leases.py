@@ -186,6 +186,6 @@ class Leases:
             level(
                 log.Event.HEARTBEAT_FAILED,
                 deliveries=len(failed),
-                error=log.describe_error(failed[0])[:500],
+                error=log.brief_error(failed[0]),
             )
         self._failing = bool(failed)

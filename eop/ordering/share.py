@@ -182,7 +182,7 @@ class OrderedRunner:
                 (self._logger.warning if failures == 1 else self._logger.debug)(
                     log.Event.PARTITION_FAILED,
                     failures=failures,
-                    error=log.describe_error(exc)[:500],
+                    error=log.brief_error(exc),
                 )
                 if self._noted is not None:
                     self._noted(exc)
@@ -434,7 +434,7 @@ class OrderedRunner:
         try:
             await self.owners.leave(numbers, clean=clean)
         except Exception as exc:
-            self._logger.warning(log.Event.PARTITION_FAILED, error=log.describe_error(exc)[:500])
+            self._logger.warning(log.Event.PARTITION_FAILED, error=log.brief_error(exc))
             return
         for number in numbers:
             self._logger.info(log.Event.PARTITION_RELEASED, partition=number)

@@ -169,7 +169,7 @@ class Relay:
                     (self._logger.warning if failures_in_row == 1 else self._logger.debug)(
                         log.Event.RELAY_FAILED,
                         failures=failures_in_row,
-                        error=log.describe_error(exc)[:500],
+                        error=log.brief_error(exc),
                     )
                     await self._listener.close()
                     wait_s = backoff.backoff_s(failures_in_row, _FAILED_FIRST_S, _FAILED_MAX_S)

@@ -42,6 +42,6 @@ async def quietly(
 
 
 def _failed(exc: BaseException, logger: log.Logger, failed: log.Event, noted: Noted | None) -> None:
-    logger.warning(failed, error=log.describe_error(exc)[:500])
+    logger.warning(failed, error=log.brief_error(exc))
     if noted is not None:
         noted(exc)

@@ -33,7 +33,7 @@ class Unsettled(errors.EopError):
     def __init__(self, outcomes: list[Outcome], failed: list[tuple[Delivery, Exception]]) -> None:
         super().__init__(
             f"{len(failed)} message(s) of the batch failed in the per-message protocol too: "
-            f"{log.describe_error(failed[0][1])[:500]}"
+            f"{log.brief_error(failed[0][1])}"
         )
         self.outcomes = outcomes
         self.failed = failed

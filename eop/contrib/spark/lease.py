@@ -136,7 +136,7 @@ class JobLease:
             log.get_logger().warning(
                 log.Event.SPARK_LEASE_FAILED,
                 handler=self.spec.name,
-                error=log.describe_error(exc)[:500],
+                error=log.brief_error(exc),
             )
 
     def _run(self) -> None:
@@ -151,7 +151,7 @@ class JobLease:
                 log.get_logger().warning(
                     log.Event.SPARK_LEASE_FAILED,
                     handler=self.spec.name,
-                    error=log.describe_error(exc)[:500],
+                    error=log.brief_error(exc),
                 )
 
     def _session(self) -> orm.Session:

@@ -92,9 +92,7 @@ class Poller:
                 taken = take(self.app, self.report_id)
             except Exception as exc:
                 # The rows stay until the next look; the query itself is not disturbed.
-                log.get_logger().warning(
-                    log.Event.SPARK_REPORT_UNREAD, error=log.describe_error(exc)[:500]
-                )
+                log.get_logger().warning(log.Event.SPARK_REPORT_UNREAD, error=log.brief_error(exc))
                 taken = {}
             for batch_id, counts in sorted(taken.items()):
                 self.on_batch(batch_id, counts)

@@ -64,7 +64,7 @@ async def _rerun(
                 status="failed",
                 mode=models.REPLAY_RERUN,
                 generation=row["replay_generation"],
-                detail=log.describe_error(exc)[:500],
+                detail=log.brief_error(exc),
             )
         generation = row["replay_generation"] + 1
         await tx.select(
