@@ -76,10 +76,8 @@ class Lanes:
             stopping=flight.stopping,
             observer=flight.observer,
             blocked=self.blocked,
-            noted=functools.partial(
-                proc.misconfigured.note,
-                where=f"the partition ownership of handler {spec.name!r}",
-                settings=settings,
+            noted=proc.misconfigured.noting(
+                f"the partition ownership of handler {spec.name!r}", settings
             ),
         )
         await patience(functools.partial(share.prepare, runner))

@@ -71,6 +71,12 @@ class Watch:
         if self.stop is not None:
             self.stop(self.error)
 
+    def noting(self, where: str, settings: Settings) -> Callable[[BaseException], None]:
+        """:meth:`note` for the failures of one background task (``where`` names it), as
+        the callback a compaction round, the stuck-delivery watch or an ordered handler's
+        ownership tick tells of each failure: an idle worker has no other."""
+        return lambda exc: self.note(exc, where, settings)
+
     def reset(self) -> None:
         """Forget what was counted and the error (the test kit goes on after raising it)."""
         self.error = None

@@ -37,7 +37,7 @@ from eop.outbox import relay
 from eop.outbox.jetstream_publisher import JetStreamPublisher
 from eop.pg import migrate
 from eop.pg.store import PostgresStore
-from eop.protocol import background, compaction, misconfiguration, processor, unacked
+from eop.protocol import compaction, misconfiguration, processor, unacked
 from eop.runtime import hosting, inflight, parked, shutdown, slots, startup, telemetry, unordered
 
 if TYPE_CHECKING:
@@ -301,7 +301,12 @@ class Worker(hosting.Hosted):
                 runner = await self._lanes.add(self.app, nc, js, spec, proc, store, wait)
                 floor, names = runner.floor, runner.owners.consumers
             compactor = compaction.Compactor(
-                js, store, spec, epochs, floor=floor, noted=self._noting("compaction", spec)
+                js,
+                store,
+                spec,
+                epochs,
+                floor=floor,
+                noted=self._watch.noting(f"compaction of handler {spec.name!r}", s),
             )
             # The watermark row before fetching; a failure only delays compaction.
             await compactor.quietly(compactor.prepare)
@@ -329,7 +334,7 @@ class Worker(hosting.Hosted):
                 spec,
                 self._observer,
                 names,
-                noted=self._noting("the stuck-delivery watch", spec),
+                noted=self._watch.noting(f"the stuck-delivery watch of handler {spec.name!r}", s),
             )
             compacting.append(asyncio.create_task(watch.run_forever(self._stopping)))
         # The streams only the outbox publishes to, before anything is published.
@@ -343,12 +348,6 @@ class Worker(hosting.Hosted):
                 misconfigured=self._watch,
             )
             relaying.append(asyncio.create_task(self.relay.run(self._stopping)))
-
-    def _noting(self, what: str, spec: HandlerSpec) -> background.Noted:
-        """Count a background round's failure of ``spec``'s ``what`` as its transactions'
-        are (:mod:`eop.protocol.misconfiguration`): an idle worker has no other."""
-        where = f"{what} of handler {spec.name!r}"
-        return lambda exc: self._watch.note(exc, where, self.settings)
 
     async def _dispose(self) -> None:
         """Close the pools, without waiting on a connection that does not answer."""
