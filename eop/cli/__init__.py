@@ -88,7 +88,7 @@ def main(
         with options.developer_tools(args.command_name):
             return command(args)
     except errors.EopError as exc:
-        options.print_error(exc)
+        options.print_error(exc, to=getattr(args, "error_file", None))
         return 1
     except KeyboardInterrupt:
         return 130

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Sequence
+from pathlib import Path
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -258,15 +259,25 @@ def developer_tools(command: str) -> Iterator[None]:
         ) from None
 
 
-def print_error(exc: BaseException) -> None:
-    """Print ``exc`` and its cause chain to stderr, one line each, never a traceback."""
-    print(f"eop: error: {exc}", file=sys.stderr)
+def print_error(exc: BaseException, to: str | None = None) -> None:
+    """Print ``exc`` and its cause chain to stderr, one line each, never a traceback.
+
+    ``to``: write them to that file instead, for ``eop worker --processes N``
+    to print once however many of its processes met the same error
+    (:func:`eop.runtime.supervisor.supervise`); stderr when it cannot be written.
+    """
+    lines = [f"eop: error: {exc}"]
     cause = exc.__cause__
     while cause is not None:
         # A database error's text may quote bound values: described, not printed.
         text = log.describe_error(cause).strip()
-        print(
-            f"  caused by {text.splitlines()[0] if text else type(cause).__name__}"[:300],
-            file=sys.stderr,
-        )
+        lines.append(f"  caused by {text.splitlines()[0] if text else type(cause).__name__}"[:300])
         cause = cause.__cause__
+    report = "".join(f"{line}\n" for line in lines)
+    if to is not None:
+        try:
+            Path(to).write_text(report)
+            return
+        except OSError:
+            pass
+    sys.stderr.write(report)

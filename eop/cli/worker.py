@@ -70,6 +70,9 @@ def add_worker(sub: options.Subparsers) -> None:
     options.add_settings(worker, WORKER_FIELDS)
     # Set by `eop worker --processes N` for its processes (eop.runtime.gathered).
     worker.add_argument("--metrics-dir", help=argparse.SUPPRESS)
+    # Set by `eop worker --processes N`: where a process writes its `eop: error:` lines,
+    # which the supervisor prints once however many processes met the same error.
+    worker.add_argument("--error-file", help=argparse.SUPPRESS)
     worker.set_defaults(command=_cmd_worker)
 
 

@@ -23,6 +23,9 @@ The supervisor is deliberately small:
   own (a fatal error, or killed) stops the others with SIGTERM, and the
   supervisor exits with that first child's status: an orchestrator restarts
   the whole worker rather than running it short of a process.
+- A child's ``eop: error:`` lines come to the supervisor (``--error-file``),
+  which prints each distinct one once as its child exits: processes that all
+  meet the same misconfiguration give the user one line, not one each.
 - A stop ends: children still running well after their own stop deadline
   (:func:`eop.runtime.shutdown.deadline_s`, after which they end themselves) are
   killed with SIGKILL.
@@ -40,6 +43,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -54,7 +58,14 @@ MAX_AUTO_PROCESSES = 4
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.05
 # Flags whose value the supervisor sets per child; stripped from the arguments it passes on.
-_PER_CHILD_FLAGS = ("--processes", "--handler", "--metrics-port", "--metrics-dir", "--db-pool-size")
+_PER_CHILD_FLAGS = (
+    "--processes",
+    "--handler",
+    "--metrics-port",
+    "--metrics-dir",
+    "--db-pool-size",
+    "--error-file",
+)
 
 
 def available_cpus(cgroup_cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
@@ -144,13 +155,30 @@ def supervise(
     ended themselves) are killed with SIGKILL. With ``served``, the children's
     metrics and health are served on its port until they have all exited.
     """
+    with tempfile.TemporaryDirectory(prefix="eop-errors-") as errors_dir:
+        return _supervise(argvs, Path(errors_dir), stop_deadline_s, served, program)
+
+
+def _supervise(
+    argvs: Sequence[Sequence[str]],
+    errors_dir: Path,
+    stop_deadline_s: float | None,
+    served: gathered.Gathered | None,
+    program: Sequence[str] | None,
+) -> int:
     logger = log.get_logger()
     env = {**os.environ, **(served.env() if served is not None else {})}
     command = list(program) if program else [sys.executable, "-m", "eop"]
     children = [
-        subprocess.Popen([*command, *argv], preexec_fn=_die_with_parent(os.getpid()), env=env)
-        for argv in argvs
+        subprocess.Popen(
+            [*command, *argv, "--error-file", str(errors_dir / str(index))],
+            preexec_fn=_die_with_parent(os.getpid()),
+            env=env,
+        )
+        for index, argv in enumerate(argvs)
     ]
+    error_files = {c.pid: errors_dir / str(index) for index, c in enumerate(children)}
+    printed: set[str] = set()
     logger.info(log.Event.PROCESSES_STARTED, pids=[c.pid for c in children])
     if served is not None:
         for child in children:
@@ -174,6 +202,7 @@ def supervise(
             if running.pop(pid, None) is None:
                 continue
             code = _exit_code(returncode)
+            _print_once(error_files[pid], printed)
             if served is not None:
                 served.gone(pid)  # before the line: once it is logged, /readyz says so
             _log_exit(logger, stop, pid, code, returncode)
@@ -188,6 +217,18 @@ def supervise(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return stop.first_failure or 0
+
+
+def _print_once(error_file: Path, printed: set[str]) -> None:
+    """The ``eop: error:`` lines an exited child wrote, on stderr unless already printed."""
+    try:
+        report = error_file.read_text()
+    except OSError:  # it met no error of its own
+        return
+    if report and report not in printed:
+        printed.add(report)
+        sys.stderr.write(report)
+        sys.stderr.flush()
 
 
 _STOP_DEATHS = (-signal.SIGTERM, -signal.SIGINT)

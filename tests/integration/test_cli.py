@@ -33,10 +33,10 @@ def eop_env(database_url: str, nats_url: str, **extra: str) -> dict[str, str]:
         EOP_BACKOFF_BASE_S="0.1",
         EOP_BACKOFF_MAX_S="1",
         EOP_FETCH_TIMEOUT_S="0.3",
-        # One process: the tests read its output and signal it by PID.
+        # One process unless asked: the tests read its output and signal it by PID.
         EOP_PROCESSES="1",
-        **extra,
     )
+    env.update(extra)
     return env
 
 
@@ -192,6 +192,19 @@ def test_unmigrated_database_tells_to_run_db_upgrade(
     result = eop("worker", APP, env=eop_env(empty_database_url, nats_url))
     assert result.returncode == 1
     assert "eop db upgrade" in result.stderr
+
+
+def test_an_error_every_process_meets_is_printed_once(
+    empty_database_url: str, nats_url: str
+) -> None:
+    """`--processes 2` on a database without eop's tables: both processes refuse to start,
+    and the user reads the one `eop: error:` line once, not once per process."""
+    result = eop("worker", APP, env=eop_env(empty_database_url, nats_url, EOP_PROCESSES="2"))
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("eop: error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert "eop db upgrade" in lines[0]
+    assert "Traceback" not in result.stderr
 
 
 def test_db_commands_upgrade_current_check_downgrade(empty_database_url: str) -> None:
