@@ -155,13 +155,19 @@ def supervise(
     ended themselves) are killed with SIGKILL. With ``served``, the children's
     metrics and health are served on its port until they have all exited.
     """
-    with tempfile.TemporaryDirectory(prefix="eop-errors-") as errors_dir:
+    try:
+        made = tempfile.TemporaryDirectory(prefix="eop-errors-")
+    except OSError:
+        # No writable temporary directory (a read-only root filesystem without a /tmp
+        # volume): each process prints its own errors, as a lone process does.
+        return _supervise(argvs, None, stop_deadline_s, served, program)
+    with made as errors_dir:
         return _supervise(argvs, Path(errors_dir), stop_deadline_s, served, program)
 
 
 def _supervise(
     argvs: Sequence[Sequence[str]],
-    errors_dir: Path,
+    errors_dir: Path | None,
     stop_deadline_s: float | None,
     served: gathered.Gathered | None,
     program: Sequence[str] | None,
@@ -169,15 +175,16 @@ def _supervise(
     logger = log.get_logger()
     env = {**os.environ, **(served.env() if served is not None else {})}
     command = list(program) if program else [sys.executable, "-m", "eop"]
+    files = [None if errors_dir is None else errors_dir / str(i) for i in range(len(argvs))]
     children = [
         subprocess.Popen(
-            [*command, *argv, "--error-file", str(errors_dir / str(index))],
+            [*command, *argv, *(["--error-file", str(file)] if file is not None else [])],
             preexec_fn=_die_with_parent(os.getpid()),
             env=env,
         )
-        for index, argv in enumerate(argvs)
+        for argv, file in zip(argvs, files, strict=True)
     ]
-    error_files = {c.pid: errors_dir / str(index) for index, c in enumerate(children)}
+    error_files = {c.pid: file for c, file in zip(children, files, strict=True)}
     printed: set[str] = set()
     logger.info(log.Event.PROCESSES_STARTED, pids=[c.pid for c in children])
     if served is not None:
@@ -219,8 +226,10 @@ def _supervise(
     return stop.first_failure or 0
 
 
-def _print_once(error_file: Path, printed: set[str]) -> None:
+def _print_once(error_file: Path | None, printed: set[str]) -> None:
     """The ``eop: error:`` lines an exited child wrote, on stderr unless already printed."""
+    if error_file is None:
+        return
     try:
         report = error_file.read_text()
     except OSError:  # it met no error of its own

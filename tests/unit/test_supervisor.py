@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,45 @@ def test_exit_codes_follow_the_shell_convention_for_signals() -> None:
     assert supervisor._exit_code(-signal.SIGKILL) == 128 + signal.SIGKILL
     assert supervisor._exit_code(3) == 3
     assert supervisor._exit_code(0) == 0
+
+
+# A child that meets an error at start: written where the supervisor says, else on stderr.
+_FAILING_CHILD = """
+import sys
+args = sys.argv[1:]
+report = "eop: error: eop's tables are missing\\n"
+if "--error-file" in args:
+    with open(args[args.index("--error-file") + 1], "w") as out:
+        out.write(report)
+else:
+    sys.stderr.write(report)
+sys.exit(1)
+"""
+
+
+def test_an_error_every_child_meets_is_printed_once(capfd: pytest.CaptureFixture[str]) -> None:
+    """Three processes refusing to start for the same reason: one `eop: error:` line, and
+    the supervisor exits with the first child's status."""
+    code = supervisor.supervise(
+        [["worker", "a"]] * 3, program=[sys.executable, "-c", _FAILING_CHILD]
+    )
+    assert code == 1
+    err = capfd.readouterr().err
+    assert err.count("eop: error: ") == 1, err
+
+
+def test_without_a_temporary_directory_each_child_prints_its_own_error(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only filesystem without /tmp: the supervisor still runs its processes, and
+    each prints its error itself, as a lone process does."""
+
+    def unwritable(*_: object, **__: object) -> None:
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(supervisor.tempfile, "TemporaryDirectory", unwritable)
+    code = supervisor.supervise(
+        [["worker", "a"]] * 2, program=[sys.executable, "-c", _FAILING_CHILD]
+    )
+    assert code == 1
+    assert capfd.readouterr().err.count("eop: error: ") == 2
