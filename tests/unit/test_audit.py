@@ -254,3 +254,20 @@ def test_report_counts_lists_and_renders() -> None:
     data = json.loads(report.as_json())
     assert data["clean"] is False
     assert data["handlers"][0]["counts"][audit.REUSED_SEQUENCE] == audit.LISTED_PER_KIND + 5
+
+
+def test_a_partitioned_handlers_never_delivered_is_judged_by_its_own_partition() -> None:
+    """An ordered handler's never-delivered messages are read against their partition's
+    consumer, not against the highest delivered sequence of all partitions."""
+    h = audit.HandlerAudit(handler="ledger", stream="LEDGER", durable="eop-ledger")
+    h.partitions = [
+        audit.PartitionConsumer(0, "eop-ledger-p0-e1", ack_floor=900, delivered=900),
+        audit.PartitionConsumer(1, "eop-ledger-p1-e1", ack_floor=400, delivered=450),
+    ]
+    h.ack_floor, h.delivered = 400, 900
+    h.never_delivered.add(500)
+    text = audit.render(audit.Report([h]))
+    assert "never delivered   1 (seq 500), each above its partition's delivered sequence" in text
+    assert "above the consumer's delivered sequence 900" not in text
+    assert "all partitions    lowest ack floor 400, highest delivered 900" in text
+    assert "partition 1       eop-ledger-p1-e1: ack floor 400, delivered 450" in text

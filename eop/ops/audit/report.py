@@ -197,8 +197,16 @@ def _render_handler(h: HandlerAudit) -> list[str]:
     if h.truncated:
         walked += f" (stopped at --limit; go on with --from-seq {h.next_seq})"
     consumer = f"consumer {h.durable}"
+    never = f"above the consumer's delivered sequence {h.delivered}"
+    combined = f"consumer          ack floor {h.ack_floor}, delivered {h.delivered}"
     if h.partitions:
         consumer = f"consumers {h.durable} ({len(h.partitions)} partitions)"
+        # A message of one partition is never delivered by its own partition's consumer;
+        # the highest delivered over all of them says nothing about it.
+        never = "each above its partition's delivered sequence (below)"
+        combined = (
+            f"all partitions    lowest ack floor {h.ack_floor}, highest delivered {h.delivered}"
+        )
     lines = [
         f"handler {h.handler}: stream {h.stream} (epoch {h.epoch}), {consumer}, "
         f"filter {', '.join(h.filters) or '(all subjects)'}",
@@ -213,10 +221,9 @@ def _render_handler(h: HandlerAudit) -> list[str]:
         f"  compacted         {h.compacted} at or below the watermark {h.watermark}: acked, "
         f"outcome not shown ({h.verified_below_watermark} more there verified by retained rows)",
         f"  in flight         {_tallies(h.in_flight)}",
-        f"  never delivered   {_tally(h.never_delivered)}, above the consumer's delivered "
-        f"sequence {h.delivered}",
-        f"  consumer          ack floor {h.ack_floor}, delivered {h.delivered}, "
-        f"pending {h.consumer_pending}, ack pending {h.ack_pending}, redelivered {h.redelivered}",
+        f"  never delivered   {_tally(h.never_delivered)}, {never}",
+        f"  {combined}, pending {h.consumer_pending}, ack pending {h.ack_pending}, "
+        f"redelivered {h.redelivered}",
         *(
             f"  partition {p.partition:<7} {p.consumer or '(none yet)'}: ack floor {p.ack_floor}, "
             f"delivered {p.delivered}, pending {p.pending}, ack pending {p.ack_pending}, "
