@@ -61,6 +61,10 @@ class SchemaNotReady(EopError):
     """eop's tables are missing or out of date: run `eop db upgrade`."""
 
 
+class MigrationFailed(EopError):
+    """A migration of eop's tables failed in PostgreSQL and rolled back: nothing changed."""
+
+
 class HandlerError(EopError):
     """Base of the errors a handler raises to tell eop what to do with a message."""
 

@@ -98,5 +98,6 @@ def described(
     return (
         f"{where}: {failures.database_message(exc)}, on every attempt: run the "
         "migration that creates it (or check the database URL, schema and search_path), "
-        f"then start the worker again; {left}"
+        "then start the worker again; if a newer eop migrated its tables, replace this "
+        f"worker by that version; {left}"
     )

@@ -11,10 +11,15 @@ letter and the retry keep their own). BENCHMARKS.md, "What would take the rest".
 The inbox is made anew, its fixed-width columns first, and its rows copied with
 their lanes; a watermark row (at 0) is added first for any (subscription,
 stream, epoch) that has inbox rows but none yet. Privileges granted on the old
-table are granted on the new one. The rename and the drop wait for every open
-transaction on the inbox; after this revision commits, a worker of an older eop
-fails at its first statement on the inbox (its columns are gone: SQLSTATE
-42703), and its transaction rolls back.
+table are granted on the new one. Both tables are locked first, the inbox
+before the watermarks, the order in which a claim takes them (its INSERT's
+target, then the watermark row it reads FOR SHARE): the revision waits for
+every open transaction on them, and a claim that comes meanwhile waits for the
+revision. Locking the watermarks first (the column added) let a claim that
+arrived while the revision waited take the inbox and wait for the watermarks
+behind it: a deadlock, which failed the upgrade. After this revision commits,
+a worker of an older eop fails at its first statement on the inbox (its
+columns are gone: SQLSTATE 42703), and its transaction rolls back.
 
 The downgrade copies the rows back with their stream and epoch; their subject,
 which this revision dropped, comes back empty. The watermark rows stay, their
@@ -44,6 +49,7 @@ def upgrade() -> None:
     """Give each watermark row a lane, and key the inbox by (lane, stream_seq)."""
     schema = migrate.configured_schema(context.config)
     q = f'"{schema}"'
+    _lock_as_claims_do(q)
     # Adding an identity column numbers the rows already there.
     op.add_column(
         "watermarks",
@@ -90,11 +96,18 @@ def upgrade() -> None:
     op.drop_table("inbox_wide", schema=schema)
 
 
+def _lock_as_claims_do(q: str) -> None:
+    """Both tables at once, in a claim's order (the inbox, then the watermarks): a claim
+    arriving while this waits queues behind it instead of closing a cycle with it."""
+    op.execute(f"LOCK TABLE {q}.inbox, {q}.watermarks IN ACCESS EXCLUSIVE MODE")
+
+
 def downgrade() -> None:
     """Key the inbox by (subscription, stream, stream_epoch, stream_seq) again (subjects
     empty), and drop the watermark rows' lanes."""
     schema = migrate.configured_schema(context.config)
     q = f'"{schema}"'
+    _lock_as_claims_do(q)
     _set_aside(schema, "lanes")
     op.create_table(
         "inbox",

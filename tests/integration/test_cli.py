@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from eop.pg import migrate
@@ -205,6 +206,30 @@ def test_an_error_every_process_meets_is_printed_once(
     assert len(lines) == 1, result.stderr[-3000:]
     assert "eop db upgrade" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+async def test_a_failed_migration_is_one_line_and_changes_nothing(
+    empty_database_url: str,
+) -> None:
+    """`eop db upgrade` whose migration PostgreSQL refuses (here a table in its way; in a
+    rolling update, a deadlock with an old worker): exit 1, one `eop: error:` line that says
+    nothing changed and when to run it again, no traceback; the tables stay where they were."""
+    migrate.upgrade(empty_database_url, revision="eop_0010")
+    engine = create_async_engine(empty_database_url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(sa.text("CREATE TABLE eop.inbox_wide (x int)"))
+    finally:
+        await engine.dispose()
+    env = eop_env(empty_database_url, "nats://127.0.0.1:1")
+    result = eop("db", "upgrade", env=env)
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("eop: error: ")]
+    assert len(lines) == 1, result.stderr
+    assert "rolled back, changing nothing" in lines[0]
+    assert "run it again" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert migrate.current(empty_database_url) == "eop_0010"
 
 
 def test_db_commands_upgrade_current_check_downgrade(empty_database_url: str) -> None:

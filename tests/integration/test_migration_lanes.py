@@ -267,3 +267,49 @@ def test_making_a_lane_that_exists_uses_up_no_lane(database_url: str) -> None:
             assert conn.execute(*inbox_sql.create_watermark(t, "h", "S", EPOCH_A)).all() == []
         both = conn.execute(*inbox_sql.create_lanes(t, "h", "S", [EPOCH_A, EPOCH_B]))
         assert both.scalars().all() == [first[0] + 1]
+
+
+def test_the_migration_survives_a_claim_queued_behind_it(database_url: str) -> None:
+    """A rolling update under load: an old worker's claim is open (a slow handler) when
+    eop_0011 starts, and another of its claims arrives while the migration waits. That
+    claim takes the inbox's lock, then queues for the watermark row behind the migration;
+    once the first commits, the migration holds the watermarks and asks for the inbox:
+    each waits for the other. The migration must not be the one that fails: `eop db
+    upgrade` run beside the old workers, as docs/deployment.md allows, has to commit (the
+    queued claim may fail and be retried, as an old worker's claims do once it ran)."""
+    migrate.downgrade(database_url, revision="eop_0010")
+    failed: list[BaseException] = []
+
+    def upgrade() -> None:
+        try:
+            migrate.upgrade(database_url)
+        except Exception as exc:  # reported by the assertion below
+            failed.append(exc)
+
+    def queued_claim() -> None:
+        with psycopg.connect(conninfo(database_url)) as conn:
+            try:
+                conn.execute(OLD_CLAIM, old_claim_params("h", EPOCH_A, 9, fp(9)))
+                conn.commit()
+            except psycopg.Error:
+                conn.rollback()  # a deadlock or 42703 here is the old worker's to retry
+
+    with psycopg.connect(conninfo(database_url)) as slow:
+        assert slow.execute(OLD_CLAIM, old_claim_params("h", EPOCH_A, 3, fp(3))).fetchall()
+        migration = threading.Thread(target=upgrade)
+        migration.start()
+        time.sleep(0.5)
+        second = threading.Thread(target=queued_claim)
+        second.start()
+        # Longer than deadlock_timeout (1 s): the queued claim's one deadlock check finds
+        # no cycle while the slow transaction is still open.
+        time.sleep(2.0)
+        assert migration.is_alive()
+        assert second.is_alive()
+        slow.commit()
+        migration.join(timeout=60)
+        second.join(timeout=60)
+    assert not migration.is_alive()
+    assert not second.is_alive()
+    assert failed == [], f"eop db upgrade failed: {failed[0]!r}"
+    assert migrate.current(database_url) == "eop_0011"
