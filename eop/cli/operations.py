@@ -19,7 +19,9 @@ def add_dlq(sub: options.Subparsers) -> None:
 
     listing = dlq_sub.add_parser("list", help="dead letters as a table (newest first)")
     _add_dlq_filters(listing, before=False)
-    listing.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    listing.add_argument(
+        "--limit", type=int, default=100, help="at most this many (default 100; 0: all)"
+    )
     listing.add_argument("--json", action="store_true", help="one JSON array, for scripts")
     listing.set_defaults(command=_cmd_dlq_list)
 
@@ -129,10 +131,15 @@ def _cmd_dlq_list(args: argparse.Namespace) -> int:
     rows, total = options.run_with(app, read(), schema_ready=True)
     if args.json:
         print(json.dumps([dlq.to_json(r) for r in rows], indent=2))
-        return 0
-    print(dlq.format_table(rows))
+    else:
+        print(dlq.format_table(rows))
     if total > len(rows):
-        print(f"({len(rows)} of {total} shown; --limit N shows more)", file=sys.stderr)
+        # On stderr in both forms: the JSON on stdout stays a plain list for scripts,
+        # and a script counting it is told it holds only part of them.
+        print(
+            f"({len(rows)} of {total} shown; --limit N shows more, --limit 0 all)",
+            file=sys.stderr,
+        )
     return 0
 
 

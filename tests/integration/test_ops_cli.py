@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import eop
 from eop.ops import status
+from eop.pg import models
 
 from .bed import (
     STREAM,
@@ -116,6 +117,44 @@ async def test_dlq_commands_list_show_replay_once_and_purge(
     missing = run_eop("dlq", "show", dl, env=env)
     assert missing.returncode == 1
     assert "no dead letter" in missing.stderr
+
+
+async def test_a_dlq_list_cut_by_its_limit_says_so_in_json_too(
+    database_url: str, nats_url: str, engine: AsyncEngine
+) -> None:
+    """Three dead letters, `--limit 2`: the table and the JSON list both hold two, and
+    both say on stderr that they show 2 of 3 (a script counting the JSON is told);
+    `--limit 0` lists all."""
+    dead_letters = models.tables().dead_letters
+    async with engine.begin() as conn:
+        await conn.execute(
+            dead_letters.insert(),
+            [
+                {
+                    "subscription": "billing",
+                    "stream": STREAM,
+                    "stream_epoch": "e",
+                    "stream_seq": seq,
+                    "fingerprint": b"f",
+                    "subject": SUBJECT,
+                    "headers": {},
+                    "payload": b"x",
+                    "reason": "rejected",
+                    "error": "no",
+                    "delivery_count": 1,
+                }
+                for seq in (1, 2, 3)
+            ],
+        )
+    env = eop_env(database_url, nats_url, EOP_APP=APP)
+    for form in ((), ("--json",)):
+        cut = run_eop("dlq", "list", "--limit", "2", *form, env=env)
+        assert cut.returncode == 0, cut.stderr
+        assert "(2 of 3 shown; --limit N shows more" in cut.stderr
+    assert len(json.loads(cut.stdout)) == 2
+    every = run_eop("dlq", "list", "--limit", "0", "--json", env=env)
+    assert len(json.loads(every.stdout)) == 3
+    assert "shown" not in every.stderr
 
 
 async def test_status_reports_lag_window_redeliveries_inbox_and_dead_letters(

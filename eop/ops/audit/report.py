@@ -218,8 +218,9 @@ def _render_handler(h: HandlerAudit) -> list[str]:
         f"                    dead letter purged (reason unknown): "
         f"{_tally(h.dead_lettered_purged)}",
         f"  duplicates        {h.duplicates} of an earlier msg-id, skipped",
-        f"  compacted         {h.compacted} at or below the watermark {h.watermark}: acked, "
-        f"outcome not shown ({h.verified_below_watermark} more there verified by retained rows)",
+        f"  compacted         {h.compacted} at or below the watermark {h.watermark} without "
+        f"a row: acked, outcome not shown; {h.verified_below_watermark} there still have one, "
+        "checked",
         f"  in flight         {_tallies(h.in_flight)}",
         f"  never delivered   {_tally(h.never_delivered)}, {never}",
         f"  {combined}, pending {h.consumer_pending}, ack pending {h.ack_pending}, "
