@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -142,29 +143,41 @@ sys.exit(1)
 """
 
 
-def test_an_error_every_child_meets_is_printed_once(capfd: pytest.CaptureFixture[str]) -> None:
+# supervise() in a process of its own: pytest's may run other tests' threads, and a
+# child forked with a preexec_fn beside threads can hang before its exec.
+_SUPERVISOR = """
+import sys
+from eop.runtime import supervisor
+if sys.argv[1] == "no-tmp":
+    def unwritable(*_, **__):
+        raise OSError("read-only file system")
+    supervisor.tempfile.TemporaryDirectory = unwritable
+children = [["worker", "a"]] * int(sys.argv[2])
+sys.exit(supervisor.supervise(children, program=[sys.executable, "-c", sys.argv[3]]))
+"""
+
+
+def _supervised(mode: str, children: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _SUPERVISOR, mode, str(children), _FAILING_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_an_error_every_child_meets_is_printed_once() -> None:
     """Three processes refusing to start for the same reason: one `eop: error:` line, and
     the supervisor exits with the first child's status."""
-    code = supervisor.supervise(
-        [["worker", "a"]] * 3, program=[sys.executable, "-c", _FAILING_CHILD]
-    )
-    assert code == 1
-    err = capfd.readouterr().err
-    assert err.count("eop: error: ") == 1, err
+    done = _supervised("tmp", 3)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("eop: error: ") == 1, done.stderr
 
 
-def test_without_a_temporary_directory_each_child_prints_its_own_error(
-    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_without_a_temporary_directory_each_child_prints_its_own_error() -> None:
     """A read-only filesystem without /tmp: the supervisor still runs its processes, and
     each prints its error itself, as a lone process does."""
-
-    def unwritable(*_: object, **__: object) -> None:
-        raise OSError("read-only file system")
-
-    monkeypatch.setattr(supervisor.tempfile, "TemporaryDirectory", unwritable)
-    code = supervisor.supervise(
-        [["worker", "a"]] * 2, program=[sys.executable, "-c", _FAILING_CHILD]
-    )
-    assert code == 1
-    assert capfd.readouterr().err.count("eop: error: ") == 2
+    done = _supervised("no-tmp", 2)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("eop: error: ") == 2, done.stderr
