@@ -282,20 +282,16 @@ def _wait_any(running: dict[int, subprocess.Popen[bytes]]) -> tuple[int | None, 
     """The next child to exit and its return code, or (None, 0) after a short wait.
 
     Polling rather than a blocking ``waitpid``: a stop must be able to give up
-    on a child that does not end.
+    on a child that does not end. Each child is asked by its own pid: waiting for
+    any child of this process (``waitpid(-1)``) found nothing for ever once
+    something else in the process had reaped one of them while another child
+    of its own lived on (it hung the supervisor inside a test run).
     """
-    try:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-    except ChildProcessError:  # reaped elsewhere: ask each one
-        for pid, child in running.items():
-            if child.poll() is not None:
-                return pid, child.returncode
-        time.sleep(_POLL_S)
-        return None, 0
-    if pid == 0:
-        time.sleep(_POLL_S)
-        return None, 0
-    return pid, os.waitstatus_to_exitcode(status)
+    for pid, child in running.items():
+        if child.poll() is not None:
+            return pid, child.returncode
+    time.sleep(_POLL_S)
+    return None, 0
 
 
 def _signal_all(children: Iterable[subprocess.Popen[bytes]], signum: int) -> None:

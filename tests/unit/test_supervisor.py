@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,7 @@ def test_exit_codes_follow_the_shell_convention_for_signals() -> None:
 # A child that meets an error at start: written where the supervisor says, else on stderr.
 _FAILING_CHILD = """
 import sys
+import time
 args = sys.argv[1:]
 report = "eop: error: eop's tables are missing\\n"
 if "--error-file" in args:
@@ -147,6 +149,7 @@ sys.exit(1)
 # child forked with a preexec_fn beside threads can hang before its exec.
 _SUPERVISOR = """
 import sys
+import time
 from eop.runtime import supervisor
 if sys.argv[1] == "no-tmp":
     def unwritable(*_, **__):
@@ -181,3 +184,21 @@ def test_without_a_temporary_directory_each_child_prints_its_own_error() -> None
     done = _supervised("no-tmp", 2)
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("eop: error: ") == 2, done.stderr
+
+
+def test_a_child_reaped_elsewhere_is_still_seen_to_exit() -> None:
+    """Another part of the process reaped one of the children while another child of the
+    process lives on: the supervisor still sees it gone (waiting for any child found
+    nothing for ever then)."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        os.waitpid(child.pid, 0)  # reaped behind the supervisor's back
+        deadline = time.monotonic() + 10
+        seen: tuple[int | None, int] = (None, 0)
+        while seen[0] is None and time.monotonic() < deadline:
+            seen = supervisor._wait_any({child.pid: child})
+        assert seen[0] == child.pid
+    finally:
+        other.kill()
+        other.wait()
