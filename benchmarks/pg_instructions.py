@@ -43,25 +43,48 @@ The shapes, each a transaction per batch (BEGIN, the claim, COMMIT):
 The handler's INSERT, the same for all, is left out; ``--handler-insert`` adds
 it (the bench's row, an ``EXECUTE`` a message as an ``executemany`` sends it), so
 that the shapes compare as whole messages do.
+
+``--wire`` counts what the drivers send instead of a script: the server runs
+as usual (a postmaster under callgrind, its backends followed) and one asyncpg
+connection sends each shape over the wire as the consumers do, the values
+bound in binary, the handler's INSERT an ``executemany``; only that
+connection's backend is counted. A script's text costs the single-user
+backend work a driver's message does not (reading it a character at a time,
+then parsing the 64 fingerprints' hex), and eop's claim, with its
+fingerprints, carries more of that text than the hand-written one. Its
+shapes: ``hand`` (as (h) sends it: BEGIN, the claim, the INSERTs as an
+``executemany``, COMMIT, and asyncpg's reset as its pool takes the connection
+back), ``hand+bound`` (the same, with the cheapest bound a hand-written inbox
+could have: every 16 batches a DELETE of the previous 1,024 sequences' rows
+by key range, in a transaction of its own), ``hand+rows`` (``hand`` with the
+batch's rows in one INSERT, as an expert might write it), ``eop`` (as eop's
+``eop.Writes`` path sends it: BEGIN, the timeouts' ``set_config``, the claim,
+the batch's queued INSERTs as one statement of 64 rows
+(:func:`eop.pg.direct.rows_of`), COMMIT) and ``eop+compaction`` (with
+compaction's round every 16 batches). The handler's INSERT is always sent.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import datetime
 import os
 import pwd
 import random
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+import asyncpg
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from eop.pg import migrate, models
+from eop.pg import direct, migrate, models
 from eop.pg.sql import base as base_sql
 from eop.pg.sql import inbox as inbox_sql
 from eop.tools import embedded
@@ -99,6 +122,12 @@ _HAND = (
 _EFFECT = "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)"
 COMPACTING = ("eop+compaction", "eop+compaction-lookup", "eop+compaction-ctid")
 SHAPES = ("hand", "eop", "eop-nowm", "lanes", *COMPACTING)
+WIRE_SHAPES = ("hand", "hand+bound", "hand+rows", "eop", "eop+compaction")
+_EFFECT_ROWS = direct.rows_of(_EFFECT, 3)
+assert _EFFECT_ROWS is not None
+_HAND_BOUND = "DELETE FROM hand_inbox WHERE stream = $1 AND seq > $2 AND seq <= $3"
+_TIMEOUTS = base_sql.set_local_timeouts_text(2000, 30000)
+_WIRE_PORT = 5499
 
 
 def _claim(shape: str) -> str:
@@ -261,6 +290,110 @@ def _count(template: Path, shape: str, transactions: int, folder: Path, handler:
     return int(found.group(1))
 
 
+def _wire_statement(bound: tuple[sa.Executable, dict[str, object]]) -> tuple[str, list[object]]:
+    """One of eop's statements as asyncpg gets it: the text and its positional values."""
+    stmt, params = bound
+    compiled = stmt.compile(dialect=postgresql.asyncpg.dialect())  # type: ignore[no-untyped-call]
+    values = compiled.construct_params(params)
+    return str(compiled), [values[key] for key in compiled.positiontup or ()]
+
+
+async def _wire_batches(conn: asyncpg.Connection, shape: str, transactions: int) -> None:
+    """Send ``transactions`` batches of ``shape`` as the consumer it names sends them."""
+    t, epoch = models.tables("eop"), (SUBSCRIPTION, STREAM, EPOCH)
+    now = datetime.datetime.now(datetime.UTC)
+    for n in range(transactions):
+        seqs = list(range(n * BATCH + 1, (n + 1) * BATCH + 1))
+        async with conn.transaction():
+            if shape.startswith("hand"):
+                claimed = await conn.fetch(_HAND, STREAM, seqs)
+            else:
+                await conn.execute(_TIMEOUTS)  # no arguments: a simple query, as eop sends it
+                arguments = inbox_sql.claim_arguments(
+                    SUBSCRIPTION,
+                    STREAM,
+                    "processed",
+                    seqs,
+                    [random.randbytes(32) for _ in seqs],
+                    [EPOCH] * BATCH,
+                    [1] * BATCH,
+                    [None] * BATCH,
+                )
+                claimed = await conn.fetch(inbox_sql.claim_driver_text("eop"), *arguments)
+            if len(claimed) != BATCH:  # a shape that claims nothing counts nothing worth having
+                raise SystemExit(f"{shape}: claimed {len(claimed)} of a batch of {BATCH}")
+            effects = [(SUBSCRIPTION, seq, now) for seq in seqs]
+            if shape in ("hand", "hand+bound"):
+                await conn.executemany(_EFFECT, effects)
+            else:  # one INSERT of the batch's rows, as eop sends queued INSERTs
+                await conn.execute(_EFFECT_ROWS.text(BATCH), *[v for row in effects for v in row])
+        if shape.startswith("hand"):
+            await conn.reset()  # asyncpg's pool resets a connection it takes back
+        if (n + 1) % 16 == 0 and shape == "hand+bound":
+            await conn.execute(_HAND_BOUND, STREAM, seqs[-1] - 16 * BATCH, seqs[-1])
+        elif (n + 1) % 16 == 0 and shape == "eop+compaction":
+            top = seqs[-1]
+            raise_ = _wire_statement(inbox_sql.advance_watermark(t, *epoch, top))
+            sweep = inbox_sql.delete_below_watermark(t, *epoch, top, 5000, 3600.0, top - 1024)
+            for text, values in (raise_, _wire_statement(sweep)):
+                async with conn.transaction():
+                    await conn.execute(_TIMEOUTS)
+                    await conn.execute(text, *values)
+
+
+def _wire_count(template: Path, shape: str, transactions: int, folder: Path) -> int:
+    """Instructions of the backend that served one asyncpg connection sending
+    ``transactions`` of ``shape``, its server's postmaster run under callgrind."""
+    data = folder / f"wire-{shape}-{transactions}"
+    subprocess.run(["cp", "-a", str(template), str(data)], check=True)
+    owner = pwd.getpwuid(template.stat().st_uid).pw_name
+    postgres = embedded.postgres_bin_dir() / "postgres"
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={data}.%p", str(postgres)]
+    command += ["-D", str(data), "-p", str(_WIRE_PORT), "-k", str(folder)]
+    command += ["-c", "listen_addresses=", "-c", "fsync=off", "-c", "autovacuum=off"]
+    if os.geteuid() == 0 and owner != "root":
+        command = ["runuser", "-u", owner, "--", *command]
+    log = (folder / f"wire-{shape}-{transactions}.log").open("w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    async def session() -> int:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                conn = await asyncpg.connect(
+                    host=str(folder), port=_WIRE_PORT, user="postgres", database="postgres"
+                )
+                break
+            except (OSError, asyncpg.PostgresError):
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                await asyncio.sleep(0.5)
+        pid = int(await conn.fetchval("SELECT pg_backend_pid()"))
+        await _wire_batches(conn, shape, transactions)
+        await conn.close()
+        return pid
+
+    try:
+        pid = asyncio.run(session())
+    finally:
+        # A fast shutdown, sent to the postmaster itself (runuser does not pass it on):
+        # every process writes its profile as it exits.
+        postmaster = int((data / "postmaster.pid").read_text().split()[0])
+        os.kill(postmaster, signal.SIGINT)
+        server.wait(timeout=300)
+        log.close()
+    out = Path(f"{data}.{pid}")
+    for _ in range(100):  # the backend writes its profile as it exits
+        if out.exists() and "totals:" in out.read_text():
+            break
+        time.sleep(0.1)
+    found = re.search(r"^(?:totals|summary): (\d+)", out.read_text(), re.MULTILINE)
+    if found is None:
+        raise SystemExit(f"{shape}: no count in {out}")
+    shutil.rmtree(data)
+    return int(found.group(1))
+
+
 def main() -> None:
     """Count each shape twice under callgrind; print its instructions a message."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -272,7 +405,15 @@ def main() -> None:
         action="store_true",
         help="each message also inserts the bench's row, as every database run's handler does",
     )
+    parser.add_argument(
+        "--wire",
+        action="store_true",
+        help="send each shape from asyncpg to a running server, as the consumers do "
+        f"(shapes: {','.join(WIRE_SHAPES)})",
+    )
     args = parser.parse_args()
+    if args.wire and args.shapes == parser.get_default("shapes"):
+        args.shapes = ",".join(WIRE_SHAPES)
     random.seed(0)
     with tempfile.TemporaryDirectory(prefix="eop-pg-instructions-") as tmp:
         folder = Path(tmp)
@@ -280,8 +421,12 @@ def main() -> None:
         template = _template(folder)
         for shape in args.shapes.split(","):
             started = time.monotonic()
-            short = _count(template, shape, args.short, folder, args.handler_insert)
-            long = _count(template, shape, args.long, folder, args.handler_insert)
+            if args.wire:
+                short = _wire_count(template, shape, args.short, folder)
+                long = _wire_count(template, shape, args.long, folder)
+            else:
+                short = _count(template, shape, args.short, folder, args.handler_insert)
+                long = _count(template, shape, args.long, folder, args.handler_insert)
             per = (long - short) / ((args.long - args.short) * BATCH)
             took = time.monotonic() - started
             print(f"{shape:<20} {per:>9,.0f} instructions a message  ({took:.0f} s)")

@@ -14,7 +14,11 @@ queues them instead::
 
 When several messages of a batch run in one transaction, eop sends each run
 of consecutive writes of the same statement object, with the same parameter
-names, as one ``executemany``. The guarantees are those of the session:
+names, together: as one ``executemany``, or on asyncpg, for an INSERT whose
+VALUES hold one row of placeholders and nothing follows them, as one INSERT
+of many rows (PostgreSQL then runs one statement for the batch, not one a
+row; a ``FOR EACH STATEMENT`` trigger fires once for those rows). The
+guarantees are those of the session:
 
 - The statements run in the order they were added, inside the handler's
   transaction, before any later statement sent through the session (by the
@@ -87,7 +91,7 @@ class Writes:
 
         Pass the parameters here rather than baked into the statement
         (``.values(...)``): only writes of one statement object with the same
-        parameter names share an ``executemany``.
+        parameter names are sent together.
         """
         if not isinstance(statement, sa.Executable) or isinstance(statement, sa.Select):
             raise errors.ConfigurationError(

@@ -25,8 +25,9 @@ def insert(t: models.Tables) -> sa.TextClause:
     """INSERT one outbox row (``msg_id``, ``subject``, ``headers``, ``payload``).
 
     One statement object per schema: :class:`eop.Writes` sends consecutive
-    rows of the same statement object as one ``executemany``. Plain text, so
-    that SQLAlchemy adds no ``RETURNING id`` nobody reads.
+    rows of the same statement object together (on asyncpg, as one INSERT of
+    many rows: :func:`eop.pg.direct.rows_of`). Plain text, so that SQLAlchemy
+    adds no ``RETURNING id`` nobody reads.
     """
     return sa.text(
         f'INSERT INTO "{t.schema}".outbox (msg_id, subject, headers, payload) '

@@ -5,7 +5,7 @@ A row added here commits with the caller's writes, or not at all; the relay
 written depends on what the caller holds:
 
 - an eop handler's session or :class:`eop.Writes`: queued with the handler's
-  writes, sent before its COMMIT (as one ``executemany`` for a batch), and
+  writes, sent before its COMMIT (together for a batch), and
   dropped with them when its savepoint is rolled back;
 - a sync ``Session``: inserted at once, in its transaction;
 - an ``AsyncSession``: inserted when the session commits (``add`` cannot

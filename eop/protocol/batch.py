@@ -186,8 +186,8 @@ class BatchProcessor:
         return outcomes, leftovers, failures
 
     async def _run_optimistically(self, tx: contract.Transaction, mine: list[Fetched]) -> None:
-        # The handlers' writes and ORM objects go out together at the end: one
-        # executemany per statement instead of a round trip per message. A
+        # The handlers' writes and ORM objects go out together at the end: a
+        # statement per run of one statement, not a round trip per message. A
         # failure among them is one of the handlers', as any other here.
         try:
             if self.spec.batch:

@@ -59,7 +59,7 @@ def test_bench_measures_the_baselines_and_eop_styles_end_to_end(tmp_path: Path) 
     ):
         assert row in proc.stdout
     # (Not "c cpu/lean": 1,000 messages of the lean loop may take less than a clock tick.)
-    assert "target c/h >= 3: " in proc.stdout
+    assert "target c/hand >= 3: " in proc.stdout
     assert "c/b = " in proc.stdout
     report = json.loads(report_path.read_text())
     assert [run["key"] for run in report["runs"]] == _KEYS

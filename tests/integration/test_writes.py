@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
+import decimal
+import uuid
 from typing import Any
 
 import sqlalchemy as sa
@@ -185,3 +188,97 @@ async def test_values_sqlalchemy_processes_arrive_as_it_would_send_them(
     async with engine.connect() as conn:
         rows = (await conn.execute(sa.text("SELECT body, doc, raw FROM docs ORDER BY 1"))).all()
     assert [tuple(r) for r in rows] == [(b, {"n": [b]}, b.encode()) for b in bodies]
+
+
+async def test_a_batchs_queued_inserts_go_as_one_statement_of_many_rows_values_intact(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """The queued INSERTs of a batch, a text one and a Core one, each go to PostgreSQL as
+    statements of many rows (a statement-level trigger counts far fewer statements than
+    rows), and every value arrives in its column as a statement a row would have sent it:
+    numeric, timestamptz, bytea, boolean, uuid, JSONB through SQLAlchemy's processor,
+    NULL, and the server's default for a column left out."""
+    async with engine.begin() as conn:
+        for ddl in (
+            "CREATE TABLE typed (handler text, body text, amount numeric(10, 2),"
+            " at timestamptz, raw bytea, flag boolean, id uuid, doc jsonb, note text,"
+            " made timestamptz NOT NULL DEFAULT now())",
+            "CREATE TABLE typed_statements (n integer)",
+            "CREATE FUNCTION count_typed() RETURNS trigger LANGUAGE plpgsql AS"
+            " $$ BEGIN INSERT INTO typed_statements VALUES (1); RETURN NULL; END $$",
+            "CREATE TRIGGER typed_statement AFTER INSERT ON typed"
+            " FOR EACH STATEMENT EXECUTE FUNCTION count_typed()",
+        ):
+            await conn.execute(sa.text(ddl))
+    typed = sa.table(
+        "typed",
+        *(sa.column(name) for name in ("handler", "body", "amount", "at", "raw", "flag")),
+        sa.column("id", sa.Uuid),
+        sa.column("doc", JSONB),
+        sa.column("note"),
+    )
+    text_insert = sa.text(
+        "INSERT INTO typed (handler, body, amount, at, raw, flag, id, doc, note)"
+        " VALUES (:h, :b, :amount, :at, :raw, :flag, :id, :doc, :note)"
+    )
+    core_insert = sa.insert(typed)
+    app = make_app(database_url, nats_url)
+    at = datetime.datetime(2026, 11, 29, 12, 0, tzinfo=datetime.UTC)
+
+    def values(msg: eop.Message) -> dict[str, Any]:
+        n = int(msg.text()[1:])
+        return {
+            "body": msg.text(),
+            "amount": decimal.Decimal(n) / 4,
+            "at": at + datetime.timedelta(seconds=n),
+            "raw": msg.data,
+            "flag": n % 2 == 0,
+            "id": uuid.UUID(int=n),
+            "note": None if n % 3 else "third",
+        }
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="as-text")
+    async def as_text(msg: eop.Message, writes: eop.Writes) -> None:
+        row = values(msg)
+        writes.add(text_insert, {"h": "text", "b": row.pop("body"), "doc": '{"k": 1}', **row})
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="as-core")
+    async def as_core(msg: eop.Message, writes: eop.Writes) -> None:
+        writes.add(core_insert, {"handler": "core", "doc": {"k": [msg.text()]}, **values(msg)})
+
+    bodies = [f"m{i}" for i in range(40)]
+    await prepublish(js, bodies)
+    async with running(app):
+        for durable in ("eop-as-text", "eop-as-core"):
+            await wait_for(lambda d=durable: drained(js, d, engine=engine), what=durable)
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                sa.text(
+                    "SELECT handler, body, amount, at, raw, flag, id, doc, note, made IS NOT NULL"
+                    " FROM typed ORDER BY handler, amount"
+                )
+            )
+        ).all()
+        statements = (await conn.execute(sa.text("SELECT count(*) FROM typed_statements"))).scalar()
+    for handler in ("core", "text"):
+        mine = [tuple(r) for r in rows if r[0] == handler]
+        expected = []
+        for body in bodies:
+            v = values(_Fake(body))  # type: ignore[arg-type]
+            doc = {"k": [body]} if handler == "core" else {"k": 1}
+            row = (handler, body, v["amount"], v["at"], v["raw"], v["flag"], v["id"], doc)
+            expected.append((*row, v["note"], True))
+        assert mine == expected
+    assert statements is not None
+    assert statements < len(rows) // 4  # 80 rows: a statement or a few a batch, not one a row
+
+
+class _Fake:
+    """What ``values`` reads of a message: its text and its bytes."""
+
+    def __init__(self, body: str) -> None:
+        self.data = body.encode()
+
+    def text(self) -> str:
+        return self.data.decode()

@@ -134,7 +134,7 @@ def test_only_statements_needing_nothing_of_sqlalchemy_at_execution_go_to_asyncp
     text = sa.text("INSERT INTO effects (a, b) VALUES (:b, :a)")
     sent = direct.plan(text, dialect, ("a", "b"))
     assert sent is not None
-    sql_text, values = sent
+    sql_text, values, _ = sent
     assert sql_text == "INSERT INTO effects (a, b) VALUES ($1, $2)"
     assert values({"a": 1, "b": 2}) == (2, 1)
     assert direct.plan(sa.insert(table), dialect, ("id", "n")) is not None
@@ -146,3 +146,84 @@ def test_only_statements_needing_nothing_of_sqlalchemy_at_execution_go_to_asyncp
     assert direct.plan(expanding, dialect, ("ids",)) is None
     psycopg = sa.create_engine("postgresql+psycopg://x@localhost/x").dialect
     assert direct.plan(text, psycopg, ("a", "b")) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "rows"),
+    [
+        ("INSERT INTO effects (a, b) VALUES ($1, $2)", True),
+        ("insert into s.t (a, b)\nvalues ($1::NUMERIC(10, 2), $2::TIMESTAMP WITH TIME ZONE)", True),
+        ("INSERT INTO t VALUES ($1::INTEGER[], $2)", True),
+        ("INSERT INTO values_log (a) VALUES ($1)", True),
+        ("INSERT INTO t (a) VALUES ($1) ON CONFLICT DO NOTHING", False),
+        ("INSERT INTO t (a) VALUES ($1) RETURNING a", False),
+        ("INSERT INTO t (a, b) VALUES ($1, now())", False),
+        ("INSERT INTO t (a) VALUES ((SELECT count(*) FROM t) + $1)", False),
+        ("INSERT INTO t (a, b) VALUES ($2, $1)", False),
+        ("INSERT INTO t (a) VALUES ($1), ($2)", False),
+        ("INSERT INTO t (a) VALUES ($1);", False),
+        ("WITH n AS (SELECT 1) INSERT INTO t (a) VALUES ($1)", False),
+        ("UPDATE t SET a = $1 WHERE b = $2", False),
+    ],
+)
+def test_only_an_insert_of_one_row_of_placeholders_is_sent_as_many_rows(
+    text: str, rows: bool
+) -> None:
+    """An INSERT whose VALUES hold one row of placeholders, each once and in order, casts
+    allowed, with nothing after it, becomes one statement of many rows; an expression, a
+    subquery (which, run row by row, would see the earlier rows), ON CONFLICT, RETURNING
+    or anything else keeps the statement a row."""
+    from eop.pg import direct
+
+    assert (direct.rows_of(text, text.count("$")) is not None) is rows
+
+
+def test_many_rows_go_in_pages_of_powers_of_two_numbered_on() -> None:
+    """A statement of many rows numbers each row's placeholders after the previous row's;
+    rows go in pages whose sizes are powers of two (few statement texts to prepare), none
+    with more than asyncpg's 32,767 arguments."""
+    from eop.pg import direct
+
+    rows = direct.rows_of("INSERT INTO t (a, b) VALUES ($1, $2::BIGINT)", 2)
+    assert rows is not None
+    assert (
+        rows.text(3)
+        == "INSERT INTO t (a, b) VALUES ($1, $2::BIGINT), ($3, $4::BIGINT), ($5, $6::BIGINT)"
+    )
+    assert rows.pages(64) == [64]
+    assert rows.pages(37) == [32, 4, 1]
+    assert rows.pages(3000) == [1024, 1024, 512, 256, 128, 32, 16, 8]
+    wide = direct.rows_of(
+        "INSERT INTO t VALUES (" + ", ".join(f"${i}" for i in range(1, 101)) + ")", 100
+    )
+    assert wide is not None
+    assert wide.most == 256
+    assert max(wide.pages(1000)) * 100 <= 32767
+
+
+def test_a_plain_insert_is_planned_as_many_rows_and_other_writes_are_not() -> None:
+    """The plan of a queued text or Core INSERT carries its many-row form; an UPDATE's, or
+    an INSERT's with ON CONFLICT, does not (an executemany, a statement a row)."""
+    from sqlalchemy.dialects.postgresql import asyncpg as asyncpg_dialect
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+    from eop.pg import direct
+
+    dialect = asyncpg_dialect.dialect()  # type: ignore[no-untyped-call]
+    table = sa.table("t", sa.column("a", sa.Integer), sa.column("b", sa.Text))
+    text = direct.plan(sa.text("INSERT INTO t (a, b) VALUES (:a, :b)"), dialect, ("a", "b"))
+    core = direct.plan(sa.insert(table), dialect, ("a", "b"))
+    update = direct.plan(sa.update(table).values(b=sa.bindparam("b")), dialect, ("b",))
+    upsert = direct.plan(pg_insert(table).on_conflict_do_nothing(), dialect, ("a", "b"))
+    assert text is not None
+    assert text.rows is not None
+    assert core is not None
+    assert core.rows is not None
+    assert (
+        core.rows.text(2)
+        == "INSERT INTO t (a, b) VALUES ($1::INTEGER, $2::VARCHAR), ($3::INTEGER, $4::VARCHAR)"
+    )
+    assert update is not None
+    assert update.rows is None
+    assert upsert is not None
+    assert upsert.rows is None

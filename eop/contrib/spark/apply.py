@@ -258,7 +258,7 @@ class _Pass:
 
     async def _optimistic(self, tx: transactions.SqlTransaction, todo: list[Message]) -> None:
         try:
-            # Writes go out together, one executemany per statement (eop.writes).
+            # Writes go out together, a statement per run of one statement (eop.writes).
             if self.spec.batch:
                 for chunk in _chunks(todo, self.p.settings.batch):
                     await tx.run_many(chunk, flush=False)

@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from eop import errors
-from eop.tools.bench import cpulimit, runs
+from eop.tools.bench import cpulimit, pgparts, runs
 
 _DDL = (
     "CREATE TABLE bench_effects (variant text NOT NULL, seq bigint NOT NULL,"
@@ -145,11 +145,13 @@ def tree_cpu_s(
 
 
 class Cpu(NamedTuple):
-    """CPU seconds so far: of a run's process (and its children), nats-server, PostgreSQL."""
+    """CPU seconds so far: of a run's process (and its children), nats-server, PostgreSQL,
+    and PostgreSQL's by :data:`pgparts.PARTS` (empty if unknown)."""
 
     child: float | None
     nats: float | None
     pg: float | None
+    pg_parts: Mapping[str, float] = {}
 
     def per_message_us(self, later: Cpu, messages: int) -> Cpu:
         """Microseconds per message of each, from this sample to ``later`` (None if unknown)."""
@@ -159,7 +161,15 @@ class Cpu(NamedTuple):
                 return None
             return (after - before) / messages * 1e6
 
-        return Cpu(us(self.child, later.child), us(self.nats, later.nats), us(self.pg, later.pg))
+        parts = {
+            name: us(self.pg_parts.get(name), later.pg_parts.get(name)) for name in pgparts.PARTS
+        }
+        return Cpu(
+            us(self.child, later.child),
+            us(self.nats, later.nats),
+            us(self.pg, later.pg),
+            {name: value for name, value in parts.items() if value is not None},
+        )
 
 
 class Drained(NamedTuple):
@@ -311,6 +321,7 @@ class Bench:
             child.cpu_s() if child is not None else None,
             tree_cpu_s(nats_pid, stats),
             tree_cpu_s(pg_pid, stats),
+            pgparts.cpu_s(pg_pid, stats),
         )
 
     def command(self, run: runs.Run, extra: Sequence[str] = ()) -> list[str]:

@@ -38,6 +38,9 @@ class Result:
     """Effect rows of the run ((a): None); exactly-once means one per message."""
     processes: int
     """Consumer processes: a baseline's own count, or the eop worker's."""
+    pg_parts_us: dict[str, float] = dataclasses.field(default_factory=dict)
+    """``pg_us`` by PostgreSQL's processes (:data:`eop.tools.bench.pgparts.PARTS`); empty if
+    unknown."""
 
 
 @dataclasses.dataclass
@@ -174,6 +177,7 @@ async def measure(
         p99_ms=percentile(latencies, 0.99) * 1000,
         effects=None if run.loop == "a" else len(points),
         processes=processes,
+        pg_parts_us=dict(drained.cpu_us.pg_parts),
     )
 
 
