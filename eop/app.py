@@ -303,6 +303,7 @@ class App:
             )
             engines.for_pooler(self._engine.sync_engine, self.settings.db_pooler)
             engines.paged_for_psycopg(self._engine.sync_engine)
+            engines.rows_for_asyncpg(self._engine.sync_engine)
         return self._engine
 
     @property
