@@ -88,13 +88,14 @@ class Rows:
 _ELEMENT = r"\$(\d+)(?:::[A-Za-z_][A-Za-z0-9_ ]*(?:\(\s*\d+\s*(?:,\s*\d+\s*)?\))?(?:\[\])*)?"
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 _ONE_ROW = re.compile(
-    rf"(?is)(\s*INSERT\s+INTO\s[^$;]*?\sVALUES\s*)(\(\s*{_ELEMENT}(?:\s*,\s*{_ELEMENT})*\s*\))\s*"
+    rf"(?is)(\s*INSERT\s+INTO\s[^$;]*?\sVALUES\s*)(\(\s*{_ELEMENT}(?:\s*,\s*{_ELEMENT})*\s*\))\s*;?\s*"
 )
 
 
 def rows_of(text: str, width: int) -> Rows | None:
     """``text`` as a :class:`Rows` if it is an INSERT of one row of ``width`` placeholders,
-    ``$1`` to ``$width`` in order and nothing else, with no clause after it; else None.
+    ``$1`` to ``$width`` in order and nothing else, with no clause after it (a ``;`` at
+    most); else None.
 
     A row holding anything else (an expression, a subquery that would see the
     statement's earlier rows when run row by row) or followed by a clause

@@ -100,7 +100,9 @@ class Attempts:
             existing = await tx.find(msg)
             await tx.rollback()
             return await self.settlement.not_claimed(delivery, msg, existing, logger)
-        return await self.critical.run(self.settlement.commit_and_park(tx, delivery, msg, logger))
+        # The park's line says why, as the nak's above does.
+        parking = logger.bind(failures=failures, error=error)
+        return await self.critical.run(self.settlement.commit_and_park(tx, delivery, msg, parking))
 
     def retry_delay(self, exc: Exception, failures: int) -> float:
         """Seconds until the next run of a message whose handler failed ``failures`` times,

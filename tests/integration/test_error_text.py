@@ -46,7 +46,8 @@ async def test_a_failing_statement_is_described_without_its_parameters(
 ) -> None:
     """A handler's INSERT violates a check constraint: the dead letter's error and traceback,
     and the retry and dead-letter log lines, name the constraint and the SQL but hold
-    neither the bound values (the payload) nor PostgreSQL's row detail."""
+    neither the bound values (the payload) nor PostgreSQL's row detail. The line of the
+    first failure's park says why, with the failures so far."""
     await create_effects_table(engine)
     async with engine.begin() as conn:
         await conn.execute(
@@ -111,3 +112,5 @@ async def test_a_failing_statement_is_described_without_its_parameters(
     assert logged
     for entry in logged:
         _assert_no_bound_values(str(entry["error"]))
+    parks = [e for e in logged if e.get("action") == str(log.Action.PARK)]
+    assert any("no_poison" in str(e["error"]) and e.get("failures") == 1 for e in parks)
