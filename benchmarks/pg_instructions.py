@@ -156,14 +156,20 @@ def _claim_values(shape: str, seqs: list[int]) -> str:
     )
 
 
-def _prepared(bound: tuple[sa.Executable, dict[str, object]], name: str) -> tuple[str, str]:
-    """``PREPARE name AS ...`` of one of eop's statements, and the ``EXECUTE`` of its values."""
+def _wire_statement(bound: tuple[sa.Executable, dict[str, object]]) -> tuple[str, list[object]]:
+    """One of eop's statements as asyncpg gets it: the text and its positional values."""
     stmt, params = bound
     compiled = stmt.compile(dialect=postgresql.asyncpg.dialect())  # type: ignore[no-untyped-call]
     values = compiled.construct_params(params)
-    literals = [_literal(values[key]) for key in compiled.positiontup or ()]
-    text = str(compiled).replace("\n", " ")
-    return f"PREPARE {name} AS {text};", f"EXECUTE {name}({', '.join(literals)});"
+    return str(compiled), [values[key] for key in compiled.positiontup or ()]
+
+
+def _prepared(bound: tuple[sa.Executable, dict[str, object]], name: str) -> tuple[str, str]:
+    """``PREPARE name AS ...`` of one of eop's statements, and the ``EXECUTE`` of its values."""
+    text, values = _wire_statement(bound)
+    one_line = text.replace("\n", " ")  # single-user mode reads a statement a line
+    literals = [_literal(value) for value in values]
+    return f"PREPARE {name} AS {one_line};", f"EXECUTE {name}({', '.join(literals)});"
 
 
 def _literal(value: object) -> str:
@@ -288,14 +294,6 @@ def _count(template: Path, shape: str, transactions: int, folder: Path, handler:
         )
     shutil.rmtree(data)
     return int(found.group(1))
-
-
-def _wire_statement(bound: tuple[sa.Executable, dict[str, object]]) -> tuple[str, list[object]]:
-    """One of eop's statements as asyncpg gets it: the text and its positional values."""
-    stmt, params = bound
-    compiled = stmt.compile(dialect=postgresql.asyncpg.dialect())  # type: ignore[no-untyped-call]
-    values = compiled.construct_params(params)
-    return str(compiled), [values[key] for key in compiled.positiontup or ()]
 
 
 async def _wire_batches(conn: asyncpg.Connection, shape: str, transactions: int) -> None:
