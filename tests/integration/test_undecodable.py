@@ -27,7 +27,15 @@ from eop.ops.audit.walk import Walker
 from eop.tools import embedded
 
 from . import wildapp
-from .bed import STREAM, create_effects_table, drained, effects_by_body, publish, wait_for
+from .bed import (
+    STREAM,
+    create_effects_table,
+    drained,
+    effects_by_body,
+    equals,
+    publish,
+    wait_for,
+)
 from .test_cli import ROOT, Workers, eop_env
 from .test_telemetry import get
 
@@ -146,8 +154,12 @@ async def test_undecodable_subject_and_headers_are_dead_lettered_once_and_the_wo
         assert proc.poll() is None
         assert (await get(port, "/readyz"))[0] == 200
         await publish(js, "later", subject="ORDERS.good")
+        # The consumer's pending count can trail the PubAck, so drained() alone may
+        # hold before the message is even delivered: wait for its effect first.
+        with_later = good | {"later": 1}
+        await wait_for(lambda: equals(effects_by_body(engine), with_later), what="its effect")
         await wait_for(lambda: drained(js, DURABLE), what="the later message")
-        assert await effects_by_body(engine) == good | {"later": 1}
+        assert await effects_by_body(engine) == with_later
         assert len(await dead_letters(engine)) == 4
     finally:
         if proc.poll() is None:
