@@ -66,6 +66,7 @@ class App:
         self._engine = engine
         self._sessionmaker = sessionmaker
         self._sync_sessionmaker = sync_sessionmaker
+        self._sync_given = sync_sessionmaker is not None
         self._handlers: dict[str, handler_mod.HandlerSpec] = {}
         self._streams: dict[str, handler_mod.StreamSpec] = {}
         self._store_factory: Callable[[App], PostgresStore] = PostgresStore
@@ -228,10 +229,15 @@ class App:
         pool keeps 1 or 2 for eop's bookkeeping (start-up check, compaction,
         the check after an ambiguous COMMIT) and the sync pool the rest.
         """
+        return self._shares(bridged=self.bridges_sync_handlers())
+
+    def _shares(self, *, bridged: bool) -> tuple[int, int]:
+        """:meth:`connection_shares`, sync handlers on the async pool if ``bridged``."""
         total = self.settings.db_connections()
-        kinds = (
-            {False} if self._threaded_store else {spec.is_async for spec in self._handlers.values()}
-        )
+        if self._threaded_store:
+            kinds = {False}
+        else:
+            kinds = {spec.is_async or bridged for spec in self._handlers.values()}
         if False not in kinds:
             return total, 0
         if total < 2:
@@ -241,6 +247,16 @@ class App:
             )
         async_share = total - total // 2 if True in kinds else max(1, min(2, total // 4))
         return async_share, total - async_share
+
+    def bridges_sync_handlers(self) -> bool:
+        """Whether sync handlers run their transactions on the async engine.
+
+        They do unless the app was given a ``sync_sessionmaker`` (its engine,
+        its driver) or a store of its own (Django's): the handler runs in a
+        thread with the sync face of an ``AsyncSession``, whose statements are
+        sent from the event loop (:mod:`eop.pg.bridge`).
+        """
+        return not self._sync_given and not self._threaded_store
 
     def sync_transactions(self) -> int:
         """How many sync transactions eop keeps open at once (and threads it runs them in).
@@ -252,6 +268,8 @@ class App:
         a pool without a limit (``NullPool``, an unlimited overflow), eop's
         share again.
         """
+        if self.bridges_sync_handlers():
+            return self.connection_shares()[0]
         share = max(1, self.connection_shares()[1])
         if self._sync_sessionmaker is None:
             return share
@@ -329,7 +347,9 @@ class App:
                     engines.paged_for_psycopg(
                         sa.create_engine(
                             engines.named_url(sync_url(sa.make_url(self.settings.database_url))),
-                            pool_size=self.sync_transactions(),
+                            # Spark's executors and tools open it; a worker's sync
+                            # handlers do too when not bridged.
+                            pool_size=max(1, self._shares(bridged=False)[1]),
                             max_overflow=0,
                             pool_pre_ping=True,
                             hide_parameters=True,  # as the async engine's

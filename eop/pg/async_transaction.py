@@ -118,11 +118,15 @@ class AsyncTransaction(SqlTransaction):
         await self._call(messages, flush=flush)
 
     async def _call(self, messages: list[Message], *, flush: bool = True) -> None:
-        arg, extra = self.spec.arguments(messages)
-        func: Any = self.spec.func  # an async handler, given the AsyncSession or Writes
-        await func(arg, self._second_argument(self.session), **extra)
+        await self._invoke(messages, self._second_argument(self.session))
         if flush:
             await self.flush()
+
+    async def _invoke(self, messages: list[Message], second: Any) -> None:
+        """Call the handler with ``messages`` and ``second`` (its session or write queue)."""
+        arg, extra = self.spec.arguments(messages)
+        func: Any = self.spec.func  # an async handler, given the AsyncSession or Writes
+        await func(arg, second, **extra)
 
     async def flush(self) -> None:
         """Send queued writes and pending ORM objects, so their errors are the handler's.
@@ -155,9 +159,7 @@ class AsyncTransaction(SqlTransaction):
         ran = self._sends_nothing()
         if ran:
             try:
-                arg, extra = self.spec.arguments(messages)
-                func: Any = self.spec.func  # an async handler, given the write queue
-                await func(arg, self.writes, **extra)
+                await self._invoke(messages, self.writes)
             except Exception as exc:
                 return self._unsent_failure(exc)
             self._check_sent_nothing()

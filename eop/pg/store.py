@@ -21,7 +21,12 @@ if TYPE_CHECKING:
     from eop.settings import Settings
 
 from eop.pg.contract import Transaction
-from eop.pg.transactions import AsyncTransaction, SqlTransaction, SyncTransaction
+from eop.pg.transactions import (
+    AsyncTransaction,
+    SqlTransaction,
+    SyncTransaction,
+    ThreadedTransaction,
+)
 
 
 class Database(Protocol):
@@ -42,13 +47,18 @@ class Database(Protocol):
     def sync_transactions(self) -> int:
         """How many sync transactions may be open at once."""
 
+    def bridges_sync_handlers(self) -> bool:
+        """Whether sync handlers run on the async engine (:mod:`eop.pg.bridge`)."""
+
 
 class PostgresStore:
     """The real :class:`Store`: eop's tables in the app's database.
 
-    Sync transactions run in threads of the store's own (:mod:`eop.pg.threads`),
-    as many as the app's sync pool hands out connections
-    (:meth:`eop.App.sync_transactions`); :meth:`close` lets them go.
+    Sync handlers run in threads of the store's own (:mod:`eop.pg.threads`), as
+    many as sync transactions may be open (:meth:`eop.App.sync_transactions`):
+    by default on the async session (:class:`ThreadedTransaction`), with a
+    ``sync_sessionmaker`` given to the app each step on its session
+    (:class:`SyncTransaction`); :meth:`close` lets them go.
     """
 
     def __init__(self, app: Database) -> None:
@@ -80,6 +90,16 @@ class PostgresStore:
             return
         if self._threads is None:
             self._threads = SyncThreads(self.app.sync_transactions())
+        if self.app.bridges_sync_handlers():
+            ttx = ThreadedTransaction(
+                self.app.sessionmaker(), self.tables, spec, self._threads, self._outbox
+            )
+            try:
+                await failures.connected(ttx.begin(self._timeouts, self._timeouts_text))
+                yield ttx
+            finally:
+                await ttx.close()
+            return
         # Making a session sends nothing: its first statement checks a
         # connection out, in a thread, under the permit.
         tx = SyncTransaction(

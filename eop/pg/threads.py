@@ -1,4 +1,10 @@
-"""The threads sync transactions run in, and the bound that keeps them from waiting on each other.
+"""The threads sync handlers run in, and the bound that keeps them from waiting on each other.
+
+On the async session (:mod:`eop.pg.threaded_transaction`, the default) a handler's
+transaction holds a connection of the async pool from the event loop, and only
+its handler runs in a thread: as many threads as that pool has connections, so
+the handler of a transaction holding one never waits for a thread. On a sync
+session given to the app (:mod:`eop.pg.sync_transaction`) it is more:
 
 A sync transaction runs each step (a statement, the handler, COMMIT) in a
 thread and keeps its connection between steps, while it has no thread. With

@@ -1,8 +1,8 @@
-"""The async ORM's flush on the engine eop makes: INSERTs of many rows, the ORM's behaviour kept.
+"""The ORM's flush on the engine eop makes: INSERTs of many rows, the ORM's behaviour kept.
 
 eop's asyncpg engine sends an executemany INSERT without RETURNING as statements
 of many rows (SQLAlchemy's insertmanyvalues, :func:`eop.pg.engines.rows_for_asyncpg`).
-These run README-style async ORM handlers through a real worker and check what
+These run README-style ORM handlers, async and sync, through a real worker and check what
 a user of the ORM relies on: every object's row once, the server's defaults,
 keys the database makes, relationships, and the mapper and session events.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy import orm
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -54,16 +55,18 @@ class Line(_Base):
     ledger: orm.Mapped[Ledger] = orm.relationship(back_populates="lines")
 
 
-async def test_an_async_orm_flush_sends_rows_together_and_keeps_the_orms_behaviour(
-    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+@pytest.mark.parametrize("style", ["async", "sync"])
+async def test_an_orm_flush_sends_rows_together_and_keeps_the_orms_behaviour(
+    style: str, database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
-    """40 messages, each adding an entry (key given, nothing for the database to fill in),
-    a ledger (key given, a server default) and two lines (keys made by the database): the
-    entries, which the flush sends without RETURNING, go to PostgreSQL in statements of
-    many rows, not one a row; every entry and ledger is there once, the ledger with its
-    server default, every line points at its own ledger with a key read back, and
-    before_insert, after_insert and before_flush fire for each object as with a
-    statement a row."""
+    """An async ORM handler, and a sync one (its ``Session`` the sync face of the async
+    engine's, by default), each given 40 messages, each adding an entry (key given,
+    nothing for the database to fill in), a ledger (key given, a server default) and two
+    lines (keys made by the database): the entries, which the flush sends without
+    RETURNING, go to PostgreSQL in statements of many rows, not one a row; every entry
+    and ledger is there once, the ledger with its server default, every line points at
+    its own ledger with a key read back, and before_insert, after_insert and
+    before_flush fire for each object as with a statement a row."""
     async with engine.begin() as conn:
         await conn.run_sync(_Base.metadata.create_all)
     app = make_app(database_url, nats_url)
@@ -71,11 +74,23 @@ async def test_an_async_orm_flush_sends_rows_together_and_keeps_the_orms_behavio
     statements: list[int] = []  # the rows of each INSERT INTO orm_entries
     added: list[Ledger] = []
 
-    @app.handler(stream=STREAM, subject=SUBJECT, name="ledgers")
-    async def ledgers(msg: eop.Message, session: AsyncSession) -> None:
+    def add(msg: eop.Message, session: orm.Session | AsyncSession) -> None:
         ledger = Ledger(id=msg.seq, body=msg.text(), lines=[Line(amount=1), Line(amount=2)])
         session.add_all([ledger, Entry(ledger_id=msg.seq, body=msg.text())])
         added.append(ledger)
+
+    if style == "async":
+
+        @app.handler(stream=STREAM, subject=SUBJECT, name="ledgers")
+        async def ledgers(msg: eop.Message, session: AsyncSession) -> None:
+            add(msg, session)
+
+    else:
+
+        @app.handler(stream=STREAM, subject=SUBJECT, name="ledgers")
+        def sync_ledgers(msg: eop.Message, session: orm.Session) -> None:
+            assert isinstance(session, orm.Session)
+            add(msg, session)
 
     def counted(name: str) -> Any:
         def count(*args: Any) -> None:

@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from nats.aio.client import Client as NATS
+from sqlalchemy import orm
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 import eop
+from eop.app import sync_url
 from eop.outbox import notifications, publishing
 from eop.outbox.jetstream_publisher import JetStreamPublisher
 from eop.outbox.relay import Relay
@@ -40,10 +42,16 @@ OUT_SUBJECT = "SHIPMENTS.requested"
 EFFECT = sa.text("INSERT INTO effects (handler, msg_key, body) VALUES (:h, :k, :b)")
 
 
-def make_app(database_url: str, nats_url: str, **changes: Any) -> eop.App:
+def make_app(
+    database_url: str,
+    nats_url: str,
+    sync_sessionmaker: orm.sessionmaker[Session] | None = None,
+    **changes: Any,
+) -> eop.App:
     """An app with the input stream and the stream the outbox publishes to."""
     changes.setdefault("outbox_poll_s", 0.2)
-    app = eop.App(settings=bed_settings(database_url, nats_url, **changes))
+    settings = bed_settings(database_url, nats_url, **changes)
+    app = eop.App(settings=settings, sync_sessionmaker=sync_sessionmaker)
     app.stream(STREAM, subjects=["ORDERS.>"])
     app.stream(OUT_STREAM, subjects=["SHIPMENTS.>"])
     return app
@@ -520,23 +528,37 @@ async def test_a_connection_that_fails_to_listen_is_not_handed_out_again(
     await app.dispose()
 
 
+@pytest.mark.parametrize("sync_pool", [False, True])
 async def test_a_worker_whose_async_pool_has_one_connection_still_publishes(
-    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+    sync_pool: bool, database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
-    """A worker of an app with sync handlers only and 4 connections per process (what
-    `eop worker --processes 4` gives each process by default) keeps one connection in
-    its async pool. Its relay polls instead of holding that connection to LISTEN, so its
-    rounds get it, and every row is published. (It LISTENed on it: each round then
-    waited for the pool's 30 s timeout, and nothing was ever published.)"""
+    """A worker whose async pool has one connection: an app with sync handlers only on the
+    async engine and one connection per process, or one given a psycopg sync pool with
+    4 connections per process (what `eop worker --processes 4` gives each process by
+    default), which keeps one for the async pool. Its relay polls instead of holding that
+    connection to LISTEN, so its rounds get it, and every row is published. (It LISTENed
+    on it: each round then waited for the pool's 30 s timeout, and nothing was ever
+    published.)"""
     await create_effects_table(engine)
-    app = make_app(database_url, nats_url, db_pool_size=4, concurrency=4, batch=4)
+    sessions = None
+    if sync_pool:
+        psycopg_url = sync_url(sa.make_url(database_url))
+        sessions = orm.sessionmaker(sa.create_engine(psycopg_url, pool_size=3, max_overflow=0))
+    app = make_app(
+        database_url,
+        nats_url,
+        sync_sessionmaker=sessions,
+        db_pool_size=4 if sync_pool else 1,
+        concurrency=4,
+        batch=4,
+    )
 
     @app.handler(stream=STREAM, subject="ORDERS.created", name="h")
     def h(msg: eop.Message, session: Session) -> None:
         session.execute(EFFECT, {"h": "h", "k": msg.idempotency_key, "b": msg.text()})
         eop.outbox.add(session, OUT_SUBJECT, msg.data)
 
-    assert app.connection_shares() == (1, 3)
+    assert app.connection_shares() == ((1, 3) if sync_pool else (1, 0))
     await ensure_streams(js)
     for i in range(5):
         await js.publish("ORDERS.created", f"o{i}".encode())

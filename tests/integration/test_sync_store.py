@@ -1,4 +1,5 @@
-"""Sync transactions through the real store: the claim on psycopg's connection, the ORM's flush.
+"""Sync transactions through the real store, on the async engine (the default) and on a
+psycopg ``sync_sessionmaker``: the claim on the driver's connection, the ORM's flush.
 
 These drive :class:`eop.pg.store.PostgresStore` as the batch protocol does
 (claim, each handler with ``flush=False``, one flush, COMMIT), without NATS.
@@ -6,7 +7,9 @@ These drive :class:`eop.pg.store.PostgresStore` as the batch protocol does
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -63,13 +66,30 @@ def message(seq: int, **changes: Any) -> eop.Message:
     return eop.Message(**fields)
 
 
-@pytest.fixture
-async def app(database_url: str, engine: AsyncEngine) -> AsyncIterator[eop.App]:
+@pytest.fixture(params=["bridged", "psycopg"])
+async def app(
+    request: pytest.FixtureRequest, database_url: str, engine: AsyncEngine
+) -> AsyncIterator[eop.App]:
+    """An app whose sync handlers run on its async engine (the default), or on a psycopg
+    ``sync_sessionmaker`` given to it (eop's own, so with its pages of parameters)."""
     async with engine.begin() as conn:
         await conn.run_sync(_Base.metadata.create_all)
-    app = eop.App(settings=settings_mod.Settings(database_url=database_url))
+    settings = settings_mod.Settings(database_url=database_url)
+    app = eop.App(settings=settings)
+    if request.param == "psycopg":
+        app = eop.App(settings=settings, sync_sessionmaker=app.sync_sessionmaker)
+        assert not app.bridges_sync_handlers()
     yield app
     await app.dispose()
+
+
+def sync_engine_of(app: eop.App) -> sa.Engine:
+    """The engine a sync handler's statements go through."""
+    if app.bridges_sync_handlers():
+        return app.engine.sync_engine
+    bind = app.sync_sessionmaker.kw["bind"]
+    assert isinstance(bind, sa.Engine)
+    return bind
 
 
 @pytest.fixture
@@ -125,7 +145,7 @@ def odd_batch(subscription: str) -> list[eop.Message]:
 async def test_a_sync_claim_stores_the_rows_an_async_claim_stores(
     app: eop.App, store: PostgresStore, engine: AsyncEngine
 ) -> None:
-    """The sync claim sends its arrays as array text on psycopg's connection: two epochs
+    """The sync claim (on psycopg: its arrays as array text): two epochs
     with quotes, backslashes, braces and non-ASCII (each its own lane, made by the claim),
     varied delivery counts and a mix of msg-ids and none are stored exactly as the async
     claim stores them."""
@@ -231,7 +251,7 @@ async def test_a_sync_batch_flushes_generated_keys_relationships_and_events(
         if statement.startswith("INSERT INTO sync_parents"):
             pages.append(len(params))
 
-    sync_engine = app.sync_sessionmaker.kw["bind"]
+    sync_engine = sync_engine_of(app)
     sa.event.listen(orm.Session, "before_flush", before_flush)
     sa.event.listen(Parent, "after_insert", after_insert)
     sa.event.listen(sync_engine, "before_cursor_execute", before_cursor_execute)
@@ -242,8 +262,12 @@ async def test_a_sync_batch_flushes_generated_keys_relationships_and_events(
         sa.event.remove(Parent, "after_insert", after_insert)
         sa.event.remove(sync_engine, "before_cursor_execute", before_cursor_execute)
     assert claimed == set(range(1, 65))
-    # The parents went in statements of at most 50 parameters, which psycopg parses once.
-    assert pages == [50, 14]
+    if app.bridges_sync_handlers():
+        # asyncpg's statements of many rows: one page of SQLAlchemy's.
+        assert pages == [64]
+    else:
+        # Statements of at most 50 parameters, which psycopg parses once.
+        assert pages == [50, 14]
     assert events.count("after_insert") == 64
     assert "before_flush" in events
     keys = [parent.id for parent in added]
@@ -326,3 +350,50 @@ async def test_a_sync_batch_flushes_rows_wider_than_a_page(
             await conn.execute(sa.text("SELECT id, seq, c59 FROM sync_wide ORDER BY seq"))
         ).all()
     assert [tuple(row) for row in rows] == [(row.id, row.seq, row.seq) for row in added]
+
+
+async def test_a_sync_handler_cancelled_mid_run_keeps_its_transaction_until_it_returns(
+    database_url: str, engine: AsyncEngine
+) -> None:
+    """On the async engine, a sync handler still running in its thread when its batch was
+    cancelled (a stop) keeps its session and connection: what it sends after the cancel
+    goes into its own transaction, never on a connection the pool handed to another, and
+    is rolled back once it returns. Then no row of it and no inbox row exist, and the
+    pool's one connection serves the next batch."""
+    async with engine.begin() as conn:
+        await conn.run_sync(_Base.metadata.create_all)
+    app = eop.App(settings=settings_mod.Settings(database_url=database_url, db_pool_size=1))
+    started, go, done = threading.Event(), threading.Event(), threading.Event()
+
+    @app.handler(stream="ORDERS", subject="orders.>", name="late")
+    def late(msg: eop.Message, session: orm.Session) -> None:
+        if msg.seq != 1:
+            session.add(Parent(seq=msg.seq))
+            return
+        started.set()
+        go.wait(10)
+        session.execute(sa.text("INSERT INTO sync_parents (seq) VALUES (99)"))
+        session.flush()
+        done.set()
+
+    assert app.bridges_sync_handlers()
+    store = app.make_store()
+    try:
+        spec = app.handlers["late"]
+        batch = asyncio.ensure_future(run_batch(store, spec, [message(1)]))
+        await asyncio.to_thread(started.wait, 10)
+        batch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await batch
+        go.set()
+        # Waits for the pool's one connection: back once the handler returned.
+        assert await asyncio.wait_for(run_batch(store, spec, [message(2)]), 30) == {2}
+        assert done.is_set()  # the late INSERT ran, in the abandoned transaction
+        async with engine.connect() as conn:
+            seqs = (await conn.execute(sa.text("SELECT seq FROM sync_parents"))).scalars()
+            assert list(seqs) == [2]
+        assert [row[0] for row in await inbox_rows(engine, "h")] == [2]
+    finally:
+        go.set()
+        store.close()
+        await app.dispose()

@@ -141,8 +141,18 @@ async def test_a_batchs_sync_handlers_run_in_one_thread_step_at_flush() -> None:
     threads.close()
 
 
-def app_with(*kinds: str, **settings: Any) -> eop.App:
+def app_with(*kinds: str, given: bool = False, **settings: Any) -> eop.App:
+    """An app with handlers of ``kinds``; ``given``: with a psycopg ``sync_sessionmaker``
+    of eop's making given to it, so its sync handlers do not run on the async engine."""
     app = eop.App(settings=settings_mod.Settings(**settings))
+    _register(app, kinds)
+    if given:
+        app = eop.App(settings=app.settings, sync_sessionmaker=app.sync_sessionmaker)
+        _register(app, kinds)
+    return app
+
+
+def _register(app: eop.App, kinds: tuple[str, ...]) -> None:
     for i, kind in enumerate(kinds):
         if kind == "sync":
 
@@ -153,7 +163,6 @@ def app_with(*kinds: str, **settings: Any) -> eop.App:
             async def handler(msg: Any, session: Any) -> None: ...  # type: ignore[misc]
 
         app.handler(stream="S", subject=f"s.{i}", name=f"h{i}")(handler)
-    return app
 
 
 @pytest.mark.parametrize(
@@ -170,9 +179,10 @@ def app_with(*kinds: str, **settings: Any) -> eop.App:
 def test_the_pools_share_one_bound(
     kinds: tuple[str, ...], pool: int, shares: tuple[int, int]
 ) -> None:
-    """db_pool_size bounds both pools together; the sync pool has as many connections as
-    sync transactions may be open, and neither pool overflows."""
-    app = app_with(*kinds, db_pool_size=pool)
+    """With sync handlers on a sync pool, db_pool_size bounds both pools together; the sync
+    pool has as many connections as sync transactions may be open, and neither pool
+    overflows."""
+    app = app_with(*kinds, given=True, db_pool_size=pool)
     assert app.connection_shares() == shares
     assert sum(shares) == pool
     if shares[1]:
@@ -183,10 +193,24 @@ def test_the_pools_share_one_bound(
     assert app.engine.pool._max_overflow == 0  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("kinds", [("async", "sync"), ("sync",)])
+def test_sync_handlers_on_the_async_engine_share_its_pool(kinds: tuple[str, ...]) -> None:
+    """By default sync handlers' transactions are the async pool's: it has every connection,
+    and as many sync transactions (and threads) may be open as it holds."""
+    app = app_with(*kinds, db_pool_size=6)
+    assert app.bridges_sync_handlers()
+    assert app.connection_shares() == (6, 0)
+    assert app.sync_transactions() == 6
+    assert app.engine.pool.size() == 6  # type: ignore[attr-defined]
+    # One connection serves both kinds then.
+    assert app_with(*kinds, db_pool_size=1).connection_shares() == (1, 0)
+
+
 def test_sync_handlers_need_two_connections() -> None:
-    """One connection cannot serve two pools: a clear error, naming the setting."""
+    """With a sync pool, one connection cannot serve two pools: a clear error, naming the
+    setting."""
     with pytest.raises(errors.ConfigurationError, match="db_pool_size"):
-        app_with("sync", db_pool_size=1).connection_shares()
+        app_with("sync", given=True, db_pool_size=1).connection_shares()
 
 
 def test_a_given_sync_pool_bounds_the_sync_transactions() -> None:
