@@ -62,8 +62,9 @@ class Settings:
         0,
         "The most connections one worker process opens to PostgreSQL, both of eop's pools "
         "included, never more (0: min(concurrency, 16), shared out among the processes, at least "
-        "4 each). With sync handlers, the sync pool gets half (or all but 1-2 when every "
-        "handler is sync) and as many threads; pools passed to App are not counted.",
+        "4 each). Sync handlers share the async pool (and get as many threads); with a sync "
+        "pool of eop's (Spark, Django's store), it gets half (or all but 1-2 when every "
+        "handler is sync); pools passed to App are not counted.",
     )
     db_pooler: DbPooler = _field(
         "auto",
