@@ -1,5 +1,7 @@
-"""The inbox transaction on a sync ``Session`` (psycopg), for plain ``def`` handlers: each
-step runs in a worker thread, bounded by :mod:`eop.pg.threads`, off the event loop.
+"""The inbox transaction on a sync ``Session`` of the app's ``sync_sessionmaker`` (psycopg),
+for plain ``def`` handlers when the app was given one (otherwise they run on the async
+session: :mod:`eop.pg.threaded_transaction`), and for Spark's partitions: each step runs
+in a worker thread, bounded by :mod:`eop.pg.threads`, off the event loop.
 """
 
 from __future__ import annotations
