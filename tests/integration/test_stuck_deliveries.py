@@ -134,7 +134,8 @@ async def test_held_row_keeps_a_delivery_unacked_behind_acked_ones_and_it_is_stu
         # The row let go: the message is processed, acked, and the worker says so.
         [event] = [e for e in logs if e["event"] == "delivery.stuck"]
         assert (event["seq"], event["consumer"]) == (1, DURABLE)
-        assert event["waited_s"] > STUCK_AFTER_S
+        # Past the bound, logged to a tenth of a second: 6.04 s shows as 6.0.
+        assert event["waited_s"] >= STUCK_AFTER_S
     assert await scalar(engine, "SELECT n FROM accounts WHERE id = 'hot'") == 1
 
 
