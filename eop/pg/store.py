@@ -90,21 +90,17 @@ class PostgresStore:
             return
         if self._threads is None:
             self._threads = SyncThreads(self.app.sync_transactions())
+        tx: ThreadedTransaction | SyncTransaction
         if self.app.bridges_sync_handlers():
-            ttx = ThreadedTransaction(
+            tx = ThreadedTransaction(
                 self.app.sessionmaker(), self.tables, spec, self._threads, self._outbox
             )
-            try:
-                await failures.connected(ttx.begin(self._timeouts, self._timeouts_text))
-                yield ttx
-            finally:
-                await ttx.close()
-            return
-        # Making a session sends nothing: its first statement checks a
-        # connection out, in a thread, under the permit.
-        tx = SyncTransaction(
-            self.app.sync_sessionmaker(), self.tables, spec, self._threads, self._outbox
-        )
+        else:
+            # Making a session sends nothing: its first statement checks a
+            # connection out, in a thread, under the permit.
+            tx = SyncTransaction(
+                self.app.sync_sessionmaker(), self.tables, spec, self._threads, self._outbox
+            )
         try:
             await failures.connected(tx.begin(self._timeouts, self._timeouts_text))
             yield tx
