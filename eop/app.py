@@ -223,8 +223,10 @@ class App:
         """How the pools eop makes share ``settings.db_connections()``: (async, sync).
 
         That number bounds the PostgreSQL connections of one worker process,
-        both pools included, and neither overflows it. Without sync handlers
-        the async pool has them all. With both kinds, half go to the sync pool
+        both pools included, and neither overflows it. Without sync handlers,
+        or with sync handlers on the async session (:meth:`bridges_sync_handlers`,
+        the default), the async pool has them all. With both kinds on a sync
+        pool of eop's (a threaded store: Django's), half go to the sync pool
         (the async pool gets the odd one); with sync handlers only, the async
         pool keeps 1 or 2 for eop's bookkeeping (start-up check, compaction,
         the check after an ambiguous COMMIT) and the sync pool the rest.
@@ -261,7 +263,9 @@ class App:
     def sync_transactions(self) -> int:
         """How many sync transactions eop keeps open at once (and threads it runs them in).
 
-        With eop's own sync pool: that pool's size, its share of
+        On the async session (the default): the async pool's size, so that a
+        handler never waits for a thread while its transaction holds a
+        connection. With eop's own sync pool: that pool's size, its share of
         ``db_connections``. With a ``sync_sessionmaker`` given: what its pool
         can hand out at once (``pool_size + max_overflow`` of a ``QueuePool``),
         so that eop never waits for a connection of it while holding one; for
