@@ -50,7 +50,7 @@ class ThreadedTransaction(AsyncTransaction):
         session.info[outbox.WRITES_KEY] = self.writes
         self._threads = threads
         self._running: concurrent.futures.Future[Any] | None = None
-        """The handler's run in a thread, while one is under way."""
+        """The handler's latest run in a thread: :meth:`close` waits for it if not done."""
         self._deferred: list[Message] = []
         """Messages whose handler :meth:`run` left to the next :meth:`flush` (or COMMIT)."""
 
@@ -73,9 +73,7 @@ class ThreadedTransaction(AsyncTransaction):
         loop = asyncio.get_running_loop()
         future: concurrent.futures.Future[T] = self._threads.submit(bridge.call, loop, func, *args)
         self._running = future
-        result = await asyncio.wrap_future(future)
-        self._running = None
-        return result
+        return await asyncio.wrap_future(future)
 
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call the handler in a thread and flush its writes; with ``flush=False`` (a
