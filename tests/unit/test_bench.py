@@ -8,6 +8,8 @@ import dataclasses
 import datetime
 import io
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -16,7 +18,16 @@ import pytest
 
 from eop import backoff, errors
 from eop.tools import bench
-from eop.tools.bench import baselines, flood, harness, measurement, report, runner, runs
+from eop.tools.bench import (
+    baselines,
+    flood,
+    harness,
+    measurement,
+    procstat,
+    report,
+    runner,
+    runs,
+)
 
 
 def test_throughput_starts_after_the_first_completion() -> None:
@@ -156,10 +167,31 @@ def test_tree_cpu_counts_a_running_process_and_nothing_for_an_absent_one() -> No
     """This process has used some CPU (Linux); an unknown pid has none to report."""
     if not os.path.exists("/proc/self/stat"):
         pytest.skip("no /proc")
-    mine = harness.tree_cpu_s(os.getpid())
+    mine = procstat.tree_cpu_s(os.getpid())
     assert mine is not None
     assert mine >= 0
-    assert harness.tree_cpu_s(None) is None
+    assert procstat.tree_cpu_s(None) is None
+
+
+def test_a_process_cpu_is_read_to_the_microsecond_not_in_clock_ticks() -> None:
+    """The bench's CPU a message divides small differences: its reading of a process
+    agrees with the process's own clock to well under a 10 ms tick."""
+    if not os.path.exists("/proc/self/task"):
+        pytest.skip("no /proc")
+    busy = (
+        "import sys, time; sum(i * i for i in range(300_000));"
+        " print(time.process_time(), flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", busy], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        own = float(child.stdout.readline())
+        read = procstat.snapshot()[child.pid].own_s
+    finally:
+        child.communicate("")
+    assert abs(read - own) < 0.002
 
 
 def test_runs_are_chosen_by_key() -> None:

@@ -23,7 +23,7 @@ from nats.js import JetStreamContext
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from eop import errors
-from eop.tools.bench import cpulimit, pgparts, runs
+from eop.tools.bench import cpulimit, pgparts, procstat, runs
 
 _DDL = (
     "CREATE TABLE bench_effects (variant text NOT NULL, seq bigint NOT NULL,"
@@ -113,37 +113,6 @@ class Progress:
         self._width, self._printed = 0, 0.0
 
 
-def _proc_stats() -> dict[int, tuple[int, int, int]]:
-    """Every process's parent, its CPU ticks (user + system) and those of its reaped
-    children, from /proc."""
-    stats: dict[int, tuple[int, int, int]] = {}
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-            own, reaped = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
-            stats[int(entry.parent.name)] = (int(fields[1]), own, reaped)
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile, or not readable
-    return stats
-
-
-def tree_cpu_s(
-    pid: int | None, stats: dict[int, tuple[int, int, int]] | None = None
-) -> float | None:
-    """CPU seconds of process ``pid`` and its children, the exited ones included.
-
-    PostgreSQL's backends are the postmaster's children; one that exits (a
-    connection closed) is counted in the postmaster's reaped time from then
-    on. None if unknown (not Linux, or not running).
-    """
-    stats = _proc_stats() if stats is None else stats
-    if pid is None or pid not in stats:
-        return None
-    ticks = stats[pid][1] + stats[pid][2]
-    ticks += sum(own for ppid, own, _ in stats.values() if ppid == pid)
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 class Cpu(NamedTuple):
     """CPU seconds so far: of a run's process (and its children), nats-server, PostgreSQL,
     and PostgreSQL's by :data:`pgparts.PARTS` (empty if unknown)."""
@@ -200,16 +169,15 @@ class Child:
         An ``eop worker`` with more than one process is a supervisor and its
         worker processes: all of them count. None if unknown (not Linux).
         """
-        stats = _proc_stats()
+        stats = procstat.snapshot()
         if self.proc.pid not in stats:
             return None
-        ticks = sum(own for pid, (ppid, own, _) in stats.items() if self.proc.pid in (pid, ppid))
-        return ticks / os.sysconf("SC_CLK_TCK")
+        return sum(s.own_s for pid, s in stats.items() if self.proc.pid in (pid, s.ppid))
 
     def rss_bytes(self) -> int | None:
         """Resident memory of the child and its own children (a supervised worker's
         processes), from /proc; None if unknown (not Linux, or not running)."""
-        pids = [pid for pid, (ppid, _, _) in _proc_stats().items() if self.proc.pid in (pid, ppid)]
+        pids = [pid for pid, s in procstat.snapshot().items() if self.proc.pid in (pid, s.ppid)]
         if self.proc.pid not in pids:
             return None
         pages = 0
@@ -315,12 +283,12 @@ class Bench:
 
     def cpu(self, child: Child | None = None) -> Cpu:
         """CPU seconds so far of ``child`` (and its children) and of the two servers."""
-        stats = _proc_stats()
+        stats = procstat.snapshot()
         nats_pid, pg_pid = self.server_pids
         return Cpu(
             child.cpu_s() if child is not None else None,
-            tree_cpu_s(nats_pid, stats),
-            tree_cpu_s(pg_pid, stats),
+            procstat.tree_cpu_s(nats_pid, stats),
+            procstat.tree_cpu_s(pg_pid, stats),
             pgparts.cpu_s(pg_pid, stats),
         )
 

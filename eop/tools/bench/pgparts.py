@@ -8,8 +8,9 @@ message leaves behind rather than with its statements.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from eop.tools.bench import procstat
 
 PARTS = ("backends", "WAL writer", "autovacuum", "others")
 """PostgreSQL's processes as :func:`cpu_s` groups them: the client connections'
@@ -18,7 +19,7 @@ time: a worker exits after its tables, and so would a connection closed meanwhil
 and the rest (postmaster, checkpointer, background writer, launchers)."""
 
 
-def cpu_s(pid: int | None, stats: dict[int, tuple[int, int, int]]) -> dict[str, float]:
+def cpu_s(pid: int | None, stats: dict[int, procstat.ProcStat]) -> dict[str, float]:
     """CPU seconds of the PostgreSQL postmaster ``pid``'s tree, by :data:`PARTS`.
 
     A child's part comes from its process title (``postgres: walwriter``, or a
@@ -26,10 +27,9 @@ def cpu_s(pid: int | None, stats: dict[int, tuple[int, int, int]]) -> dict[str, 
     """
     if pid is None or pid not in stats:
         return {}
-    tick = os.sysconf("SC_CLK_TCK")
     parts = dict.fromkeys(PARTS, 0.0)
-    parts["autovacuum"] = stats[pid][2] / tick
-    parts["others"] = stats[pid][1] / tick
+    parts["autovacuum"] = stats[pid].reaped_s
+    parts["others"] = stats[pid].own_s
     for child, (ppid, own, _) in stats.items():
         if ppid != pid:
             continue
@@ -39,13 +39,13 @@ def cpu_s(pid: int | None, stats: dict[int, tuple[int, int, int]]) -> dict[str, 
             title = ""
         role = title.removeprefix("postgres: ").split(" ", 1)[0].rstrip("\0")
         if role == "walwriter":
-            parts["WAL writer"] += own / tick
+            parts["WAL writer"] += own
         elif title.startswith("postgres: autovacuum worker"):
-            parts["autovacuum"] += own / tick
+            parts["autovacuum"] += own
         elif role in _PG_AUXILIARY or not title.startswith("postgres: "):
-            parts["others"] += own / tick
+            parts["others"] += own
         else:
-            parts["backends"] += own / tick  # a connection's title starts with its user
+            parts["backends"] += own  # a connection's title starts with its user
     return parts
 
 
