@@ -15,6 +15,12 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("messages", int, "backlog of each run but the naive (b) and the poison flood (f) ones"),
     ("flood-messages", int, "backlog of the poison flood (f, fh): half failing, then half good"),
     ("naive-messages", int, "backlog of the naive run (b), which is slow"),
+    (
+        "warm-messages",
+        int,
+        "messages each timed run drains first, unmeasured: its connections opened and its "
+        "statements planned",
+    ),
     ("payload-bytes", int, "size of every message's payload"),
     ("latency-s", float, "length of each run's steady-load latency phase"),
     ("latency-load", float, "publish rate of the latency phase, as a share of the run's rate"),

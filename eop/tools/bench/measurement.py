@@ -140,28 +140,39 @@ async def measure(
 ) -> Result:
     """Throughput while draining a backlog of ``messages``, then latency at a steady load.
 
-    Start-up is excluded: the consumer's processes start first, and once each
-    has a pull request waiting, its consumer is paused, the backlog published
-    and the consumer resumed: every process drains it warm, from the start.
+    Start-up is excluded: the consumer's processes start first and, once each
+    has a pull request waiting, drain a first backlog of
+    :attr:`runs.Options.warm_messages` (at most ``messages``) that is not
+    measured. A consumer opens its database connections as it needs them, and
+    PostgreSQL plans a prepared statement anew for its first five executions
+    on each connection: an eop worker's pool of 8 to 16 connections took
+    thousands of messages to get there, the hand-written consumer's 2 a few
+    batches, and a drain that started cold charged that difference to eop's
+    CPU a message. Then the consumer is paused, the backlog published and the
+    consumer resumed: every process drains it warm, from the start.
     """
     argv = bench.command(run, extra)
     processes = run_processes(run, extra)
     child = harness.Child(argv, bench.tmp / f"{run.key}.log")
+    warm = min(bench.options.warm_messages, messages)
     try:
         # (a) keeps two pull requests waiting per process, (h) one per batch in flight.
         await bench.warm(run, child, processes * (2 if run.loop in ("a", "h") else 1))
+        if warm:
+            await bench.publish(run, warm)
+            await bench.drain(run, child, warm, f"({run.key}) warming up")
         await bench.pause(run, True)
         await bench.publish(run, messages)
         await bench.pause(run, False)
-        drained = await bench.drain(run, child, messages, f"({run.key}) {run.label}")
+        drained = await bench.drain(run, child, warm + messages, f"({run.key}) {run.label}")
         load = max(1.0, bench.options.latency_load * drained.rate)
         sent, paced = await bench.publish_paced(run, load, bench.options.latency_s)
-        await bench.drain(run, child, messages + sent, f"({run.key}) latency drain")
+        await bench.drain(run, child, warm + messages + sent, f"({run.key}) latency drain")
     finally:
         await child.stop()
-    points = await bench.points(run, 1, messages + sent)
-    bulk = sorted(done for seq, _, done in points if seq <= messages)
-    latencies = sorted(done - stored for seq, stored, done in points if seq > messages)
+    points = await bench.points(run, warm + 1, warm + messages + sent)
+    bulk = sorted(done for seq, _, done in points if seq <= warm + messages)
+    latencies = sorted(done - stored for seq, stored, done in points if seq > warm + messages)
     return Result(
         key=run.key,
         label=run.label,

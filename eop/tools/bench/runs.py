@@ -204,6 +204,9 @@ class Options:
     """The poison flood's backlog (half failing): each failing message runs max_attempts
     times, so it stays below the other runs' backlog."""
     payload_bytes: int = 100
+    warm_messages: int = 5_000
+    """Messages each timed run drains before its measured backlog, unmeasured
+    (:func:`eop.tools.bench.measurement.measure`)."""
     latency_s: float = 3.0
     latency_load: float = 0.5
     tuned: str = "--batch 128 --concurrency 256 --log-level warning"
@@ -229,6 +232,8 @@ class Options:
         counts = (self.messages, self.naive_messages, self.payload_bytes)
         if min(*counts, self.relay_messages, self.relay_payload_bytes) < 1:
             raise errors.ConfigurationError("message counts and payload-bytes must be at least 1")
+        if self.warm_messages < 0:
+            raise errors.ConfigurationError("warm-messages must be 0 (no warm-up) or more")
         if self.pg_cpus < 0:
             raise errors.ConfigurationError(
                 f"pg-cpus must be 0 (no limit) or more, not {self.pg_cpus:g}"

@@ -116,7 +116,10 @@ async def _worker(
     """``eop bench``'s run c1 (which publishes the messages); its rate."""
     import nats
 
-    bench_options = runs.Options(messages=options.messages, latency_s=1.0, runs=RUN.key)
+    # No warm-up backlog: the backfill reads the messages from the stream's first sequence.
+    bench_options = runs.Options(
+        messages=options.messages, warm_messages=0, latency_s=1.0, runs=RUN.key
+    )
     bench = harness.Bench(bench_options, nats_url, database_url, tmp, (pids[0], pids[1]))
     nc = await nats.connect(nats_url)
     try:
