@@ -414,6 +414,25 @@ def test_a_worker_stop_over_grace_plus_5_s_fails_the_verdict() -> None:
     assert "stop of worker 5 (pid 4444, heal): 18.0 s" in report.render()
 
 
+def test_a_stop_over_the_base_limit_within_its_injected_stall_passes_and_says_why() -> None:
+    """A worker whose fault plan injects a stall has that much longer to exit: its stop
+    passes, and the report's line of stops names the longer limit beside the base one."""
+    from eop.tools.chaos.report import Report
+
+    report = Report(seed=1, command="eop chaos", messages=0, stop_limit_s=13.0)
+    report.stops = [
+        checker.Stop(worker=1, pid=1, when="final", seconds=12.0, code=0, limit_s=13.0),
+        checker.Stop(worker=2, pid=2, when="mid-run", seconds=13.7, code=0, limit_s=16.0),
+    ]
+    assert report.ok, report.problems
+    assert (
+        "max 13.7 s (limit 13 s, up to 16 s for a worker whose faults inject a stall or a "
+        "freeze)" in report.render()
+    )
+    report.stops.pop()
+    assert "max 12.0 s (limit 13 s)" in report.render()
+
+
 def test_a_drain_that_does_not_finish_is_a_stall() -> None:
     """The liveness failure (no drain by the deadline) is counted among the stalls."""
     from eop.tools.chaos.report import Report

@@ -153,6 +153,14 @@ class Report:
         """:meth:`to_dict` as indented JSON."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
+    def _injected_limits(self) -> str:
+        """The longest limit of a stop whose worker's fault plan injects a stall or a
+        freeze (its limit grows by it: :class:`checker.Stop`), when there is one."""
+        longest = max((stop.limit_s for stop in self.stops), default=self.stop_limit_s)
+        if longest <= self.stop_limit_s:
+            return ""
+        return f", up to {longest:g} s for a worker whose faults inject a stall or a freeze"
+
     def _render_scenario(self) -> list[str]:
         """The scenario's figures: effects, dead letters by reason, stalls, stops."""
         o = self.outcomes
@@ -166,7 +174,7 @@ class Report:
             f"  scenario {self.scenario}: {o.effects} effects; dead letters of good messages "
             f"{_counts(o.good_dead_by_reason)}, of poison {_counts(o.poison_dead_by_reason)}",
             f"  stalls: {len(self.stalls)}; stops after SIGTERM: {stops} "
-            f"(limit {self.stop_limit_s:g} s)",
+            f"(limit {self.stop_limit_s:g} s{self._injected_limits()})",
             f"  stuck deliveries (delivery.stuck logged): {len(self.logs.stuck)}",
         ]
         lines += [f"    {item}" for item in self.logs.stuck[:10]]
