@@ -101,6 +101,16 @@ class TransactionAborted(EopError):
     ``transaction.atomic()``). It counts as the handler's failure."""
 
 
+class TransactionEndedByHandler(EopError):
+    """The handler called commit(), rollback() or close() on the session eop gave it.
+
+    eop's transaction holds the message's claim and the handler's writes together, and
+    eop ends it after the handler: remove the call (``flush()`` sends pending writes,
+    ``begin_nested()`` makes a savepoint the handler may roll back). The message fails
+    as any handler error does, and nothing it wrote is committed.
+    """
+
+
 class ClaimTimeout(EopError):
     """Another delivery of the same message holds its inbox key: not starting the handler."""
 

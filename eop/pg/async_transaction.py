@@ -6,12 +6,13 @@ session would only add work (the local timeouts, the batch claim, queued writes)
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from eop.outbox import table as outbox
-from eop.pg import direct, models
+from eop.pg import direct, models, session_guard
 from eop.pg.failures import INFRASTRUCTURE, DbFailure, classify
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql_transaction import SqlTransaction, translate_commit
@@ -189,11 +190,11 @@ class AsyncTransaction(SqlTransaction):
         if self.writes:
             await self.flush()  # never left behind, whoever ran the handler
         self._raw = self._adapter = None
-        await translate_commit(self.session.commit)
+        await translate_commit(functools.partial(session_guard.end_async, self.session, "commit"))
         self.committed = True
 
     async def rollback(self) -> None:
         """ROLLBACK, ignoring a broken connection."""
         self._raw = self._adapter = None
         with contextlib.suppress(Exception):
-            await self.session.rollback()
+            await session_guard.end_async(self.session, "rollback")

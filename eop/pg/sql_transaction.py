@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from eop import errors, writes
 from eop.outbox import table as outbox
 from eop.outbox.outgoing import DEFAULT_MAX_PAYLOAD
-from eop.pg import models
+from eop.pg import models, session_guard
 from eop.pg.failures import INFRASTRUCTURE, DbFailure, classify
 from eop.pg.statements import Statements
 
@@ -39,6 +39,10 @@ class SqlTransaction(Statements):
         self.writes = writes.Writes(session)
         """The transaction's write queue: the handler's, when it takes one
         (:attr:`HandlerSpec.takes_writes`), and the rows it adds to the outbox."""
+        # The handler's session cannot end this transaction: only eop does. An
+        # AsyncSession ends its transaction through its sync face, so that is guarded.
+        face: Any = session
+        session_guard.guard(getattr(face, "sync_session", face))
         info = session.info
         info[outbox.WRITES_KEY] = self.writes
         info[outbox.CONTEXT_KEY] = outbox_context or outbox.Context(tables, DEFAULT_MAX_PAYLOAD)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 from eop.outbox import table as outbox
-from eop.pg import failures, models
+from eop.pg import failures, models, session_guard
 from eop.pg.sql import base as base_sql
 from eop.pg.threads import SyncThreads
 
@@ -79,8 +79,12 @@ class PostgresStore:
     async def _open_async(self, spec: HandlerSpec) -> AsyncIterator[AsyncTransaction]:
         async with self.app.sessionmaker() as session:
             tx = AsyncTransaction(session, self.tables, spec, self._outbox)
-            await failures.connected(tx.begin(self._timeouts, self._timeouts_text))
-            yield tx
+            try:
+                await failures.connected(tx.begin(self._timeouts, self._timeouts_text))
+                yield tx
+            finally:
+                # The handler's coroutine has ended: the session may close itself.
+                session_guard.unguard(session.sync_session)
 
     @contextlib.asynccontextmanager
     async def _open(self, spec: HandlerSpec) -> AsyncIterator[SqlTransaction]:

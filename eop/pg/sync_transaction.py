@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 
 from eop.outbox import table as outbox
-from eop.pg import models
+from eop.pg import models, session_guard
 from eop.pg.failures import INFRASTRUCTURE, classify
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql_transaction import SqlTransaction, translate_commit
@@ -84,7 +84,7 @@ class SyncTransaction(SqlTransaction):
 
         def close() -> None:
             with contextlib.suppress(Exception):
-                self.session.close()
+                session_guard.end(self.session, "close")
             threads.release()
 
         future.add_done_callback(lambda _: threads.later(close))
@@ -222,7 +222,8 @@ class SyncTransaction(SqlTransaction):
         """COMMIT in a worker thread; a connection lost during it makes the outcome unknown."""
         if self.writes or self._deferred:
             await self.flush()  # never left behind, whoever ran the handler
-        await translate_commit(functools.partial(self._step, self.session.commit))
+        commit = functools.partial(self._step, session_guard.end, self.session, "commit")
+        await translate_commit(commit)
         self.committed = True
         self._release()
 
@@ -230,7 +231,7 @@ class SyncTransaction(SqlTransaction):
         """ROLLBACK, ignoring a broken connection."""
         self._deferred = []
         try:
-            await self._step(self.session.rollback)
+            await self._step(session_guard.end, self.session, "rollback")
         except Exception:
             return  # the permit stays until close(), which also returns the connection
         self._release()
@@ -241,10 +242,10 @@ class SyncTransaction(SqlTransaction):
             return
         if self._threads is not None and not self._permit:
             # No connection to give back: nothing to send, nothing to wait for.
-            self.session.close()
+            session_guard.end(self.session, "close")
             return
         with contextlib.suppress(Exception):
-            await self._step(self.session.close)
+            await self._step(session_guard.end, self.session, "close")
         if self._threads is not None and not self._abandoned:
             self._permit = False
             self._threads.release()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from eop import writes
 from eop.outbox import table as outbox
-from eop.pg import bridge, models
+from eop.pg import bridge, models, session_guard
 from eop.pg.async_transaction import AsyncTransaction
 from eop.pg.threads import SyncThreads
 
@@ -114,7 +114,7 @@ class ThreadedTransaction(AsyncTransaction):
         """
         running = self._running
         if running is None or running.done():
-            await self.session.close()
+            await session_guard.end_async(self.session, "close")
             return
         loop = asyncio.get_running_loop()
 
@@ -126,7 +126,7 @@ class ThreadedTransaction(AsyncTransaction):
         running.add_done_callback(close_later)
 
     def _close_soon(self) -> None:
-        task = asyncio.ensure_future(self.session.close())
+        task = asyncio.ensure_future(session_guard.end_async(self.session, "close"))
         _CLOSING.add(task)
         task.add_done_callback(_CLOSING.discard)
 

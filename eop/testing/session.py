@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from eop import writes
 from eop.outbox import table as outbox
 from eop.outbox.outgoing import Outgoing
+from eop.pg import session_guard
 
 Statement = tuple[sa.Executable, dict[str, Any]]
 """A statement an ``eop.Writes`` handler queued, with its parameters."""
@@ -34,6 +35,11 @@ class FakeSession:
         """Messages ``eop.outbox.add``-ed in this transaction, in order."""
         self.info: dict[str, object] = {outbox.WRITES_KEY: _OutboxRecorder(self.outbox)}
         """As a session's ``info``: where ``eop.outbox.add`` finds this transaction's queue."""
+
+    commit = session_guard.Refusal("commit")
+    rollback = session_guard.Refusal("rollback")
+    close = session_guard.Refusal("close")
+    """A handler ends no transaction, here as on eop's real session (``eop.pg.session_guard``)."""
 
     def add(self, instance: object) -> None:
         """Record ``instance`` as a write of this transaction."""

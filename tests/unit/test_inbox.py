@@ -243,6 +243,7 @@ class FakeAsyncSession:
         self.new: list[object] = []
         self.dirty: list[object] = []
         self.deleted: list[object] = []
+        self.sync_session = FakeSyncFace(self)
 
     driver = "fake"
     """The driver the session's connection reports (``asyncpg``: claims go to it directly)."""
@@ -277,13 +278,24 @@ class FakeAsyncSession:
     async def flush(self) -> None:
         self.calls.append("flush")
 
-    async def commit(self) -> None:
-        self.calls.append("commit")
-        if self.commit_error is not None:
-            raise self.commit_error
+    async def run_sync(self, fn: Any, *args: Any) -> Any:
+        """As AsyncSession's: ``fn`` on the sync face (where eop ends its transaction)."""
+        return fn(self.sync_session, *args)
 
-    async def rollback(self) -> None:
-        self.calls.append("rollback")
+
+class FakeSyncFace:
+    """The fake's ``sync_session``: what eop guards, and ends past the guard."""
+
+    def __init__(self, outer: FakeAsyncSession) -> None:
+        self.outer = outer
+
+    def commit(self) -> None:
+        self.outer.calls.append("commit")
+        if self.outer.commit_error is not None:
+            raise self.outer.commit_error
+
+    def rollback(self) -> None:
+        self.outer.calls.append("rollback")
         raise ConnectionResetError("the connection is gone")
 
 

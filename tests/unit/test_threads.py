@@ -14,7 +14,7 @@ import eop
 from eop import errors
 from eop import settings as settings_mod
 from eop.handler import HandlerSpec
-from eop.pg import models, transactions
+from eop.pg import models, session_guard, transactions
 from eop.pg.threads import SyncThreads
 
 
@@ -73,7 +73,7 @@ async def test_a_cancelled_step_keeps_its_permit_until_its_thread_has_closed_the
     session = FakeSession()
     session.gate.clear()
     tx = transaction(threads, session)
-    step = asyncio.ensure_future(tx._step(session.rollback))
+    step = asyncio.ensure_future(tx._step(session_guard.end, session, "rollback"))
     await asyncio.sleep(0.05)
     step.cancel()
     with pytest.raises(asyncio.CancelledError):

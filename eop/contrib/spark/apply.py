@@ -48,7 +48,7 @@ from eop.contrib.spark.transaction import (
 )
 from eop.handler import HandlerSpec
 from eop.message import Message
-from eop.pg import contract, failures, models, transactions
+from eop.pg import contract, failures, models, session_guard, transactions
 from eop.pg.sql import base as base_sql
 from eop.pg.sql import inbox as inbox_sql
 
@@ -182,8 +182,11 @@ class Partition:
         if self.spec.is_async:
             async with self.app.sessionmaker() as session:
                 atx = AsyncPartitionTx(session, self.tables, self.spec)
-                await _connected(atx.select(self.timeouts))
-                yield atx
+                try:
+                    await _connected(atx.select(self.timeouts))
+                    yield atx
+                finally:
+                    session_guard.unguard(session.sync_session)
             return
         sync_session = self.app.sync_sessionmaker()
         try:
@@ -192,7 +195,7 @@ class Partition:
             yield stx
         finally:
             with contextlib.suppress(Exception):
-                sync_session.close()
+                session_guard.end(sync_session, "close")
 
 
 async def _blocking_sleep(seconds: float) -> None:

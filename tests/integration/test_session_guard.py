@@ -1,0 +1,173 @@
+"""A handler cannot end eop's transaction: ``commit()``, ``rollback()`` and ``close()`` on
+the session eop gives it fail the handler, before they do anything.
+
+Before the guard, a handler's ``commit()`` committed the claim with the writes made so
+far (a failure after it was never retried), and its ``rollback()`` dropped the claim
+while its later writes committed without it (applied again on redelivery).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+import eop
+
+from .bed import (
+    STREAM,
+    SUBJECT,
+    bed_settings,
+    create_effects_table,
+    drained,
+    effects_by_body,
+    publish,
+    record_effect,
+    running,
+    wait_for,
+)
+
+_INSERT = sa.text("INSERT INTO effects (handler, msg_key, body) VALUES (:h, :k, :b)")
+
+
+def _row(handler: str, msg: eop.Message, suffix: str = "") -> dict[str, str]:
+    return {"h": handler, "k": msg.idempotency_key + suffix, "b": msg.data.decode() + suffix}
+
+
+async def _misuse_async(session: AsyncSession, msg: eop.Message) -> None:
+    """An async handler's misuse, by the message's body: end the transaction mid-way."""
+    body = msg.data.decode()
+    if body.startswith("commit"):
+        await session.commit()
+    elif body.startswith("rollback"):
+        await session.rollback()
+    elif body.startswith("close"):
+        await session.close()
+
+
+def _misuse_sync(session: Session, msg: eop.Message) -> None:
+    """The same on a sync handler's ``Session``."""
+    body = msg.data.decode()
+    if body.startswith("commit"):
+        session.commit()
+    elif body.startswith("rollback"):
+        session.rollback()
+    elif body.startswith("close"):
+        session.close()
+
+
+@pytest.mark.parametrize("sync_path", ["bridged", "psycopg"])
+async def test_a_handler_ending_the_transaction_fails_and_commits_nothing_of_its_own(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine, sync_path: str
+) -> None:
+    """Async ORM, sync ``def`` and ``eop.Writes`` (through ``writes.session``) handlers that
+    call commit(), rollback() or close() between two writes: each such message is
+    dead-lettered after max_attempts with the reason in its error, none of its writes is
+    committed (not the one before the call, not the one after), and the good messages
+    fetched in the same batches take effect once each. The sync handler runs on the async
+    session (the default) and on a psycopg ``sync_sessionmaker`` given to the app."""
+    await create_effects_table(engine)
+    settings = bed_settings(database_url, nats_url, max_attempts=2, batch=16)
+    app = eop.App(settings=settings)
+    if sync_path == "psycopg":
+        app = eop.App(settings=settings, sync_sessionmaker=app.sync_sessionmaker)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="async_orm")
+    async def on_async(msg: eop.Message, session: AsyncSession) -> None:
+        await session.execute(_INSERT, _row("async_orm", msg, "-before"))
+        await _misuse_async(session, msg)
+        await record_effect(session, "async_orm", msg)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="sync")
+    def on_sync(msg: eop.Message, session: Session) -> None:
+        session.execute(_INSERT, _row("sync", msg, "-before"))
+        _misuse_sync(session, msg)
+        session.execute(_INSERT, _row("sync", msg))
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="writes")
+    async def on_writes(msg: eop.Message, writes: eop.Writes) -> None:
+        session = writes.session
+        await session.execute(_INSERT, _row("writes", msg, "-before"))
+        await _misuse_async(session, msg)
+        writes.add(_INSERT, _row("writes", msg))
+
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    bad = [f"{how}-{i}" for i in range(3) for how in ("commit", "rollback", "close")]
+    good = [f"good-{i}" for i in range(12)]
+    for i, body in enumerate(good):
+        await publish(js, body)
+        if i < len(bad):
+            await publish(js, bad[i])
+
+    async def settled() -> bool:
+        durables = ("eop-async_orm", "eop-sync", "eop-writes")
+        done = [await drained(js, durable, engine=engine) for durable in durables]
+        return all(done)
+
+    async with running(app):
+        await wait_for(settled, timeout_s=60, what="every message settled")
+
+    # Each good message once per handler; of a misusing one, nothing at all.
+    assert await effects_by_body(engine) == {
+        **{body: 3 for body in good},
+        **{f"{body}-before": 3 for body in good},
+    }
+    async with engine.connect() as conn:
+        found = await conn.execute(sa.text("SELECT reason, error FROM eop.dead_letters"))
+        letters = [(str(reason), str(error)) for reason, error in found]
+    assert len(letters) == 3 * len(bad)  # each misusing message, once per handler
+    assert {reason for reason, _ in letters} == {"attempts_exhausted"}
+    for how in ("commit", "rollback", "close"):
+        named = [error for _, error in letters if f"the handler called session.{how}()" in error]
+        assert len(named) == 3 * 3, (how, letters[:3])
+
+
+async def test_a_handler_may_flush_and_roll_back_its_own_savepoint(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """What the guard's error points to works: flush() sends writes early, and a savepoint
+    (begin_nested) whose part failed rolls back alone, on the async and the sync session;
+    each message takes effect once, nothing is dead-lettered."""
+    await create_effects_table(engine)
+    app = eop.App(settings=bed_settings(database_url, nats_url, max_attempts=2))
+    failing = sa.text("SELECT 1 / 0")
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="async_orm")
+    async def on_async(msg: eop.Message, session: AsyncSession) -> None:
+        await session.flush()
+        try:
+            async with session.begin_nested():
+                await session.execute(_INSERT, _row("async_orm", msg, "-undone"))
+                await session.execute(failing)
+        except sa.exc.DBAPIError:
+            pass
+        await record_effect(session, "async_orm", msg)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="sync")
+    def on_sync(msg: eop.Message, session: Session) -> None:
+        session.flush()
+        try:
+            with session.begin_nested():
+                session.execute(_INSERT, _row("sync", msg, "-undone"))
+                session.execute(failing)
+        except sa.exc.DBAPIError:
+            pass
+        session.execute(_INSERT, _row("sync", msg))
+
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    bodies = [f"m-{i}" for i in range(10)]
+    for body in bodies:
+        await publish(js, body)
+
+    async def settled() -> bool:
+        done = [await drained(js, d, engine=engine) for d in ("eop-async_orm", "eop-sync")]
+        return all(done)
+
+    async with running(app):
+        await wait_for(settled, timeout_s=60, what="every message settled")
+    assert await effects_by_body(engine) == {body: 2 for body in bodies}
+    async with engine.connect() as conn:
+        assert (await conn.execute(sa.text("SELECT count(*) FROM eop.dead_letters"))).scalar() == 0
