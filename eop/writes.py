@@ -67,14 +67,20 @@ class Writes:
     def session(self) -> Any:
         """The transaction's session, for reads and for statements whose result matters.
 
-        Any statement it executes first sends the queued writes. Only handlers
-        that ask for the session need that hook, so it is set up here, on the
-        first access, not for every transaction.
+        Any statement it executes first sends the queued writes, and so does
+        ``begin_nested()``: writes queued before a savepoint are sent before it,
+        so that rolling the savepoint back does not take them (this message's
+        or, in a batch, an earlier message's) with it. Only handlers that ask
+        for the session need those hooks, so they are set up here, on the first
+        access, not for every transaction.
         """
         if not self._watching:
             self._watching = True
-            sync_session = getattr(self._session, "sync_session", self._session)
+            given: Any = self._session
+            sync_session: Session = getattr(given, "sync_session", given)
             sa.event.listen(sync_session, "do_orm_execute", self._before_execute)
+            # On this instance only; an AsyncSession's begin_nested calls its sync face's.
+            setattr(sync_session, "begin_nested", _SentFirst(self, sync_session))  # noqa: B010
         return self._session
 
     @property
@@ -147,6 +153,20 @@ class Writes:
         ``executemany``, never an ORM bulk operation.
         """
         send_groups(session, self.take())
+
+
+class _SentFirst:
+    """A watched session's ``begin_nested``: the queued writes first, then the savepoint."""
+
+    __slots__ = ("_session", "_writes")
+
+    def __init__(self, writes: Writes, session: Session) -> None:
+        self._writes = writes
+        self._session = session
+
+    def __call__(self) -> Any:
+        self._writes.send(self._session)
+        return type(self._session).begin_nested(self._session)
 
 
 def send_groups(session: Session, groups: list[_Group]) -> None:

@@ -129,10 +129,12 @@ async def test_a_handler_may_flush_and_roll_back_its_own_savepoint(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
     """What the guard's error points to works: flush() sends writes early, and a savepoint
-    (begin_nested) whose part failed rolls back alone, on the async and the sync session;
-    each message takes effect once, nothing is dead-lettered."""
+    (begin_nested) whose part failed rolls back alone, on the async and the sync session
+    and on ``writes.session``, where the writes queued before the savepoint (this
+    message's, and in a batch an earlier message's) are sent before it and so kept; each
+    message takes effect once, nothing is dead-lettered."""
     await create_effects_table(engine)
-    app = eop.App(settings=bed_settings(database_url, nats_url, max_attempts=2))
+    app = eop.App(settings=bed_settings(database_url, nats_url, max_attempts=2, batch=16))
     failing = sa.text("SELECT 1 / 0")
 
     @app.handler(stream=STREAM, subject=SUBJECT, name="async_orm")
@@ -157,17 +159,32 @@ async def test_a_handler_may_flush_and_roll_back_its_own_savepoint(
             pass
         session.execute(_INSERT, _row("sync", msg))
 
+    @app.handler(stream=STREAM, subject=SUBJECT, name="writes")
+    async def on_writes(msg: eop.Message, writes: eop.Writes) -> None:
+        writes.add(_INSERT, _row("writes", msg))  # queued before the savepoint: kept
+        session = writes.session
+        try:
+            async with session.begin_nested():
+                await session.execute(_INSERT, _row("writes", msg, "-undone"))
+                await session.execute(failing)
+        except sa.exc.DBAPIError:
+            pass
+        writes.add(_INSERT, _row("writes", msg, "-after"))
+
     await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
     bodies = [f"m-{i}" for i in range(10)]
     for body in bodies:
         await publish(js, body)
 
     async def settled() -> bool:
-        done = [await drained(js, d, engine=engine) for d in ("eop-async_orm", "eop-sync")]
-        return all(done)
+        durables = ("eop-async_orm", "eop-sync", "eop-writes")
+        return all([await drained(js, d, engine=engine) for d in durables])
 
     async with running(app):
         await wait_for(settled, timeout_s=60, what="every message settled")
-    assert await effects_by_body(engine) == {body: 2 for body in bodies}
+    assert await effects_by_body(engine) == {
+        **{body: 3 for body in bodies},
+        **{f"{body}-after": 1 for body in bodies},
+    }
     async with engine.connect() as conn:
         assert (await conn.execute(sa.text("SELECT count(*) FROM eop.dead_letters"))).scalar() == 0
