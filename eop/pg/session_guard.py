@@ -38,9 +38,10 @@ class Refusal:
 
     def __call__(self, *args: object, **kwargs: object) -> NoReturn:
         raise errors.TransactionEndedByHandler(
-            f"the handler called session.{self.name}(): eop commits or rolls back the "
-            "transaction itself, after the handler, with the message's claim in it; remove "
-            "the call (flush() sends pending writes, begin_nested() makes a savepoint)"
+            f"the handler called {self.name}() on the session eop gave it: eop commits or "
+            "rolls back the transaction itself, after the handler, with the message's claim "
+            "in it; remove the call (flush() sends pending writes, begin_nested() makes a "
+            "savepoint)"
         )
 
 

@@ -100,6 +100,13 @@ class _SavepointNeeded(errors.DatabaseUnavailable):
     back and run again, never counted (a failure of eop's, not the handler's), this time
     with the handler in a savepoint, as it will be from now on."""
 
+    def __init__(self) -> None:
+        # The default message would be this docstring, too long for a log line.
+        super().__init__(
+            "an eop.Writes handler asked for its session outside a savepoint: "
+            "run again in one (not counted as a failure)"
+        )
+
 
 async def translate_commit(commit: Callable[[], Awaitable[object]]) -> None:
     """Await ``commit()``; a connection lost during it is :class:`eop.AmbiguousCommit`,

@@ -402,3 +402,24 @@ class PostgresServer(PostgresCluster, _child.Server):
     def _give(self, path: Path) -> None:
         if self._account is not None:
             os.chown(path, *self._account)
+
+
+def serve() -> int:
+    """Start a throwaway nats-server and PostgreSQL, print their ``EOP_*`` exports and wait
+    for Ctrl-C or SIGTERM (``python -m eop.tools.embedded``): both servers and their data
+    go with it."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with (
+        contextlib.suppress(KeyboardInterrupt),
+        NatsServer() as nats_server,
+        PostgresServer() as pg,
+    ):
+        print(f"export EOP_NATS_URL={nats_server.url}")
+        print(f"export EOP_DATABASE_URL={pg.url}")
+        print("# throwaway servers: Ctrl-C stops both and removes their data", flush=True)
+        signal.pause()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

@@ -129,7 +129,24 @@ async def drained(
     acked when its retry is parked there (see eop.pg.retries).
     An ordered handler's partitions each have a consumer named after the durable
     (``<durable>-p<partition>-e<epoch>``): all of them count.
+
+    The consumers are read twice, 50 ms apart: a consumer's counts can lag the
+    publish's ack (the server signals its consumers after storing the message),
+    and a read in that gap shows an idle consumer that the message is about to
+    reach. Once, under load, a worker was stopped before its only message ran.
     """
+    if not await _consumers_idle(js, durable, stream):
+        return False
+    await asyncio.sleep(0.05)
+    if not await _consumers_idle(js, durable, stream):
+        return False
+    if engine is None:
+        return True
+    return int(await scalar(engine, "SELECT count(*) FROM eop.retries WHERE parked")) == 0
+
+
+async def _consumers_idle(js: Any, durable: str, stream: str) -> bool:
+    """Whether ``durable``'s consumers have nothing pending and nothing awaiting an ack."""
     try:
         infos = [
             info
@@ -138,11 +155,7 @@ async def drained(
         ]
     except Exception:
         return False
-    if not infos or any(info.num_pending or info.num_ack_pending for info in infos):
-        return False
-    if engine is None:
-        return True
-    return int(await scalar(engine, "SELECT count(*) FROM eop.retries WHERE parked")) == 0
+    return bool(infos) and not any(info.num_pending or info.num_ack_pending for info in infos)
 
 
 @contextlib.asynccontextmanager

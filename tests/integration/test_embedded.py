@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -181,3 +186,39 @@ def test_servers_orphaned_by_a_killed_run_are_reaped_by_the_next() -> None:
     with NatsServer():
         assert not scratch_owners.alive(orphan_pid)
         assert not scratch.exists()
+
+
+async def probe_exports(exports: dict[str, str]) -> str:
+    """Use both servers of ``exports``; PostgreSQL's data directory."""
+    nc = await nats.connect(exports["EOP_NATS_URL"], connect_timeout=5)
+    await nc.jetstream().account_info()
+    await nc.close()
+    engine = create_async_engine(exports["EOP_DATABASE_URL"])
+    async with engine.connect() as conn:
+        data_dir = (await conn.execute(sa.text("SHOW data_directory"))).scalar_one()
+    await engine.dispose()
+    return str(data_dir)
+
+
+def test_python_m_embedded_serves_both_until_sigterm() -> None:
+    """``python -m eop.tools.embedded`` prints working EOP_* exports; SIGTERM stops both
+    servers and removes their data (exit 0)."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "eop.tools.embedded"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert child.stdout is not None
+        lines = [child.stdout.readline() for _ in range(2)]
+        exports = dict(line.removeprefix("export ").strip().split("=", 1) for line in lines)
+        data_dir = Path(asyncio.run(probe_exports(exports)))
+        assert data_dir.exists()
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(60) == 0
+        assert not data_dir.exists()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
