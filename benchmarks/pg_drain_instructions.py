@@ -26,10 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import pwd
-import re
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -37,17 +33,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import asyncpg
+import pg_instructions  # this folder's: the callgrind postmaster of both counts
 
 from eop.pg import migrate
 from eop.tools import embedded
 from eop.tools.bench import harness, runner, runs
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class _Counted:
@@ -75,58 +65,34 @@ class _Counted:
             migrate.upgrade(template.url)
         finally:
             template.close()
-        port = _free_port()
-        command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.%p"]
-        command += [str(embedded.postgres_bin_dir() / "postgres"), "-D", str(data)]
-        command += ["-p", str(port), "-k", str(tmp), "-c", "listen_addresses=127.0.0.1"]
-        command += ["-c", f"fsync={'on' if fsync else 'off'}", "-c", "track_commit_timestamp=on"]
-        for name, value in (pg_settings or {}).items():
-            command += ["-c", f"{name}={value}"]
-        owner = pwd.getpwuid(data.stat().st_uid).pw_name
-        if os.geteuid() == 0 and owner != "root":  # PostgreSQL refuses to run as root
-            command = ["runuser", "-u", owner, "--", *command]
-        with (tmp / "postgres.log").open("w") as log:
-            server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
+        port = embedded.free_port()
+        settings = {"listen_addresses": "127.0.0.1", "fsync": "on" if fsync else "off"}
+        settings |= {"track_commit_timestamp": "on", **(pg_settings or {})}
+        log = tmp / "postgres.log"
+        with pg_instructions.callgrind_postmaster(
+            data, f"{tmp}/cg.%p", port, tmp, settings, log
+        ) as server:
             asyncio.run(_until_up(port, server))
             postmaster = int((data / "postmaster.pid").read_text().split()[0])
             with embedded.NatsServer() as nats_server:
                 url = f"postgresql+asyncpg://postgres@127.0.0.1:{port}/postgres"
                 yield harness.Servers(tmp, nats_server.url, url, (nats_server.pid, postmaster))
-        finally:
-            # A fast shutdown, sent to the postmaster itself (runuser does not pass it on):
-            # every process writes its profile as it exits.
-            with contextlib.suppress(OSError, ValueError):
-                pid = int((data / "postmaster.pid").read_text().split()[0])
-                os.kill(pid, signal.SIGINT)
-            server.wait(timeout=600)
         self.total = _totals(tmp)
 
 
 async def _until_up(port: int, server: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            conn = await asyncpg.connect(
-                host="127.0.0.1", port=port, user="postgres", database="postgres"
-            )
-        except (OSError, asyncpg.PostgresError):
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise
-            await asyncio.sleep(0.5)
-        else:
-            await conn.close()
-            return
+    conn = await pg_instructions.connect_when_up(server, "127.0.0.1", port)
+    await conn.close()
 
 
 def _totals(folder: Path) -> int:
     """The instructions of every process's profile in ``folder``."""
     total = 0
     for path in folder.glob("cg.*"):
-        found = re.search(r"^(?:totals|summary): (\d+)", path.read_text(), re.MULTILINE)
-        if found is None:
+        count = pg_instructions.profile_total(path)
+        if count is None:
             raise SystemExit(f"no count in {path}")
-        total += int(found.group(1))
+        total += count
     return total
 
 

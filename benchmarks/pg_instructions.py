@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import os
 import pwd
@@ -78,6 +79,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import asyncpg
@@ -296,6 +298,53 @@ def _count(template: Path, shape: str, transactions: int, folder: Path, handler:
     return int(found.group(1))
 
 
+@contextlib.contextmanager
+def callgrind_postmaster(
+    data: Path, out: str, port: int, socket_dir: Path, settings: Mapping[str, str], log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A postmaster on ``data`` under callgrind, run as the data directory's owner, every
+    process it starts followed (each writes its profile to ``out``, ``%p`` its pid, as it
+    exits); a fast shutdown at exit, waited for."""
+    postgres = embedded.postgres_bin_dir() / "postgres"
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", str(postgres)]
+    command += ["-D", str(data), "-p", str(port), "-k", str(socket_dir)]
+    for name, value in settings.items():
+        command += ["-c", f"{name}={value}"]
+    owner = pwd.getpwuid(data.stat().st_uid).pw_name
+    if os.geteuid() == 0 and owner != "root":  # PostgreSQL refuses to run as root
+        command = ["runuser", "-u", owner, "--", *command]
+    with log.open("w") as log_file:
+        server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        yield server
+    finally:
+        # Sent to the postmaster itself: runuser does not pass a signal on.
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((data / "postmaster.pid").read_text().split()[0]), signal.SIGINT)
+        server.wait(timeout=600)
+
+
+async def connect_when_up(
+    server: subprocess.Popen[bytes], host: str, port: int
+) -> asyncpg.Connection:
+    """A connection to ``server`` once it accepts one (a postmaster under callgrind takes
+    seconds to start)."""
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            return await asyncpg.connect(host=host, port=port, user="postgres", database="postgres")
+        except (OSError, asyncpg.PostgresError):
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise
+            await asyncio.sleep(0.5)
+
+
+def profile_total(path: Path) -> int | None:
+    """The instructions callgrind counted in the profile ``path``; None until it is whole."""
+    found = re.search(r"^(?:totals|summary): (\d+)", path.read_text(), re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
 async def _wire_batches(conn: asyncpg.Connection, shape: str, transactions: int) -> None:
     """Send ``transactions`` batches of ``shape`` as the consumer it names sends them."""
     t, epoch = models.tables("eop"), (SUBSCRIPTION, STREAM, EPOCH)
@@ -344,52 +393,29 @@ def _wire_count(template: Path, shape: str, transactions: int, folder: Path) -> 
     ``transactions`` of ``shape``, its server's postmaster run under callgrind."""
     data = folder / f"wire-{shape}-{transactions}"
     subprocess.run(["cp", "-a", str(template), str(data)], check=True)
-    owner = pwd.getpwuid(template.stat().st_uid).pw_name
-    postgres = embedded.postgres_bin_dir() / "postgres"
-    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={data}.%p", str(postgres)]
-    command += ["-D", str(data), "-p", str(_WIRE_PORT), "-k", str(folder)]
-    command += ["-c", "listen_addresses=", "-c", "fsync=off", "-c", "autovacuum=off"]
-    if os.geteuid() == 0 and owner != "root":
-        command = ["runuser", "-u", owner, "--", *command]
-    log = (folder / f"wire-{shape}-{transactions}.log").open("w")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    settings = {"listen_addresses": "", "fsync": "off", "autovacuum": "off"}
 
-    async def session() -> int:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                conn = await asyncpg.connect(
-                    host=str(folder), port=_WIRE_PORT, user="postgres", database="postgres"
-                )
-                break
-            except (OSError, asyncpg.PostgresError):
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise
-                await asyncio.sleep(0.5)
+    async def session(server: subprocess.Popen[bytes]) -> int:
+        conn = await connect_when_up(server, str(folder), _WIRE_PORT)
         pid = int(await conn.fetchval("SELECT pg_backend_pid()"))
         await _wire_batches(conn, shape, transactions)
         await conn.close()
         return pid
 
-    try:
-        pid = asyncio.run(session())
-    finally:
-        # A fast shutdown, sent to the postmaster itself (runuser does not pass it on):
-        # every process writes its profile as it exits.
-        postmaster = int((data / "postmaster.pid").read_text().split()[0])
-        os.kill(postmaster, signal.SIGINT)
-        server.wait(timeout=300)
-        log.close()
+    log = folder / f"wire-{shape}-{transactions}.log"
+    with callgrind_postmaster(data, f"{data}.%p", _WIRE_PORT, folder, settings, log) as server:
+        pid = asyncio.run(session(server))
     out = Path(f"{data}.{pid}")
+    total = None
     for _ in range(100):  # the backend writes its profile as it exits
-        if out.exists() and "totals:" in out.read_text():
+        total = profile_total(out) if out.exists() else None
+        if total is not None:
             break
         time.sleep(0.1)
-    found = re.search(r"^(?:totals|summary): (\d+)", out.read_text(), re.MULTILINE)
-    if found is None:
+    if total is None:
         raise SystemExit(f"{shape}: no count in {out}")
     shutil.rmtree(data)
-    return int(found.group(1))
+    return total
 
 
 def main() -> None:
