@@ -446,3 +446,55 @@ def test_postgresqls_cpu_per_message_is_set_beside_the_hand_written_consumers() 
     ]
     assert runner.ratios(rows)["c pg/hand"] == 1.5
     assert ("c pg/hand", "<=", 1.0) in report._TARGETS
+    bounded = dataclasses.replace(_result("hb", 9.0, 2, 52.0), pg_us=10.0)
+    assert runner.ratios([*rows, bounded])["c pg/bounded"] == 1.2
+    assert "hb/hand" not in runner.ratios([*rows, bounded])
+
+
+class _FakeConn:
+    def __init__(self, sent: list[tuple[object, ...]]) -> None:
+        self.sent = sent
+
+    def transaction(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()  # type: ignore[return-value]
+
+    async def execute(self, *args: object) -> None:
+        self.sent.append(args)
+
+
+class _FakePool:
+    def __init__(self) -> None:
+        self.sent: list[tuple[object, ...]] = []
+
+    @contextlib.asynccontextmanager
+    async def acquire(self) -> Any:
+        yield _FakeConn(self.sent)
+
+
+class _FakeJs:
+    def __init__(self) -> None:
+        self.floor = 0
+
+    async def consumer_info(self, stream: str, durable: str) -> Any:
+        return SimpleNamespace(ack_floor=SimpleNamespace(stream_seq=self.floor))
+
+
+async def test_bounded_hand_written_inbox_deletes_up_to_the_ack_floor_every_so_often() -> None:
+    """(hb) deletes nothing before HAND_BOUND_EVERY messages settled; then it deletes the
+    rows above the previous floor and at or below the consumer's ack floor, each range
+    once, and nothing when the floor did not move."""
+    js, pool = _FakeJs(), _FakePool()
+    bound = baselines.HandBound("S", "d")
+    js.floor = 900
+    bound.settled(js, pool, baselines.HAND_BOUND_EVERY - 1)
+    assert bound.running is None
+    bound.settled(js, pool, 1)
+    assert bound.running is not None
+    await bound.running
+    js.floor = 2_100
+    bound.settled(js, pool, baselines.HAND_BOUND_EVERY)
+    await bound.running
+    bound.settled(js, pool, baselines.HAND_BOUND_EVERY)  # the floor stayed at 2,100
+    await bound.running
+    assert [args[1:] for args in pool.sent] == [("S", 0, 900), ("S", 900, 2_100)]
+    assert all(str(args[0]).startswith("DELETE FROM bench_hand_inbox") for args in pool.sent)

@@ -1,30 +1,32 @@
 """``eop bench``: eop's throughput and latency beside the loops it replaces.
 
-One run starts its own nats-server and PostgreSQL (eop.tools.embedded, free ports)
-and measures on them, one after another and each in its own process(es), eop
-beside what a user could write instead: (a) the leanest at-least-once loop
-nats-py allows (no database: the client's ceiling), and (an) the same in as
-many processes as an ``eop worker`` runs by default; (h) a competent
-hand-written exactly-once consumer (batched transactions on asyncpg, a
-multi-row claim, concurrent ack_sync), and (hn) in eop's process count; (b)
-exactly-once written plainly. Then eop at default settings with each handler
-style of the README, in its default process count and in one process (``1``):
-(c, c1) eop.Writes, (o, o1) an async handler's ORM ``session.add``, (s, s1) a
-sync handler's, (k, k1) a batch handler; (d) the --tuned flags with the batch
-handler; (e) the INSERT through ``session.execute`` (a round trip per
-message). Every database run does the same handler work: one INSERT per
-message. Each eop run is printed beside the baselines with as many processes.
-(r) the outbox relay: --relay-messages rows committed first, then published by
-one ``eop relay``, beside (rw) one default ``eop worker`` consuming the same
-messages and (rp) a raw ``publish_async`` loop; (rl) and (rn): commit-to-PubAck
-latency of rows committed one per transaction at --relay-rate, the relay woken
-by NOTIFY (rl) or polling (rn). (f) a poison flood: --flood-messages / 2 messages
-whose handler raises, then as many good ones, through an ``eop worker`` at
-default settings but a 1 s backoff cap, beside (fh) the hand-written consumer
-extended to dead-letter after as many attempts with the same backoff (nak with
-a delay, JetStream's delivery count), in as many processes: the time until
-every good message took effect and until every failing one is dead-lettered,
-and CPU per handler run. ``--runs`` picks runs by key (r: all five, f: both).
+One run starts its own nats-server and PostgreSQL (eop.tools.embedded, free
+ports) and measures on them, one after another and each in its own process(es),
+eop beside what a user could write instead: (a) the leanest at-least-once loop
+nats-py allows (no database: the client's ceiling), and (an) the same in as many
+processes as an ``eop worker`` runs by default; (h) a competent hand-written
+exactly-once consumer (batched transactions on asyncpg, a multi-row claim,
+concurrent ack_sync), and (hn) in eop's process count, and (hb) that one keeping
+its inbox bounded as eop does (a delete below the ack floor every 1,000
+messages); (b) exactly-once written plainly. Then eop at default settings with
+each handler style of the README, in its default process count and in one
+process (``1``): (c, c1) eop.Writes, (o, o1) an async handler's ORM
+``session.add``, (s, s1) a sync handler's, (k, k1) a batch handler; (d) the
+--tuned flags with the batch handler; (e) the INSERT through ``session.execute``
+(a round trip per message). Every database run does the same handler work: one
+INSERT per message. Each eop run is printed beside the baselines with as many
+processes. (r) the outbox relay: --relay-messages rows committed first, then
+published by one ``eop relay``, beside (rw) one default ``eop worker`` consuming
+the same messages and (rp) a raw ``publish_async`` loop; (rl) and (rn):
+commit-to-PubAck latency of rows committed one per transaction at --relay-rate,
+the relay woken by NOTIFY (rl) or polling (rn). (f) a poison flood:
+--flood-messages / 2 messages whose handler raises, then as many good ones,
+through an ``eop worker`` at default settings but a 1 s backoff cap, beside (fh)
+the hand-written consumer extended to dead-letter after as many attempts with
+the same backoff (nak with a delay, JetStream's delivery count), in as many
+processes: the time until every good message took effect and until every failing
+one is dead-lettered, and CPU per handler run. ``--runs`` picks runs by key (r:
+all five, f: both).
 
 Throughput: a backlog is published, then drained; the rate runs from the
 first completion to the last, so start-up is excluded. Latency: then messages

@@ -1,6 +1,6 @@
 """``python -m eop.tools.bench KIND ...``: a child process of the bench.
 
-KIND is ``a``, ``h``, ``hf`` or ``b`` (:mod:`eop.tools.bench.baselines`), ``fan N KIND ...``
+KIND is ``a``, ``h``, ``hb``, ``hf`` or ``b`` (:mod:`eop.tools.bench.baselines`), ``fan N KIND ...``
 (N copies of one of them), ``publish`` or ``relay-polling`` (:mod:`eop.tools.bench.loops`).
 ``python -m eop.tools.bench spark ...`` is the Spark bench (:mod:`eop.tools.bench.spark`).
 """
@@ -30,6 +30,8 @@ elif kind == "a":
     eventloop.run(baselines.lean(*args[:4]))
 elif kind == "h":
     eventloop.run(baselines.handwritten(*args[:4]))
+elif kind == "hb":
+    eventloop.run(baselines.handwritten_bounded(*args[:4]))
 elif kind == "hf":
     eventloop.run(baselines.handwritten_flood(*args[:7]))
 else:

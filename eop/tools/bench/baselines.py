@@ -13,6 +13,14 @@ of the batch at once; as many batches in flight per process as eop's default
 ``concurrency / batch`` (128 / 64 = 2), each on a subscription and a connection
 of its own.
 
+(hb) (h) keeping its inbox bounded, as a user who bounds it would: after every
+:data:`HAND_BOUND_EVERY` messages a process settled (eop's default
+``compaction_after_messages``), it reads the consumer's ack floor and deletes
+the inbox rows above the floor it read the time before and at or below this
+one, by key range, in a transaction of its own. JetStream never redelivers a
+message at or below the ack floor, so those rows guard nothing; (h)'s inbox
+grows without end, as eop's must not.
+
 (b) exactly-once written plainly: per message one transaction through an
 SQLAlchemy session (claim, INSERT), then one sequential ``ack_sync``.
 
@@ -56,6 +64,9 @@ HAND_BATCH = 64
 """Messages per fetch (and per transaction) of (h) and (b), as eop's default ``batch``."""
 HAND_IN_FLIGHT = 2
 """Batches in flight per process of (h): eop's default ``concurrency / batch``."""
+HAND_BOUND_EVERY = 1_000
+"""Messages a process of (hb) settles between two deletes of its inbox's rows: eop's
+default ``compaction_after_messages``."""
 
 _NAIVE_CLAIM = sa.text(
     "INSERT INTO bench_naive_inbox (stream, seq) VALUES (:st, :s) "
@@ -65,6 +76,7 @@ _HAND_CLAIM = (
     "INSERT INTO bench_hand_inbox (stream, seq) SELECT $1, unnest($2::bigint[]) "
     "ON CONFLICT DO NOTHING RETURNING seq"
 )
+_HAND_BOUND = "DELETE FROM bench_hand_inbox WHERE stream = $1 AND seq > $2 AND seq <= $3"
 _HAND_INSERT = "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)"
 _HAND_DEAD = (
     "INSERT INTO bench_hand_dead (stream, seq, subject, payload, error, traceback, delivered)"
@@ -159,10 +171,10 @@ async def _hand_batches(
     database_url: str,
     stream: str,
     durable: str,
-    settle: Callable[[Any, list[Any]], Awaitable[None]],
+    settle: Callable[[Any, Any, list[Any]], Awaitable[None]],
 ) -> None:
-    """(h)'s and (fh)'s loop, until SIGTERM: :data:`HAND_IN_FLIGHT` subscriptions, each
-    fetching :data:`HAND_BATCH` at a time and handing them to ``settle(pool, msgs)``."""
+    """(h)'s, (hb)'s and (fh)'s loop, until SIGTERM: :data:`HAND_IN_FLIGHT` subscriptions,
+    each fetching :data:`HAND_BATCH` at a time and handing them to ``settle(js, pool, msgs)``."""
     import nats.errors
 
     stop = _stop_on_sigterm()
@@ -175,29 +187,74 @@ async def _hand_batches(
                 msgs = await sub.fetch(HAND_BATCH, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
-            await settle(pool, msgs)
+            await settle(js, pool, msgs)
 
     await asyncio.gather(*(batches() for _ in range(HAND_IN_FLIGHT)))
     await nc.close()
     await pool.close()
 
 
+async def _hand_settle(pool: Any, stream: str, durable: str, msgs: list[Any]) -> None:
+    """(h)'s batch: claim, INSERT the claimed messages' rows, COMMIT, then ack them all."""
+    metas = [m.metadata for m in msgs]
+    async with pool.acquire() as conn, conn.transaction():
+        seqs = [meta.sequence.stream for meta in metas]
+        claimed = {row[0] for row in await conn.fetch(_HAND_CLAIM, stream, seqs)}
+        rows = [
+            (durable, meta.sequence.stream, meta.timestamp)
+            for meta in metas
+            if meta.sequence.stream in claimed
+        ]
+        if rows:
+            await conn.executemany(_HAND_INSERT, rows)
+    await asyncio.gather(*(m.ack_sync(timeout=5.0) for m in msgs))
+
+
 async def handwritten(nats_url: str, database_url: str, stream: str, durable: str) -> None:
     """(h): batched exactly-once on asyncpg, until SIGTERM."""
 
-    async def settle(pool: Any, msgs: list[Any]) -> None:
-        metas = [m.metadata for m in msgs]
-        async with pool.acquire() as conn, conn.transaction():
-            seqs = [meta.sequence.stream for meta in metas]
-            claimed = {row[0] for row in await conn.fetch(_HAND_CLAIM, stream, seqs)}
-            rows = [
-                (durable, meta.sequence.stream, meta.timestamp)
-                for meta in metas
-                if meta.sequence.stream in claimed
-            ]
-            if rows:
-                await conn.executemany(_HAND_INSERT, rows)
-        await asyncio.gather(*(m.ack_sync(timeout=5.0) for m in msgs))
+    async def settle(_js: Any, pool: Any, msgs: list[Any]) -> None:
+        await _hand_settle(pool, stream, durable, msgs)
+
+    await _hand_batches(nats_url, database_url, stream, durable, settle)
+
+
+class HandBound:
+    """(hb)'s bound on its inbox, in one process: after every :data:`HAND_BOUND_EVERY`
+    messages settled, the rows above the ack floor read the time before and at or below
+    the one read now go, in a transaction of their own, beside the batches (as eop's
+    compaction runs beside its handlers)."""
+
+    def __init__(self, stream: str, durable: str) -> None:
+        self.stream, self.durable = stream, durable
+        self.since = 0
+        self.floor = 0
+        self.running: asyncio.Task[None] | None = None
+
+    def settled(self, js: Any, pool: Any, count: int) -> None:
+        """Count ``count`` messages settled; start a delete when enough were, and none runs."""
+        self.since += count
+        if self.since >= HAND_BOUND_EVERY and (self.running is None or self.running.done()):
+            self.since = 0
+            self.running = asyncio.ensure_future(self.delete_below_floor(js, pool))
+
+    async def delete_below_floor(self, js: Any, pool: Any) -> None:
+        """Delete the inbox's rows up to the consumer's ack floor, from the last floor on."""
+        info = await js.consumer_info(self.stream, self.durable)
+        floor = int(info.ack_floor.stream_seq) if info.ack_floor else 0
+        if floor > self.floor:
+            async with pool.acquire() as conn, conn.transaction():
+                await conn.execute(_HAND_BOUND, self.stream, self.floor, floor)
+            self.floor = floor
+
+
+async def handwritten_bounded(nats_url: str, database_url: str, stream: str, durable: str) -> None:
+    """(hb): (h) keeping its inbox bounded (:class:`HandBound`), until SIGTERM."""
+    bound = HandBound(stream, durable)
+
+    async def settle(js: Any, pool: Any, msgs: list[Any]) -> None:
+        await _hand_settle(pool, stream, durable, msgs)
+        bound.settled(js, pool, len(msgs))
 
     await _hand_batches(nats_url, database_url, stream, durable, settle)
 
@@ -283,7 +340,7 @@ async def handwritten_flood(
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s")
     attempts, base_s, max_s = int(max_attempts), float(backoff_base_s), float(backoff_max_s)
 
-    async def settle(pool: Any, msgs: list[Any]) -> None:
+    async def settle(_js: Any, pool: Any, msgs: list[Any]) -> None:
         async with pool.acquire() as conn:
             failed = await _flood_transaction(conn, stream, durable, msgs, attempts)
         unsettled = {id(m) for m in failed}

@@ -157,7 +157,7 @@ async def measure(
     warm = min(bench.options.warm_messages, messages)
     try:
         # (a) keeps two pull requests waiting per process, (h) one per batch in flight.
-        await bench.warm(run, child, processes * (2 if run.loop in ("a", "h") else 1))
+        await bench.warm(run, child, processes * (2 if run.loop in ("a", "h", "hb") else 1))
         if warm:
             await bench.publish(run, warm)
             await bench.drain(run, child, warm, f"({run.key}) warming up")

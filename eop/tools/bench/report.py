@@ -132,7 +132,7 @@ def _runs(report: dict[str, Any]) -> list[str]:
 def _pg_parts(runs: list[dict[str, Any]]) -> list[str]:
     """PostgreSQL's CPU a message of the hand-written and eop.Writes runs, by its processes:
     what the client connections' backends did, apart from the WAL writer and vacuum."""
-    shown = [r for r in runs if r["key"] in ("h", "hn", "c1", "c") and r.get("pg_parts_us")]
+    shown = [r for r in runs if r["key"] in _PG_PARTS_OF and r.get("pg_parts_us")]
     if not shown:
         return []
     lines = ["", f"{'pg us/msg by process':<34}" + "".join(f"{p:>12}" for p in pgparts.PARTS)]
@@ -143,7 +143,8 @@ def _pg_parts(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-_SHOWN = ("c/b", "c/h", "o1/c1", "s1/c1", "k/c", "k1/c1")
+_PG_PARTS_OF = ("h", "hn", "hb", "c1", "c")
+_SHOWN = ("c/b", "c/h", "c pg/bounded", "o1/c1", "s1/c1", "k/c", "k1/c1")
 _TARGETS: tuple[tuple[str, str, float], ...] = (
     ("c cpu/lean", "<=", 4.0),
     ("o/c", ">=", 0.8),

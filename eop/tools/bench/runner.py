@@ -47,7 +47,8 @@ def ratios(results: list[measurement.Result]) -> dict[str, float]:
     hand-written consumer's with as many processes as X had; ``X cpu/lean``:
     X's CPU per message over the lean loop's; ``X pg/hand`` and ``X p99/hand``:
     its PostgreSQL CPU per message and its p99 latency over that hand-written
-    consumer's. Also ``c/h`` (eop's default process count against one
+    consumer's; ``X pg/bounded``: the same over the hand-written consumer that
+    keeps its inbox bounded (hb), as eop does. Also ``c/h`` (eop's default process count against one
     hand-written process, as users compare; shown, no target rests on it) and
     ``c/b`` (the naive loop).
     """
@@ -59,7 +60,7 @@ def ratios(results: list[measurement.Result]) -> dict[str, float]:
             out[name] = x / y
 
     for r in results:
-        if r.key in ("a", "an", "b", "h", "hn"):
+        if r.key in ("a", "an", "b", "h", "hn", "hb"):
             continue
         lean = next(
             (b for b in results if b.key in ("a", "an") and b.processes == r.processes), None
@@ -74,6 +75,9 @@ def ratios(results: list[measurement.Result]) -> dict[str, float]:
             put(f"{r.key}/hand", r.rate, hand.rate)
             put(f"{r.key} pg/hand", r.pg_us, hand.pg_us)
             put(f"{r.key} p99/hand", r.p99_ms, hand.p99_ms)
+        bounded = next((b for b in results if b.key == "hb" and b.processes == r.processes), None)
+        if bounded is not None:
+            put(f"{r.key} pg/bounded", r.pg_us, bounded.pg_us)
     for x, y in STYLES:
         if x in by_key and y in by_key:
             put(f"{x}/{y}", by_key[x].rate, by_key[y].rate)
