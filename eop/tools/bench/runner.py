@@ -48,9 +48,9 @@ def ratios(results: list[measurement.Result]) -> dict[str, float]:
     X's CPU per message over the lean loop's; ``X pg/hand`` and ``X p99/hand``:
     its PostgreSQL CPU per message and its p99 latency over that hand-written
     consumer's; ``X pg/bounded``: the same over the hand-written consumer that
-    keeps its inbox bounded (hb), as eop does. Also ``c/h`` (eop's default process count against one
-    hand-written process, as users compare; shown, no target rests on it) and
-    ``c/b`` (the naive loop).
+    keeps its inbox bounded (hb), as eop does. Also ``c/h`` (eop's default
+    process count against one hand-written process, as users compare; shown, no
+    target rests on it) and ``c/b`` (the naive loop).
     """
     by_key = {r.key: r for r in results}
     out: dict[str, float] = {}
