@@ -371,11 +371,17 @@ class Bench:
             return 0, 0
         return int(info.ack_floor.stream_seq), int(info.num_ack_pending)
 
-    async def drain(self, run: runs.Run, child: Child, target: int, label: str) -> Drained:
+    async def drain(
+        self, run: runs.Run, child: Child, target: int, label: str, cpu_since: Cpu | None = None
+    ) -> Drained:
         """Wait until every sequence up to ``target`` is acked.
 
         Returns the rate seen since the first ack, and the CPU time per message
-        meanwhile of the child and of the servers.
+        of the child and of the servers: since ``cpu_since`` (read just before a
+        paused consumer was resumed) over every message of the drain, else since
+        the first ack was seen. A drain shorter than a few polls (the lean
+        loops', a sixth of a second) left most of its work before the first
+        poll that saw an ack, and its CPU a message read a fifth of the truth.
         """
         base, _ = await self.acked(run)
         first: tuple[float, int, Cpu] | None = None
@@ -390,6 +396,8 @@ class Bench:
             self.progress.show(label, floor - base, target - base, rate)
             if floor >= target and pending == 0:
                 self.progress.end()
+                if cpu_since is not None:
+                    return Drained(rate, cpu_since.per_message_us(self.cpu(child), floor - base))
                 if first is None:
                     return Drained(rate, Cpu(None, None, None))
                 return Drained(rate, first[2].per_message_us(self.cpu(child), floor - first[1]))

@@ -149,7 +149,8 @@ async def measure(
     thousands of messages to get there, the hand-written consumer's 2 a few
     batches, and a drain that started cold charged that difference to eop's
     CPU a message. Then the consumer is paused, the backlog published and the
-    consumer resumed: every process drains it warm, from the start.
+    consumer resumed: every process drains it warm, from the start, and the
+    CPU a message counts from the resume to the last ack.
     """
     argv = bench.command(run, extra)
     processes = run_processes(run, extra)
@@ -163,8 +164,10 @@ async def measure(
             await bench.drain(run, child, warm, f"({run.key}) warming up")
         await bench.pause(run, True)
         await bench.publish(run, messages)
+        since = bench.cpu(child)
         await bench.pause(run, False)
-        drained = await bench.drain(run, child, warm + messages, f"({run.key}) {run.label}")
+        label = f"({run.key}) {run.label}"
+        drained = await bench.drain(run, child, warm + messages, label, cpu_since=since)
         load = max(1.0, bench.options.latency_load * drained.rate)
         sent, paced = await bench.publish_paced(run, load, bench.options.latency_s)
         await bench.drain(run, child, warm + messages + sent, f"({run.key}) latency drain")
