@@ -157,8 +157,7 @@ async def measure(
     child = harness.Child(argv, bench.tmp / f"{run.key}.log")
     warm = min(bench.options.warm_messages, messages)
     try:
-        # (a) keeps two pull requests waiting per process, (h) one per batch in flight.
-        await bench.warm(run, child, processes * (2 if run.loop in ("a", "h", "hb") else 1))
+        await bench.warm(run, child, processes * run.pulls_waiting)
         if warm:
             await bench.publish(run, warm)
             await bench.drain(run, child, warm, f"({run.key}) warming up")

@@ -195,7 +195,7 @@ async def _profile(
     child = harness.Child(argv, bench.tmp / f"{run_.key}.pgprofile.log")
     inbox_left: int | None = None
     try:
-        await bench.warm(run_, child, processes * (2 if run_.loop in ("a", "h", "hb") else 1))
+        await bench.warm(run_, child, processes * run_.pulls_waiting)
         await bench.pause(run_, True)
         await bench.publish(run_, messages)
         await counter.clean_slate()

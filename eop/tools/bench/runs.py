@@ -106,6 +106,12 @@ class Run:
         """The one subject of the run's stream."""
         return self.stream.lower().replace("_", ".")
 
+    @property
+    def pulls_waiting(self) -> int:
+        """Pull requests each of the run's processes keeps waiting at the server once
+        started: (a) two, (h) and (hb) one per batch in flight (two), an eop worker one."""
+        return 2 if self.loop in ("a", "h", "hb") else 1
+
 
 _N = PROCESSES
 _ONE = "--processes 1"
