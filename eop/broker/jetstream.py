@@ -163,6 +163,8 @@ class StreamEpochs:
         self._as_of: dict[str, datetime.datetime] = {}
         self._first_seq: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._ahead: set[asyncio.Task[str | None]] = set()
+        """Readings started by :meth:`read_ahead`, kept until they end."""
 
     def first_seq(self, stream: str) -> int:
         """The stream's first sequence at the last reading (1 if never read)."""
@@ -182,6 +184,32 @@ class StreamEpochs:
             if created <= stored_at:
                 return epoch
         return None
+
+    def read_ahead(self, stream: str, stored_at: datetime.datetime | None) -> None:
+        """Start the reading that a message stored at ``stored_at`` will wait for, now.
+
+        At a steady rate every fetched batch holds messages newer than the last
+        reading, so each batch reads the epochs again before its claim: a round
+        trip to the server inside every message's latency. A fetch loop calls
+        this as soon as its fetch returns, so that the reading runs while the
+        batch's task is still being scheduled; the batch's own :meth:`epoch_of`
+        then waits for it (the stream's lock) and finds it current. Nothing is
+        started while a reading is under way (the batch waits for that one and
+        checks again) or when the message is older than the last reading. A
+        failed reading is the batch's to retry, and to report.
+        """
+        if stored_at is None or stream not in self._history or stored_at <= self._as_of[stream]:
+            return
+        if self._locks.setdefault(stream, asyncio.Lock()).locked():
+            return
+        task = asyncio.create_task(self.epoch_of(stream, stored_at))
+        self._ahead.add(task)
+        task.add_done_callback(self._ahead_done)
+
+    def _ahead_done(self, task: asyncio.Task[str | None]) -> None:
+        self._ahead.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the batch that needs the reading reports a failure
 
     async def _refresh_retried(self, stream: str) -> None:
         """:meth:`refresh`, asked again while nobody answers for the stream.

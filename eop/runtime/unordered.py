@@ -6,7 +6,8 @@ Each pull asks for as many messages as there are free slots (up to
 transaction per message without ``batch_transactions``
 (:meth:`eop.runtime.inflight.InFlight.process`). A failed fetch is retried
 after a growing wait, and when the consumer or its stream is gone they are
-provisioned again.
+provisioned again. As soon as a fetch returns, the epochs its newest message
+needs are read ahead (:meth:`eop.broker.jetstream.StreamEpochs.read_ahead`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Unordered:
         spec: HandlerSpec,
         sub: fetcher.Fetcher,
         proc: processor.Processor,
+        epochs: jetstream.StreamEpochs,
     ) -> None:
         self._flight = flight
         self._app = app
@@ -56,6 +58,7 @@ class Unordered:
         self._spec = spec
         self._sub = sub
         self._proc = proc
+        self._epochs = epochs
 
     async def run(self) -> None:
         """Fetch and process until the worker stops."""
@@ -76,6 +79,9 @@ class Unordered:
                 failures += 1
                 await self._recover(exc, failures)
             received_at = time.monotonic()
+            if msgs:
+                newest = msgs[-1].metadata
+                self._epochs.read_ahead(newest.stream, newest.timestamp)
             flight.leases.hold(msgs, proc.ack_wait_s, at=received_at)
             flight.slots.give(wanted - len(msgs))
             groups = [msgs] if settings.batch_transactions else [[m] for m in msgs]

@@ -315,7 +315,7 @@ class Worker(hosting.Hosted):
             else:
                 sub = await wait.bind(nc, js, spec)
                 fetching = unordered.Unordered(
-                    self._flight, self.app, transforms, js, spec, sub, proc
+                    self._flight, self.app, transforms, js, spec, sub, proc, epochs
                 )
                 loops.append(asyncio.create_task(fetching.run()))
             if proc.parks:
