@@ -10,8 +10,10 @@ commits meanwhile (``pg_stat_database.xact_commit``, eop's few own
 transactions included), the messages a commit, and the p50 and p99 of each
 message's time from its store in the stream to its transaction's commit
 (``pg_xact_commit_timestamp``). A worker that runs many transactions of a few
-messages under a moderate load shows it here: few messages a commit, and a
-latency that grows with the rate long before the worker is busy.
+messages under a moderate load shows it here: few messages a commit, each
+batch paying its own round trips, and a latency that grows with the rate as
+those round trips fill the machine (BENCHMARKS.md, "What a message costs at
+a steady rate").
 """
 
 from __future__ import annotations
