@@ -22,6 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from eop.app import App
+from eop.broker.jetstream import StreamEpochs
 from eop.handler import HandlerSpec
 from eop.ordering import heads, keys, ownership, share
 from eop.pg.store import PostgresStore
@@ -52,6 +53,7 @@ class Lanes:
         proc: processor.Processor,
         store: PostgresStore,
         patience: startup.Patience,
+        epochs: StreamEpochs | None = None,
     ) -> share.OrderedRunner:
         """The runner of an ordered handler's partitions in this process, prepared."""
         flight = self._flight
@@ -76,6 +78,7 @@ class Lanes:
             stopping=flight.stopping,
             observer=flight.observer,
             blocked=self.blocked,
+            epochs=epochs,
             noted=proc.misconfigured.noting(
                 f"the partition ownership of handler {spec.name!r}", settings
             ),

@@ -136,8 +136,12 @@ class OrderedRunner:
         observer: observe.Observer,
         blocked: keys.BlockedKeys,
         noted: background.Noted | None = None,
+        epochs: jetstream.StreamEpochs | None = None,
     ) -> None:
         self.spec = spec
+        self._epochs = epochs
+        """Told of each fetch's newest message, to read the stream's epochs ahead of the
+        messages that need them (:meth:`eop.broker.jetstream.StreamEpochs.read_ahead`)."""
         self._noted = noted
         """Told of each failed tick: the worker counts the failures only a change of
         configuration ends (a pooler losing prepared statements fails every tick, and a
@@ -353,6 +357,7 @@ class OrderedRunner:
             self._give_slots(wanted - len(msgs))
             if not msgs:
                 continue
+            self._read_ahead(msgs[-1])
             if strip:
                 # The stream put the partition in front of the subject; the handler sees
                 # the subject as it was published.
@@ -360,6 +365,11 @@ class OrderedRunner:
                     msg.subject = msg.subject.partition(".")[2]
             part.inflight += len(msgs)
             self._dispatch([self._counted(part, m) for m in msgs], received_at, part)
+
+    def _read_ahead(self, newest: Msg) -> None:
+        if self._epochs is not None:
+            meta = newest.metadata
+            self._epochs.read_ahead(meta.stream, meta.timestamp)
 
     @staticmethod
     def _counted(part: Partition, msg: Msg) -> Delivery:

@@ -298,7 +298,7 @@ class Worker(hosting.Hosted):
             await wait.streams(js, [self.app.stream_spec(spec.stream)], transforms)
             floor = names = None
             if spec.order_by is not None:
-                runner = await self._lanes.add(self.app, nc, js, spec, proc, store, wait)
+                runner = await self._lanes.add(self.app, nc, js, spec, proc, store, wait, epochs)
                 floor, names = runner.floor, runner.owners.consumers
             compactor = compaction.Compactor(
                 js,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
 from collections.abc import Sequence
 
 from eop import testing
@@ -181,3 +182,51 @@ async def _no_slots() -> int:
 
 async def _handler(msg: object, session: object) -> None:
     return None
+
+
+class _OneFetch:
+    """A partition's subscription whose first fetch returns ``msgs``, then nothing."""
+
+    def __init__(self, msgs: list[object]) -> None:
+        self.msgs = msgs
+
+    async def fetch(self, batch: int, timeout_s: float) -> list[object]:
+        msgs, self.msgs = self.msgs, []
+        return msgs
+
+
+class _Ahead:
+    def __init__(self) -> None:
+        self.read: list[tuple[str, object]] = []
+
+    def read_ahead(self, stream: str, stored_at: object) -> None:
+        self.read.append((stream, stored_at))
+
+
+async def test_a_partitions_fetch_reads_the_epochs_ahead_for_its_newest_message() -> None:
+    """As the unordered loop does, a partition's fetch loop starts the epochs' reading its
+    newest message needs as soon as the fetch returns (StreamEpochs.read_ahead)."""
+    ahead = _Ahead()
+    slots = iter([8, 0])
+
+    async def take_slots() -> int:
+        return next(slots)
+
+    runner = _runner(_FakeOwners())
+    runner._epochs = ahead  # type: ignore[assignment]  # records the calls
+    runner._take_slots = take_slots
+    stored = [f"2026-01-01T00:00:0{i}" for i in range(3)]
+    msgs = [
+        types.SimpleNamespace(
+            subject=f"s.{i}",
+            metadata=types.SimpleNamespace(
+                stream="S", timestamp=at, sequence=types.SimpleNamespace(stream=i + 1)
+            ),
+        )
+        for i, at in enumerate(stored)
+    ]
+    part = share.Partition(0, 1, None, consumer="d-p0-e1")
+    part.sub = _OneFetch(msgs)  # type: ignore[assignment]
+    part.room.set()
+    await runner._fetch_loop(part)
+    assert ahead.read == [("S", stored[-1])]
