@@ -67,9 +67,10 @@ async def publish_orders(js: Any, first: int, last: int) -> dict[str, int]:
 
 
 async def dead_letters(engine: AsyncEngine) -> list[tuple[int, str]]:
-    """(sequence, reason) of every dead letter."""
+    """(sequence, reason) of every dead letter, by sequence: a job's partitions commit in
+    whatever order Spark finishes them (a letter twice still shows twice)."""
     async with engine.connect() as conn:
-        query = "SELECT stream_seq, reason FROM eop.dead_letters ORDER BY id"
+        query = "SELECT stream_seq, reason FROM eop.dead_letters ORDER BY stream_seq, id"
         return [(int(s), r) for s, r in await conn.execute(sa.text(query))]
 
 
