@@ -19,7 +19,7 @@ The shapes, each a transaction per batch (BEGIN, the claim, COMMIT):
 
 - ``hand``: the hand-written consumer's claim (``eop bench``'s (h)), a table of
   (stream, seq);
-- ``eop``: eop's claim as it sends it (:func:`eop.pg.sql.inbox.claim_driver_text`):
+- ``eop``: eop's claim as it sends it (:func:`eop.pg.sql.claim.claim_driver_text`):
   since ``eop_0011`` into the inbox keyed by (lane, stream_seq), the lane and
   the watermark read from the watermark row once;
 - ``eop-nowm``: the same without the watermark condition (what comparing with
@@ -88,6 +88,7 @@ from sqlalchemy.dialects import postgresql
 
 from eop.pg import direct, migrate, models
 from eop.pg.sql import base as base_sql
+from eop.pg.sql import claim as claim_sql
 from eop.pg.sql import inbox as inbox_sql
 from eop.tools import embedded
 
@@ -133,7 +134,7 @@ _WIRE_PORT = 5499
 
 
 def _claim(shape: str) -> str:
-    text = inbox_sql.claim_driver_text("eop")
+    text = claim_sql.claim_driver_text("eop")
     if shape == "eop-nowm":
         text = text[: text.index(" WHERE i.stream_seq >")]
         text += " ON CONFLICT DO NOTHING RETURNING stream_seq"
@@ -356,7 +357,7 @@ async def _wire_batches(conn: asyncpg.Connection, shape: str, transactions: int)
                 claimed = await conn.fetch(_HAND, STREAM, seqs)
             else:
                 await conn.execute(_TIMEOUTS)  # no arguments: a simple query, as eop sends it
-                arguments = inbox_sql.claim_arguments(
+                arguments = claim_sql.claim_arguments(
                     SUBSCRIPTION,
                     STREAM,
                     "processed",
@@ -366,7 +367,7 @@ async def _wire_batches(conn: asyncpg.Connection, shape: str, transactions: int)
                     [1] * BATCH,
                     [None] * BATCH,
                 )
-                claimed = await conn.fetch(inbox_sql.claim_driver_text("eop"), *arguments)
+                claimed = await conn.fetch(claim_sql.claim_driver_text("eop"), *arguments)
             if len(claimed) != BATCH:  # a shape that claims nothing counts nothing worth having
                 raise SystemExit(f"{shape}: claimed {len(claimed)} of a batch of {BATCH}")
             effects = [(SUBSCRIPTION, seq, now) for seq in seqs]

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from eop.outbox import table as outbox
 from eop.pg import direct, models, session_guard
 from eop.pg.failures import INFRASTRUCTURE, DbFailure, classify
-from eop.pg.sql import inbox as inbox_sql
+from eop.pg.sql import claim as claim_sql
 from eop.pg.sql_transaction import SqlTransaction, translate_commit
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class AsyncTransaction(SqlTransaction):
         driver = await self._driver()
         if driver is None:
             return await super()._claim(arguments)
-        records = await driver.fetch(inbox_sql.claim_driver_text(self.tables.schema), *arguments)
+        records = await driver.fetch(claim_sql.claim_driver_text(self.tables.schema), *arguments)
         return {int(record[0]) for record in records}
 
     async def _driver(self) -> Any:

@@ -21,6 +21,7 @@ from eop import message as message_mod
 from eop import redaction
 from eop.pg import failures, models
 from eop.pg.contract import DeadLetter, Existing
+from eop.pg.sql import claim as claim_sql
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import retries as retries_sql
 
@@ -116,7 +117,7 @@ class Statements(abc.ABC):
     async def _claim(self, arguments: tuple[Any, ...]) -> set[int]:
         """Run the claim with ``arguments`` (:meth:`claim_arguments`); the claimed sequences.
         A driver's transaction sends it its own way."""
-        return {int(row[0]) for row in await self._rows(inbox_sql.claim(self.tables, arguments))}
+        return {int(row[0]) for row in await self._rows(claim_sql.claim(self.tables, arguments))}
 
     async def _create_lanes(self, messages: list[Message]) -> bool:
         """Make the watermark rows of the epochs of ``messages`` that have none; True when
@@ -127,7 +128,7 @@ class Statements(abc.ABC):
         return bool(await self._rows(*bound))
 
     def claim_arguments(self, messages: list[Message], outcome: str) -> tuple[Any, ...]:
-        """The claim's parameters for ``messages`` (:func:`eop.pg.sql.inbox.claim_arguments`): the
+        """The claim's parameters for ``messages`` (:func:`eop.pg.sql.claim.claim_arguments`): the
         values of :meth:`claim_row`, shared ones once."""
         first = messages[0]
         subscriptions = [m.subscription for m in messages]
@@ -136,7 +137,7 @@ class Statements(abc.ABC):
             first.stream
         ) != len(messages):
             raise ValueError("a batch claim takes the messages of one subscription and stream")
-        return inbox_sql.claim_arguments(
+        return claim_sql.claim_arguments(
             first.subscription,
             first.stream,
             outcome,

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from eop.outbox import table as outbox
 from eop.pg import models, session_guard
 from eop.pg.failures import INFRASTRUCTURE, classify
-from eop.pg.sql import inbox as inbox_sql
+from eop.pg.sql import claim as claim_sql
 from eop.pg.sql_transaction import SqlTransaction, translate_commit
 from eop.pg.threads import SyncThreads
 
@@ -139,11 +139,11 @@ class SyncTransaction(SqlTransaction):
         def execute() -> set[int]:
             connection = self.session.connection()
             if connection.dialect.driver != "psycopg":
-                rows = self.session.execute(inbox_sql.claim(self.tables, arguments))
+                rows = self.session.execute(claim_sql.claim(self.tables, arguments))
             else:
                 rows = connection.exec_driver_sql(
-                    inbox_sql.claim_pyformat_text(self.tables.schema),
-                    inbox_sql.claim_pyformat_parameters(arguments),
+                    claim_sql.claim_pyformat_text(self.tables.schema),
+                    claim_sql.claim_pyformat_parameters(arguments),
                 )
             return {int(row[0]) for row in rows}
 

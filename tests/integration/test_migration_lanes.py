@@ -15,11 +15,12 @@ import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
 from eop.pg import failures, migrate, models
+from eop.pg.sql import claim as claim_sql
 from eop.pg.sql import inbox as inbox_sql
 
 EPOCH_A, EPOCH_B = "a" * 32, "b" * 32
 
-#: The claim of eop_0010's workers (eop.pg.sql.inbox.claim_pyformat_text before eop_0011),
+#: The claim of eop_0010's workers (eop.pg.sql.claim.claim_pyformat_text before eop_0011),
 #: as an older worker still running during a rolling update sends it.
 OLD_CLAIM = (
     'INSERT INTO "eop".inbox (subscription, stream, outcome, stream_seq, fingerprint,'
@@ -109,7 +110,7 @@ def fill_old_inbox(url: str) -> None:
 
 def claim(conn: sa.Connection, subscription: str, epoch: str, seqs: list[int]) -> set[int]:
     """eop's claim (this version's) of ``seqs``, each with :func:`fp` of its sequence."""
-    arguments = inbox_sql.claim_arguments(
+    arguments = claim_sql.claim_arguments(
         subscription,
         "S",
         models.OUTCOME_PROCESSED,
@@ -119,7 +120,7 @@ def claim(conn: sa.Connection, subscription: str, epoch: str, seqs: list[int]) -
         [1] * len(seqs),
         [None] * len(seqs),
     )
-    return {int(row[0]) for row in conn.execute(inbox_sql.claim(models.tables(), arguments))}
+    return {int(row[0]) for row in conn.execute(claim_sql.claim(models.tables(), arguments))}
 
 
 def test_migrated_rows_keep_their_outcomes_and_a_redelivery_is_a_duplicate(

@@ -14,6 +14,7 @@ from eop import errors
 from eop.handler import HandlerSpec
 from eop.message import Message
 from eop.pg import contract, failures, models, transactions
+from eop.pg.sql import claim as claim_sql
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import retries as retries_sql
 
@@ -342,7 +343,7 @@ async def test_claim_is_true_when_the_insert_returns_a_row() -> None:
 
 async def test_batch_claim_on_asyncpg_sends_shared_values_once_and_the_rest_as_arrays() -> None:
     """On asyncpg the claim skips SQLAlchemy: the same statement, its parameters positional in
-    the order of inbox_sql.CLAIM_PARAMS, the watermark read FOR SHARE. Subscription, stream and
+    the order of claim_sql.CLAIM_PARAMS, the watermark read FOR SHARE. Subscription, stream and
     outcome are scalars; a column whose rows all hold one value (the epoch, the delivery
     count here) goes once, its array left empty; the others as arrays."""
     session = FakeAsyncSession(results=[[(3,)]])
@@ -358,10 +359,10 @@ async def test_batch_claim_on_asyncpg_sends_shared_values_once_and_the_rest_as_a
         "p_epochs": ["e1"],
     }
     assert "watermarks" in str(lanes)
-    assert query == inbox_sql.claim_driver_text("eop")
+    assert query == claim_sql.claim_driver_text("eop")
     assert "FOR SHARE" in query
     assert "ON CONFLICT DO NOTHING" in query
-    params = dict(zip(inbox_sql.CLAIM_PARAMS, args, strict=True))
+    params = dict(zip(claim_sql.CLAIM_PARAMS, args, strict=True))
     assert (params["subscription"], params["stream"], params["outcome"]) == (
         "orders",
         "ORDERS",
@@ -409,7 +410,7 @@ def test_the_psycopg_claim_sends_its_arrays_as_array_text() -> None:
     backslashes in text, bytea as hex), the scalars as they are; an array holding a NULL
     stays a list, for psycopg to adapt (unquoted NULL depends on the server's
     array_nulls)."""
-    args = inbox_sql.claim_arguments(
+    args = claim_sql.claim_arguments(
         "s",
         "S",
         "processed",
@@ -419,15 +420,15 @@ def test_the_psycopg_claim_sends_its_arrays_as_array_text() -> None:
         [1, 2],
         ["m-1", None],
     )
-    params = inbox_sql.claim_pyformat_parameters(args)
+    params = claim_sql.claim_pyformat_parameters(args)
     assert (params["subscription"], params["stream"], params["outcome"]) == ("s", "S", "processed")
     assert params["stream_seq"] == "{7,8}"
     assert params["fingerprint"] == '{"\\\\x00ff","\\\\x6162"}'
     assert params["stream_epoch_each"] == '{"e\\"1","e\\\\2"}'
     assert params["delivery_count_each"] == "{1,2}"
     assert params["msg_id_each"] == ["m-1", None]
-    text = inbox_sql.claim_pyformat_text("eop")
-    assert all(f"%({name})s" in text for name in inbox_sql.CLAIM_PARAMS)
+    text = claim_sql.claim_pyformat_text("eop")
+    assert all(f"%({name})s" in text for name in claim_sql.CLAIM_PARAMS)
 
 
 class FakeSyncSession:
@@ -458,10 +459,10 @@ async def test_a_sync_claim_on_another_driver_runs_the_statement_through_the_ses
 
 def test_claim_arguments_send_an_epoch_per_row_when_a_batch_spans_two_epochs() -> None:
     """A batch may span a stream's recreation: then every row carries its own epoch."""
-    args = inbox_sql.claim_arguments(
+    args = claim_sql.claim_arguments(
         "s", "S", "processed", [1, 2], [b"a", b"b"], ["e1", "e2"], [1, 1], [None, None]
     )
-    params = dict(zip(inbox_sql.CLAIM_PARAMS, args, strict=True))
+    params = dict(zip(claim_sql.CLAIM_PARAMS, args, strict=True))
     assert (params["stream_epoch"], params["stream_epoch_each"]) == (None, ["e1", "e2"])
     assert (params["msg_id"], params["msg_id_each"]) == (None, [])
 

@@ -13,6 +13,7 @@ from sqlalchemy.dialects import postgresql
 from eop import errors
 from eop.pg import models
 from eop.pg.sql import base
+from eop.pg.sql import claim as claim_sql
 from eop.pg.sql import inbox as inbox_sql
 from eop.tools.bench import pgcount, pgprofile, runs
 
@@ -32,7 +33,7 @@ def _sent(bound: base.Bound) -> str:
         ("ROLLBACK", "ROLLBACK"),
         ("ROLLBACK TO SAVEPOINT sa_1", "savepoint"),
         ("SELECT set_config('lock_timeout', '5000ms', true)", "SET LOCAL timeouts"),
-        (inbox_sql.claim_driver_text("eop"), "claim (eop inbox)"),
+        (claim_sql.claim_driver_text("eop"), "claim (eop inbox)"),
         (
             "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)",
             "handler INSERT",

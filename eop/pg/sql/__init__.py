@@ -9,7 +9,8 @@ psycopg cursor that no SQLAlchemy session owns (Django's, in
 :mod:`eop.contrib.django`).
 
 - :mod:`~eop.pg.sql.base`: what they share (a message's key, timeouts, the msg-id digest);
-- :mod:`~eop.pg.sql.inbox`: the claim, the watermark and compaction (the hot path);
+- :mod:`~eop.pg.sql.claim`: the claim (the hot path);
+- :mod:`~eop.pg.sql.inbox`: the watermark and compaction, look-ups, the dead letter;
 - :mod:`~eop.pg.sql.retries`: handler failures and the retries held in the database;
 - :mod:`~eop.pg.sql.floors`: the consumers' ack floors (the stuck-delivery clock);
 - :mod:`~eop.pg.sql.dead_letters`: ``eop dlq`` and ``eop status``;
