@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from eop.handler import HandlerSpec
     from eop.message import Message
+    from eop.pg.sql.base import LocalTimeouts
 
 
 class AsyncTransaction(SqlTransaction):
@@ -41,15 +42,23 @@ class AsyncTransaction(SqlTransaction):
         self._adapter: Any = None
         """SQLAlchemy's DBAPI connection under the session since :meth:`begin`, when asyncpg's,
         until the transaction ends: where :meth:`flush` sends queued writes itself."""
+        self._timeouts_due: tuple[Any, LocalTimeouts] | None = None
+        """The asyncpg connection :meth:`begin` ran on and the local timeouts it left for the
+        claim to carry, until a statement sets them (:meth:`_set_timeouts`)."""
 
-    async def begin(self, timeouts: sa.Executable, timeouts_text: str) -> None:
-        """BEGIN, then the local timeouts as a simple query on asyncpg's own connection.
+    async def begin(self, timeouts: LocalTimeouts) -> None:
+        """BEGIN on asyncpg's own connection, the local timeouts left to the claim.
 
-        Through the session, that statement cost a quarter of a batch
-        transaction's own work (an ORM execution, a greenlet hop, a prepared
-        statement and its result); the BEGIN is still the dialect's, so
-        SQLAlchemy commits and rolls back this transaction as its own. Other
-        drivers (or a dialect without that BEGIN) take the session's way.
+        The claim, a transaction's first statement, sets them itself before it
+        locks any row (:func:`eop.pg.sql.base.timeouts_first`): a round trip
+        fewer a transaction, which at a steady rate is a batch of one or two
+        messages. Any other statement that comes first sends them alone
+        (:meth:`_set_timeouts`). Through the session, that statement cost a
+        quarter of a batch transaction's own work (an ORM execution, a
+        greenlet hop, a prepared statement and its result); the BEGIN is still
+        the dialect's, so SQLAlchemy commits and rolls back this transaction as
+        its own. Other drivers (or a dialect without that BEGIN) take the
+        session's way.
         """
         connection = await self.session.connection()
         if connection.dialect.driver == "asyncpg":
@@ -60,7 +69,6 @@ class AsyncTransaction(SqlTransaction):
             if start is not None and getattr(adapter, "_transaction", False) is None:
                 try:
                     await start()
-                    await driver.execute(timeouts_text)
                 except Exception as exc:
                     if classify(exc) is DbFailure.CONNECTION:
                         # What SQLAlchemy does to a connection that failed under it:
@@ -70,31 +78,50 @@ class AsyncTransaction(SqlTransaction):
                     raise
                 self._raw = driver
                 self._adapter = adapter
+                self._timeouts_due = (driver, timeouts)
                 return
-        await self._rows(timeouts)
+        await self._rows(timeouts.statement)
+
+    async def _set_timeouts(self) -> None:
+        """Send the local timeouts :meth:`begin` left to the claim, before a statement that
+        is not the claim, or before the handler gets the session."""
+        if self._timeouts_due is not None:
+            (driver, timeouts), self._timeouts_due = self._timeouts_due, None
+            await driver.execute(timeouts.text)
 
     async def _rows(
         self, stmt: sa.Executable, params: dict[str, Any] | None = None
     ) -> list[tuple[Any, ...]]:
+        await self._set_timeouts()
         result = await self.session.execute(stmt, params)
         return [tuple(row) for row in result]
 
     async def _execute(self, stmt: sa.Executable, params: dict[str, Any] | None = None) -> None:
+        await self._set_timeouts()
         await self.session.execute(stmt, params)
 
     async def _execute_many(self, stmt: sa.Executable, params: list[dict[str, Any]]) -> None:
+        await self._set_timeouts()
         await self.session.execute(stmt, params)
 
     async def _claim(self, arguments: tuple[Any, ...]) -> set[int]:
         """Send the claim on asyncpg's own connection when it is one.
 
-        The transaction is already open on that connection (the local
-        timeouts were set through the session), so the claim is part of it.
+        The transaction is already open on that connection, so the claim is
+        part of it; as its first statement, the claim sets its local timeouts.
         """
         driver = await self._driver()
         if driver is None:
             return await super()._claim(arguments)
-        records = await driver.fetch(claim_sql.claim_driver_text(self.tables.schema), *arguments)
+        schema = self.tables.schema
+        if self._timeouts_due is None:
+            records = await driver.fetch(claim_sql.claim_driver_text(schema), *arguments)
+        else:
+            _, timeouts = self._timeouts_due
+            self._timeouts_due = None
+            records = await driver.fetch(
+                claim_sql.claim_driver_text(schema, timeouts=True), *arguments, *timeouts.values
+            )
         return {int(record[0]) for record in records}
 
     async def _driver(self) -> Any:
@@ -125,6 +152,7 @@ class AsyncTransaction(SqlTransaction):
 
     async def _invoke(self, messages: list[Message], second: Any) -> None:
         """Call the handler with ``messages`` and ``second`` (its session or write queue)."""
+        await self._set_timeouts()
         arg, extra = self.spec.arguments(messages)
         func: Any = self.spec.func  # an async handler, given the AsyncSession or Writes
         await func(arg, second, **extra)
@@ -135,6 +163,7 @@ class AsyncTransaction(SqlTransaction):
         A handler that only executed statements left nothing to send: no
         greenlet hop then.
         """
+        await self._set_timeouts()
         if self.writes:
             # A handler given only the write queue cannot have ended the session's
             # transaction (and so changed its connection); one given the session, or
@@ -157,6 +186,7 @@ class AsyncTransaction(SqlTransaction):
         the savepoint, which then holds only the sending of its writes
         (:meth:`_sends_nothing`).
         """
+        await self._set_timeouts()
         ran = self._sends_nothing()
         if ran:
             try:
@@ -189,12 +219,12 @@ class AsyncTransaction(SqlTransaction):
         """COMMIT; a connection lost during it makes the outcome unknown."""
         if self.writes:
             await self.flush()  # never left behind, whoever ran the handler
-        self._raw = self._adapter = None
+        self._raw = self._adapter = self._timeouts_due = None
         await translate_commit(functools.partial(session_guard.end_async, self.session, "commit"))
         self.committed = True
 
     async def rollback(self) -> None:
         """ROLLBACK, ignoring a broken connection."""
-        self._raw = self._adapter = None
+        self._raw = self._adapter = self._timeouts_due = None
         with contextlib.suppress(Exception):
             await session_guard.end_async(self.session, "rollback")

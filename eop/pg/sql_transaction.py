@@ -9,8 +9,6 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-
 from eop import errors, writes
 from eop.outbox import table as outbox
 from eop.outbox.outgoing import DEFAULT_MAX_PAYLOAD
@@ -23,6 +21,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from eop.handler import HandlerSpec
+    from eop.pg.sql.base import LocalTimeouts
 
 
 class SqlTransaction(Statements):
@@ -83,11 +82,10 @@ class SqlTransaction(Statements):
             raise exc
         return exc
 
-    async def begin(self, timeouts: sa.Executable, timeouts_text: str) -> None:
-        """BEGIN and set the transaction's local timeouts
-        (:func:`eop.pg.sql.base.set_local_timeouts`, or the same as plain SQL,
-        ``timeouts_text``): the transaction's first statement."""
-        await self._rows(timeouts)
+    async def begin(self, timeouts: LocalTimeouts) -> None:
+        """BEGIN and set the transaction's local timeouts (any of ``timeouts``' forms): the
+        transaction's first statement, or the first statement's part (the claim's)."""
+        await self._rows(timeouts.statement)
 
 
 _SESSION_USERS: weakref.WeakSet[HandlerSpec] = weakref.WeakSet()

@@ -66,13 +66,12 @@ class PostgresStore:
         self.tables = models.tables(app.settings.schema)
         s = app.settings
         timeouts_ms = (int(s.lock_timeout_s * 1000), int(s.statement_timeout_s * 1000))
-        self._timeouts = base_sql.set_local_timeouts(*timeouts_ms)
-        self._timeouts_text = base_sql.set_local_timeouts_text(*timeouts_ms)
+        self._timeouts = base_sql.local_timeouts(*timeouts_ms)
         self._threads: SyncThreads | None = None
         self._outbox = outbox.Context(self.tables, s.outbox_max_payload)
 
     def transaction(self, spec: HandlerSpec) -> contextlib.AbstractAsyncContextManager[Transaction]:
-        """Open a session, begin, set the local timeouts; close (and so roll back) on exit."""
+        """Open a session, begin with the local timeouts; close (and so roll back) on exit."""
         return self._open(spec)
 
     @contextlib.asynccontextmanager
@@ -80,7 +79,7 @@ class PostgresStore:
         async with self.app.sessionmaker() as session:
             tx = AsyncTransaction(session, self.tables, spec, self._outbox)
             try:
-                await failures.connected(tx.begin(self._timeouts, self._timeouts_text))
+                await failures.connected(tx.begin(self._timeouts))
                 yield tx
             finally:
                 # The handler's coroutine has ended: the session may close itself.
@@ -106,7 +105,7 @@ class PostgresStore:
                 self.app.sync_sessionmaker(), self.tables, spec, self._threads, self._outbox
             )
         try:
-            await failures.connected(tx.begin(self._timeouts, self._timeouts_text))
+            await failures.connected(tx.begin(self._timeouts))
             yield tx
         finally:
             await tx.close()

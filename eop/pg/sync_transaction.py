@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from eop.handler import HandlerSpec
     from eop.message import Message
+    from eop.pg.sql.base import LocalTimeouts
 
 T = TypeVar("T")
 
@@ -95,7 +96,7 @@ class SyncTransaction(SqlTransaction):
             self._permit = False
             self._threads.release()
 
-    async def begin(self, timeouts: sa.Executable, timeouts_text: str) -> None:
+    async def begin(self, timeouts: LocalTimeouts) -> None:
         """BEGIN, then the local timeouts as plain SQL on the session's connection.
 
         Through ``Session.execute`` that statement took the ORM's execution path
@@ -105,7 +106,7 @@ class SyncTransaction(SqlTransaction):
         """
 
         def execute() -> None:
-            self.session.connection().exec_driver_sql(timeouts_text)
+            self.session.connection().exec_driver_sql(timeouts.text)
 
         await self._step(execute)
 

@@ -70,6 +70,7 @@ class ThreadedTransaction(AsyncTransaction):
 
     async def _in_thread(self, func: Callable[..., T], *args: Any) -> T:
         """Run ``func(*args)`` in a thread of the store's; its session's I/O comes back here."""
+        await self._set_timeouts()
         loop = asyncio.get_running_loop()
         future: concurrent.futures.Future[T] = self._threads.submit(bridge.call, loop, func, *args)
         self._running = future

@@ -44,8 +44,9 @@ INSERT = sa.text("INSERT INTO work_effects (seq) VALUES (:s)")
 # clock's statements (the relay, the retry poll: a few a second, no WAL), compaction's
 # rounds.
 STATEMENTS_CEILING = 0.35
-"""Statements per message: each batch's BEGIN, SET LOCAL, claim, INSERT of its rows and
-COMMIT over its messages (0.064 to 0.102 a message with 32 to 51 batches), compaction's
+"""Statements per message: each batch's BEGIN, claim (which sets the local timeouts),
+INSERT of its rows and COMMIT over its messages (0.048 to 0.077 a message with 32 to 51
+batches; a SET LOCAL of its own added 0.016 to 0.026), compaction's
 rounds (a raise and a delete, and a look-up in those from the first sequence) and the
 clock's polls (about 0.04, more when a loaded CI machine stretches the drain). The
 handler's INSERTs sent a statement a row again (an executemany) make it 1.1; the margin

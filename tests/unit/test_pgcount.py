@@ -34,6 +34,7 @@ def _sent(bound: base.Bound) -> str:
         ("ROLLBACK TO SAVEPOINT sa_1", "savepoint"),
         ("SELECT set_config('lock_timeout', '5000ms', true)", "SET LOCAL timeouts"),
         (claim_sql.claim_driver_text("eop"), "claim (eop inbox)"),
+        (claim_sql.claim_driver_text("eop", timeouts=True), "claim (eop inbox)"),
         (
             "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)",
             "handler INSERT",

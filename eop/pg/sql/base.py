@@ -4,7 +4,7 @@ the session timeouts, the msg-id digest, and psycopg text for a statement."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
@@ -116,10 +116,63 @@ def set_local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> sa.Te
 
     ``set_config(..., true)`` is the parameterisable form of ``SET LOCAL``.
     """
+    lock, statement = timeout_values(lock_timeout_ms, statement_timeout_ms)
     return sa.text(
         "SELECT set_config('lock_timeout', :lock, true), "
         "set_config('statement_timeout', :stmt, true)"
-    ).bindparams(lock=f"{lock_timeout_ms}ms", stmt=f"{statement_timeout_ms}ms")
+    ).bindparams(lock=lock, stmt=statement)
+
+
+def set_local_timeouts_text(lock_timeout_ms: int, statement_timeout_ms: int) -> str:
+    """:func:`set_local_timeouts` as plain SQL without parameters, for the asyncpg connection
+    under a session: sent as a simple query, it skips SQLAlchemy's execution path."""
+    lock, statement = timeout_values(lock_timeout_ms, statement_timeout_ms)
+    return (
+        f"SELECT set_config('lock_timeout', '{lock}', true), "
+        f"set_config('statement_timeout', '{statement}', true)"
+    )
+
+
+def timeout_values(lock_timeout_ms: int, statement_timeout_ms: int) -> tuple[str, str]:
+    """The values of ``lock_timeout`` and ``statement_timeout``, as ``set_config`` takes them."""
+    return f"{int(lock_timeout_ms)}ms", f"{int(statement_timeout_ms)}ms"
+
+
+def timeouts_first(lock: str, statement: str) -> str:
+    """A condition, always true, that sets the transaction's local timeouts to the values
+    of the placeholders ``lock`` and ``statement`` (:func:`timeout_values`).
+
+    A statement that carries it spares the round trip of its own ``SET LOCAL``.
+    Its subquery names no column, so PostgreSQL runs it once, as an InitPlan,
+    and the condition is a one-time filter: evaluated before the scan it
+    guards reads a row, so before the statement locks or waits for any row,
+    even when the scan finds none. The tables' own locks are taken before
+    execution starts, under the connection's own timeouts.
+    """
+    return (
+        f"(SELECT set_config('lock_timeout', {lock}, true) "
+        f"|| set_config('statement_timeout', {statement}, true)) IS NOT NULL"
+    )
+
+
+class LocalTimeouts(NamedTuple):
+    """eop's local timeouts of one transaction, in each form a transaction sends them."""
+
+    statement: sa.TextClause
+    """:func:`set_local_timeouts`, for a session."""
+    text: str
+    """:func:`set_local_timeouts_text`, for a driver's own connection."""
+    values: tuple[str, str]
+    """:func:`timeout_values`, for a statement that carries :func:`timeouts_first`."""
+
+
+def local_timeouts(lock_timeout_ms: int, statement_timeout_ms: int) -> LocalTimeouts:
+    """eop's local timeouts, ``lock_timeout`` and ``statement_timeout`` in milliseconds."""
+    return LocalTimeouts(
+        set_local_timeouts(lock_timeout_ms, statement_timeout_ms),
+        set_local_timeouts_text(lock_timeout_ms, statement_timeout_ms),
+        timeout_values(lock_timeout_ms, statement_timeout_ms),
+    )
 
 
 #: The backend's process id, as PostgreSQL knows it. A pooler answers the
@@ -131,15 +184,6 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 def backend_pid() -> sa.TextClause:
     """:data:`BACKEND_PID` as a statement."""
     return sa.text(BACKEND_PID)
-
-
-def set_local_timeouts_text(lock_timeout_ms: int, statement_timeout_ms: int) -> str:
-    """:func:`set_local_timeouts` as plain SQL without parameters, for the asyncpg connection
-    under a session: sent as a simple query, it skips SQLAlchemy's execution path."""
-    return (
-        f"SELECT set_config('lock_timeout', '{int(lock_timeout_ms)}ms', true), "
-        f"set_config('statement_timeout', '{int(statement_timeout_ms)}ms', true)"
-    )
 
 
 # The SHA-256 of a msg-id's UTF-8 bytes. convert_to is only STABLE, so this

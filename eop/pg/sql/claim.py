@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from eop.pg import models
-from eop.pg.sql.base import DIGEST_SQL
+from eop.pg.sql.base import DIGEST_SQL, timeouts_first
 
 # The claim's parameters, in order: (name, SQLAlchemy type, PostgreSQL type).
 # A batch shares its subscription, stream and outcome: those are scalars. Each
@@ -118,8 +118,9 @@ def _claim_text(schema: str) -> sa.TextClause:
     )
 
 
-def _claim_sql(schema: str, p: dict[str, str]) -> str:
-    """The claim statement, ``p`` naming each of :data:`CLAIM_PARAMS`'s placeholders.
+def _claim_sql(schema: str, p: dict[str, str], timeouts: str = "") -> str:
+    """The claim statement, ``p`` naming each of :data:`CLAIM_PARAMS`'s placeholders;
+    ``timeouts``, a :func:`~eop.pg.sql.base.timeouts_first` condition, or nothing.
 
     The msg-id guard's unique index holds the msg-id's digest (:func:`msg_id_digest`),
     computed here so that every claim, whatever its caller, fills it in; a
@@ -151,7 +152,7 @@ def _claim_sql(schema: str, p: dict[str, str]) -> str:
         f'FROM "{schema}".watermarks AS w '
         f"WHERE w.subscription = {p['subscription']} AND w.stream = {p['stream']} "
         f"AND w.stream_epoch = ANY(array_append({p['stream_epoch_each']}, "
-        f"{p['stream_epoch']})) FOR SHARE) AS w "
+        f"{p['stream_epoch']})) {f'AND {timeouts} ' if timeouts else ''}FOR SHARE) AS w "
         f"JOIN unnest({arrays}) AS i({', '.join(row_names)}) "
         "ON i.stream_epoch IS NULL OR i.stream_epoch = w.stream_epoch "
         "WHERE i.stream_seq > w.watermark "
@@ -163,15 +164,20 @@ def _claim_sql(schema: str, p: dict[str, str]) -> str:
 
 
 @functools.cache
-def claim_driver_text(schema: str) -> str:
+def claim_driver_text(schema: str, *, timeouts: bool = False) -> str:
     """:func:`claim` as plain SQL for the asyncpg connection under the session.
 
     The same statement, with positional parameters in the order of
     :data:`CLAIM_PARAMS`: passing the values straight to the driver skips
-    SQLAlchemy's per-element bind processing of the arrays.
+    SQLAlchemy's per-element bind processing of the arrays. With ``timeouts``
+    it sets the transaction's local timeouts before it locks any row, from
+    two more parameters (:attr:`eop.pg.sql.base.LocalTimeouts.values`): the
+    transaction's first statement, it spares a round trip of its own.
     """
+    n = len(_CLAIM_PARAMS)
+    gate = timeouts_first(f"${n + 1}", f"${n + 2}") if timeouts else ""
     return _claim_sql(
-        schema, {name: f"${i}::{pg}" for i, (name, _, pg) in enumerate(_CLAIM_PARAMS, 1)}
+        schema, {name: f"${i}::{pg}" for i, (name, _, pg) in enumerate(_CLAIM_PARAMS, 1)}, gate
     )
 
 

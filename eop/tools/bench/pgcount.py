@@ -64,8 +64,9 @@ _LABELS: tuple[tuple[str, str], ...] = (
     (r"^(COMMIT|END)\b", "COMMIT"),
     (r"^(ROLLBACK|ABORT)\b(?! TO)", "ROLLBACK"),
     (r"^(SAVEPOINT|RELEASE|ROLLBACK TO)\b", "savepoint"),
-    (r"set_config\('lock_timeout'", "SET LOCAL timeouts"),
+    # The claim may carry the timeouts (pg/sql/base.timeouts_first): it is still the claim.
     (r"^INSERT INTO \w+\.inbox .*unnest", "claim (eop inbox)"),
+    (r"set_config\('lock_timeout'", "SET LOCAL timeouts"),
     (r"^INSERT INTO bench_hand_inbox", "claim (hand inbox)"),
     (r"^DELETE FROM bench_hand_inbox", "bound (hand inbox)"),
     (r"^INSERT INTO bench_effects", "handler INSERT"),
