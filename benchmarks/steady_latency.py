@@ -9,11 +9,12 @@ that rate for ``--seconds``, then prints the messages published, PostgreSQL's
 commits meanwhile (``pg_stat_database.xact_commit``, eop's few own
 transactions included), the messages a commit, and the p50 and p99 of each
 message's time from its store in the stream to its transaction's commit
-(``pg_xact_commit_timestamp``). A worker that runs many transactions of a few
-messages under a moderate load shows it here: few messages a commit, each
-batch paying its own round trips, and a latency that grows with the rate as
-those round trips fill the machine (BENCHMARKS.md, "What a message costs at
-a steady rate").
+(``pg_xact_commit_timestamp``), and the CPU a message of the worker (its
+processes), the nats-server and PostgreSQL (every backend) over the phase. A
+worker that runs many transactions of a few messages under a moderate load
+shows it here: few messages a commit, each batch paying its own round trips,
+and a latency that grows with the rate as those round trips fill the machine
+(BENCHMARKS.md, "What a message costs at a steady rate").
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from eop.pg import migrate
 from eop.tools import embedded
-from eop.tools.bench import runs
+from eop.tools.bench import procstat, runs
 
 _RUN = next(run for run in runs.RUNS if run.key == "c")
 _WARM = 5_000
@@ -72,7 +73,19 @@ async def _publish(js: Any, count: int, rate: float | None) -> int:
     return sent
 
 
-async def _measure(nats_url: str, database_url: str, rates: list[float], seconds: float) -> None:
+def _cpu_s(pids: tuple[int | None, ...]) -> list[float]:
+    """CPU seconds so far of each of ``pids`` with its children (0 when unknown)."""
+    stats = procstat.snapshot()
+    return [procstat.tree_cpu_s(pid, stats) or 0.0 for pid in pids]
+
+
+async def _measure(
+    nats_url: str,
+    database_url: str,
+    rates: list[float],
+    seconds: float,
+    pids: tuple[int | None, ...],
+) -> None:
     engine = create_async_engine(database_url)
     async with engine.begin() as conn:
         await conn.execute(sa.text(_DDL))
@@ -84,7 +97,9 @@ async def _measure(nats_url: str, database_url: str, rates: list[float], seconds
         await asyncio.sleep(3)
         for rate in rates:
             before = await _commits(engine)
+            cpu_before = _cpu_s(pids)
             count = await _publish(js, int(rate * seconds), rate)
+            cpu = [b - a for a, b in zip(cpu_before, _cpu_s(pids), strict=True)]
             await asyncio.sleep(2)  # the last messages committed
             commits = await _commits(engine) - before
             p50, p99 = await _latency_s(engine, published)
@@ -92,7 +107,8 @@ async def _measure(nats_url: str, database_url: str, rates: list[float], seconds
             print(
                 f"{rate:>8,.0f} msg/s: {count:>7,} messages, {commits:>6,} commits,"
                 f" {count / max(commits, 1):5.1f} a commit, p50 {p50 * 1000:6.1f} ms,"
-                f" p99 {p99 * 1000:6.1f} ms",
+                f" p99 {p99 * 1000:6.1f} ms; CPU us a message: worker {cpu[0] / count * 1e6:5.0f},"
+                f" nats {cpu[1] / count * 1e6:5.0f}, pg {cpu[2] / count * 1e6:5.0f}",
                 flush=True,
             )
     finally:
@@ -114,7 +130,8 @@ def main() -> None:
         argv += [_RUN.handler, "--database-url", pg.url, "--nats-url", nats_server.url]
         worker = subprocess.Popen([*argv, "--log-level", "warning"])
         try:
-            asyncio.run(_measure(nats_server.url, pg.url, rates, args.seconds))
+            pids = (worker.pid, nats_server.pid, pg.pid)
+            asyncio.run(_measure(nats_server.url, pg.url, rates, args.seconds, pids))
         finally:
             worker.terminate()
             worker.wait(60)
