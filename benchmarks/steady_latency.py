@@ -24,12 +24,14 @@ import asyncio
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import nats
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+import eop
 from eop.pg import migrate
 from eop.tools import embedded
 from eop.tools.bench import procstat, runs
@@ -128,7 +130,10 @@ def main() -> None:
         migrate.upgrade(pg.url)
         argv = [sys.executable, "-m", "eop", "worker", "eop.tools.bench:app", "--handler"]
         argv += [_RUN.handler, "--database-url", pg.url, "--nats-url", nats_server.url]
-        worker = subprocess.Popen([*argv, "--log-level", "warning"])
+        # `python -m` puts the working directory first on the path: started from the
+        # directory that holds the eop this script imported, the worker runs the same code.
+        here = Path(eop.__file__).resolve().parents[1]
+        worker = subprocess.Popen([*argv, "--log-level", "warning"], cwd=here)
         try:
             pids = (worker.pid, nats_server.pid, pg.pid)
             asyncio.run(_measure(nats_server.url, pg.url, rates, args.seconds, pids))
