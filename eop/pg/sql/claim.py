@@ -101,7 +101,7 @@ def claim(t: models.Tables, arguments: tuple[Any, ...]) -> sa.TextClause:
     (an UPDATE of that row) only once no claim that read the old value is still
     open, and deletes rows only after that, so no claim can slip between the
     raise and the delete. A message whose epoch has no watermark row (no lane)
-    yet is not inserted (:func:`create_lanes`).
+    yet is not inserted (:func:`eop.pg.sql.inbox.create_lanes`).
     """
     return _claim_text(t.schema).bindparams(
         *(
@@ -122,9 +122,10 @@ def _claim_sql(schema: str, p: dict[str, str], timeouts: str = "") -> str:
     """The claim statement, ``p`` naming each of :data:`CLAIM_PARAMS`'s placeholders;
     ``timeouts``, a :func:`~eop.pg.sql.base.timeouts_first` condition, or nothing.
 
-    The msg-id guard's unique index holds the msg-id's digest (:func:`msg_id_digest`),
-    computed here so that every claim, whatever its caller, fills it in; a
-    taken digest is a conflict that ON CONFLICT DO NOTHING skips.
+    The msg-id guard's unique index holds the msg-id's digest
+    (:func:`~eop.pg.sql.base.msg_id_digest`), computed here so that every claim,
+    whatever its caller, fills it in; a taken digest is a conflict that ON
+    CONFLICT DO NOTHING skips.
     """
     row_names = [name for name, _, _ in (*_CLAIM_ARRAYS, *_CLAIM_SHARED)]
     arrays = ", ".join(
