@@ -114,6 +114,15 @@ class PostgresStore:
         """A plain async session for eop's own bookkeeping (compaction, status)."""
         return self.app.sessionmaker()
 
+    @contextlib.asynccontextmanager
+    async def autocommit(self) -> AsyncIterator[AsyncSession]:
+        """A session whose every statement commits by itself: no BEGIN, no COMMIT, so a
+        statement holds the row locks it takes only while it runs. The connection goes
+        back to the pool in its usual isolation level."""
+        async with self.app.sessionmaker() as session:
+            await session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+            yield session
+
     async def has_outcome(self, spec: HandlerSpec, message: Message) -> bool:
         """Whether this very message has a committed outcome, read in a fresh transaction.
 

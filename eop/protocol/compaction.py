@@ -231,7 +231,12 @@ class Compactor:
         self._created.pop(epoch, None)
 
     async def _advance(self, epoch: str, candidate: int) -> int:
-        """Raise the watermark in its own transaction, committed before any delete.
+        """Raise the watermark in a statement of its own, committed before any delete.
+
+        The statement is its own transaction (:meth:`eop.pg.store.PostgresStore.autocommit`):
+        every claim of the epoch waits while the raise holds the row, and the raise
+        holds it no longer than PostgreSQL takes to update it
+        (:func:`eop.pg.sql.inbox.advance_watermark`).
 
         A claim that started before the row existed locked nothing: when this
         compactor created the row, the first raise waits one compaction
@@ -245,10 +250,9 @@ class Compactor:
                 return 0
             del self._created[epoch]
         t, name, stream = self.store.tables, self.spec.name, self.spec.stream
-        async with self.store.session() as session:
+        async with self.store.autocommit() as session:
             stmt, params = inbox_sql.advance_watermark(t, name, stream, epoch, candidate)
             value = (await session.execute(stmt, params)).scalar_one_or_none()
-            await session.commit()
         if value is None:
             # The row is gone (deleted by hand): create it again next round.
             self._known.discard(epoch)

@@ -155,6 +155,17 @@ def timeouts_first(lock: str, statement: str) -> str:
     )
 
 
+def commits_unflushed() -> sa.TextClause:
+    """A condition, always true, that lets its statement's transaction commit without
+    waiting for the WAL to reach the disk: ``synchronous_commit`` off for that
+    transaction alone (``set_config(..., true)``), set in an InitPlan as
+    :func:`timeouts_first` sets the timeouts, so no round trip of its own.
+
+    Only for a transaction whose loss in a crash harms nothing; the caller says why.
+    """
+    return sa.text("(SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL")
+
+
 class LocalTimeouts(NamedTuple):
     """eop's local timeouts of one transaction, in each form a transaction sends them."""
 

@@ -12,6 +12,7 @@ from sqlalchemy.dialects import postgresql
 from eop.pg import models
 from eop.pg.sql.base import (
     Bound,
+    commits_unflushed,
     epoch_params,
     in_bound_epoch,
     in_bound_inbox_key,
@@ -73,7 +74,17 @@ def lock_inbox_shared(t: models.Tables) -> sa.TextClause:
 def advance_watermark(
     t: models.Tables, subscription: str, stream: str, epoch: str, value: int
 ) -> Bound:
-    """Raise the watermark to ``value``; it never goes backwards. RETURNING the new value."""
+    """Raise the watermark to ``value``; it never goes backwards. RETURNING the new value.
+
+    Sent alone, outside any transaction block (docs/design.md, 'The watermark'):
+    claims read the row ``FOR SHARE``, so from the moment the UPDATE has the row
+    until its COMMIT every new claim of the epoch waits. As one statement that
+    commits without waiting for its WAL flush (:func:`eop.pg.sql.base.commits_unflushed`),
+    it holds the row for as long as PostgreSQL takes to update it, not for a
+    round trip to the worker and a disk flush. A raise lost in a crash harms
+    nothing: the watermark it named was at or below the ack floor, and any
+    delete below it commits after it, flushing the WAL up to and past it first.
+    """
     return _advance_watermark(t), {**epoch_params(subscription, stream, epoch), "p_value": value}
 
 
@@ -83,7 +94,7 @@ def _advance_watermark(t: models.Tables) -> sa.Executable:
     value = sa.bindparam("p_value", type_=sa.BigInteger)
     return (
         sa.update(t.watermarks)
-        .where(*in_bound_epoch(w))
+        .where(*in_bound_epoch(w), commits_unflushed())
         .values(watermark=sa.func.greatest(w.watermark, value), updated_at=sa.func.now())
         .returning(w.watermark)
     )

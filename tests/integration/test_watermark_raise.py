@@ -1,0 +1,144 @@
+"""Compaction's raise of the watermark against a real PostgreSQL: one statement that is its
+own transaction, so it holds the watermark row (which every claim of the epoch reads
+``FOR SHARE``) only while it runs; it still waits for the claims that read the row before
+it; and it leaves nothing set on the pooled connection it used."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+import eop
+from eop import settings as settings_mod
+from eop.pg import models
+from eop.pg.sql import inbox as inbox_sql
+from eop.protocol import compaction
+
+from .bed import wait_for
+
+SUB, STREAM, EPOCH = "h", "ORDERS", "e1"
+WATERMARK = sa.text(
+    "SELECT watermark FROM eop.watermarks"
+    " WHERE subscription = 'h' AND stream = 'ORDERS' AND stream_epoch = 'e1'"
+)
+SYNCHRONOUS_COMMIT = sa.text("SELECT current_setting('synchronous_commit'), pg_backend_pid()")
+
+
+@pytest.fixture
+async def app(database_url: str, engine: AsyncEngine) -> AsyncIterator[eop.App]:
+    """An app of one handler, whose pool holds one connection, and the handler's watermark
+    row at 0 (as a subscription's bind leaves it)."""
+    app = eop.App(settings=settings_mod.Settings(database_url=database_url, db_pool_size=1))
+
+    @app.handler(stream=STREAM, subject="orders.>", name=SUB)
+    async def noop(msg: eop.Message, session: AsyncSession) -> None:
+        """A handler that does nothing (the compactor only needs its names)."""
+
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.text(
+                "INSERT INTO eop.watermarks (subscription, stream, stream_epoch, watermark)"
+                " VALUES ('h', 'ORDERS', 'e1', 0)"
+            )
+        )
+    yield app
+    await app.dispose()
+
+
+def compactor(app: eop.App) -> compaction.Compactor:
+    """A compactor on ``app``'s store that knows its watermark row exists (no NATS: only
+    its raise is run)."""
+    made = compaction.Compactor(None, app.make_store(), app.handlers[SUB], None)  # type: ignore[arg-type]
+    made._known.add(EPOCH)
+    return made
+
+
+async def test_the_raise_is_one_statement_that_leaves_no_transaction_open(
+    app: eop.App, engine: AsyncEngine
+) -> None:
+    """The raise sends its UPDATE alone and the server commits it as it ends: right after
+    the statement, its connection holds no transaction (so no lock on the watermark row
+    that claims would wait for), and another connection reads the raised value, unlocked.
+    A raise sent in a transaction of its own keeps the row until its COMMIT: a round trip
+    to the worker and a flush of the WAL later."""
+    sent: list[tuple[str, bool]] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        in_transaction = conn.connection.driver_connection.is_in_transaction()
+        sent.append((statement.split(None, 1)[0].upper(), in_transaction))
+
+    sa.event.listen(app.engine.sync_engine, "after_cursor_execute", seen)
+    try:
+        assert await compactor(app)._advance(EPOCH, 5) == 5
+    finally:
+        sa.event.remove(app.engine.sync_engine, "after_cursor_execute", seen)
+    assert sent == [("UPDATE", False)]
+    async with engine.connect() as conn:
+        await conn.execute(sa.text("SET LOCAL lock_timeout = '1ms'"))
+        locked = await conn.execute(sa.text(f"{WATERMARK.text} FOR UPDATE"))
+        assert locked.scalar_one() == 5
+
+
+async def test_the_raise_commits_unflushed_in_its_own_transaction_only(
+    app: eop.App, engine: AsyncEngine
+) -> None:
+    """The raise's statement turns ``synchronous_commit`` off for its own transaction: seen
+    inside a transaction that runs it, gone once that transaction ends; and the pooled
+    connection a raise ran on is back at the server's setting afterwards."""
+    t = models.tables("eop")
+    stmt, params = inbox_sql.advance_watermark(t, SUB, STREAM, EPOCH, 7)
+    async with engine.connect() as conn:
+        await conn.execute(stmt, params)
+        inside = (await conn.execute(SYNCHRONOUS_COMMIT)).one()[0]
+        await conn.rollback()
+        after = (await conn.execute(SYNCHRONOUS_COMMIT)).one()[0]
+    assert (inside, after) == ("off", "on")
+
+    pids: list[int] = []
+
+    def seen(conn: Any, *args: Any) -> None:
+        pids.append(conn.connection.driver_connection.get_server_pid())
+
+    sa.event.listen(app.engine.sync_engine, "after_cursor_execute", seen)
+    try:
+        assert await compactor(app)._advance(EPOCH, 9) == 9
+    finally:
+        sa.event.remove(app.engine.sync_engine, "after_cursor_execute", seen)
+    async with app.engine.connect() as conn:
+        setting, pid = (await conn.execute(SYNCHRONOUS_COMMIT)).one()
+    assert pids == [pid]  # the one pooled connection, again
+    assert setting == "on"
+
+
+async def test_the_raise_waits_for_a_claim_that_read_the_watermark_before_it(
+    app: eop.App, engine: AsyncEngine
+) -> None:
+    """A claim reads the watermark row FOR SHARE and holds it to its COMMIT: a raise that
+    comes meanwhile waits for that COMMIT (the claim's rows must not be deleted under
+    it), then raises."""
+    raising: asyncio.Task[int] | None = None
+    async with engine.connect() as claim:
+        assert (await claim.execute(sa.text(f"{WATERMARK.text} FOR SHARE"))).scalar_one() == 0
+        raising = asyncio.create_task(compactor(app)._advance(EPOCH, 11))
+
+        async def waits() -> bool:
+            async with engine.connect() as conn:
+                found = await conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND wait_event_type = 'Lock' AND query LIKE 'UPDATE%watermarks%'"
+                    )
+                )
+                return bool(found.scalar_one())
+
+        await wait_for(waits, what="the raise waiting for the claim's share lock")
+        assert not raising.done()
+        await claim.commit()
+    assert await raising == 11
+    async with engine.connect() as conn:
+        assert (await conn.execute(WATERMARK)).scalar_one() == 11
