@@ -89,7 +89,8 @@ async def test_the_raise_commits_unflushed_in_its_own_transaction_only(
 ) -> None:
     """The raise's statement turns ``synchronous_commit`` off for its own transaction: seen
     inside a transaction that runs it, gone once that transaction ends; and the pooled
-    connection a raise ran on is back at the server's setting afterwards."""
+    connection a raise ran on is back at the server's setting afterwards, and out of
+    autocommit: its next statement opens a transaction."""
     t = models.tables("eop")
     stmt, params = inbox_sql.advance_watermark(t, SUB, STREAM, EPOCH, 7)
     async with engine.connect() as conn:
@@ -111,8 +112,11 @@ async def test_the_raise_commits_unflushed_in_its_own_transaction_only(
         sa.event.remove(app.engine.sync_engine, "after_cursor_execute", seen)
     async with app.engine.connect() as conn:
         setting, pid = (await conn.execute(SYNCHRONOUS_COMMIT)).one()
+        raw = await conn.get_raw_connection()
+        in_transaction = raw.driver_connection.is_in_transaction()  # type: ignore[union-attr]
     assert pids == [pid]  # the one pooled connection, again
     assert setting == "on"
+    assert in_transaction  # no longer in autocommit
 
 
 async def test_the_raise_waits_for_a_claim_that_read_the_watermark_before_it(
