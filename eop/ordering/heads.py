@@ -89,12 +89,12 @@ class Heads:
         if not self._together or delivery.metadata.num_delivered > 1:
             # A redelivery forgets the failures counted for it (the per-message protocol
             # does that); they are rare.
-            return await self._proc.handle(delivery, received_at)
+            return await self._alone(delivery, received_at)
         if not self._waiting and self._running == 0:
             # Nothing runs and nobody waits: alone, in the lane's own task, at once.
             self._running += 1
             try:
-                return await self._proc.handle(delivery, received_at)
+                return await self._alone(delivery, received_at)
             finally:
                 self._running -= 1
                 self._start(anyway=1)
@@ -111,6 +111,11 @@ class Heads:
             if waiting in self._waiting:
                 self._waiting.remove(waiting)
             raise
+
+    async def _alone(self, delivery: Delivery, received_at: float) -> Outcome:
+        outcome = await self._proc.handle(delivery, received_at)
+        batch.log_settled(self._proc.spec.name, [delivery], [outcome])
+        return outcome
 
     def _lingered(self) -> None:
         """The first waiting message waited :data:`LINGER_S`: start it, and every one
@@ -155,6 +160,11 @@ class Heads:
         finally:
             self._running -= 1
             self._start(anyway=1)
+        batch.log_settled(
+            self._proc.spec.name,
+            [w.delivery for w in taken],
+            [r for r in results if isinstance(r, Outcome)],
+        )
         for waiting, result in zip(taken, results, strict=True):
             if waiting.outcome.done():
                 continue

@@ -15,11 +15,13 @@ worker, which naks it alone (:class:`Unsettled`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import logging
 from collections.abc import Sequence
 
-from eop import errors, faults
+from eop import errors, faults, log
 from eop.pg import contract, models
 from eop.protocol.contention import crossed, transient
 from eop.protocol.fallback import Step, log_failure, run_each
@@ -260,3 +262,23 @@ class _NeedsIsolation(Exception):
 
 class _BatchRejected(Exception):
     """The batch transaction cannot be committed as a batch: process one by one."""
+
+
+def log_settled(handler: str, deliveries: Sequence[Delivery], outcomes: Sequence[Outcome]) -> None:
+    """One info line for a group of messages settled together (a fetched batch, an ordered
+    handler's transaction, or one message alone): how many of each outcome, and the
+    stream sequences of its first and last message as fetched, not a range (a batch
+    can hold a redelivery of an earlier sequence). Per-message lines are debug lines."""
+    if not deliveries or not log.enabled(logging.INFO):
+        return
+    counts = collections.Counter(o.value for o in outcomes)
+    first, last = deliveries[0].metadata, deliveries[-1].metadata
+    log.get_logger().info(
+        log.Event.BATCH_PROCESSED,
+        handler=handler,
+        stream=first.stream,
+        first_seq=first.sequence.stream,
+        last_seq=last.sequence.stream,
+        messages=len(deliveries),
+        **counts,
+    )

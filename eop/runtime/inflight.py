@@ -13,8 +13,6 @@ handler's lanes (:mod:`eop.ordering.lanes`) run theirs one by one.
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -90,7 +88,7 @@ class InFlight:
                 outcomes = await self._together(proc, handled)
             settled = (Outcome.PROCESSED, Outcome.DEAD_LETTERED)
             self.count(proc.spec, sum(1 for o in outcomes if o in settled))
-            self._log_batch(proc, msgs, outcomes)
+            batch.log_settled(proc.spec.name, msgs, outcomes)
         except Exception as exc:
             await self._failed(proc, msgs, exc)
         finally:
@@ -123,21 +121,3 @@ class InFlight:
         self.observer.errored(proc.spec, msgs, exc)
         for msg in msgs:
             await ack.nak(msg, self.settings.backoff_max_s, self.logger)
-
-    def _log_batch(
-        self, proc: processor.Processor, msgs: Sequence[Delivery], outcomes: list[Outcome]
-    ) -> None:
-        """One info line per batch (the per-message lines are debug lines)."""
-        if not log.enabled(logging.INFO):
-            return
-        counts = collections.Counter(o.value for o in outcomes)
-        first, last = msgs[0].metadata, msgs[-1].metadata
-        self.logger.info(
-            log.Event.BATCH_PROCESSED,
-            handler=proc.spec.name,
-            stream=first.stream,
-            first_seq=first.sequence.stream,
-            last_seq=last.sequence.stream,
-            messages=len(msgs),
-            **counts,
-        )

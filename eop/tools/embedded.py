@@ -11,6 +11,7 @@ nats-server binary, to run the same tests against another server version.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import importlib.util
@@ -404,10 +405,16 @@ class PostgresServer(PostgresCluster, _child.Server):
             os.chown(path, *self._account)
 
 
-def serve() -> int:
+def serve(argv: Sequence[str] | None = None) -> int:
     """Start a throwaway nats-server and PostgreSQL, print their ``EOP_*`` exports and wait
     for Ctrl-C or SIGTERM (``python -m eop.tools.embedded``): both servers and their data
-    go with it."""
+    go with it. ``--help`` says so and starts nothing."""
+    argparse.ArgumentParser(
+        prog="python -m eop.tools.embedded",
+        description="Start a throwaway nats-server and PostgreSQL on free ports of "
+        f"{HOST}, print the EOP_NATS_URL and EOP_DATABASE_URL exports that point at them, "
+        "and wait: Ctrl-C or SIGTERM stops both and removes their data.",
+    ).parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with (
         contextlib.suppress(KeyboardInterrupt),

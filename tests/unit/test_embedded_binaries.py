@@ -63,3 +63,16 @@ def test_eop_nats_server_names_the_binary_and_a_wrong_one_is_an_error(
     monkeypatch.setenv(embedded.NATS_SERVER_ENV, str(tmp_path / "missing"))
     with pytest.raises(errors.ServerBinaryNotFound, match=r"EOP_NATS_SERVER=.*missing"):
         embedded.nats_server_binary()
+
+
+def test_help_describes_the_throwaway_servers_and_starts_none(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m eop.tools.embedded --help`` prints its usage and exits 0 before
+    starting anything (no server binary is even looked for)."""
+    with pytest.raises(SystemExit) as exited:
+        embedded.serve(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m eop.tools.embedded" in out
+    assert "EOP_DATABASE_URL" in out

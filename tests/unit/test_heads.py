@@ -12,6 +12,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from eop import testing
 from eop.message import Message
@@ -87,6 +88,36 @@ async def test_a_failing_handler_among_queued_messages_is_retried_alone_the_othe
     assert await asyncio.gather(*waiting) == [Outcome.PROCESSED, Outcome.RETRY, Outcome.PROCESSED]
     assert (queued[0].acked, queued[1].naked, queued[2].acked) == (True, True, True)
     assert not queued[1].acked
+
+
+async def test_an_ordered_handlers_transactions_log_one_info_line_each(
+    make_harness: MakeHarness,
+) -> None:
+    """Each transaction of an ordered handler logs ``batch.processed`` at info level, as
+    an unordered handler's fetched batch does: the message that ran alone, then the three
+    that waited for it and ran together, with their count and outcomes."""
+    h, harness = _heads(make_harness, transactions=1)
+    release = asyncio.Event()
+
+    async def slow(msg: Message, session: Any) -> None:
+        await release.wait()
+
+    harness.then(slow)
+    with capture_logs() as logs:
+        first = asyncio.ensure_future(h.handle(_keyed(1), harness.processor.clock()))
+        await asyncio.sleep(0.01)
+        queued = [_keyed(seq) for seq in (2, 3, 4)]
+        waiting = [asyncio.ensure_future(h.handle(d, harness.processor.clock())) for d in queued]
+        await asyncio.sleep(0.01)
+        release.set()
+        await first
+        await asyncio.gather(*waiting)
+    lines = [e for e in logs if e["event"] == "batch.processed"]
+    assert [(e["log_level"], e["first_seq"], e["last_seq"], e["messages"]) for e in lines] == [
+        ("info", 1, 1, 1),
+        ("info", 2, 4, 3),
+    ]
+    assert [e["processed"] for e in lines] == [1, 3]
 
 
 async def test_a_redelivery_runs_alone_and_forgets_its_counted_failures(
