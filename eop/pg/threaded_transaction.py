@@ -49,6 +49,11 @@ class ThreadedTransaction(AsyncTransaction):
         self.writes = writes.Writes(session.sync_session)
         session.info[outbox.WRITES_KEY] = self.writes
         self._threads = threads
+        # Here rather than where the app makes its engine: an engine given to the
+        # app needs it too (once per dialect; later calls find it done).
+        bind = session.sync_session.bind
+        if bind is not None:
+            bridge.terminate_on_loop(bind.dialect)
         self._running: concurrent.futures.Future[Any] | None = None
         """The handler's latest run in a thread: :meth:`close` waits for it if not done."""
         self._deferred: list[Message] = []
@@ -69,12 +74,25 @@ class ThreadedTransaction(AsyncTransaction):
             func(arg, second, **extra)
 
     async def _in_thread(self, func: Callable[..., T], *args: Any) -> T:
-        """Run ``func(*args)`` in a thread of the store's; its session's I/O comes back here."""
+        """Run ``func(*args)`` in a thread of the store's; its session's I/O comes back here.
+
+        Cancelled, it cancels that I/O (:meth:`eop.pg.bridge.Call.cancel`); a thread
+        that was waiting on it comes back at once, and is waited for (a little), so
+        that its transaction closes now rather than once the worker has moved on.
+        """
         await self._set_timeouts()
-        loop = asyncio.get_running_loop()
-        future: concurrent.futures.Future[T] = self._threads.submit(bridge.call, loop, func, *args)
+        call = bridge.Call(asyncio.get_running_loop())
+        future: concurrent.futures.Future[T] = self._threads.submit(call.run, func, *args)
         self._running = future
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if call.cancel():
+                returned = asyncio.wrap_future(future)
+                # Its outcome is the thread's; the cancellation is what goes on from here.
+                returned.add_done_callback(_retrieved)
+                await asyncio.wait({returned}, timeout=bridge.RETURN_S)
+            raise
 
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call the handler in a thread and flush its writes; with ``flush=False`` (a
@@ -130,6 +148,12 @@ class ThreadedTransaction(AsyncTransaction):
         task = asyncio.ensure_future(session_guard.end_async(self.session, "close"))
         _CLOSING.add(task)
         task.add_done_callback(_CLOSING.discard)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Take a finished future's error, so that the loop does not report it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 _CLOSING: set[asyncio.Future[None]] = set()

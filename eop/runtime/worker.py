@@ -386,8 +386,9 @@ class Worker(hosting.Hosted):
             force.cancel()
         # Cancelling a handler rolls its transaction back and leaves the message
         # for redelivery; a COMMIT already under way finishes in Critical. A sync
-        # handler's thread cannot be cancelled: its task ends at once all the
-        # same, and the thread is left to transactions.SyncTransaction and eop.runtime.shutdown.
+        # handler's thread cannot be stopped from outside: its task cancels the
+        # statement the thread waits on (eop.pg.bridge), which then returns; a thread
+        # blocked in code of its own is left to its transaction and eop.runtime.shutdown.
         self.cancelled = len(pending)
         for task in pending:
             task.cancel()

@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop.runtime import shutdown
 
-from .bed import create_effects_table, drained, effects_by_body, publish, wait_for
+from .bed import create_effects_table, drained, effects_by_body, publish, scalar, wait_for
 from .test_cli import Workers, consumer_exists
 
 STUCK_APP = "tests.integration.stuckapp:app"
@@ -83,3 +84,53 @@ async def test_sigterm_ends_a_supervisor_whose_child_has_a_stuck_sync_handler(
     code, _ = await _hang_then_stop(js, workers, "sync", "--processes", "2")
     assert code == shutdown.EXIT_FORCED
     await _processed_once_by_another_worker(js, workers, engine)
+
+
+_WAITING_ON_THE_LOCK = (
+    "SELECT count(*) FROM pg_stat_activity"
+    " WHERE wait_event_type = 'Lock' AND query LIKE 'UPDATE stuck_lock%'"
+)
+
+
+async def test_sigterm_cancels_a_sync_handler_waiting_on_a_row_lock_and_exits_cleanly(
+    engine: AsyncEngine, js: Any, workers: Workers
+) -> None:
+    """A sync handler whose only wait is its session's own statement (an UPDATE on a row
+    another connection holds locked) is cancelled at the end of the grace period as an
+    async one is: its statement is cancelled on the loop, its thread returns, no thread is
+    abandoned and the worker exits 0; once the lock is released the message, left
+    unacked, is processed once by another worker."""
+    await create_effects_table(engine)
+    async with engine.begin() as conn:
+        await conn.execute(sa.text("CREATE TABLE stuck_lock (n bigint NOT NULL)"))
+        await conn.execute(sa.text("INSERT INTO stuck_lock VALUES (0)"))
+    # Longer than the whole test: only the stop may end the handler's wait.
+    workers.env.update(
+        EOP_SHUTDOWN_GRACE_S="2",
+        EOP_LOCK_TIMEOUT_S="120",
+        EOP_STATEMENT_TIMEOUT_S="120",
+        STUCKAPP_KIND="lock",
+    )
+    async with engine.connect() as holder:
+        await holder.execute(sa.text("SELECT * FROM stuck_lock FOR UPDATE"))
+        proc = workers.start(app=STUCK_APP)
+        await wait_for(lambda: consumer_exists(js, DURABLE), what="the consumer")
+        await wait_for(lambda: _started(workers, 1), what="the worker started")
+        await publish(js, "stuck")
+        await wait_for(
+            lambda: _counts(engine, _WAITING_ON_THE_LOCK, 1), what="the handler on the lock"
+        )
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, EXIT_WITHIN_S)
+        assert code == shutdown.EXIT_STOPPED, workers.logs()
+        assert '"worker.exit_forced"' not in workers.logs()
+        assert '"abandoned_threads": 0' in workers.logs()
+        assert '"loop.error"' not in workers.logs()
+        # Cancelled, not merely left behind by a process gone: the backend no longer waits.
+        assert await scalar(engine, _WAITING_ON_THE_LOCK) == 0
+        await holder.rollback()
+    await _processed_once_by_another_worker(js, workers, engine)
+
+
+async def _counts(engine: AsyncEngine, query: str, expected: int) -> bool:
+    return bool(await scalar(engine, query) == expected)

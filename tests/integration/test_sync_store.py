@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gc
+import logging
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +25,8 @@ from eop import settings as settings_mod
 from eop.handler import HandlerSpec
 from eop.pg import models
 from eop.pg.store import PostgresStore
+
+from .bed import scalar, wait_for
 
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
 
@@ -352,18 +356,19 @@ async def test_a_sync_batch_flushes_rows_wider_than_a_page(
     assert [tuple(row) for row in rows] == [(row.id, row.seq, row.seq) for row in added]
 
 
-async def test_a_sync_handler_cancelled_mid_run_keeps_its_transaction_until_it_returns(
+async def test_a_sync_handler_cancelled_mid_run_sends_nothing_more_and_keeps_its_transaction(
     database_url: str, engine: AsyncEngine
 ) -> None:
-    """On the async engine, a sync handler still running in its thread when its batch was
-    cancelled (a stop) keeps its session and connection: what it sends after the cancel
-    goes into its own transaction, never on a connection the pool handed to another, and
-    is rolled back once it returns. Then no row of it and no inbox row exist, and the
-    pool's one connection serves the next batch."""
+    """On the async engine, a sync handler still running code of its own in its thread
+    when its batch was cancelled (a stop) sends nothing more: its next statement raises
+    asyncio.CancelledError in it. Its session and connection stay its own until it
+    returns (never a connection the pool handed to another), and are rolled back then.
+    Then no row of it and no inbox row exist, and the pool's one connection serves the
+    next batch."""
     async with engine.begin() as conn:
         await conn.run_sync(_Base.metadata.create_all)
     app = eop.App(settings=settings_mod.Settings(database_url=database_url, db_pool_size=1))
-    started, go, done = threading.Event(), threading.Event(), threading.Event()
+    started, go, refused = threading.Event(), threading.Event(), threading.Event()
 
     @app.handler(stream="ORDERS", subject="orders.>", name="late")
     def late(msg: eop.Message, session: orm.Session) -> None:
@@ -372,9 +377,11 @@ async def test_a_sync_handler_cancelled_mid_run_keeps_its_transaction_until_it_r
             return
         started.set()
         go.wait(10)
-        session.execute(sa.text("INSERT INTO sync_parents (seq) VALUES (99)"))
-        session.flush()
-        done.set()
+        try:
+            session.execute(sa.text("INSERT INTO sync_parents (seq) VALUES (99)"))
+        except asyncio.CancelledError:
+            refused.set()
+            raise
 
     assert app.bridges_sync_handlers()
     store = app.make_store()
@@ -388,7 +395,7 @@ async def test_a_sync_handler_cancelled_mid_run_keeps_its_transaction_until_it_r
         go.set()
         # Waits for the pool's one connection: back once the handler returned.
         assert await asyncio.wait_for(run_batch(store, spec, [message(2)]), 30) == {2}
-        assert done.is_set()  # the late INSERT ran, in the abandoned transaction
+        assert refused.is_set()
         async with engine.connect() as conn:
             seqs = (await conn.execute(sa.text("SELECT seq FROM sync_parents"))).scalars()
             assert list(seqs) == [2]
@@ -397,3 +404,48 @@ async def test_a_sync_handler_cancelled_mid_run_keeps_its_transaction_until_it_r
         go.set()
         store.close()
         await app.dispose()
+
+
+async def test_a_connection_invalidated_in_a_sync_handlers_thread_is_terminated_on_the_loop(
+    database_url: str,
+    engine: AsyncEngine,
+    caplog: pytest.LogCaptureFixture,
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    """On the async engine, a connection SQLAlchemy invalidates in a sync handler's thread
+    (as it does on a dead server or a cancelled statement) is terminated from the event
+    loop: its server process ends, SQLAlchemy's pool logs no error ("no current event
+    loop" in the thread) and no coroutine is left unawaited. The pool's one connection is
+    made anew for the next batch."""
+    async with engine.begin() as conn:
+        await conn.run_sync(_Base.metadata.create_all)
+    app = eop.App(settings=settings_mod.Settings(database_url=database_url, db_pool_size=1))
+    pids: list[int] = []
+
+    @app.handler(stream="ORDERS", subject="orders.>", name="invalidates")
+    def invalidates(msg: eop.Message, session: orm.Session) -> None:
+        if msg.seq != 1:
+            session.add(Parent(seq=msg.seq))
+            return
+        connection = session.connection()
+        pids.append(connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+        connection.invalidate()
+        raise LookupError("after the invalidation")
+
+    async def ended(pid: int) -> bool:
+        count = await scalar(engine, "SELECT count(*) FROM pg_stat_activity WHERE pid = :p", p=pid)
+        return bool(count == 0)
+
+    store = app.make_store()
+    try:
+        spec = app.handlers["invalidates"]
+        with pytest.raises(LookupError, match="after the invalidation"):
+            await run_batch(store, spec, [message(1)])
+        await wait_for(lambda: ended(pids[0]), what="the invalidated connection's backend")
+        assert await asyncio.wait_for(run_batch(store, spec, [message(2)]), 30) == {2}
+    finally:
+        store.close()
+        await app.dispose()
+    gc.collect()  # a coroutine never awaited warns when it is collected
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert [str(w.message) for w in recwarn if "never awaited" in str(w.message)] == []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import warnings
 
 import pytest
 from sqlalchemy.util.concurrency import await_only as await_
@@ -66,3 +68,68 @@ async def test_a_function_that_awaits_nothing_just_returns() -> None:
     assert await asyncio.to_thread(bridge.call, loop, lambda: 7) == 7
     with pytest.raises(ValueError, match="handler"):
         await asyncio.to_thread(bridge.call, loop, boom)
+
+
+async def test_a_cancelled_call_cancels_the_awaitable_its_thread_waits_on() -> None:
+    """:meth:`bridge.Call.cancel` while the thread waits on the loop: the awaitable is
+    cancelled there, ``asyncio.CancelledError`` (not an ``Exception``) is raised where the
+    function awaited it, and cancel says the thread was waiting."""
+    loop = asyncio.get_running_loop()
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def forever() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def in_thread() -> str:
+        try:
+            await_(forever())
+        except Exception:
+            return "an Exception"
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "returned"
+
+    call = bridge.Call(loop)
+    running = asyncio.ensure_future(asyncio.to_thread(call.run, in_thread))
+    await asyncio.wait_for(started.wait(), 10)
+    assert call.cancel()
+    assert await asyncio.wait_for(running, 10) == "cancelled"
+    assert cancelled.is_set()
+
+
+async def test_a_cancelled_call_refuses_the_awaitables_its_thread_hands_over_later() -> None:
+    """Cancelled while its function runs code of its own, a call says so (it cannot stop
+    that code), and every awaitable handed over afterwards raises ``CancelledError`` in
+    the thread without running on the loop, closed so that none goes unawaited."""
+    loop = asyncio.get_running_loop()
+    ran: list[str] = []
+    go = threading.Event()
+
+    async def statement() -> None:
+        ran.append("statement")
+
+    def in_thread() -> int:
+        go.wait(10)
+        refused = 0
+        for _ in range(2):
+            try:
+                await_(statement())
+            except asyncio.CancelledError:
+                refused += 1
+        return refused
+
+    call = bridge.Call(loop)
+    running = asyncio.ensure_future(asyncio.to_thread(call.run, in_thread))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not call.cancel()
+        go.set()
+        assert await asyncio.wait_for(running, 10) == 2
+        gc.collect()  # a coroutine never awaited warns when it is collected
+    assert ran == []
+    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
