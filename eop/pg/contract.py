@@ -110,6 +110,10 @@ class Transaction(Protocol):
     async def forget_failures(self, message: Message) -> None:
         """Drop the message's failure count and parked copy (it has its outcome)."""
 
+    async def forget_runs(self, message: Message) -> None:
+        """Drop the message's run count (an ordered handler's failure count with it), found
+        settled by a redelivery; a parked retry's row stays."""
+
     async def reschedule(self, message: Message, due_in_s: float) -> None:
         """Run a parked message again ``due_in_s`` from now."""
 

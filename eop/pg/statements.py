@@ -234,6 +234,11 @@ class Statements(abc.ABC):
         """Drop the message's failure count and parked copy (it has its outcome)."""
         await self._execute(*retries_sql.forget_failures(self.tables, *_key(message)))
 
+    async def forget_runs(self, message: Message) -> None:
+        """Drop the message's run count, unless it is parked
+        (:func:`eop.pg.sql.retries.forget_runs`)."""
+        await self._execute(*retries_sql.forget_runs(self.tables, *_key(message)))
+
     async def reschedule(self, message: Message, due_in_s: float) -> None:
         """Run a parked message again ``due_in_s`` from now."""
         await self._execute(*retries_sql.reschedule(self.tables, *_key(message), due_in_s))

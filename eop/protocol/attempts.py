@@ -98,7 +98,10 @@ class Attempts:
             return await self.settlement.nak(delivery, msg, delay_s, logger)
         if not parked_run and not await tx.claim(msg, models.OUTCOME_RETRYING):
             existing = await tx.find(msg)
+            # The failure counted above is rolled back; a redelivery's counted run is
+            # forgotten apart.
             await tx.rollback()
+            await self.settlement.end_look_up(None, msg, existing)
             return await self.settlement.not_claimed(delivery, msg, existing, logger)
         # The park's line says why, as the nak's above does.
         parking = logger.bind(failures=failures, error=error)

@@ -25,6 +25,7 @@ from eop.handler import HandlerSpec
 from eop.pg import failures, store
 from eop.pg.sql import base as base_sql
 from eop.pg.sql import inbox as inbox_sql
+from eop.pg.sql import retries as retries_sql
 from eop.protocol import background
 
 
@@ -183,11 +184,47 @@ class Compactor:
         if candidate <= 0:
             return None
         watermark = await self._advance(epoch, candidate)
-        deleted = await self._delete_below(epoch, watermark)
+        full = self._full_round_due()
+        deleted = await self._delete_below(epoch, watermark, full=full)
+        forgotten = await self._forget_runs_below(epoch, watermark) if full else 0
         self._logger.debug(
-            log.Event.INBOX_COMPACTED, epoch=epoch, watermark=watermark, deleted=deleted
+            log.Event.INBOX_COMPACTED,
+            epoch=epoch,
+            watermark=watermark,
+            deleted=deleted,
+            runs_forgotten=forgotten,
         )
         return Compacted(epoch=epoch, watermark=watermark, deleted=deleted)
+
+    def _full_round_due(self) -> bool:
+        """Whether this round starts from the epoch's first sequence: this compactor's first,
+        then one per compaction interval (:meth:`_delete_below`)."""
+        since = self._full_sweep_at
+        return since is None or time.monotonic() - since >= self._interval_s
+
+    async def _forget_runs_below(self, epoch: str, watermark: int) -> int:
+        """Delete the run counts no settlement forgot at or below the watermark, in one
+        statement that is its own transaction; how many.
+
+        A redelivery counts its run before it starts, and the settlement that
+        gives its message an outcome forgets the count; but the outcome may come
+        through another delivery that knows nothing of it (a first delivery whose
+        owner was frozen past its lease, committing after the redelivery gave up
+        on its claim), or the forgetting may fail. Such a row would stay for ever,
+        with its copy of the payload. At or below the watermark every message was
+        acked or termed, and a row not parked belongs to a delivery not acked
+        yet: those rows count nothing any more
+        (:func:`eop.pg.sql.retries.forget_runs_below`). Only in the rounds that
+        start from the first sequence: at most once per compaction interval,
+        never per message.
+        """
+        if watermark <= 0:
+            return 0
+        t, name, stream = self.store.tables, self.spec.name, self.spec.stream
+        async with self.store.autocommit() as session:
+            stmt, params = retries_sql.forget_runs_below(t, name, stream, epoch, watermark)
+            result: Any = await session.execute(stmt, params)  # DML: a rowcount
+        return int(result.rowcount)
 
     async def _read_floor(self) -> int | None:
         if self._floor is not None:
@@ -259,7 +296,7 @@ class Compactor:
             return 0
         return int(value)
 
-    async def _delete_below(self, epoch: str, watermark: int) -> int:
+    async def _delete_below(self, epoch: str, watermark: int, *, full: bool | None = None) -> int:
         """Delete in bounded chunks, each its own short transaction (no long locks).
 
         A round deletes only above the watermark of this compactor's previous
@@ -288,9 +325,13 @@ class Compactor:
         round of one chunk goes without). A round takes at most one chunk per
         row that may go and per :attr:`chunk_rows` sequences, whichever is
         fewer, one more, and a look-up each but the first.
+
+        ``full``: whether this round starts from the first sequence (None: decided
+        here, by :meth:`_full_round_due`).
         """
         now = time.monotonic()
-        full = self._full_sweep_at is None or now - self._full_sweep_at >= self._interval_s
+        if full is None:
+            full = self._full_round_due()
         after = 0 if full else self._swept.get(epoch, 0)
         look = full
         total = 0

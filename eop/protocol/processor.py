@@ -329,7 +329,8 @@ class Processor:
             # before a handover or a crash): settled without a count or the wait.
             async with self.store.transaction(self._spec) as tx:
                 existing = await tx.find(msg)
-                await tx.rollback()
+                # An earlier delivery's counted run, found settled, is forgotten here.
+                await self.settlement.end_look_up(tx, msg, existing)
             if existing is not None:
                 return await self.settlement.not_claimed(delivery, msg, existing, logger)
         # Held for the run only: a retry's backoff (an outage, a lock held elsewhere)
@@ -351,7 +352,8 @@ class Processor:
         async with self.store.transaction(self._spec) as tx:
             if not await tx.claim(msg, models.OUTCOME_PROCESSED):
                 existing = await tx.find(msg)
-                await tx.rollback()
+                # A redelivery's run, counted before its claim, is forgotten here.
+                await self.settlement.end_look_up(tx, msg, existing)
                 return await self.settlement.not_claimed(delivery, msg, existing, logger)
             await faults.point("after_claim")
 

@@ -15,6 +15,7 @@ to decide; it parks, naks or dead-letters the message here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import time
@@ -100,8 +101,8 @@ class Settlement:
     for a committed batch, :meth:`resolve_ambiguous` after a COMMIT of unknown
     outcome; :meth:`nak`, :meth:`left`, :meth:`commit_and_park` and
     :meth:`parked_again` for a message not settled for good; :meth:`dead_letter`
-    (:meth:`dead_letter_in` a transaction) and :meth:`not_claimed` for the
-    outcomes that are not the handler's.
+    (:meth:`dead_letter_in` a transaction) and :meth:`not_claimed` (after
+    :meth:`end_look_up`) for the outcomes that are not the handler's.
     """
 
     def __init__(
@@ -327,13 +328,48 @@ class Settlement:
                 return self.left(delivery)
         elif not await tx.claim(msg, models.OUTCOME_DEAD_LETTERED):
             existing = await tx.find(msg)
+            # It may hold the failure counted for this dead letter (attempts_exhausted):
+            # rolled back; a redelivery's counted run is forgotten apart.
             await tx.rollback()
+            await self.end_look_up(None, msg, existing)
             return await self.not_claimed(delivery, msg, existing, logger)
         await tx.forget_failures(msg)
         await tx.add_dead_letter(msg, dead)
         return await self.critical.run(
             self.commit_and_settle(tx, delivery, msg, Outcome.DEAD_LETTERED, logger, dead)
         )
+
+    async def end_look_up(
+        self,
+        tx: contract.Transaction | None,
+        msg: message.Message,
+        existing: contract.Existing | None,
+    ) -> None:
+        """End ``tx``, in which ``msg`` was looked up and found as ``existing`` (None: not
+        found), before :meth:`not_claimed` settles it: a redelivery found settled forgets
+        its run count, in ``tx`` (which wrote nothing) then COMMIT; else ROLLBACK.
+
+        A redelivery's runs are counted in the retries table before it starts
+        (``Processor._suspect``), an ordered handler's nak'ed failures too; its
+        message having an outcome now (a duplicate by key, msg-id or watermark),
+        the count is forgotten with it (docs/design.md, 'The crash-loop bound').
+        A parked retry's row stays (:func:`eop.pg.sql.retries.forget_runs`). With
+        ``tx`` None (the caller's transaction wrote more, a failure counted, and
+        was rolled back) the count is forgotten in a transaction of its own. A
+        first delivery forgets nothing: it counted no run, and its duplicates (a
+        batch's messages not claimed, a msg-id republished) keep their cost; a
+        row another delivery left behind goes with compaction's sweep
+        (:func:`eop.pg.sql.retries.forget_runs_below`).
+        """
+        if existing is None or not _duplicate(msg, existing) or msg.num_delivered <= 1:
+            if tx is not None:
+                await tx.rollback()
+            return
+        if tx is None:
+            async with self.store.transaction(self.spec) as own:
+                await _forget_runs(own, msg)
+        else:
+            await _forget_runs(tx, msg)
 
     async def not_claimed(
         self,
@@ -348,7 +384,7 @@ class Settlement:
         if existing is None:
             # The conflicting row vanished between the claim and the look-up.
             raise errors.TransactionConflict()
-        if existing.by == "key" and existing.fingerprint != msg.fingerprint:
+        if not _duplicate(msg, existing):
             await self.epochs.refresh(msg.stream)
             epoch = await self.epochs.epoch_of(msg.stream, msg.timestamp)
             if epoch is not None and epoch != msg.stream_epoch:
@@ -391,6 +427,22 @@ class Settlement:
         )
         await faults.point("after_ack")
         return acked
+
+
+def _duplicate(msg: message.Message, existing: contract.Existing) -> bool:
+    """Whether ``existing`` is ``msg``'s own outcome (by msg-id or watermark, or its key with
+    its fingerprint), not another message's under its key (a recreated stream, a reused
+    sequence)."""
+    return existing.by != "key" or existing.fingerprint == msg.fingerprint
+
+
+async def _forget_runs(tx: contract.Transaction, msg: message.Message) -> None:
+    """Forget ``msg``'s run count in ``tx`` and COMMIT."""
+    await tx.forget_runs(msg)
+    with contextlib.suppress(errors.AmbiguousCommit):
+        # Forgotten or not, the count is of no use any more: compaction's sweep
+        # deletes it once the watermark passes its message.
+        await tx.commit()
 
 
 def describe(exc: BaseException) -> str:

@@ -41,6 +41,7 @@ class MemoryTransaction:
         self._counts: dict[InboxKey, tuple[int, bool]] = {}
         self._runs: dict[InboxKey, int] = {}
         self._forgotten: set[InboxKey] = set()
+        self._runs_forgotten: set[InboxKey] = set()
         self._settled: dict[InboxKey, str] = {}
 
     @property
@@ -168,6 +169,11 @@ class MemoryTransaction:
         key = inbox_key(message)
         self._counts.pop(key, None)
         self._forgotten.add(key)
+
+    async def forget_runs(self, message: Message) -> None:
+        """Drop the run and failure counts of ``message`` at COMMIT, unless it is parked."""
+        self._check_open()
+        self._runs_forgotten.add(inbox_key(message))
 
     async def reschedule(self, message: Message, due_in_s: float) -> None:
         """Nothing to keep: the fake store runs no retry loop of its own."""
@@ -319,6 +325,9 @@ class MemoryTransaction:
             store.attempts.pop(key, None)
             store.runs.pop(key, None)
             store.parked.discard(key)
+        for key in self._runs_forgotten - store.parked:
+            store.attempts.pop(key, None)
+            store.runs.pop(key, None)
         for key, (count, parked) in self._counts.items():
             store.attempts[key] = count
             if parked:
@@ -343,6 +352,7 @@ class MemoryTransaction:
             self._counts.clear()
             self._runs.clear()
             self._forgotten.clear()
+            self._runs_forgotten.clear()
             self._settled.clear()
         self.store._release(self._ended)
         self._ended.set()

@@ -298,6 +298,26 @@ async def test_a_redelivery_is_counted_before_it_runs_and_not_when_it_has_its_ou
     assert key not in harness.store.runs
 
 
+async def test_a_redelivery_found_settled_forgets_earlier_runs_but_not_a_parked_retry(
+    harness: Harness,
+) -> None:
+    """Runs counted by earlier redeliveries of a message that its first delivery then
+    processed (knowing nothing of them) are forgotten by the next redelivery, which finds
+    it done; a redelivery of a parked message, a duplicate too, leaves its parked retry
+    (failures and all) as it was."""
+    done, parked = delivery(seq=1), delivery(seq=2)
+    harness.ran_before(done, 2)
+    harness.then(None, RuntimeError("boom"))
+    assert await harness.handle(done) is Outcome.PROCESSED
+    assert await harness.handle(parked) is Outcome.RETRY
+    assert await harness.handle(delivery(seq=1, num_delivered=3)) is Outcome.DUPLICATE
+    assert await harness.handle(delivery(seq=2, num_delivered=2)) is Outcome.DUPLICATE
+    assert harness.store.runs == {}
+    key = ("orders", STREAM, "e1", 2)
+    assert harness.store.parked == {key}
+    assert harness.store.attempts == {key: 1}
+
+
 async def test_neighbours_of_a_killing_message_are_not_counted_runs_they_never_had(
     harness: Harness,
 ) -> None:

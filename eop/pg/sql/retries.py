@@ -144,6 +144,49 @@ def _forget_failures(t: models.Tables) -> sa.Executable:
     return sa.delete(t.retries).where(*in_bound_key(t.retries.c))
 
 
+def forget_runs(t: models.Tables, subscription: str, stream: str, epoch: str, seq: int) -> Bound:
+    """Delete a message's run count (an ordered handler's failure count with it), found
+    settled by a redelivery: not a parked row, whose retry is still to come.
+
+    A redelivery of a parked message finds its ``retrying`` inbox row, a duplicate,
+    and is acked; the parked row is that retry, settled by its own run. Any other
+    row counts the runs (and an ordered handler's failures) of deliveries that ended
+    without an outcome, which the message has now (docs/design.md, 'The crash-loop
+    bound').
+    """
+    return _forget_runs(t), key_params(subscription, stream, epoch, seq)
+
+
+@functools.cache
+def _forget_runs(t: models.Tables) -> sa.Executable:
+    c = t.retries.c
+    return sa.delete(t.retries).where(*in_bound_key(c), ~c.parked)
+
+
+def forget_runs_below(
+    t: models.Tables, subscription: str, stream: str, epoch: str, watermark: int
+) -> Bound:
+    """Delete the rows of an epoch's messages at or below its ``watermark`` that are not
+    parked: compaction's sweep of the run counts no settlement forgot.
+
+    A row not parked belongs to a delivery not acked yet (a redelivery's counted
+    run, an ordered handler's nak'ed failure); at or below the watermark the
+    message was acked or termed, so its outcome (or its parking) committed and the
+    row counts nothing any more. A parked row's message was acked when it was
+    parked, and its retry is still to come: it stays. One range of the primary
+    key (subscription, stream, epoch, sequence).
+    """
+    params = {**epoch_params(subscription, stream, epoch), "p_value": watermark}
+    return _forget_runs_below(t), params
+
+
+@functools.cache
+def _forget_runs_below(t: models.Tables) -> sa.Executable:
+    c = t.retries.c
+    watermark = sa.bindparam("p_value", type_=sa.BigInteger)
+    return sa.delete(t.retries).where(*in_bound_epoch(c), c.stream_seq <= watermark, ~c.parked)
+
+
 def take_due(t: models.Tables, subscription: str, limit: int, lease_s: float) -> Bound:
     """Lease up to ``limit`` parked messages that are due; RETURNING them.
 
