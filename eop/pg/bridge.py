@@ -145,11 +145,6 @@ class Call:
         return self._waiting
 
 
-def call(loop: asyncio.AbstractEventLoop, func: Callable[..., T], *args: Any) -> T:
-    """Run ``func(*args)`` here, in a thread; its session's awaitables run on ``loop``."""
-    return Call(loop).run(func, *args)
-
-
 def _discard(awaitable: Awaitable[Any]) -> None:
     """Close a coroutine that will never be awaited (Python warns of it otherwise)."""
     close = getattr(awaitable, "close", None)

@@ -28,7 +28,7 @@ async def test_each_awaitable_runs_on_the_loop_and_its_result_goes_back_to_the_t
         total = await_(on_loop(a)) + await_(on_loop(b))
         return threading.current_thread().name, total
 
-    name, total = await asyncio.to_thread(bridge.call, loop, in_thread, 1, 20)
+    name, total = await asyncio.to_thread(bridge.Call(loop).run, in_thread, 1, 20)
     assert total == 42
     assert name != threading.current_thread().name
     assert ran_on == [threading.current_thread().name] * 2
@@ -36,7 +36,7 @@ async def test_each_awaitable_runs_on_the_loop_and_its_result_goes_back_to_the_t
 
 async def test_an_awaitables_error_is_raised_where_the_function_awaited_it() -> None:
     """A coroutine that fails on the loop raises in the thread, where ``await_`` was called:
-    the function may catch it and go on, or let it out of :func:`bridge.call`."""
+    the function may catch it and go on, or let it out of :meth:`bridge.Call.run`."""
     loop = asyncio.get_running_loop()
 
     async def fails() -> None:
@@ -53,9 +53,9 @@ async def test_an_awaitables_error_is_raised_where_the_function_awaited_it() -> 
     def uncaught() -> None:
         await_(fails())
 
-    assert await asyncio.to_thread(bridge.call, loop, caught) == "after"
+    assert await asyncio.to_thread(bridge.Call(loop).run, caught) == "after"
     with pytest.raises(LookupError, match="on the loop"):
-        await asyncio.to_thread(bridge.call, loop, uncaught)
+        await asyncio.to_thread(bridge.Call(loop).run, uncaught)
 
 
 async def test_a_function_that_awaits_nothing_just_returns() -> None:
@@ -65,9 +65,9 @@ async def test_a_function_that_awaits_nothing_just_returns() -> None:
     def boom() -> None:
         raise ValueError("handler")
 
-    assert await asyncio.to_thread(bridge.call, loop, lambda: 7) == 7
+    assert await asyncio.to_thread(bridge.Call(loop).run, lambda: 7) == 7
     with pytest.raises(ValueError, match="handler"):
-        await asyncio.to_thread(bridge.call, loop, boom)
+        await asyncio.to_thread(bridge.Call(loop).run, boom)
 
 
 async def test_a_cancelled_call_cancels_the_awaitable_its_thread_waits_on() -> None:
