@@ -19,6 +19,12 @@ from eop import errors
 from eop.ordering import sql
 from eop.pg import models
 
+#: The members ranked for shares are those with at least this part of their membership
+#: lease still to run: each renews it every third of the lease, so a live one has two
+#: thirds or more, less however late its tick runs. A member killed or frozen drops out
+#: of the ranking half a lease after its last tick instead of a whole one.
+CURRENT_LEASE_LEFT = 0.5
+
 
 @dataclasses.dataclass(frozen=True)
 class Member:
@@ -116,7 +122,8 @@ class Ownership:
                 await conn.execute(sql.release(t, s, m.name, releasing))
             if expiring:
                 await conn.execute(sql.expire(t, s, m.name, list(expiring)))
-            members = tuple(r[0] for r in (await conn.execute(sql.live_members(t, s))).all())
+            ranked = sql.live_members(t, s, lease * CURRENT_LEASE_LEFT)
+            members = tuple(r[0] for r in (await conn.execute(ranked)).all())
             renewed = (await conn.execute(sql.renew(t, s, m.name, lease))).all()
             owned = {int(r[0]): int(r[1]) for r in renewed}
             acquired: list[Acquired] = []

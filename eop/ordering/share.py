@@ -172,6 +172,7 @@ class OrderedRunner:
         """Tick until the worker stops; then stop fetching (:meth:`leave` gives up)."""
         failures = 0
         while not self._stopping.is_set():
+            started = time.monotonic()
             try:
                 before = self.members
                 await self.tick()
@@ -180,7 +181,9 @@ class OrderedRunner:
                     # share now rather than a tick later.
                     await self.tick()
                 failures = 0
-                wait_s = self.tick_s
+                # A tick apart from start to start, however long this one took (opening
+                # consumers): the others rank only members that renewed lately.
+                wait_s = max(self.tick_s - (time.monotonic() - started), 0.0)
             except Exception as exc:
                 failures += 1
                 (self._logger.warning if failures == 1 else self._logger.debug)(

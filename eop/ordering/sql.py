@@ -55,12 +55,20 @@ def leave(t: models.Tables, subscription: str, member: str) -> sa.Delete:
     return sa.delete(t.members).where(c.subscription == subscription, c.member == member)
 
 
-def live_members(t: models.Tables, subscription: str) -> sa.Select[Any]:
-    """The live members' names, in a fixed order (every member ranks them the same)."""
+def live_members(t: models.Tables, subscription: str, left_s: float) -> sa.Select[Any]:
+    """The names of the members with at least ``left_s`` of their membership lease still
+    to run (renewed lately: a member renews at every tick), in a fixed order (every member
+    ranks them the same).
+
+    Not every member whose lease has yet to run out: a process killed (or frozen) keeps
+    its row until then, and the partitions its rank would give it, when one is given up
+    (a stop, a rebalance), would wait that long for an owner. Ranking only the members
+    that ticked lately, the others take them at their next tick.
+    """
     c = t.members.c
     return (
         sa.select(c.member)
-        .where(c.subscription == subscription, c.expires_at >= sa.func.now())
+        .where(c.subscription == subscription, c.expires_at >= _ttl(left_s))
         .order_by(c.member)
     )
 

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
+from eop.pg import models
 from eop.runtime.worker import Worker
 
 from .bed import bed_settings, drained, running, wait_for
@@ -305,7 +306,6 @@ async def test_a_process_frozen_in_the_middle_of_its_tick_does_not_keep_its_part
     frozen. The tick's idle-in-transaction timeout ends its transaction on the server."""
     from eop.ordering import ownership
     from eop.ordering import sql as ownership_sql
-    from eop.pg import models
 
     tables = models.tables("eop")
     member = ownership.Member(name="b", host="h", pid=2)
@@ -322,6 +322,51 @@ async def test_a_process_frozen_in_the_middle_of_its_tick_does_not_keep_its_part
         with contextlib.suppress(Exception):
             await frozen.close()
     assert set(tick.owned) == {0, 1}
+
+
+async def test_a_partition_given_up_goes_to_a_live_member_before_a_killed_ones_lease_runs_out(
+    engine: AsyncEngine,
+) -> None:
+    """A member ranked first that stopped ticking (killed, frozen) keeps its membership row
+    until its lease runs out. A partition given up meanwhile (another member's stop) went
+    to nobody for that long: every live member's share left it to the dead one. Members
+    are ranked only while they renew, so a live one takes it half a lease after the dead
+    one's last tick, while the dead one's own partition stays leased to it."""
+    from eop.ordering import ownership
+    from eop.ordering.share import share
+
+    tables = models.tables("eop")
+    lease_s = 6.0
+    a, b, c = (
+        ownership.Ownership(
+            engine, tables, "ranked", 3, ownership.Member(name=n, host="h", pid=i), lease_s
+        )
+        for i, n in enumerate("abc")
+    )
+    await a.prepare()
+    for member in (a, b, c):
+        await member.tick(1, [])
+    await c.leave([2])  # c stops cleanly; a is killed (it never ticks again)
+
+    async def b_ticks() -> ownership.Tick:
+        members = (await b.tick(0, [])).members
+        return await b.tick(share(members, "b", 3), [])
+
+    # a ticked just now: it is still ranked first, and the remainder is its.
+    early = await b_ticks()
+    assert early.members == ("a", "b")
+    assert set(early.owned) == {1}
+    await asyncio.sleep(lease_s * ownership.CURRENT_LEASE_LEFT + 0.2)
+    late = await b_ticks()
+    assert late.members == ("b",)
+    assert set(late.owned) == {1, 2}, "the given-up partition waits for a dead member's lease"
+    async with engine.connect() as conn:
+        owner = await conn.execute(
+            sa.text(
+                "SELECT owner FROM eop.partitions WHERE subscription = 'ranked' AND partition = 0"
+            )
+        )
+        assert owner.scalar_one() == "a", "a live lease was taken"
 
 
 async def test_a_message_that_kills_every_owner_is_dead_lettered_as_a_crash_loop(
