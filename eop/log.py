@@ -4,7 +4,9 @@ Every log line is an ``event`` from :class:`Event` plus, for message events,
 the message's coordinates (handler, stream, seq, delivery count) and the
 ``action`` taken on the delivery. Payloads are never logged; URLs and headers
 go through :func:`redact_url` and :func:`redact_headers` first, exceptions
-through :func:`describe_error` and :func:`format_traceback`.
+through :func:`describe_error` and :func:`format_traceback`. Records that
+libraries log through the stdlib's :mod:`logging` become ``library.log`` lines
+(:func:`library_fields` says what of them is kept).
 """
 
 from __future__ import annotations
@@ -13,15 +15,21 @@ import enum
 import logging
 import os
 import sys
-import traceback
-from collections.abc import MutableMapping, Sequence
+from collections.abc import MutableMapping
 from typing import Any, Protocol
 
 import structlog
-from sqlalchemy import exc as sa_exc
 
 from eop import redaction
 from eop import settings as settings_mod
+
+# Re-exported: eop's code, and its users', call them as log.describe_error and co.
+from eop.error_text import BRIEF_ERROR_CHARS as BRIEF_ERROR_CHARS
+from eop.error_text import ERROR_CHARS as ERROR_CHARS
+from eop.error_text import bounded_error as bounded_error
+from eop.error_text import brief_error as brief_error
+from eop.error_text import describe_error as describe_error
+from eop.error_text import format_traceback as format_traceback
 
 
 class Event(str, enum.Enum):
@@ -107,6 +115,9 @@ class Event(str, enum.Enum):
     """``EOP_FAULTS`` is set, but this command never arms fault points (:mod:`eop.faults`)."""
     FAULT_HIT = "fault.hit"
     LOOP_ERROR = "loop.error"
+    LIBRARY_LOG = "library.log"
+    """A record a library logged through the stdlib's :mod:`logging` (asyncio, nats-py,
+    SQLAlchemy, asyncpg, alembic, ...): its ``logger`` and unformatted ``message`` only."""
 
 
 class Action(str, enum.Enum):
@@ -134,7 +145,13 @@ def configure(
     level: settings_mod.LogLevel = "info",
     stream: Any = None,
 ) -> None:
-    """Configure structlog for eop's processes (the worker and the CLI)."""
+    """Configure structlog for eop's processes (the worker and the CLI).
+
+    Also routes the records libraries log through the stdlib's :mod:`logging`
+    into the same lines (``library.log``, :func:`library_fields`), instead of
+    the plain text Python prints for them otherwise. Calling it again
+    reconfigures; it never adds a second handler.
+    """
     renderer: Any
     if log_format == "json":
         renderer = structlog.processors.JSONRenderer()
@@ -157,6 +174,7 @@ def configure(
         logger_factory=structlog.WriteLoggerFactory(file=stream) if stream else _stderr_logger,
         cache_logger_on_first_use=False,
     )
+    _route_library_records(getattr(logging, level.upper()))
 
 
 def _stderr_logger(*_: Any) -> structlog.WriteLogger:
@@ -262,161 +280,90 @@ def enabled(level: int) -> bool:
     return True if check is None else bool(check(None, level))
 
 
-#: The most characters of a failure's description a dead letter, a parked retry or an
-#: error line keeps.
-ERROR_CHARS = 2000
+# --- The records libraries log through the stdlib's logging -----------------
 
 
-#: The most characters of a failure's description a warning line or a one-line report
-#: carries.
-BRIEF_ERROR_CHARS = 500
+def _route_library_records(level: int) -> None:
+    """Send the stdlib's log records of this process through structlog, once."""
+    # Only configure() installs it, never an import: an application embedding
+    # eop keeps the logging it sets up. The root logger's level is left as it
+    # is (WARNING, unless someone set it): lowering it to eop's (info by
+    # default) would let through the INFO lines libraries write as a matter
+    # of course (alembic's "Context impl %s." at every worker's schema check,
+    # its "Running %s" at every step of `eop db upgrade`), which say nothing
+    # without their arguments. A library's logger set lower on purpose gets
+    # through, down to eop's level.
+    _LIBRARY_RECORDS.setLevel(level)
+    root = logging.getLogger()
+    if _LIBRARY_RECORDS not in root.handlers:
+        root.addHandler(_LIBRARY_RECORDS)
 
 
-def brief_error(exc: BaseException) -> str:
-    """:func:`describe_error`, cut to :data:`BRIEF_ERROR_CHARS`: what a log line's ``error``
-    or a one-line report carries."""
-    return describe_error(exc)[:BRIEF_ERROR_CHARS]
+class _LibraryRecords(logging.Handler):
+    """Logs each stdlib record as a ``library.log`` line of eop's structlog pipeline."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Log ``record``'s logger, level and message template, and its error sanitised."""
+        try:
+            logger: Any = structlog.get_logger("eop")
+            log_at = getattr(logger, _level_name(record.levelno))
+            log_at(Event.LIBRARY_LOG, **library_fields(record))
+        except RecursionError:  # as the stdlib's handlers do
+            raise
+        except Exception:
+            # A log line that cannot be written must not fail the library's call.
+            self.handleError(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """Say nothing: the stdlib's report of a failed emit prints the record's arguments."""
 
 
-def bounded_error(exc: BaseException) -> str:
-    """:func:`describe_error`, cut to :data:`ERROR_CHARS`: what a dead letter, a parked
-    retry or an error line records."""
-    return describe_error(exc)[:ERROR_CHARS]
+def library_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """What a ``library.log`` line says of a stdlib log ``record``.
 
-
-def describe_error(exc: BaseException) -> str:
-    """``exc`` as ``Type: message``, for a log line or a dead letter's ``error``.
-
-    A failed SQL statement's text from SQLAlchemy carries its bound values
-    (``[parameters: ...]``: payload data), the driver's DETAIL (PostgreSQL
-    quotes the failing row or key there), and often the refused value itself
-    (``invalid input syntax for type integer: "..."``, asyncpg's ``invalid
-    input for query argument $1: '...'``). Database errors are described by
-    their driver's one-line message with the values masked
-    (:func:`eop.redaction.scrub_values`) and, for a statement, its SQL.
+    Its logger's name and its message *template* (``record.msg``, ``%s`` and
+    all), not the formatted message: libraries pass what they log about as
+    the template's arguments (a connection, a row, a statement's parameters, a
+    URL with its password), and nothing tells those apart from harmless ones.
+    A message built beforehand (an f-string, asyncio's report of a failed
+    task, which quotes the exception's repr) is the template itself: it gets
+    its quoted values, and the passwords of URLs in it, masked as a database
+    error's are. Its exception is described as eop's own errors are
+    (:func:`brief_error`; :func:`format_traceback` from level ERROR up);
+    ``exc_text``, a traceback another handler may have formatted, and the
+    stack are left out.
     """
-    chain = _chain(exc)
-    values = _bound_values(chain)
-    return f"{type(exc).__name__}: {_message(exc, values, _below_database(exc, chain))}"
+    fields: dict[str, Any] = {"logger": record.name, "message": _template(record.msg)}
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, BaseException):
+        fields["error"] = brief_error(exc)
+        # Not for warnings: asyncpg's pool repeats its own at every retry.
+        if record.levelno >= logging.ERROR:
+            fields["exception"] = format_traceback(exc)
+    return fields
 
 
-def format_traceback(exc: BaseException) -> str:
-    """``exc``'s traceback, causes included, each database error as :func:`describe_error`
-    says, and each exception a database error was raised from (an encoder's
-    ``ValueError`` under asyncpg's ``DataError``) with its quoted values masked.
-
-    A plain traceback prints a failed statement's bound values and the driver's
-    DETAIL, for every SQLAlchemy and driver exception of the chain.
-    """
-    chain = _chain(exc)
-    values = _bound_values(chain)
-    top = traceback.TracebackException(type(exc), exc, exc.__traceback__)
-    pending: list[tuple[traceback.TracebackException, BaseException]] = [(top, exc)]
-    while pending:
-        te, err = pending.pop()
-        if _scrubbed(err, values, _below_database(err, chain)) is not None:
-            if "_str" not in vars(te):
-                # The traceback module no longer keeps the message where we
-                # replace it: keep the description, drop the frames.
-                return describe_error(exc)
-            vars(te)["_str"] = _message(err, values, _below_database(err, chain))
-        # TracebackException mirrors the chain it was built from, link by link.
-        if te.__cause__ is not None and err.__cause__ is not None:
-            pending.append((te.__cause__, err.__cause__))
-        if te.__context__ is not None and err.__context__ is not None:
-            pending.append((te.__context__, err.__context__))
-        members = getattr(te, "exceptions", None)  # an exception group's (3.11+)
-        if members:
-            pending.extend(zip(members, getattr(err, "exceptions", ()), strict=False))
-    return "".join(top.format())
+def _template(msg: object) -> str:
+    if isinstance(msg, BaseException):  # logger.error(exc)
+        text = describe_error(msg)
+    elif isinstance(msg, str):
+        text = redaction.scrub_values(redaction.redact_text(msg))
+    else:
+        text = f"({type(msg).__name__})"  # a dict, an object: its str() could hold anything
+    return text[:BRIEF_ERROR_CHARS]
 
 
-def _message(exc: BaseException, values: Sequence[object] = (), below: bool = False) -> str:
-    text = _scrubbed(exc, values, below)
-    return _safe_str(exc) if text is None else text
+def _level_name(levelno: int) -> str:
+    # structlog has a method per standard level: a custom level takes the one below it.
+    return next((name for n, name in _LEVELS if levelno >= n), "debug")
 
 
-def _scrubbed(exc: BaseException, values: Sequence[object], below: bool) -> str | None:
-    """What may be said of ``exc`` when it is a database error, or was raised
-    under one (``below``), or quotes text it could not encode; None: its own
-    text is safe to show."""
-    text = _database_message(exc)
-    if text is not None:
-        return redaction.scrub_values(text, values)
-    if below or isinstance(exc, UnicodeError):
-        return redaction.scrub_values(_safe_str(exc), values)
-    return None
+_LEVELS = (
+    (logging.CRITICAL, "critical"),
+    (logging.ERROR, "error"),
+    (logging.WARNING, "warning"),
+    (logging.INFO, "info"),
+)
 
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and every exception it was raised from or during, each once."""
-    seen: dict[int, BaseException] = {}
-    pending = [exc]
-    while pending:
-        current = pending.pop()
-        if id(current) in seen:
-            continue
-        seen[id(current)] = current
-        links = [current.__cause__, current.__context__, getattr(current, "orig", None)]
-        pending.extend(e for e in links if isinstance(e, BaseException))
-        pending.extend(
-            e for e in getattr(current, "exceptions", ()) if isinstance(e, BaseException)
-        )
-    return list(seen.values())
-
-
-def _bound_values(chain: list[BaseException]) -> list[object]:
-    """The bound values of every failed statement in ``chain`` (to be masked wherever quoted)."""
-    return [e.params for e in chain if isinstance(e, sa_exc.StatementError) and e.params]
-
-
-def _below_database(exc: BaseException, chain: list[BaseException]) -> bool:
-    """Whether a database error of ``chain`` was raised from or during ``exc``."""
-    return any(
-        err is not exc
-        and _database_message(err) is not None
-        and any(link is exc for link in _chain(err))
-        for err in chain
-    )
-
-
-def _database_message(exc: BaseException) -> str | None:
-    """What may be said of a database error before its values are masked (None: ``exc`` is
-    not one)."""
-    if isinstance(exc, sa_exc.StatementError):
-        # The driver's error line and the SQL; without the parameters, the
-        # driver's DETAIL lines and the background link SQLAlchemy appends.
-        lines = [f"({detail})" for detail in exc.detail]
-        lines.append(_first_line(_args_text(exc)))
-        if exc.statement:
-            lines.append(f"[SQL: {exc.statement}]")
-        return "\n".join(lines)
-    if isinstance(exc, sa_exc.SQLAlchemyError):
-        return _args_text(exc)  # without the background link
-    if type(exc).__module__.split(".")[0] in _DRIVER_MODULES:
-        # PostgreSQL's primary message is one line; DETAIL, HINT and CONTEXT
-        # follow it and may quote the row or the values.
-        return _first_line(_safe_str(exc))
-    return None
-
-
-# Drivers' exception modules; sqlalchemy's for the asyncpg dialect's emulated DBAPI errors.
-_DRIVER_MODULES = ("asyncpg", "psycopg", "psycopg2", "sqlalchemy")
-
-
-def _args_text(exc: BaseException) -> str:
-    # As SQLAlchemyError._message: its str() appends the background link to it.
-    if len(exc.args) == 1:
-        return str(exc.args[0])
-    return str(exc.args) if exc.args else ""
-
-
-def _first_line(text: str) -> str:
-    return text.strip().split("\n", 1)[0]
-
-
-def _safe_str(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception:
-        return "(its message cannot be printed)"
+#: The one handler configure() puts on the root logger, whatever the calls.
+_LIBRARY_RECORDS = _LibraryRecords()

@@ -42,6 +42,16 @@ def redact_urls(urls: str) -> str:
     return ",".join(redact_url(u.strip()) for u in urls.split(","))
 
 
+# A URL inside a text runs from its scheme to the next blank.
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://\S+")
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it as :func:`redact_url` shows it, and the values
+    of ``password=``, ``token=``, ``secret=`` (a query, a libpq keyword string) masked."""
+    return _redact_query(_URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text))
+
+
 _SECRET_QUERY = re.compile(r"((?:password|passwd|token|secret|sslpassword)=)[^&]*", re.IGNORECASE)
 
 

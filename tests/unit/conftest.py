@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import structlog
 
-from eop import testing
+from eop import log, testing
 from eop.handler import HandlerSpec
 from eop.message import Message
 from eop.protocol import processor as processor_mod
@@ -79,6 +80,8 @@ def fast_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(autouse=True)
 def _reset_structlog() -> Iterator[None]:
-    """Undo any log.configure() a test did (it binds structlog to a captured stream)."""
+    """Undo any log.configure() a test did (it binds structlog to a captured stream, and
+    puts its handler of library records on the root logger)."""
     yield
     structlog.reset_defaults()
+    logging.getLogger().removeHandler(log._LIBRARY_RECORDS)

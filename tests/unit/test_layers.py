@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "eop.errors",
             "eop.redaction",
+            "eop.error_text",
             "eop.nats_access",
             "eop.rules",
             "eop.settings",

@@ -95,6 +95,22 @@ def test_redact_urls_redacts_each_of_a_comma_separated_list() -> None:
     assert redaction.redact_urls(urls) == "nats://a:***@n1:4222,nats://***@n2:4222,nats://n3:4222"
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "cannot reach postgresql+asyncpg://app:s3cr3t@db:5432/app (refused)",
+            "cannot reach postgresql+asyncpg://app:***@db:5432/app (refused)",
+        ),
+        ("servers nats://s3cr3t@n1:4222 down", "servers nats://***@n1:4222 down"),
+        ("host=db password=s3cr3t", "host=db password=***"),
+        ("Exception closing connection %r", "Exception closing connection %r"),
+    ],
+)
+def test_redact_text_hides_the_passwords_of_the_urls_in_a_text(text: str, expected: str) -> None:
+    assert redaction.redact_text(text) == expected
+
+
 # -------------------------------------------------------------- redact_headers
 
 
