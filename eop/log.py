@@ -15,6 +15,7 @@ import enum
 import logging
 import os
 import sys
+import warnings
 from collections.abc import MutableMapping
 from typing import Any, Protocol
 
@@ -297,6 +298,29 @@ def _route_library_records(level: int) -> None:
     root = logging.getLogger()
     if _LIBRARY_RECORDS not in root.handlers:
         root.addHandler(_LIBRARY_RECORDS)
+    # Python's warnings (SQLAlchemy's about a connection the garbage collector found
+    # checked out, a DeprecationWarning) print as two plain lines otherwise.
+    warnings.showwarning = _show_warning
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """Log a Python warning as a ``library.log`` line of logger ``py.warnings`` (the name
+    :func:`logging.captureWarnings` gives them): its category, where it was raised, and
+    its text masked as a library's own message is; not the source line."""
+    structlog.get_logger("eop").warning(
+        Event.LIBRARY_LOG,
+        logger="py.warnings",
+        category=category.__name__,
+        source=f"{filename}:{lineno}",
+        message=_template(str(message)),
+    )
 
 
 class _LibraryRecords(logging.Handler):
@@ -367,3 +391,6 @@ _LEVELS = (
 
 #: The one handler configure() puts on the root logger, whatever the calls.
 _LIBRARY_RECORDS = _LibraryRecords()
+
+#: How Python shows a warning before configure() routes them (for tests to put back).
+STDLIB_SHOWWARNING = warnings.showwarning

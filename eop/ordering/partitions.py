@@ -131,6 +131,10 @@ def transform(spec: HandlerSpec) -> tuple[str, str] | None:
     return spec.subject, f"{{{{partition({spec.partitions},{key_wildcard})}}}}." + ".".join(dest)
 
 
+#: The partition count of a transform's destination made by :func:`transform`.
+_PARTITION_COUNT = re.compile(r"\{\{\s*partition\(\s*(\d+)\s*,")
+
+
 def check_transform(stream: api.StreamInfo, spec: HandlerSpec) -> None:
     """Refuse a stream without the subject transform a handler of several partitions needs."""
     wanted = transform(spec)
@@ -140,6 +144,18 @@ def check_transform(stream: api.StreamInfo, spec: HandlerSpec) -> None:
     if have is not None and (have.src, have.dest) == wanted:
         return
     src, dest = wanted
+    counted = _PARTITION_COUNT.match(have.dest or "") if have is not None else None
+    if have is not None and have.src == src and counted is not None:
+        # The stream spreads the same keys over another count: the handler's count
+        # changed, not the stream's shape, and setting the transform is no fix while
+        # messages stored under the old count wait in their partitions.
+        raise errors.ConfigurationError(
+            f"handler {spec.name!r} declares partitions={spec.partitions}, but stream "
+            f"{spec.stream!r} spreads its keys over {counted.group(1)} partitions: the count "
+            f"is fixed for the stream's life. Keep partitions={counted.group(1)}, or change "
+            "it as docs/ordering.md says (drain the handler, stop its workers, delete its "
+            "rows from the partitions table, recreate the stream with the new transform)"
+        )
     raise errors.ConfigurationError(
         f"handler {spec.name!r} spreads its keys over {spec.partitions} partitions, which needs "
         f"stream {spec.stream!r} to put each message's partition in front of its subject; it "

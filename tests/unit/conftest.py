@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -85,3 +86,4 @@ def _reset_structlog() -> Iterator[None]:
     yield
     structlog.reset_defaults()
     logging.getLogger().removeHandler(log._LIBRARY_RECORDS)
+    warnings.showwarning = log.STDLIB_SHOWWARNING

@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,27 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_a_python_warning_is_one_line_with_its_category_and_its_quoted_values_masked() -> None:
+    """Python's warnings (SQLAlchemy's, a DeprecationWarning) print as two plain lines of
+    their own otherwise: after configure() each is a ``library.log`` line of logger
+    ``py.warnings`` with its category and where it was raised, its quoted values masked."""
+    out = io.StringIO()
+    with warnings.catch_warnings():  # puts Python's own showwarning back after
+        warnings.simplefilter("always")
+        log.configure("json", stream=out)
+        warnings.warn(
+            f"connection for '{SECRET}' was never checked in", RuntimeWarning, stacklevel=1
+        )
+    (line,) = _lines(out)
+    assert line["event"] == "library.log"
+    assert line["logger"] == "py.warnings"
+    assert line["level"] == "warning"
+    assert line["category"] == "RuntimeWarning"
+    assert str(line["source"]).startswith(__file__)
+    assert str(line["message"]).startswith("connection for ")
+    assert SECRET not in out.getvalue()
+
+
 def test_importing_eop_leaves_the_stdlibs_logging_alone() -> None:
     """An application embedding eop keeps its own logging: only log.configure() (eop's
     processes) puts a handler on the root logger."""
@@ -208,6 +230,7 @@ def test_importing_eop_leaves_the_stdlibs_logging_alone() -> None:
 # whose exception nobody retrieved (its repr quoting the value).
 _LIBRARIES_LOGGING = f"""
 import asyncio
+import warnings
 from sqlalchemy import pool
 from eop import log
 
@@ -234,6 +257,7 @@ async def fails():
 async def main():
     asyncio.ensure_future(fails())
     await asyncio.sleep(0.01)
+    warnings.warn("a warning of " + repr(SECRET), RuntimeWarning)
 
 asyncio.run(main())
 """
@@ -245,8 +269,9 @@ def test_a_process_configured_for_json_writes_only_json_lines_on_stderr() -> Non
     done = _python(_LIBRARIES_LOGGING)
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stderr.splitlines()]
-    assert [line["event"] for line in lines] == ["library.log", "library.log"], done.stderr
+    assert [line["event"] for line in lines] == ["library.log"] * 3, done.stderr
     by_logger = {line["logger"]: line for line in lines}
+    assert by_logger["py.warnings"]["category"] == "RuntimeWarning"
     reset = by_logger["sqlalchemy.pool.impl.QueuePool"]
     assert reset["message"] == "Exception during reset or similar"
     assert "psycopg.errors.DriverError: connection lost" in str(reset["exception"])

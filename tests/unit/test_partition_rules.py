@@ -90,6 +90,26 @@ def test_a_stream_without_the_transform_is_refused_with_the_transform_to_set() -
     partitions.check_transform(good, _spec())  # type: ignore[arg-type]
 
 
+def test_a_changed_partition_count_is_refused_as_a_count_fixed_for_the_streams_life() -> None:
+    """A stream made for another count of the same keys: the refusal names both counts and
+    the way to change one, not a transform to set (which would strand the messages stored
+    under the old count)."""
+    eight = types.SimpleNamespace(
+        config=types.SimpleNamespace(
+            subject_transform=types.SimpleNamespace(
+                src="ledger.*.step", dest="{{partition(8,1)}}.ledger.{{wildcard(1)}}.step"
+            )
+        )
+    )
+    with pytest.raises(eop.ConfigurationError) as refused:
+        partitions.check_transform(eight, _spec())  # type: ignore[arg-type]
+    text = str(refused.value)
+    assert "declares partitions=4" in text
+    assert "over 8 partitions" in text
+    assert "Keep partitions=8" in text
+    assert "dest" not in text
+
+
 def test_handlers_that_would_not_see_a_partitioned_streams_subjects_are_refused() -> None:
     """A stream has one transform: two partitioned handlers must agree, and another handler
     reading the rewritten subjects would never match them."""
