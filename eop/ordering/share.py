@@ -343,11 +343,15 @@ class OrderedRunner:
                     error=type(exc).__name__,
                     failures=failures,
                 )
+                # Given back before the wait: the partition may be lost meanwhile (its
+                # consumer deleted by a new owner is what failed the fetch), and the
+                # cancel that stops this loop then would keep them from every partition.
+                self._give_slots(wanted)
+                wanted = 0
                 if isinstance(exc, nats.js.errors.NotFoundError) or failures > 3:
                     # The consumer is gone (a NATS restart without its store, or deleted):
                     # a new one at the floor of whatever is left, same epoch.
                     part.consumer = None
-                    self._give_slots(wanted)
                     return
                 await asyncio.sleep(backoff.backoff_s(failures, _RETRY_FIRST_S, _RETRY_MAX_S))
             except asyncio.CancelledError:

@@ -77,6 +77,9 @@ class Unordered:
             except (nats.errors.Error, OSError) as exc:
                 msgs = []
                 failures += 1
+                # Free while it waits (a stop may cancel the wait).
+                flight.slots.give(wanted)
+                wanted = 0
                 await self._recover(exc, failures)
             received_at = time.monotonic()
             if msgs:

@@ -7,6 +7,8 @@ import contextlib
 import types
 from collections.abc import Sequence
 
+import nats.errors
+
 from eop import testing
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
@@ -230,3 +232,51 @@ async def test_a_partitions_fetch_reads_the_epochs_ahead_for_its_newest_message(
     part.room.set()
     await runner._fetch_loop(part)
     assert ahead.read == [("S", stored[-1])]
+
+
+class _GoneConsumer:
+    """A partition's subscription whose consumer a new owner deleted: every fetch fails."""
+
+    def __init__(self) -> None:
+        self.failed = asyncio.Event()
+
+    async def fetch(self, batch: int, timeout_s: float) -> list[object]:
+        self.failed.set()
+        raise nats.errors.NoRespondersError
+
+
+async def test_a_partition_lost_while_its_fetch_loop_waits_after_a_failure_frees_its_slots() -> (
+    None
+):
+    """A process that wakes from a freeze finds its partition's consumer deleted: the fetch
+    fails, and the loop waits before trying again. The partition is lost meanwhile and the
+    loop cancelled in that wait; the slots it took for the failed fetch must come back, or
+    the process fetches less for every partition from then on, until it restarts."""
+    free = 8
+    taken = 0
+
+    async def take_slots() -> int:
+        nonlocal free, taken
+        taken, free = free, 0
+        return taken
+
+    def give_slots(n: int) -> None:
+        nonlocal free
+        free += n
+
+    runner = _runner(_FakeOwners())
+    runner._take_slots = take_slots
+    runner._give_slots = give_slots
+    part = share.Partition(0, 1, None, consumer="d-p0-e1")
+    gone = _GoneConsumer()
+    part.sub = gone  # type: ignore[assignment]
+    part.room.set()
+    loop = asyncio.create_task(runner._fetch_loop(part))
+    await gone.failed.wait()
+    await asyncio.sleep(0.01)  # in the wait after the failure
+    part.lost.set()
+    loop.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await loop
+    assert taken == 8
+    assert free == 8, "the failed fetch's slots were kept"
