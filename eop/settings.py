@@ -185,7 +185,8 @@ class Settings:
         10.0,
         "An ordered handler's partition lease: when the process owning a partition dies, "
         "another takes the partition over within about this long and a third of it "
-        "(docs/ordering.md).",
+        "(docs/ordering.md). Give every process of a handler the same value: each ranks "
+        "the others by how lately they renewed, measured in its own lease.",
     )
     publish_timeout_s: float = _field(
         5.0, "How long the relay waits for the PubAcks of one round before sending it again."

@@ -80,29 +80,25 @@ def test_a_stream_without_the_transform_is_refused_with_the_transform_to_set() -
     assert 'src "ledger.*.step"' in text
     assert 'dest "{{partition(4,1)}}.ledger.{{wildcard(1)}}.step"' in text
     assert "partitions=1" in text
-    good = types.SimpleNamespace(
+    partitions.check_transform(_ledger_stream(4), _spec())  # type: ignore[arg-type]
+
+
+def _ledger_stream(count: int) -> types.SimpleNamespace:
+    """A stream's info whose transform spreads the ledger's keys over ``count`` partitions."""
+    dest = f"{{{{partition({count},1)}}}}.ledger.{{{{wildcard(1)}}}}.step"
+    return types.SimpleNamespace(
         config=types.SimpleNamespace(
-            subject_transform=types.SimpleNamespace(
-                src="ledger.*.step", dest="{{partition(4,1)}}.ledger.{{wildcard(1)}}.step"
-            )
+            subject_transform=types.SimpleNamespace(src="ledger.*.step", dest=dest)
         )
     )
-    partitions.check_transform(good, _spec())  # type: ignore[arg-type]
 
 
 def test_a_changed_partition_count_is_refused_as_a_count_fixed_for_the_streams_life() -> None:
     """A stream made for another count of the same keys: the refusal names both counts and
     the way to change one, not a transform to set (which would strand the messages stored
     under the old count)."""
-    eight = types.SimpleNamespace(
-        config=types.SimpleNamespace(
-            subject_transform=types.SimpleNamespace(
-                src="ledger.*.step", dest="{{partition(8,1)}}.ledger.{{wildcard(1)}}.step"
-            )
-        )
-    )
     with pytest.raises(eop.ConfigurationError) as refused:
-        partitions.check_transform(eight, _spec())  # type: ignore[arg-type]
+        partitions.check_transform(_ledger_stream(8), _spec())  # type: ignore[arg-type]
     text = str(refused.value)
     assert "declares partitions=4" in text
     assert "over 8 partitions" in text
