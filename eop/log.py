@@ -145,13 +145,16 @@ def configure(
     log_format: settings_mod.LogFormat = "console",
     level: settings_mod.LogLevel = "info",
     stream: Any = None,
+    *,
+    libraries: bool = True,
 ) -> None:
     """Configure structlog for eop's processes (the worker and the CLI).
 
     Also routes the records libraries log through the stdlib's :mod:`logging`
     into the same lines (``library.log``, :func:`library_fields`), instead of
     the plain text Python prints for them otherwise. Calling it again
-    reconfigures; it never adds a second handler.
+    reconfigures; it never adds a second handler. ``libraries`` False leaves
+    them to the handlers the host put on the root logger (:func:`host_logging`).
     """
     renderer: Any
     if log_format == "json":
@@ -175,7 +178,10 @@ def configure(
         logger_factory=structlog.WriteLoggerFactory(file=stream) if stream else _stderr_logger,
         cache_logger_on_first_use=False,
     )
-    _route_library_records(getattr(logging, level.upper()))
+    if libraries:
+        _route_library_records(getattr(logging, level.upper()))
+    else:
+        _leave_library_records()
 
 
 def _stderr_logger(*_: Any) -> structlog.WriteLogger:
@@ -301,6 +307,21 @@ def _route_library_records(level: int) -> None:
     # Python's warnings (SQLAlchemy's about a connection the garbage collector found
     # checked out, a DeprecationWarning) print as two plain lines otherwise.
     warnings.showwarning = _show_warning
+
+
+def _leave_library_records() -> None:
+    """Take back what :func:`_route_library_records` installed, if it did."""
+    logging.getLogger().removeHandler(_LIBRARY_RECORDS)
+    if warnings.showwarning is _show_warning:
+        warnings.showwarning = STDLIB_SHOWWARNING
+
+
+def host_logging() -> bool:
+    """Whether something other than eop put handlers on the root logger: a Django
+    project's ``LOGGING`` under ``manage.py eop worker``, an application's own set-up.
+    Its handlers then print the libraries' records in its format, and eop's command
+    leaves them to it (one line a record, not two)."""
+    return any(h is not _LIBRARY_RECORDS for h in logging.getLogger().handlers)
 
 
 def _show_warning(

@@ -81,7 +81,7 @@ def main(
         settings = settings_mod.Settings.from_env(
             overrides={"log_format": args.log_format, "log_level": args.log_level}
         )
-        log.configure(settings.log_format, settings.log_level)
+        log.configure(settings.log_format, settings.log_level, libraries=not log.host_logging())
         if prepare is not None:
             prepare()
         command: Callable[[argparse.Namespace], int] = args.command

@@ -282,3 +282,37 @@ def test_a_process_configured_for_json_writes_only_json_lines_on_stderr() -> Non
     # lines (docs/security.md); the repr asyncio quoted it in is masked.
     assert SECRET not in str(task["message"])
     assert str(task["error"]) == f"ValueError: '{SECRET}' refused"
+
+
+# An eop command whose prepare hook logs a library warning, then stops the command.
+_COMMAND_UNDER = """
+import logging, sys
+from eop import cli, errors
+{host}
+
+def prepare():
+    logging.getLogger("sqlalchemy.pool").warning("Exception during reset or similar")
+    raise errors.ConfigurationError("stopped before the command")
+
+sys.exit(cli.main(["--log-format", "json", "db", "current"], prepare=prepare))
+"""
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_an_eop_command_routes_library_records_unless_the_host_configured_logging(
+    host: bool,
+) -> None:
+    """``eop worker`` from a shell: a library's record is eop's JSON line. Under a host
+    whose logging put handlers on the root logger (a Django project's LOGGING under
+    ``manage.py eop worker``), the host's handler prints it, in its format, and eop
+    adds no second line."""
+    setup = 'logging.basicConfig(format="HOST %(name)s %(message)s")' if host else ""
+    done = _python(_COMMAND_UNDER.format(host=setup))
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[-1] == "eop: error: stopped before the command"
+    if host:
+        assert lines[:-1] == ["HOST sqlalchemy.pool Exception during reset or similar"]
+    else:
+        (line,) = (json.loads(text) for text in lines[:-1])
+        assert (line["event"], line["logger"]) == ("library.log", "sqlalchemy.pool")
