@@ -366,10 +366,13 @@ class _LibraryRecords(logging.Handler):
 def library_fields(record: logging.LogRecord) -> dict[str, Any]:
     """What a ``library.log`` line says of a stdlib log ``record``.
 
-    Its logger's name and its message *template* (``record.msg``, ``%s`` and
-    all), not the formatted message: libraries pass what they log about as
-    the template's arguments (a connection, a row, a statement's parameters, a
-    URL with its password), and nothing tells those apart from harmless ones.
+    Its logger's name and, for a library's logger (:data:`LIBRARIES`), its
+    message *template* (``record.msg``, ``%s`` and all), not the formatted
+    message: libraries pass what they log about as the template's arguments
+    (a connection, a row, a statement's parameters, a URL with its password),
+    and nothing tells those apart from harmless ones. The application's own
+    record keeps its formatted message, masked as below: it is what the
+    application chose to say.
     A message built beforehand (an f-string, asyncio's report of a failed
     task, which quotes the exception's repr) is the template itself: it gets
     its quoted values, and the passwords of URLs in it, masked as a database
@@ -378,7 +381,13 @@ def library_fields(record: logging.LogRecord) -> dict[str, Any]:
     ``exc_text``, a traceback another handler may have formatted, and the
     stack are left out.
     """
-    fields: dict[str, Any] = {"logger": record.name, "message": _template(record.msg)}
+    if record.name.split(".", 1)[0] in LIBRARIES:
+        message = _template(record.msg)
+    else:
+        # The application's own record: what it chose to say, formatted, its quoted
+        # values and URL passwords masked as a library's own message is.
+        message = _template(_formatted(record))
+    fields: dict[str, Any] = {"logger": record.name, "message": message}
     exc = record.exc_info[1] if record.exc_info else None
     if isinstance(exc, BaseException):
         fields["error"] = brief_error(exc)
@@ -386,6 +395,13 @@ def library_fields(record: logging.LogRecord) -> dict[str, Any]:
         if record.levelno >= logging.ERROR:
             fields["exception"] = format_traceback(exc)
     return fields
+
+
+def _formatted(record: logging.LogRecord) -> object:
+    try:
+        return record.getMessage() if isinstance(record.msg, str) else record.msg
+    except Exception:  # arguments that do not fit the template
+        return record.msg
 
 
 def _template(msg: object) -> str:
@@ -415,3 +431,34 @@ _LIBRARY_RECORDS = _LibraryRecords()
 
 #: How Python shows a warning before configure() routes them (for tests to put back).
 STDLIB_SHOWWARNING = warnings.showwarning
+
+#: The top-level loggers of libraries, whose records keep only their message template
+#: (:func:`library_fields`); any other logger is the application's own.
+LIBRARIES = frozenset(
+    [
+        "aiohttp",
+        "alembic",
+        "asyncio",
+        "asyncpg",
+        "concurrent",
+        "django",
+        "eop",
+        "fastapi",
+        "httpcore",
+        "httpx",
+        "nats",
+        "prometheus_client",
+        "psycopg",
+        "psycopg2",
+        "psycopg_pool",
+        "py4j",
+        "pyspark",
+        "sqlalchemy",
+        "starlette",
+        "structlog",
+        "tenacity",
+        "urllib3",
+        "uvicorn",
+        "uvloop",
+    ]
+)

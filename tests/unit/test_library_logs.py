@@ -174,6 +174,21 @@ def test_a_message_that_is_an_exception_or_an_object_shows_no_values() -> None:
     assert SECRET not in out.getvalue()
 
 
+def test_the_applications_own_record_keeps_its_formatted_message() -> None:
+    """A handler's own ``logging.getLogger(__name__).warning("order %s rejected", n)``
+    says what the application chose to say: formatted, its quoted values masked. Only
+    the libraries' records are cut to their templates."""
+    out = io.StringIO()
+    log.configure("json", stream=out)
+    logging.getLogger("orders.handlers").warning("order %s rejected", 42)
+    logging.getLogger("orders.handlers").warning("note %s", f"'{SECRET}'")
+    logging.getLogger("sqlalchemy.pool").warning("order %s rejected", 42)
+    first, second, library = _lines(out)
+    assert (first["logger"], first["message"]) == ("orders.handlers", "order 42 rejected")
+    assert second["message"] == "note '***'"
+    assert library["message"] == "order %s rejected"
+
+
 def test_a_record_that_cannot_be_written_is_dropped_without_printing_its_arguments(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
