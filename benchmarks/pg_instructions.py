@@ -187,7 +187,7 @@ def _compaction(top: int, shape: str) -> list[str]:
     """Compaction's round after the messages up to ``top``: the raise, then the delete of
     the rows above the previous round's watermark, each in a transaction of its own."""
     t, epoch = models.tables("eop"), (SUBSCRIPTION, STREAM, EPOCH)
-    raise_ = _prepared(inbox_sql.advance_watermark(t, *epoch, top), "raise")[1]
+    raise_ = _prepared(inbox_sql.advance_watermark(t, *epoch, top, 250), "raise")[1]
     after = top - 16 * BATCH
     if shape == "eop+compaction-ctid":
         sweep = [_prepared(_ctid_delete(t, top, after), "sweep")[1]]
@@ -234,7 +234,7 @@ def script(shape: str, transactions: int, handler: bool = False) -> str:
     lines = [f"PREPARE claim AS {claim};", f"PREPARE effect AS {_EFFECT};"]
     if shape in COMPACTING:
         t, epoch = models.tables("eop"), (SUBSCRIPTION, STREAM, EPOCH)
-        lines.append(_prepared(inbox_sql.advance_watermark(t, *epoch, 0), "raise")[0])
+        lines.append(_prepared(inbox_sql.advance_watermark(t, *epoch, 0, 250), "raise")[0])
         if shape == "eop+compaction-ctid":
             lines.append(_prepared(_ctid_delete(t, 0, 0), "sweep")[0])
         else:
@@ -381,7 +381,7 @@ async def _wire_batches(conn: asyncpg.Connection, shape: str, transactions: int)
             await conn.execute(_HAND_BOUND, STREAM, seqs[-1] - 16 * BATCH, seqs[-1])
         elif (n + 1) % 16 == 0 and shape == "eop+compaction":
             top = seqs[-1]
-            raise_ = _wire_statement(inbox_sql.advance_watermark(t, *epoch, top))
+            raise_ = _wire_statement(inbox_sql.advance_watermark(t, *epoch, top, 250))
             sweep = inbox_sql.delete_below_watermark(t, *epoch, top, 5000, 3600.0, top - 1024)
             for text, values in (raise_, _wire_statement(sweep)):
                 async with conn.transaction():

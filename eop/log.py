@@ -80,6 +80,9 @@ class Event(str, enum.Enum):
     UNACKED_WATCH_FAILED = "delivery.watch_failed"
     INBOX_COMPACTED = "inbox.compacted"
     COMPACTION_FAILED = "inbox.compaction_failed"
+    COMPACTION_DEFERRED = "inbox.compaction_deferred"
+    """Compaction's raise of the watermark waited its lock bound for the claims sharing the
+    row (held up on hot rows) and gave way: the next round tries again."""
     STREAM_EPOCH_CHANGED = "stream.epoch_changed"
     STREAM_INFO_RETRY = "stream.info_retry"
     JETSTREAM_INFO_RETRY = "jetstream.info_retry"

@@ -268,7 +268,8 @@ class Compactor:
         self._created.pop(epoch, None)
 
     async def _advance(self, epoch: str, candidate: int) -> int:
-        """Raise the watermark in a statement of its own, committed before any delete.
+        """Raise the watermark in a statement of its own, committed before any delete; 0
+        when it waited ``settle_lock_ms`` for the claims sharing the row and gave way.
 
         The statement is its own transaction (:meth:`eop.pg.store.PostgresStore.autocommit`):
         every claim of the epoch waits while the raise holds the row, and the raise
@@ -287,9 +288,19 @@ class Compactor:
                 return 0
             del self._created[epoch]
         t, name, stream = self.store.tables, self.spec.name, self.spec.stream
-        async with self.store.autocommit() as session:
-            stmt, params = inbox_sql.advance_watermark(t, name, stream, epoch, candidate)
-            value = (await session.execute(stmt, params)).scalar_one_or_none()
+        stmt, params = inbox_sql.advance_watermark(
+            t, name, stream, epoch, candidate, self.settle_lock_ms
+        )
+        try:
+            async with self.store.autocommit() as session:
+                value = (await session.execute(stmt, params)).scalar_one_or_none()
+        except Exception as exc:
+            if failures.classify(exc) is not failures.DbFailure.LOCK_TIMEOUT:
+                raise
+            # Claims held up on hot rows share the row: this round deletes nothing, and
+            # gives its connection back to them.
+            self._logger.info(log.Event.COMPACTION_DEFERRED, epoch=epoch, watermark=candidate)
+            return 0
         if value is None:
             # The row is gone (deleted by hand): create it again next round.
             self._known.discard(epoch)

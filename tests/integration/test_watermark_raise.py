@@ -50,10 +50,16 @@ async def app(database_url: str, engine: AsyncEngine) -> AsyncIterator[eop.App]:
     await app.dispose()
 
 
-def compactor(app: eop.App) -> compaction.Compactor:
+def compactor(app: eop.App, lock_wait_ms: int = 60_000) -> compaction.Compactor:
     """A compactor on ``app``'s store that knows its watermark row exists (no NATS: only
-    its raise is run)."""
-    made = compaction.Compactor(None, app.make_store(), app.handlers[SUB], None)  # type: ignore[arg-type]
+    its raise is run), its raise waiting at most ``lock_wait_ms`` for a lock."""
+    made = compaction.Compactor(
+        None,  # type: ignore[arg-type]
+        app.make_store(),
+        app.handlers[SUB],
+        None,  # type: ignore[arg-type]
+        settle_lock_ms=lock_wait_ms,
+    )
     made._known.add(EPOCH)
     return made
 
@@ -92,13 +98,18 @@ async def test_the_raise_commits_unflushed_in_its_own_transaction_only(
     connection a raise ran on is back at the server's setting afterwards, and out of
     autocommit: its next statement opens a transaction."""
     t = models.tables("eop")
-    stmt, params = inbox_sql.advance_watermark(t, SUB, STREAM, EPOCH, 7)
+    stmt, params = inbox_sql.advance_watermark(t, SUB, STREAM, EPOCH, 7, 250)
+    lock_wait = sa.text("SELECT current_setting('lock_timeout')")
     async with engine.connect() as conn:
         await conn.execute(stmt, params)
         inside = (await conn.execute(SYNCHRONOUS_COMMIT)).one()[0]
+        wait_inside = (await conn.execute(lock_wait)).scalar_one()
         await conn.rollback()
         after = (await conn.execute(SYNCHRONOUS_COMMIT)).one()[0]
+        wait_after = (await conn.execute(lock_wait)).scalar_one()
     assert (inside, after) == ("off", "on")
+    assert wait_inside == "250ms"
+    assert wait_after != "250ms"
 
     pids: list[int] = []
 
@@ -146,3 +157,23 @@ async def test_the_raise_waits_for_a_claim_that_read_the_watermark_before_it(
     assert await raising == 11
     async with engine.connect() as conn:
         assert (await conn.execute(WATERMARK)).scalar_one() == 11
+
+
+async def test_a_raise_behind_claims_held_up_gives_way_and_its_connection_back(
+    app: eop.App, engine: AsyncEngine
+) -> None:
+    """Claims held up on hot rows can share the watermark row for minutes: a raise waiting
+    behind them held a pool connection all that time, one more each round. It waits at
+    most its lock bound, raises nothing, and the next round, once the claims are done,
+    raises."""
+    bounded = compactor(app, lock_wait_ms=200)
+    async with engine.connect() as claim:
+        assert (await claim.execute(sa.text(f"{WATERMARK.text} FOR SHARE"))).scalar_one() == 0
+        assert await asyncio.wait_for(bounded._advance(EPOCH, 11), 10) == 0
+        async with engine.connect() as conn:
+            assert (await conn.execute(WATERMARK)).scalar_one() == 0
+        # The pool's one connection is free again (the app's pool holds one).
+        async with app.make_store().session() as session:
+            assert (await session.execute(sa.text("SELECT 1"))).scalar_one() == 1
+        await claim.commit()
+    assert await bounded._advance(EPOCH, 11) == 11

@@ -166,6 +166,15 @@ def commits_unflushed() -> sa.TextClause:
     return sa.text("(SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL")
 
 
+def waits_for_locks_at_most() -> sa.TextClause:
+    """A condition, always true, that bounds its statement's lock waits: ``lock_timeout``
+    for that transaction alone, from the bound parameter ``p_lock_wait`` (``'250ms'``),
+    set in an InitPlan as :func:`commits_unflushed` sets its setting. The InitPlan runs
+    before the statement locks its first row, so the wait for that row is bounded.
+    """
+    return sa.text("(SELECT set_config('lock_timeout', :p_lock_wait, true)) IS NOT NULL")
+
+
 class LocalTimeouts(NamedTuple):
     """eop's local timeouts of one transaction, in each form a transaction sends them."""
 

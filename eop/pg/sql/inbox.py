@@ -22,6 +22,7 @@ from eop.pg.sql.base import (
     in_lane,
     key_params,
     msg_id_digest,
+    waits_for_locks_at_most,
 )
 
 
@@ -72,9 +73,15 @@ def lock_inbox_shared(t: models.Tables) -> sa.TextClause:
 
 
 def advance_watermark(
-    t: models.Tables, subscription: str, stream: str, epoch: str, value: int
+    t: models.Tables, subscription: str, stream: str, epoch: str, value: int, lock_wait_ms: int
 ) -> Bound:
     """Raise the watermark to ``value``; it never goes backwards. RETURNING the new value.
+
+    It waits at most ``lock_wait_ms`` for the claims that hold the row ``FOR SHARE``
+    (:func:`eop.pg.sql.base.waits_for_locks_at_most`), then fails (SQLSTATE 55P03):
+    claims held up on hot rows can keep the row shared for minutes, and a raise
+    waiting behind them would hold a pool connection all that time, one per round.
+    The next round tries again.
 
     Sent alone, outside any transaction block (docs/design.md, 'The watermark'):
     claims read the row ``FOR SHARE``, so from the moment the UPDATE has the row
@@ -85,7 +92,12 @@ def advance_watermark(
     nothing: the watermark it named was at or below the ack floor, and any
     delete below it commits after it, flushing the WAL up to and past it first.
     """
-    return _advance_watermark(t), {**epoch_params(subscription, stream, epoch), "p_value": value}
+    params = {
+        **epoch_params(subscription, stream, epoch),
+        "p_value": value,
+        "p_lock_wait": f"{lock_wait_ms}ms",
+    }
+    return _advance_watermark(t), params
 
 
 @functools.cache
@@ -94,7 +106,7 @@ def _advance_watermark(t: models.Tables) -> sa.Executable:
     value = sa.bindparam("p_value", type_=sa.BigInteger)
     return (
         sa.update(t.watermarks)
-        .where(*in_bound_epoch(w), commits_unflushed())
+        .where(*in_bound_epoch(w), commits_unflushed(), waits_for_locks_at_most())
         .values(watermark=sa.func.greatest(w.watermark, value), updated_at=sa.func.now())
         .returning(w.watermark)
     )
