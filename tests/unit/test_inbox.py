@@ -682,7 +682,7 @@ def test_loop_statements_are_built_once_and_take_their_values_as_parameters() ->
     }
     calls = [
         (retries_sql.take_due, ("orders", 5, 30.0)),
-        (inbox_sql.advance_watermark, (*key[:3], 7)),
+        (inbox_sql.advance_watermark, (*key[:3], 7, 250)),
         (inbox_sql.first_to_delete, (*key[:3], 7, 3600.0)),
         (inbox_sql.delete_below_watermark, (*key[:3], 7, 100, 3600.0)),
         (retries_sql.count_failure, (failure,)),
