@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
@@ -259,8 +260,17 @@ def developer_tools(command: str) -> Iterator[None]:
         ) from None
 
 
+_WRAPPER = re.compile(r"^[\w.]+: (\([\w.]+\) )?")
+
+
+def _said(line: str) -> str:
+    """What a cause's line says, without its type and SQLAlchemy's ``(driver.Error)``."""
+    return _WRAPPER.sub("", line, count=1)
+
+
 def print_error(exc: BaseException, to: str | None = None) -> None:
-    """Print ``exc`` and its cause chain to stderr, one line each, never a traceback.
+    """Print ``exc`` and the causes that add to it to stderr, one line each, never a
+    traceback (a login PostgreSQL refuses is one line, not one per wrapper).
 
     ``to``: write them to that file instead, for ``eop worker --processes N``
     to print once however many of its processes met the same error
@@ -271,7 +281,11 @@ def print_error(exc: BaseException, to: str | None = None) -> None:
     while cause is not None:
         # A database error's text may quote bound values: described, not printed.
         text = log.describe_error(cause).strip()
-        lines.append(f"  caused by {text.splitlines()[0] if text else type(cause).__name__}"[:300])
+        first = text.splitlines()[0] if text else type(cause).__name__
+        # A cause whose words a line above already says (a driver's error, wrapped
+        # by SQLAlchemy, wrapped by eop's) would only repeat them.
+        if _said(first) not in "\n".join(lines):
+            lines.append(f"  caused by {first}"[:300])
         cause = cause.__cause__
     report = "".join(f"{line}\n" for line in lines)
     if to is not None:

@@ -49,6 +49,9 @@ class Misconfiguration(enum.Enum):
     SCHEMA = "schema"
     """A table, column, function, type or schema the statement names does not exist:
     a migration that did not run, or another database or schema."""
+    LOGIN = "login"
+    """The server refuses a new connection's role, password or database while the
+    worker runs: a rotated password, a pg_hba.conf change, a dropped role or database."""
 
 
 #: Failures of the database, not of a handler: they never count as a message's attempt.
@@ -80,7 +83,9 @@ _SCHEMA_STATES = {"42P01", "42703", "42883", "42704", "3F000"}
 # class 08: connection exceptions.
 _CONNECTION_STATES = {"57P01", "57P02", "57P03"}
 # 28000 / 28P01: the server refuses the role or its password (pg_hba.conf, a wrong
-# password); 3D000: no such database. Connecting again cannot change the answer.
+# password); 3D000: no such database. Connecting again cannot change the answer:
+# at start-up the worker refuses to start, while it runs they are misconfigurations
+# (a message's attempt would cost good messages, a silent retry would stall).
 _LOGIN_STATES = {"28000", "28P01", "3D000"}
 
 
@@ -134,7 +139,7 @@ def _of_state(state: str) -> DbFailure | None:
         return DbFailure.LOCK_TIMEOUT
     if state in _CONNECTION_STATES or state.startswith("08"):
         return DbFailure.CONNECTION
-    if state in _POOLER_STATES or state in _SCHEMA_STATES:
+    if state in _POOLER_STATES or state in _SCHEMA_STATES or state in _LOGIN_STATES:
         return DbFailure.MISCONFIGURED
     if state in _BUSY_STATES or state.startswith("53"):
         return DbFailure.BUSY
@@ -157,7 +162,11 @@ def transient(exc: BaseException, failures: frozenset[DbFailure] = INFRASTRUCTUR
     return classify(exc) in failures
 
 
-_DRIVER_CONNECTION_ERRORS = {"ConnectionDoesNotExistError", "InterfaceError"}
+# asyncpg's InternalClientError ("cannot switch to state 15; another operation (2)
+# is in progress"): a pooled connection left mid-operation when its backend was
+# terminated, which SQLAlchemy's pool can hand out again. It is the connection's
+# state, never a message's: retried on another connection (BEGIN invalidates it).
+_DRIVER_CONNECTION_ERRORS = {"ConnectionDoesNotExistError", "InterfaceError", "InternalClientError"}
 
 # SQLSTATE classes of a statement whose values PostgreSQL refuses: data
 # exceptions (22: a value it cannot convert or accept), integrity constraints
@@ -222,6 +231,8 @@ def misconfiguration(exc: BaseException) -> Misconfiguration | None:
             return Misconfiguration.POOLER
         if state in _SCHEMA_STATES:
             return Misconfiguration.SCHEMA
+        if state in _LOGIN_STATES:
+            return Misconfiguration.LOGIN
         nxt = current.orig if isinstance(current, sa_exc.DBAPIError) else None
         current = nxt or current.__cause__ or current.__context__
     return None

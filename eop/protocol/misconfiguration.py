@@ -4,9 +4,10 @@ Some failures of the database answer the same on every attempt of every
 message until someone changes the deployment (:data:`eop.pg.failures.DbFailure.MISCONFIGURED`):
 prepared statements lost or doubled by a transaction-mode pooler that
 ``db_pooler`` does not know about, a table or column that no migration has
-created yet. They are never a message's fault: dead-lettering would cost good
-messages, and retrying them for ever, as an outage is, would stall the worker
-without a word. So they are retried uncounted, as an outage is, and counted
+created yet, a login the server refuses since the worker started. They are
+never a message's fault: dead-lettering would cost good messages, and
+retrying them for ever, as an outage is, would stall the worker without a
+word. So they are retried uncounted, as an outage is, and counted
 here: the same kind :data:`STRIKES` times within :data:`WINDOW_S` seconds, in
 the process's handler transactions (fetched or parked), parked-retry polls or
 outbox relay rounds, and the worker stops as on SIGTERM (every message left
@@ -94,6 +95,13 @@ def described(
             "a transaction-mode pooler (PgBouncer?) that lost or doubled a prepared "
             f"statement, but EOP_DB_POOLER is {settings.db_pooler!r}: set "
             f"EOP_DB_POOLER=transaction (or auto), see docs/pgbouncer.md; {left}"
+        )
+    if kind is failures.Misconfiguration.LOGIN:
+        return (
+            f"PostgreSQL at {redaction.redact_url(settings.database_url)} refuses new "
+            f"connections of {where}: {failures.database_message(exc)}, on every attempt: "
+            "fix the role, password or database name in EOP_DATABASE_URL (or the server's "
+            f"pg_hba.conf, role or database), then start the worker again; {left}"
         )
     return (
         f"{where}: {failures.database_message(exc)}, on every attempt: run the "

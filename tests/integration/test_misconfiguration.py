@@ -248,3 +248,95 @@ async def test_transaction_where_no_transaction_pooler_is_only_slower(
     assert "eop: error:" not in log
     warnings = log.count('"event": "db.pooler_unneeded"')
     assert warnings == (1 if target == "postgresql" else 0), log[-3000:]
+
+
+async def _admin(engine: AsyncEngine, statement: str) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(statement))
+
+
+async def test_a_login_refused_while_the_worker_runs_stops_it_instead_of_failing_messages(
+    database_url: str,
+    engine: AsyncEngine,
+    js: Any,
+    nats_url: str,
+    tmp_path: Path,
+) -> None:
+    """The worker's role loses its login while it runs (as after a rotated password or a
+    pg_hba.conf change) and its connections are cut: every new connection is refused
+    (SQLSTATE 28000). The worker stops within the bound with one `eop: error:` line
+    naming the URL's credentials, and a `db.misconfigured` line (`login`); no message is
+    dead-lettered, and once the role may log in again a worker processes each once."""
+    role = f"eop_rotated_{int(time.time() * 1000) % 10**9}"
+    await _admin(engine, f"CREATE ROLE {role} LOGIN SUPERUSER PASSWORD 'before'")
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(sa.text(EFFECTS_DDL))
+        await _publish_all(js, "created")
+        url = sa.make_url(database_url).set(username=role, password="before")
+        env = eop_env(url.render_as_string(hide_password=False), nats_url, **_BUSY)
+        (tmp_path / "refused").mkdir()
+        workers = Workers(env, tmp_path / "refused", APP)
+        proc = workers.start("--handler", "created")
+        try:
+            await wait_for(
+                lambda: _effects_reach(engine, 1),
+                timeout_s=60,
+                what=f"a first effect; the worker's log:\n{workers.logs()[-3000:]}",
+            )
+            await _admin(engine, f"ALTER ROLE {role} NOLOGIN")
+            await _admin(
+                engine,
+                f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'",
+            )
+            for i in range(MESSAGES, 2 * MESSAGES):
+                await publish(js, f"m{i}", msg_id=f"id-{i}", subject=SUBJECT)
+            try:
+                code = await asyncio.to_thread(proc.wait, STOP_BOUND_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the worker still ran; its log:\n{workers.logs()[-3000:]}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log = workers.logs()
+        lines = [line for line in log.splitlines() if line.startswith("eop: error: ")]
+        assert code == 1, log[-3000:]
+        assert len(lines) == 1, log[-3000:]
+        assert "refuses new connections" in lines[0], lines[0]
+        assert "EOP_DATABASE_URL" in lines[0], lines[0]
+        assert "before" not in lines[0]  # the password
+        assert '"problem": "login"' in log, log[-3000:]
+        # The handler's transactions retried it uncounted, never failing a message.
+        failed = [line for line in log.splitlines() if '"event": "message.failed"' in line]
+        assert failed == [], failed[:3]
+        assert "Traceback" not in log
+        assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
+
+        await _admin(engine, f"ALTER ROLE {role} LOGIN")
+        (tmp_path / "fixed").mkdir()
+        fixed = Workers(env, tmp_path / "fixed", APP)
+        proc = fixed.start("--handler", "created")
+        try:
+            await wait_for(
+                lambda: _effects_reach(engine, 2 * MESSAGES),
+                timeout_s=60,
+                what=f"every message's effect; the worker's log:\n{fixed.logs()[-3000:]}",
+            )
+            assert fixed.stop_all() == [0]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        query = "SELECT body, count(*) FROM effects GROUP BY body"
+        async with engine.connect() as conn:
+            counts = {body: int(n) for body, n in (await conn.execute(sa.text(query))).all()}
+        assert counts == {f"m{i}": 1 for i in range(2 * MESSAGES)}
+        assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
+    finally:
+        await _admin(
+            engine,
+            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'",
+        )
+        with contextlib.suppress(Exception):
+            await _admin(engine, f"DROP ROLE {role}")

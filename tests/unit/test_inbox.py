@@ -94,13 +94,18 @@ def test_pooler_mismatch_names_the_prepared_statement_errors_of_a_transaction_po
         ("26000", failures.Misconfiguration.POOLER),
         ("42P01", failures.Misconfiguration.SCHEMA),
         ("3F000", failures.Misconfiguration.SCHEMA),
+        ("28P01", failures.Misconfiguration.LOGIN),
+        ("28000", failures.Misconfiguration.LOGIN),
+        ("3D000", failures.Misconfiguration.LOGIN),
         ("40001", None),
     ],
 )
 def test_misconfiguration_names_the_fix_a_misconfigured_failure_needs(
     sqlstate: str, expected: failures.Misconfiguration | None
 ) -> None:
-    """Pooler (EOP_DB_POOLER) or schema (a migration): the two fixes the worker names."""
+    """Pooler (EOP_DB_POOLER), schema (a migration) or a login the server refuses since
+    the worker started (the URL's credentials): the fixes the worker names; each is
+    retried uncounted, never a message's attempt."""
     assert failures.misconfiguration(wrapped(DriverError(sqlstate))) is expected
     assert failures.transient(wrapped(DriverError(sqlstate))) is (sqlstate != "42601")
 
@@ -192,8 +197,13 @@ def test_classify_asyncpg_connection_errors_by_name() -> None:
     namespace = {"__module__": "asyncpg.exceptions"}
     ConnectionDoesNotExistError = type("ConnectionDoesNotExistError", (Exception,), namespace)
     InterfaceError = type("InterfaceError", (Exception,), namespace)
+    # A pooled connection left mid-operation by a terminated backend: its BEGIN fails so.
+    InternalClientError = type("InternalClientError", (Exception,), namespace)
     assert failures.classify(ConnectionDoesNotExistError()) is DbFailure.CONNECTION
     assert failures.classify(InterfaceError()) is DbFailure.CONNECTION
+    assert failures.classify(InternalClientError("cannot switch to state 15")) is (
+        DbFailure.CONNECTION
+    )
 
 
 def test_classify_database_unavailable_as_connection() -> None:

@@ -95,6 +95,25 @@ def test_a_missing_table_names_who_hit_it_and_the_migration(where: str) -> None:
     assert "migration" in text
 
 
+def test_a_login_refused_while_running_names_the_url_and_its_credentials() -> None:
+    """A rotated password or a pg_hba.conf change while the worker runs: one line with
+    the server's words, the URL without its password, and where to fix it."""
+    refused = wrapped(DriverError("28P01", 'password authentication failed for user "app"'))
+    watch, stopped, _clock = _watch()
+    for _ in range(misconfiguration.STRIKES):
+        watch.note(refused, "handler 'orders'", SETTINGS)
+    assert len(stopped) == 1
+    text = str(stopped[0])
+    assert text.startswith(
+        "PostgreSQL at postgresql+asyncpg://app:***@pgbouncer:6432/mydb refuses new "
+        "connections of handler 'orders': password authentication failed for user \"app\" "
+        "(SQLSTATE 28P01), on every attempt: fix the role, password or database name in "
+        "EOP_DATABASE_URL"
+    )
+    assert "hunter2" not in text
+    assert "none dead-lettered" in text
+
+
 def test_each_kind_is_counted_on_its_own() -> None:
     watch, stopped, _clock = _watch()
     for exc in (POOLER, TABLE, POOLER, TABLE):
