@@ -48,6 +48,7 @@ class Event(str, enum.Enum):
     WORKER_STARTUP_STOPPED = "worker.startup_stopped"
     PROCESSES_STARTED = "processes.started"
     PROCESS_EXITED = "processes.exited"
+    COMMAND_FAILED = "command.failed"
     SUBSCRIPTION_BOUND = "subscription.bound"
     SUBSCRIPTION_LOST = "subscription.lost"
     FETCH_FAILED = "fetch.failed"
@@ -160,6 +161,7 @@ def configure(
     them to the handlers the host put on the root logger (:func:`host_logging`).
     """
     renderer: Any
+    _Rendering.json = log_format == "json"
     if log_format == "json":
         renderer = structlog.processors.JSONRenderer()
     else:
@@ -185,6 +187,15 @@ def configure(
         _route_library_records(getattr(logging, level.upper()))
     else:
         _leave_library_records()
+
+
+class _Rendering:
+    json = False
+
+
+def renders_json() -> bool:
+    """Whether :func:`configure` last chose JSON lines: a command's last words follow suit."""
+    return _Rendering.json
 
 
 def _stderr_logger(*_: Any) -> structlog.WriteLogger:

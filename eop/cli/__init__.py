@@ -28,6 +28,7 @@ from eop.cli.options import (
 )
 from eop.cli.worker import WORKER_FIELDS
 from eop.outbox import cli as outbox_cli
+from eop.rules import env_var
 
 __all__ = [
     "main",
@@ -70,7 +71,7 @@ def main(
         with options.developer_tools(args.command_name):
             parser = build_parser(tool)
     except errors.EopError as exc:
-        options.print_error(exc)
+        options.print_error(exc, as_json=_json_asked(args))
         return 1
     args = parser.parse_args(argv)
     # `eop worker --processes N` starts its children with the same arguments,
@@ -88,7 +89,9 @@ def main(
         with options.developer_tools(args.command_name):
             return command(args)
     except errors.EopError as exc:
-        options.print_error(exc, to=getattr(args, "error_file", None))
+        # Logging is not configured yet when a setting is refused: its format as asked.
+        as_json = log.renders_json() or _json_asked(args)
+        options.print_error(exc, to=getattr(args, "error_file", None), as_json=as_json)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -98,6 +101,13 @@ def main(
         # that die of the signal report it.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def _json_asked(args: argparse.Namespace) -> bool:
+    """Whether the command line or the environment asks for JSON lines (``--log-format``
+    wins, as in the settings)."""
+    asked = getattr(args, "log_format", None) or os.environ.get(env_var("log_format"), "")
+    return asked.strip().lower() == "json"
 
 
 def build_parser(tool: str | None = None) -> argparse.ArgumentParser:

@@ -9,6 +9,8 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import datetime
+import json
 import os
 import re
 import sys
@@ -268,15 +270,20 @@ def _said(line: str) -> str:
     return _WRAPPER.sub("", line, count=1)
 
 
-def print_error(exc: BaseException, to: str | None = None) -> None:
+def print_error(exc: BaseException, to: str | None = None, *, as_json: bool | None = None) -> None:
     """Print ``exc`` and the causes that add to it to stderr, one line each, never a
     traceback (a login PostgreSQL refuses is one line, not one per wrapper).
+
+    ``as_json`` (by default, whether the logs are JSON lines: :func:`eop.log.renders_json`):
+    one JSON object instead, a ``command.failed`` line at level error with the
+    ``error`` and the ``caused_by`` texts, so that a log pipeline reading JSON
+    gets the command's last words as a line like the others.
 
     ``to``: write them to that file instead, for ``eop worker --processes N``
     to print once however many of its processes met the same error
     (:func:`eop.runtime.supervisor.supervise`); stderr when it cannot be written.
     """
-    lines = [f"eop: error: {exc}"]
+    said = [str(exc)]
     cause = exc.__cause__
     while cause is not None:
         # A database error's text may quote bound values: described, not printed.
@@ -284,10 +291,24 @@ def print_error(exc: BaseException, to: str | None = None) -> None:
         first = text.splitlines()[0] if text else type(cause).__name__
         # A cause whose words a line above already says (a driver's error, wrapped
         # by SQLAlchemy, wrapped by eop's) would only repeat them.
-        if _said(first) not in "\n".join(lines):
-            lines.append(f"  caused by {first}"[:300])
+        if _said(first) not in "\n".join(said):
+            said.append(first[:288])
         cause = cause.__cause__
-    report = "".join(f"{line}\n" for line in lines)
+    if as_json if as_json is not None else log.renders_json():
+        entry: dict[str, object] = {"error": said[0]}
+        if len(said) > 1:
+            entry["caused_by"] = said[1:]
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        entry.update(
+            event=log.Event.COMMAND_FAILED.value,
+            level="error",
+            pid=os.getpid(),
+            timestamp=now.replace("+00:00", "Z"),
+        )
+        report = json.dumps(entry) + "\n"
+    else:
+        lines = [f"eop: error: {said[0]}", *(f"  caused by {c}" for c in said[1:])]
+        report = "".join(f"{line}\n" for line in lines)
     if to is not None:
         try:
             Path(to).write_text(report)

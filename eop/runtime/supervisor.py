@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -234,10 +235,22 @@ def _print_once(error_file: Path | None, printed: set[str]) -> None:
         report = error_file.read_text()
     except OSError:  # it met no error of its own
         return
-    if report and report not in printed:
-        printed.add(report)
+    key = _said(report)
+    if report and key not in printed:
+        printed.add(key)
         sys.stderr.write(report)
         sys.stderr.flush()
+
+
+def _said(report: str) -> str:
+    """What a report says: a JSON line's error and causes, without its pid and time."""
+    try:
+        entry = json.loads(report)
+    except ValueError:
+        return report
+    if not isinstance(entry, dict):
+        return report
+    return json.dumps([entry.get("error"), entry.get("caused_by")])
 
 
 _STOP_DEATHS = (-signal.SIGTERM, -signal.SIGINT)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -179,3 +180,17 @@ async def publish(js: Any, body: str, *, msg_id: str | None = None, subject: str
     """Publish ``body``, with a Nats-Msg-Id when given."""
     headers = {"Nats-Msg-Id": msg_id} if msg_id else None
     return await js.publish(subject, body.encode(), headers=headers)
+
+
+def error_lines(output: str) -> list[str]:
+    """A command's last words in ``output`` as ``eop: error:`` lines, whatever the log
+    format: a JSON ``command.failed`` line is read back into that text (its error)."""
+    found = []
+    for line in output.splitlines():
+        if line.startswith("eop: error: "):
+            found.append(line)
+        elif line.startswith("{") and '"command.failed"' in line:
+            entry = json.loads(line)
+            if entry.get("event") == "command.failed":
+                found.append(f"eop: error: {entry['error']}")
+    return found

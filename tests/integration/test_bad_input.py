@@ -16,7 +16,15 @@ import eop
 from eop.pg import migrate
 from eop.tools import embedded
 
-from .bed import STREAM, create_effects_table, drained, effects_by_body, publish, wait_for
+from .bed import (
+    STREAM,
+    create_effects_table,
+    drained,
+    effects_by_body,
+    error_lines,
+    publish,
+    wait_for,
+)
 from .test_cli import APP, Workers, consumer_exists, eop_env
 from .test_cli import eop as run_eop
 
@@ -25,7 +33,7 @@ def assert_clear_error(result: subprocess.CompletedProcess[str], *needles: str) 
     """Exit 1, no traceback, and the first line of stderr holds every needle."""
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("eop: error:")]
+    errors = error_lines(result.stderr)
     assert errors, result.stderr
     for needle in needles:
         assert needle in errors[0], errors[0]

@@ -16,7 +16,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from eop.pg import migrate
 from eop.tools import embedded
 
-from .bed import create_effects_table, drained, effects_by_body, equals, publish, wait_for
+from .bed import (
+    create_effects_table,
+    drained,
+    effects_by_body,
+    equals,
+    error_lines,
+    publish,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.integration.cliapp:app"
@@ -202,7 +210,7 @@ def test_an_error_every_process_meets_is_printed_once(
     and the user reads the one `eop: error:` line once, not once per process."""
     result = eop("worker", APP, env=eop_env(empty_database_url, nats_url, EOP_PROCESSES="2"))
     assert result.returncode == 1
-    lines = [line for line in result.stderr.splitlines() if line.startswith("eop: error: ")]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1, result.stderr[-3000:]
     assert "eop db upgrade" in lines[0]
     assert "Traceback" not in result.stderr
@@ -224,7 +232,7 @@ async def test_a_failed_migration_is_one_line_and_changes_nothing(
     env = eop_env(empty_database_url, "nats://127.0.0.1:1")
     result = eop("db", "upgrade", env=env)
     assert result.returncode == 1, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("eop: error: ")]
+    lines = error_lines(result.stderr)
     assert len(lines) == 1, result.stderr
     assert "rolled back, changing nothing" in lines[0]
     assert "run it again" in lines[0]

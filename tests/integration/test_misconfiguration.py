@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from eop.tools import embedded
 
 from . import bouncer
-from .bed import EFFECTS_DDL, STREAM, SUBJECT, publish, scalar, wait_for
+from .bed import EFFECTS_DDL, STREAM, SUBJECT, error_lines, publish, scalar, wait_for
 from .misconfiguredapp import SHIPPED
 from .test_cli import Workers, eop_env
 from .test_pgbouncer import pgbouncer_path  # noqa: F401 (a fixture)
@@ -67,7 +67,7 @@ async def _stops_loudly(env: dict[str, str], handler: str, tmp_path: Path) -> st
         tail = workers.logs()[-3000:]
         pytest.fail(f"the worker still ran after {STOP_BOUND_S:.0f} s; its log:\n{tail}")
     log = workers.logs()
-    errors = [line for line in log.splitlines() if line.startswith("eop: error: ")]
+    errors = error_lines(log)
     print(f"\n[{handler}] exited {code} after {time.monotonic() - started:.1f} s: {errors}")
     assert code == 1, log[-3000:]
     assert len(errors) == 1, log[-3000:]
@@ -153,7 +153,7 @@ async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_s
         # relay is off: the handler's transactions must be what stops the worker.
         env = eop_env(url, nats_url, EOP_DB_POOLER=pooler, **_BUSY)
         log = await _stops_loudly(env, handler, tmp_path)
-        line = next(line for line in log.splitlines() if line.startswith("eop: error: "))
+        (line,) = error_lines(log)
         assert "EOP_DB_POOLER=transaction" in line, line
         assert _error_logged(log, "pooler", handler), log[-3000:]
         # The handler's own transactions (asyncpg's or psycopg's statements) met it.
@@ -185,7 +185,7 @@ async def test_a_missing_table_stops_the_worker_instead_of_dead_lettering(
     await _publish_all(js, handler)
     env = eop_env(database_url, nats_url, EOP_MAX_ATTEMPTS="2", **_BUSY)
     log = await _stops_loudly(env, handler, tmp_path)
-    line = next(line for line in log.splitlines() if line.startswith("eop: error: "))
+    (line,) = error_lines(log)
     assert f"handler {handler!r}" in line, line
     assert 'relation "effects" does not exist' in line, line
     assert "migration" in line, line
@@ -245,7 +245,7 @@ async def test_transaction_where_no_transaction_pooler_is_only_slower(
     assert rows == {h: (MESSAGES, MESSAGES) for h in SUBJECTS}
     assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
     assert '"event": "db.misconfigured"' not in log
-    assert "eop: error:" not in log
+    assert error_lines(log) == []
     warnings = log.count('"event": "db.pooler_unneeded"')
     assert warnings == (1 if target == "postgresql" else 0), log[-3000:]
 
@@ -300,7 +300,7 @@ async def test_a_login_refused_while_the_worker_runs_stops_it_instead_of_failing
                 proc.kill()
                 proc.wait()
         log = workers.logs()
-        lines = [line for line in log.splitlines() if line.startswith("eop: error: ")]
+        lines = error_lines(log)
         assert code == 1, log[-3000:]
         assert len(lines) == 1, log[-3000:]
         assert "refuses new connections" in lines[0], lines[0]

@@ -17,7 +17,7 @@ import eop
 from eop.pg import migrate
 from eop.tools import embedded
 
-from .bed import equals, wait_for
+from .bed import equals, error_lines, wait_for
 from .test_cli import ROOT, eop_env
 from .test_cli import eop as run_eop
 from .test_outbox import OUT_STREAM, OUT_SUBJECT, make_app, out_count, outbox_rows, relaying
@@ -109,7 +109,9 @@ async def test_outbox_commands_list_retry_and_purge_parked_rows(
     assert set(ids) == {"LATER.a", "LATER.b"}
     refused = run_eop("outbox", "retry", env=env)
     assert refused.returncode == 1
-    assert "eop: error: name the parked rows to retry (IDs) or pass --all" in refused.stderr
+    assert error_lines(refused.stderr) == [
+        "eop: error: name the parked rows to retry (IDs) or pass --all"
+    ]
     await js.add_stream(name="LATER", subjects=["LATER.>"])
     retried = run_eop("outbox", "retry", str(ids["LATER.a"]), env=env)
     assert retried.stdout.strip() == "queued 1 parked row again"

@@ -26,7 +26,7 @@ from eop.tools import embedded
 from tests.conftest import unavailable
 
 from . import bouncer
-from .bed import EFFECTS_DDL, publish, scalar, wait_for
+from .bed import EFFECTS_DDL, error_lines, publish, scalar, wait_for
 from .test_cli import Workers, consumer_exists, eop, eop_env
 
 APP = "tests.integration.pooledapp:app"
@@ -289,8 +289,8 @@ def test_a_pooler_set_as_none_in_front_of_transaction_mode_is_one_clear_error(
     failed = [run for run in runs if run.returncode != 0]
     assert failed, [run.stdout for run in runs]
     for run in failed:
-        assert run.stderr.startswith("eop: error: "), run.stderr
-        assert "EOP_DB_POOLER=transaction" in run.stderr.splitlines()[0]
+        (line,) = error_lines(run.stderr)
+        assert "EOP_DB_POOLER=transaction" in line, run.stderr
         assert "Traceback" not in run.stderr
 
 

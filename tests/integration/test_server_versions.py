@@ -19,7 +19,7 @@ from eop.broker import server
 from eop.ops import status
 from eop.tools import embedded
 
-from .bed import STREAM, SUBJECT, bed_settings
+from .bed import STREAM, SUBJECT, bed_settings, error_lines
 from .test_cli import eop as run_eop
 from .test_cli import eop_env
 
@@ -58,8 +58,10 @@ def test_a_nats_server_older_than_the_minimum_is_refused_in_one_line(database_ur
             assert refused.returncode != 0, refused.stdout
             lines = [line for line in refused.stderr.splitlines() if line.strip()]
             # A worker logs its start first (JSON lines); the refusal is the last line.
-            assert lines[-1].startswith(f"eop: error: nats-server {shown} at "), refused.stderr
-            assert "eop needs nats-server 2.10 or newer" in lines[-1]
+            assert error_lines(lines[-1])[0].startswith(f"eop: error: nats-server {shown} at "), (
+                refused.stderr
+            )
+            assert "eop needs nats-server 2.10 or newer" in error_lines(lines[-1])[0]
             assert "Traceback" not in refused.stderr
         assert not any(old.store_dir.glob("jetstream/*/streams/*")), "a stream was created"
 

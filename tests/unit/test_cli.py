@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import uuid
@@ -210,14 +211,14 @@ def test_print_error_keeps_only_the_causes_that_add_to_the_line(
         'PostgreSQL at x refused the connection: role "nobody" does not exist'
     )
     refused.__cause__ = wrapped
-    options.print_error(refused)
+    options.print_error(refused, as_json=False)
     assert capsys.readouterr().err == (
         'eop: error: PostgreSQL at x refused the connection: role "nobody" does not exist\n'
     )
 
     other = errors.ConfigurationError("cannot load the app")
     other.__cause__ = ValueError("bad literal in settings.py")
-    options.print_error(other)
+    options.print_error(other, as_json=False)
     assert capsys.readouterr().err == (
         "eop: error: cannot load the app\n  caused by ValueError: bad literal in settings.py\n"
     )
@@ -231,3 +232,43 @@ def test_main_reports_a_bad_environment_variable(
     err = capsys.readouterr().err
     assert "EOP_CONCURRENCY" in err
     assert "not 'lots'" in err
+
+
+def test_print_error_in_json_is_one_command_failed_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With JSON logs a command's last words are a JSON line like the others: the event
+    `command.failed` at level error, the error, and the causes that add to it."""
+    other = errors.ConfigurationError("cannot load the app")
+    other.__cause__ = ValueError("bad literal in settings.py")
+    options.print_error(other, as_json=True)
+    (line,) = capsys.readouterr().err.splitlines()
+    entry = json.loads(line)
+    assert entry["event"] == "command.failed"
+    assert entry["level"] == "error"
+    assert entry["error"] == "cannot load the app"
+    assert entry["caused_by"] == ["ValueError: bad literal in settings.py"]
+    assert entry["pid"] == os.getpid()
+    assert entry["timestamp"].endswith("Z")
+
+
+@pytest.mark.parametrize(
+    ("env", "argv"),
+    [({"EOP_LOG_FORMAT": "json"}, []), ({}, ["--log-format", "json"])],
+)
+def test_main_reports_a_refused_setting_as_json_when_json_is_asked(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    argv: list[str],
+) -> None:
+    """A setting refused before logging is configured still ends in a JSON line when the
+    environment or the command line asks for JSON lines."""
+    monkeypatch.setenv("EOP_CONCURRENCY", "lots")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main([*argv, "worker", "m:app"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    entry = json.loads(line)
+    assert entry["event"] == "command.failed"
+    assert "EOP_CONCURRENCY" in entry["error"]

@@ -325,7 +325,9 @@ def test_an_eop_command_routes_library_records_unless_the_host_configured_loggin
     done = _python(_COMMAND_UNDER.format(host=setup))
     assert done.returncode == 1, done.stderr
     lines = done.stderr.splitlines()
-    assert lines[-1] == "eop: error: stopped before the command"
+    # The command's last words are a JSON line too (--log-format json).
+    last = json.loads(lines[-1])
+    assert (last["event"], last["error"]) == ("command.failed", "stopped before the command")
     if host:
         assert lines[:-1] == ["HOST sqlalchemy.pool Exception during reset or similar"]
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -176,6 +177,24 @@ def test_an_error_every_child_meets_is_printed_once() -> None:
     done = _supervised("tmp", 3)
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("eop: error: ") == 1, done.stderr
+
+
+def test_json_reports_that_differ_only_in_pid_and_time_are_printed_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With JSON logs each process's `command.failed` line has its own pid and time: the
+    supervisor still prints one line for one error, and one per different error."""
+    printed: set[str] = set()
+    for pid, error in ((11, "tables missing"), (12, "tables missing"), (13, "other")):
+        report = tmp_path / str(pid)
+        entry = {"error": error, "event": "command.failed", "pid": pid, "timestamp": str(pid)}
+        report.write_text(json.dumps(entry) + "\n")
+        supervisor._print_once(report, printed)
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(line["error"], line["pid"]) for line in lines] == [
+        ("tables missing", 11),
+        ("other", 13),
+    ]
 
 
 def test_without_a_temporary_directory_each_child_prints_its_own_error() -> None:
