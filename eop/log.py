@@ -49,7 +49,6 @@ class Event(str, enum.Enum):
     PROCESSES_STARTED = "processes.started"
     PROCESS_EXITED = "processes.exited"
     SUBSCRIPTION_BOUND = "subscription.bound"
-    SUBSCRIPTION_LOST = "subscription.lost"
     FETCH_FAILED = "fetch.failed"
     PARTITION_ACQUIRED = "partition.acquired"
     PARTITION_RELEASED = "partition.released"
