@@ -50,7 +50,6 @@ class Event(str, enum.Enum):
     PROCESS_EXITED = "processes.exited"
     COMMAND_FAILED = "command.failed"
     SUBSCRIPTION_BOUND = "subscription.bound"
-    SUBSCRIPTION_LOST = "subscription.lost"
     FETCH_FAILED = "fetch.failed"
     PARTITION_ACQUIRED = "partition.acquired"
     PARTITION_RELEASED = "partition.released"
