@@ -116,8 +116,26 @@ class InFlight:
         self.logger.error(
             log.Event.MESSAGE_FAILED,
             handler=proc.spec.name,
+            **_coordinates(msgs),
+            action=log.Action.NAK,
             error=log.bounded_error(exc),
         )
         self.observer.errored(proc.spec, msgs, exc)
         for msg in msgs:
             await ack.nak(msg, self.settings.backoff_max_s, self.logger)
+
+
+def _coordinates(msgs: Sequence[Delivery]) -> dict[str, object]:
+    """Where ``msgs`` are: their stream, and the sequences of the first and last as
+    fetched (as ``batch.processed`` gives them); nothing when their metadata cannot
+    be read, since a failure's line must not fail."""
+    try:
+        first, last = msgs[0].metadata, msgs[-1].metadata
+        return {
+            "stream": first.stream,
+            "first_seq": first.sequence.stream,
+            "last_seq": last.sequence.stream,
+            "messages": len(msgs),
+        }
+    except Exception:
+        return {"messages": len(msgs)}
