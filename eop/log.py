@@ -44,6 +44,7 @@ class Event(str, enum.Enum):
     WORKER_STOPPING = "worker.stopping"
     WORKER_STOPPED = "worker.stopped"
     WORKER_EXIT_FORCED = "worker.exit_forced"
+    WORKER_FAILED = "worker.failed"
     WORKER_STARTUP_RETRY = "worker.startup_retry"
     WORKER_STARTUP_STOPPED = "worker.startup_stopped"
     PROCESSES_STARTED = "processes.started"

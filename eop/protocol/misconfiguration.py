@@ -100,8 +100,9 @@ def described(
         return (
             f"PostgreSQL at {redaction.redact_url(settings.database_url)} refuses new "
             f"connections of {where}: {failures.database_message(exc)}, on every attempt: "
-            "fix the role, password or database name in EOP_DATABASE_URL (or the server's "
-            f"pg_hba.conf, role or database), then start the worker again; {left}"
+            "fix the role, password or database name in EOP_DATABASE_URL (under Django, "
+            "in DATABASES) or the server's pg_hba.conf, role or database, then start the "
+            f"worker again; {left}"
         )
     return (
         f"{where}: {failures.database_message(exc)}, on every attempt: run the "

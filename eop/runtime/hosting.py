@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator
 
 from typing_extensions import Self
 
+from eop import log
+
 
 class Hosted:
     """Start, stop and context manager of a worker that runs as a task of its host's loop.
@@ -46,7 +48,23 @@ class Hosted:
         """Ask for a stop (provided by the worker)."""
         raise NotImplementedError
 
-    async def start(self) -> None:
+    @property
+    def alive(self) -> bool:
+        """Whether the worker runs: from :meth:`start` until its task ends, whether a
+        stop ended it or it stopped by itself (a misconfiguration, NATS refusing its
+        credentials for good). A liveness check for the host."""
+        return self._task is not None and not self._task.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What the worker stopped with by itself, once its task has ended (None while
+        it runs, and after a clean stop); :meth:`shutdown` raises it too."""
+        task = self._task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
+
+    async def start(self, *, wait: bool = True) -> None:
         """Start the worker in a task of the running loop; return once it fetches messages.
 
         While PostgreSQL or NATS is unreachable it waits for them, as ``eop
@@ -54,10 +72,20 @@ class Hosted:
         of each step when set). Raises what kept the worker from starting
         (refused credentials, an unmigrated schema, an unreachable server
         after ``startup_attempts``). Installs no signal handler.
+
+        ``wait=False`` returns at once, the worker starting in the background:
+        for a host that does not act on a stop signal until its start-up is
+        done (uvicorn's lifespan), so that a SIGTERM during an outage is not
+        ignored. Then :attr:`ready` tells when it fetches, and what kept it
+        from starting is logged (``worker.failed``), ends :attr:`alive`, is
+        :attr:`error`, and is raised by :meth:`shutdown`.
         """
         if self._task is not None:
             raise RuntimeError("this worker was started already: make a new eop.Worker")
         task = self._task = asyncio.create_task(self.run(), name="eop-worker")
+        task.add_done_callback(_log_failure)
+        if not wait:
+            return
         ready = asyncio.ensure_future(self.ready.wait())
         try:
             await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
@@ -101,14 +129,24 @@ class Hosted:
             task.result()
 
     @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[Self]:
+    async def running(self, *, wait: bool = True) -> AsyncIterator[Self]:
         """``async with worker.running():`` :meth:`start`, then :meth:`shutdown` on the way out.
 
-        The body runs while the worker processes messages; leaving it, by
-        return, error or cancellation, stops the worker gracefully.
+        The body runs while the worker processes messages (with ``wait=False``,
+        from before it is ready: see :meth:`start`); leaving it, by return,
+        error or cancellation, stops the worker gracefully.
         """
-        await self.start()
+        await self.start(wait=wait)
         try:
             yield self
         finally:
             await self.shutdown()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A worker's task that ended with an error: one error line, whoever awaits it later
+    (a host that started it without waiting may not look until it stops)."""
+    error = None if task.cancelled() else task.exception()
+    if error is None:
+        return
+    log.get_logger().error(log.Event.WORKER_FAILED, error=log.bounded_error(error))

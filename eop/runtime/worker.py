@@ -82,7 +82,8 @@ class Worker(hosting.Hosted):
                     f"lease_margin_s ({self.settings.lease_margin_s})"
                 )
         self.ready = asyncio.Event()
-        """Set once every subscription is bound and fetching has started."""
+        """Set once every subscription is bound and fetching has started; cleared when
+        the worker stops (asked to, or by itself)."""
         self._stopping = asyncio.Event()
         self._startup = startup.Patience(self.settings, self._stopping)
         self._force = asyncio.Event()
@@ -131,6 +132,8 @@ class Worker(hosting.Hosted):
             self._force.set()
         if not self._stopping.is_set():
             self._stopping.set()
+            # Ready means fetching: a readiness check built on it goes red at once.
+            self.ready.clear()
             self._slots.close()
             for callback in self.on_stop:
                 callback()
@@ -225,6 +228,7 @@ class Worker(hosting.Hosted):
                 self._logger.info(log.Event.WORKER_STARTED)
                 self.ready.set()
                 await self._stopping.wait()
+                self.ready.clear()  # set just above by a start a stop overtook
             self._logger.info(log.Event.WORKER_STOPPING, inflight=len(self._flight.tasks))
             # A compaction round raising the watermark waits for every open claim's
             # transaction (they read it FOR SHARE): awaited here, it would hold the

@@ -7,6 +7,7 @@ import signal
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
@@ -258,3 +259,64 @@ async def test_a_host_cancelled_while_the_worker_starts_leaves_no_worker_behind(
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(starting, 60)
     assert other_tasks() <= before
+
+
+async def test_a_hosted_worker_that_stops_by_itself_is_no_longer_ready_nor_alive(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """The worker stops by itself while its host runs (here its handler's table is dropped:
+    a misconfiguration): `ready` is cleared and `alive` false, so that the host's
+    readiness and liveness checks go red; `error` and `shutdown()` say why, and one
+    `worker.failed` line is logged. Nothing is dead-lettered."""
+    from structlog.testing import capture_logs
+
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_url, batch=1, backoff_max_s=0.2)
+    worker = eop.Worker(app)
+    with capture_logs() as logs:
+        await worker.start()
+        assert worker.ready.is_set()
+        assert worker.alive
+        assert worker.error is None
+        await publish(js, "m0", msg_id="id-0")
+        await wait_for(lambda: equals_effects(engine, {"m0": 1}), what="the first effect")
+        async with engine.begin() as conn:
+            await conn.execute(sa.text("DROP TABLE effects"))
+        for i in range(1, 10):
+            await publish(js, f"m{i}", msg_id=f"id-{i}")
+        await wait_for(lambda: stopped(worker), timeout_s=60, what="the worker's own stop")
+        assert not worker.ready.is_set()
+        assert isinstance(worker.error, eop.ConfigurationError)
+        with pytest.raises(eop.ConfigurationError, match="does not exist"):
+            await worker.shutdown()
+    assert [e["event"] for e in logs if e["event"] == "worker.failed"] == ["worker.failed"]
+    assert await scalar(engine, DEAD) == 0
+
+
+async def test_start_without_waiting_returns_at_once_and_is_stopped_during_an_outage(
+    database_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """`start(wait=False)` (for a host such as uvicorn, which reads no stop signal until
+    its start-up returns): it returns while NATS is unreachable, the worker not ready but
+    alive; `shutdown()` then ends its start-up wait at once, and no task is left."""
+    from eop.tools import embedded
+
+    before = await baseline(js)
+    url = f"nats://127.0.0.1:{embedded.free_port()}"
+    worker = eop.Worker(make_app(database_url, url))  # waits for NATS for ever
+    await asyncio.wait_for(worker.start(wait=False), 5)
+    await asyncio.sleep(1.0)  # into the start-up's retries
+    assert worker.alive
+    assert not worker.ready.is_set()
+    await asyncio.wait_for(worker.shutdown(), 30)
+    assert not worker.alive
+    assert worker.error is None
+    assert other_tasks() <= before
+
+
+async def equals_effects(engine: AsyncEngine, expected: dict[str, int]) -> bool:
+    return await effects_by_body(engine) == expected
+
+
+async def stopped(worker: eop.Worker) -> bool:
+    return not worker.alive
