@@ -57,14 +57,16 @@ class Context:
         return cls(models.tables(s.schema), s.outbox_max_payload)
 
 
-_configured: list[Context] = []
+_configured: list[Context | errors.ConfigurationError] = []
 
 
-def configure_default(context: Context) -> None:
+def configure_default(context: Context | errors.ConfigurationError) -> None:
     """Where rows added through a session or connection eop did not make go, in this process.
 
     Without it, the process's ``EOP_SCHEMA`` and ``EOP_OUTBOX_MAX_PAYLOAD``;
-    :mod:`eop.contrib.django` sets it from Django's settings.
+    :mod:`eop.contrib.django` sets it from Django's settings, or to the error
+    its settings were refused with, which adding a row then raises (a row is
+    never sent to a schema the settings did not mean).
     """
     _configured[:] = [context]
 
@@ -76,7 +78,12 @@ def _env_context() -> Context:
 
 
 def _default_context() -> Context:
-    return _configured[0] if _configured else _env_context()
+    if not _configured:
+        return _env_context()
+    configured = _configured[0]
+    if isinstance(configured, errors.ConfigurationError):
+        raise configured
+    return configured
 
 
 class Cursors(Protocol):

@@ -83,6 +83,24 @@ def test_manage_eop_db_check_finds_the_tables_made_by_manage_py_migrate(
     assert listed.returncode == 0, listed.stderr
 
 
+def test_a_refused_settings_eop_is_one_line_never_a_traceback(project: str, nats_url: str) -> None:
+    """A typo in ``settings.EOP`` (an unknown key) does not fail Django's start with a
+    traceback: ``manage.py eop worker`` refuses to run with one line (JSON here, as the
+    logs are) and ``manage.py check`` reports it as the system check ``eop.E001``."""
+    env = manage_env(project, nats_url, DJPROJECT_EOP_EXTRA=json.dumps({"CONCURENCY": 4}))
+    refused = manage("eop", "worker", env=env)
+    assert refused.returncode == 1, refused.stderr
+    assert "Traceback" not in refused.stderr
+    (line,) = refused.stderr.splitlines()
+    entry = json.loads(line)
+    assert entry["event"] == "command.failed"
+    assert "unknown key 'CONCURENCY'" in entry["error"]
+    checked = manage("check", env=env)
+    assert checked.returncode == 1
+    assert "Traceback" not in checked.stderr
+    assert "(eop.E001) settings.EOP has an unknown key 'CONCURENCY'" in checked.stderr
+
+
 async def test_eop_worker_sigkilled_mid_batch_and_restarted_applies_each_message_once(
     project: str, nats_url: str, js: Any, tmp_path: Path
 ) -> None:

@@ -91,7 +91,7 @@ def test_settings_eop_keys_are_eops_settings_by_their_env_names(
     with pytest.raises(errors.ConfigurationError, match=r"unknown key 'MAX_ATEMPTS'.*MAX_ATTEMPTS"):
         conf.eop_values()
     monkeypatch.setattr(conf, "eop_dict", lambda: {"DATABASE_URL": "postgresql://x/y"})
-    with pytest.raises(errors.ConfigurationError, match="comes from DATABASES"):
+    with pytest.raises(errors.ConfigurationError, match="uses the database of DATABASES"):
         conf.eop_values()
 
 

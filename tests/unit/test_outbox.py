@@ -73,3 +73,22 @@ def _message(data: bytes) -> eop.Message:
         seq=1,
         num_delivered=1,
     )
+
+
+def test_add_raises_the_error_settings_were_refused_with() -> None:
+    """A Django project whose settings.EOP eop refused: adding an outbox row through a
+    connection raises that error rather than send the row where the settings did not
+    mean (the default schema)."""
+    from eop.outbox import table
+
+    class Cursorish:
+        def cursor(self) -> Any:
+            raise AssertionError("nothing is sent")
+
+    before = list(table._configured)
+    table.configure_default(eop.ConfigurationError("settings.EOP has an unknown key 'X'"))
+    try:
+        with pytest.raises(eop.ConfigurationError, match="unknown key 'X'"):
+            eop.outbox.add(Cursorish(), "A.b", b"")
+    finally:
+        table._configured[:] = before

@@ -47,7 +47,15 @@ def export_environment() -> None:
 
 def run(argv: Sequence[str]) -> int:
     """Run ``eop <argv>`` on the project; the exit status."""
-    from eop.cli import main
+    from eop import errors
+    from eop.cli import main, options
 
+    try:
+        # Exported as environment variables, an unknown key would be ignored there.
+        conf.eop_values()
+    except errors.ConfigurationError as exc:
+        asked = conf.eop_dict().get("LOG_FORMAT") or os.environ.get("EOP_LOG_FORMAT")
+        options.print_error(exc, as_json=asked == "json")
+        return 1
     export_environment()
     return main(argv_for(argv))

@@ -128,14 +128,33 @@ def eop_values() -> dict[str, object]:
         if key in OWN_KEYS:
             continue
         name = key.lower()
-        if name not in fields or name == "database_url":
-            known = ", ".join(sorted(OWN_KEYS + tuple(f.upper() for f in fields)))
+        if name == "database_url":
+            raise errors.ConfigurationError(
+                f"settings.EOP cannot set {key!r}: eop uses the database of DATABASES "
+                '(settings.EOP["DATABASE"] names its alias, "default" if unset)'
+            )
+        if name not in fields:
+            known = ", ".join(
+                sorted(OWN_KEYS + tuple(f.upper() for f in fields if f != "database_url"))
+            )
             raise errors.ConfigurationError(
                 f"settings.EOP has an unknown key {key!r} (known: {known}); the database "
                 "comes from DATABASES"
             )
         values[name] = value
     return values
+
+
+def check_settings(**_: object) -> list[Any]:
+    """Django's system check of ``settings.EOP`` (``eop.E001``): what eop refuses in it, in
+    a line, where Django's commands (``check``, ``runserver``, ``migrate``) show it."""
+    from django.core import checks
+
+    try:
+        settings_mod.Settings.from_env(overrides=eop_values())
+    except errors.ConfigurationError as exc:
+        return [checks.Error(str(exc), id="eop.E001")]
+    return []
 
 
 def app_path() -> str:

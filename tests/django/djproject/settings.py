@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from urllib.parse import unquote, urlsplit
 
@@ -46,3 +47,5 @@ EOP = {
     "RETRY_POLL_S": 0.2,
     "OUTBOX_POLL_S": 0.2,
 }
+# A test's own keys (a typo among them): tests/django/test_manage.py.
+EOP.update(json.loads(os.environ.get("DJPROJECT_EOP_EXTRA", "{}")))
