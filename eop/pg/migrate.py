@@ -196,7 +196,7 @@ def _raise_unless_head(found: str | None, schema: str) -> None:
         return
     if found is None:
         raise errors.SchemaNotReady(
-            f"eop's tables are missing from schema {schema!r}: run `eop db upgrade`"
+            f"eop's tables are missing from schema {schema!r}: run `eop db upgrade`{_DJANGO}"
         )
     if not all(_known(revision) for revision in found.split(",")):
         raise errors.SchemaNotReady(
@@ -205,8 +205,12 @@ def _raise_unless_head(found: str | None, schema: str) -> None:
         )
     raise errors.SchemaNotReady(
         f"eop's tables in schema {schema!r} are at revision {found}, not at head "
-        f"{expected}: run `eop db upgrade`"
+        f"{expected}: run `eop db upgrade`{_DJANGO}"
     )
+
+
+# The same fix in a Django project, whose migration makes eop's tables.
+_DJANGO = " (in a Django project: python manage.py migrate)"
 
 
 def _known(revision: str) -> bool:
