@@ -124,7 +124,8 @@ class Contention:
                 )
                 # Quiet while it is a blip, loud once it lasts.
                 level = logger.info if attempt < 5 else logger.warning
-                level(log.Event.TRANSACTION_RETRY, attempt=attempt, error=describe(exc)[:500])
+                # `retry`, not `attempt`: a parked retry's line carries the message's attempt.
+                level(log.Event.TRANSACTION_RETRY, retry=attempt, error=describe(exc)[:500])
                 # The lease is renewed while the message waits: an outage of any
                 # length costs it no redelivery.
                 ack_wait_s = self.spec.ack_wait_s or self.settings.ack_wait_s

@@ -475,6 +475,19 @@ async def test_database_unavailable_when_opening_transaction_is_retried(
     assert len(harness.calls) == 1
 
 
+async def test_a_transaction_retry_line_counts_in_retry_not_the_messages_attempt(
+    harness: Harness, fast_sleep: None
+) -> None:
+    """`transaction.retry` counts the transaction's retries in `retry`: a parked retry's
+    line carries the message's own `attempt`, which the count must not overwrite."""
+    harness.store.fail_transactions(2)
+    with capture_logs() as logs:
+        assert await harness.handle(delivery()) is Outcome.PROCESSED
+    retries = events(logs, "transaction.retry")
+    assert [e["retry"] for e in retries] == [1, 2]
+    assert all("attempt" not in e for e in retries)
+
+
 async def test_row_vanished_between_claim_and_lookup_retries_the_transaction(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

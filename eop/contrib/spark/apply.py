@@ -170,7 +170,7 @@ class Partition:
                 attempt += 1
                 log.get_logger(handler=self.spec.name).info(
                     log.Event.TRANSACTION_RETRY,
-                    attempt=attempt,
+                    retry=attempt,
                     messages=len(batch),
                     error=_describe(exc),
                 )
