@@ -76,7 +76,7 @@ async def _stops_loudly(env: dict[str, str], handler: str, tmp_path: Path) -> st
 
 
 async def _then_each_message_once(
-    env: dict[str, str], handler: str, engine: AsyncEngine, tmp_path: Path
+    env: dict[str, str], handler: str, engine: AsyncEngine, tmp_path: Path, messages: int = MESSAGES
 ) -> None:
     """Nothing dead-lettered or parked; a worker started after the fix processes each
     message exactly once, and stops on SIGTERM."""
@@ -86,7 +86,7 @@ async def _then_each_message_once(
     proc = workers.start("--handler", handler)
     try:
         await wait_for(
-            lambda: _effects_reach(engine, MESSAGES),
+            lambda: _effects_reach(engine, messages),
             timeout_s=60,
             what=f"every message's effect; the worker's log:\n{workers.logs()[-3000:]}",
         )
@@ -98,7 +98,7 @@ async def _then_each_message_once(
     query = "SELECT body, count(*) FROM effects GROUP BY body"
     async with engine.connect() as conn:
         counts = {body: int(n) for body, n in (await conn.execute(sa.text(query))).all()}
-    assert counts == {f"m{i}": 1 for i in range(MESSAGES)}
+    assert counts == {f"m{i}": 1 for i in range(messages)}
     assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
     assert await scalar(engine, "SELECT count(*) FROM eop.retries") == 0
 
@@ -314,25 +314,7 @@ async def test_a_login_refused_while_the_worker_runs_stops_it_instead_of_failing
         assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
 
         await _admin(engine, f"ALTER ROLE {role} LOGIN")
-        (tmp_path / "fixed").mkdir()
-        fixed = Workers(env, tmp_path / "fixed", APP)
-        proc = fixed.start("--handler", "created")
-        try:
-            await wait_for(
-                lambda: _effects_reach(engine, 2 * MESSAGES),
-                timeout_s=60,
-                what=f"every message's effect; the worker's log:\n{fixed.logs()[-3000:]}",
-            )
-            assert fixed.stop_all() == [0]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        query = "SELECT body, count(*) FROM effects GROUP BY body"
-        async with engine.connect() as conn:
-            counts = {body: int(n) for body, n in (await conn.execute(sa.text(query))).all()}
-        assert counts == {f"m{i}": 1 for i in range(2 * MESSAGES)}
-        assert await scalar(engine, "SELECT count(*) FROM eop.dead_letters") == 0
+        await _then_each_message_once(env, "created", engine, tmp_path, 2 * MESSAGES)
     finally:
         await _admin(
             engine,
