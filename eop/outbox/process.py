@@ -48,9 +48,17 @@ class RelayProcess:
         return self.stopping.is_set()
 
     def nats_lost(self, error: errors.NatsUnavailable) -> None:
-        """NATS gave up on the relay (credentials refused): stop, then exit with the error."""
+        """NATS gave up on the relay (credentials refused): stop, then exit with the error.
+
+        Logged as the worker logs it: ``nats.auth_refused`` for credentials
+        refused again and again, ``nats.closed`` for a connection closed for good.
+        """
         if self.lost is None:
-            log.get_logger().error(log.Event.NATS_CLOSED, error=str(error))
+            logger = log.get_logger()
+            if isinstance(error, errors.NatsReauthenticationFailed):
+                logger.error(log.Event.NATS_AUTH_REFUSED, refusals=error.refusals, error=str(error))
+            else:
+                logger.error(log.Event.NATS_CLOSED, error=str(error))
         self.give_up(error)
 
     def give_up(self, error: errors.EopError) -> None:

@@ -92,3 +92,25 @@ def test_add_raises_the_error_settings_were_refused_with() -> None:
             eop.outbox.add(Cursorish(), "A.b", b"")
     finally:
         table._configured[:] = before
+
+
+def test_a_relay_refused_its_credentials_logs_as_the_worker_does() -> None:
+    """NATS refusing the relay's credentials again and again is `nats.auth_refused` (with
+    the refusals), as for a worker; a connection closed for good is `nats.closed`; the
+    relay stops with the error either way."""
+    from structlog.testing import capture_logs
+
+    from eop import errors
+    from eop.outbox import process
+
+    app = eop.App(settings=eop.Settings())
+    refused = process.RelayProcess(app)
+    with capture_logs() as logs:
+        refused.nats_lost(errors.NatsReauthenticationFailed("refused", refusals=3))
+    assert [(e["event"], e["refusals"]) for e in logs] == [("nats.auth_refused", 3)]
+    assert refused.draining
+    closed = process.RelayProcess(app)
+    with capture_logs() as logs:
+        closed.nats_lost(errors.NatsUnavailable("closed"))
+    assert [e["event"] for e in logs] == ["nats.closed"]
+    assert isinstance(closed.lost, errors.NatsUnavailable)
