@@ -6,6 +6,7 @@ import asyncio
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -422,6 +423,11 @@ def import_attribute(path: str, form: str) -> object:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         raise errors.ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:
+        # The module's own code failed: one line naming where, not a traceback.
+        raise errors.ConfigurationError(
+            f"importing {module_name!r} failed{_where(exc)}: {type(exc).__name__}: {exc}"
+        ) from exc
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -430,3 +436,12 @@ def import_attribute(path: str, form: str) -> object:
             f"module {module_name!r} ({getattr(module, '__file__', None) or 'no file'}) "
             f"has no attribute {attr!r}: expected {form}"
         ) from None
+
+
+def _where(exc: BaseException) -> str:
+    """`` at FILE, line N``: where the import failed (the deepest frame, or the line a
+    SyntaxError names)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" at {exc.filename}, line {exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" at {frames[-1].filename}, line {frames[-1].lineno}" if frames else ""

@@ -28,7 +28,6 @@ from eop.cli.options import (
 )
 from eop.cli.worker import WORKER_FIELDS
 from eop.outbox import cli as outbox_cli
-from eop.rules import env_var
 
 __all__ = [
     "main",
@@ -64,6 +63,7 @@ def main(
     that runs that entry point again, which ``eop worker --processes N``
     starts its children with (default: ``python -m eop``).
     """
+    options.command_line(argv)
     args, _ = build_parser().parse_known_args(argv)
     tool = getattr(args, "tool", None)
     try:
@@ -71,7 +71,7 @@ def main(
         with options.developer_tools(args.command_name):
             parser = build_parser(tool)
     except errors.EopError as exc:
-        options.print_error(exc, as_json=_json_asked(args))
+        options.print_error(exc, as_json=options.json_asked(argv))
         return 1
     args = parser.parse_args(argv)
     # `eop worker --processes N` starts its children with the same arguments,
@@ -90,7 +90,7 @@ def main(
             return command(args)
     except errors.EopError as exc:
         # Logging is not configured yet when a setting is refused: its format as asked.
-        as_json = log.renders_json() or _json_asked(args)
+        as_json = log.renders_json() or options.json_asked(argv)
         options.print_error(exc, to=getattr(args, "error_file", None), as_json=as_json)
         return 1
     except KeyboardInterrupt:
@@ -101,13 +101,6 @@ def main(
         # that die of the signal report it.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-
-
-def _json_asked(args: argparse.Namespace) -> bool:
-    """Whether the command line or the environment asks for JSON lines (``--log-format``
-    wins, as in the settings)."""
-    asked = getattr(args, "log_format", None) or os.environ.get(env_var("log_format"), "")
-    return asked.strip().lower() == "json"
 
 
 def build_parser(tool: str | None = None) -> argparse.ArgumentParser:

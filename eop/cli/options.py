@@ -77,8 +77,33 @@ class Parser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
-        """Print ``message`` on one line, with where to read the usage, and exit 2."""
-        self.exit(2, f"eop: error: {message} (see `{self.prog} --help`)\n")
+        """Print ``message`` on one line, with where to read the usage, and exit 2 (a JSON
+        ``command.failed`` line when JSON lines are asked for: :func:`json_asked`)."""
+        print_error(errors.ConfigurationError(f"{message} (see `{self.prog} --help`)"))
+        self.exit(2)
+
+
+class _CommandLine:
+    argv: Sequence[str] | None = None
+
+
+def command_line(argv: Sequence[str] | None) -> None:
+    """The arguments of the command being run (None: ``sys.argv``), for :func:`json_asked`
+    when a parser refuses them."""
+    _CommandLine.argv = argv
+
+
+def json_asked(argv: Sequence[str] | None = None) -> bool:
+    """Whether the command line (``--log-format``, which wins) or ``EOP_LOG_FORMAT`` asks
+    for JSON lines: read before the arguments are parsed, or when they cannot be."""
+    given = argv if argv is not None else _CommandLine.argv
+    args = list(sys.argv[1:] if given is None else given)
+    for i, arg in enumerate(args):
+        if arg == "--log-format" and i + 1 < len(args):
+            return args[i + 1].strip().lower() == "json"
+        if arg.startswith("--log-format="):
+            return arg.partition("=")[2].strip().lower() == "json"
+    return os.environ.get(settings_mod.env_var("log_format"), "").strip().lower() == "json"
 
 
 def env_list(var: str) -> list[str]:
@@ -96,7 +121,8 @@ def env_value(var: str, kind: Any, raw: str) -> Any:
     try:
         return settings_mod.parse_value(var.removeprefix("EOP_").lower(), kind, raw)
     except errors.ConfigurationError as exc:
-        raise SystemExit(f"eop: error: {exc}") from None
+        print_error(exc)
+        raise SystemExit(1) from None
 
 
 def env_int(var: str, default: int | None) -> int | None:
@@ -294,7 +320,7 @@ def print_error(exc: BaseException, to: str | None = None, *, as_json: bool | No
         if _said(first) not in "\n".join(said):
             said.append(first[:288])
         cause = cause.__cause__
-    if as_json if as_json is not None else log.renders_json():
+    if as_json if as_json is not None else (log.renders_json() or json_asked()):
         entry: dict[str, object] = {"error": said[0]}
         if len(said) > 1:
             entry["caused_by"] = said[1:]

@@ -82,7 +82,9 @@ def _default_context() -> Context:
         return _env_context()
     configured = _configured[0]
     if isinstance(configured, errors.ConfigurationError):
-        raise configured
+        # A new exception each time: raising the stored one would grow its traceback
+        # with every caller's frames (and keep them alive) in a long-running server.
+        raise errors.ConfigurationError(str(configured))
     return configured
 
 

@@ -257,7 +257,8 @@ def _translated(database_url: str, *, migrating: bool = False) -> Iterator[None]
         if failures.login_refused(exc):
             raise errors.DatabaseLoginRefused(
                 f"PostgreSQL at {redact(database_url)} refused the connection: {reason} "
-                "(check the role, password and database name in database_url)"
+                "(check the role, password and database name in EOP_DATABASE_URL; under "
+                "Django, in DATABASES)"
             ) from exc
         if not _is_connection_error(exc):
             if migrating and isinstance(exc, sa.exc.DBAPIError):

@@ -118,6 +118,9 @@ class Contention:
                 if crossed(exc):
                     contended = True
                     self.note()
+                if self.stopping.is_set():
+                    # Left for redelivery at once: no line saying it will run again here.
+                    return await self.settlement.nak(delivery, msg, 0.0, logger)
                 attempt += 1
                 delay_s = backoff.jittered_s(
                     attempt, self.settings.backoff_base_s, self.settings.backoff_max_s

@@ -134,13 +134,21 @@ class Hosted:
 
         The body runs while the worker processes messages (with ``wait=False``,
         from before it is ready: see :meth:`start`); leaving it, by return,
-        error or cancellation, stops the worker gracefully.
+        error or cancellation, stops the worker gracefully. What stopped the
+        worker by itself meanwhile is not raised on the way out: it was logged
+        (``worker.failed``) and is :attr:`error`.
         """
         await self.start(wait=wait)
         try:
             yield self
         finally:
-            await self.shutdown()
+            try:
+                await self.shutdown()
+            except Exception as exc:
+                # What stopped the worker by itself was logged (worker.failed) and is
+                # `error`: raised again here, it would fail the host's own shutdown.
+                if exc is not self.error:
+                    raise
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -320,3 +320,23 @@ async def equals_effects(engine: AsyncEngine, expected: dict[str, int]) -> bool:
 
 async def stopped(worker: eop.Worker) -> bool:
     return not worker.alive
+
+
+async def test_leaving_running_does_not_raise_again_what_the_worker_stopped_with(
+    database_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """`running(wait=False)` with NATS unreachable and one start-up attempt: the worker
+    ends by itself in the background (`worker.failed`, `error`); leaving the block does
+    not raise it again, which would fail the host's own shutdown."""
+    from structlog.testing import capture_logs
+
+    from eop.tools import embedded
+
+    url = f"nats://127.0.0.1:{embedded.free_port()}"
+    with capture_logs() as logs:
+        async with eop.Worker(make_app(database_url, url, startup_attempts=1)).running(
+            wait=False
+        ) as worker:
+            await wait_for(lambda: stopped(worker), timeout_s=60, what="the failed start")
+    assert isinstance(worker.error, eop.NatsUnavailable)
+    assert [e["event"] for e in logs if e["event"] == "worker.failed"] == ["worker.failed"]

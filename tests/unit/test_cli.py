@@ -272,3 +272,33 @@ def test_main_reports_a_refused_setting_as_json_when_json_is_asked(
     entry = json.loads(line)
     assert entry["event"] == "command.failed"
     assert "EOP_CONCURRENCY" in entry["error"]
+
+
+def test_a_usage_error_is_a_json_line_when_json_is_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """argparse's refusals (a bad flag value, a missing MODULE:APP) follow --log-format
+    json like every other last word: one command.failed line, status 2."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--log-format", "json", "worker", "m:app", "--processes", "lots"])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    entry = json.loads(line)
+    assert entry["event"] == "command.failed"
+    assert "--processes" in entry["error"]
+
+
+def test_an_app_module_that_raises_on_import_is_one_line_naming_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The user's module fails while imported: one `eop: error:` line with the module,
+    the file and line, and the error; no traceback."""
+    (tmp_path / "raising_app_mod.py").write_text('import eop\nraise RuntimeError("boom")\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["worker", "raising_app_mod:app"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"eop: error: importing 'raising_app_mod' failed at {tmp_path / 'raising_app_mod.py'}, "
+        "line 2: RuntimeError: boom\n"
+    )

@@ -88,8 +88,13 @@ def test_add_raises_the_error_settings_were_refused_with() -> None:
     before = list(table._configured)
     table.configure_default(eop.ConfigurationError("settings.EOP has an unknown key 'X'"))
     try:
-        with pytest.raises(eop.ConfigurationError, match="unknown key 'X'"):
-            eop.outbox.add(Cursorish(), "A.b", b"")
+        raised = []
+        for _ in range(2):
+            with pytest.raises(eop.ConfigurationError, match="unknown key 'X'") as info:
+                eop.outbox.add(Cursorish(), "A.b", b"")
+            raised.append(info.value)
+        # A new exception each time: the stored one would gather every caller's frames.
+        assert raised[0] is not raised[1]
     finally:
         table._configured[:] = before
 

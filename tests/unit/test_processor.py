@@ -488,6 +488,24 @@ async def test_a_transaction_retry_line_counts_in_retry_not_the_messages_attempt
     assert all("attempt" not in e for e in retries)
 
 
+async def test_a_failure_of_the_database_once_the_worker_stops_hands_the_message_back_quietly(
+    harness: Harness, fast_sleep: None
+) -> None:
+    """Once a stop is asked for, a transaction failing on the database is not retried: the
+    message is nak'ed at once for redelivery, without a `transaction.retry` line saying it
+    would run again (a misconfiguration stopping the worker would otherwise print one per
+    message in flight)."""
+    harness.store.fail_transactions(1)
+    harness.processor.stopping.set()
+    d = delivery()
+    with capture_logs() as logs:
+        await harness.handle(d)
+    assert d.naked
+    assert d.nak_delay == 0.0
+    assert events(logs, "transaction.retry") == []
+    assert harness.calls == []
+
+
 async def test_row_vanished_between_claim_and_lookup_retries_the_transaction(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
