@@ -364,7 +364,7 @@ def test_postgres_refusing_the_login_fails_at_once_under_the_default(
     url = sa.make_url(database_url).set(**change).render_as_string(hide_password=False)
     result = run_eop("worker", APP, env=eop_env(url, nats_url))
     line = assert_clear_error(result, "PostgreSQL at", "refused the connection", needle)
-    assert "database_url" in line
+    assert "EOP_DATABASE_URL" in line
     assert _retries(result.stderr) == []
 
 
