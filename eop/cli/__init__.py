@@ -89,9 +89,9 @@ def main(
         with options.developer_tools(args.command_name):
             return command(args)
     except errors.EopError as exc:
-        # Logging is not configured yet when a setting is refused: its format as asked.
-        as_json = log.renders_json() or options.json_asked(argv)
-        options.print_error(exc, to=getattr(args, "error_file", None), as_json=as_json)
+        # print_error's default: the logs' format, or as asked when a setting was refused
+        # before logging was configured (command_line above).
+        options.print_error(exc, to=getattr(args, "error_file", None))
         return 1
     except KeyboardInterrupt:
         return 130
