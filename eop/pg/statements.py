@@ -24,6 +24,7 @@ from eop.pg.contract import DeadLetter, Existing
 from eop.pg.sql import claim as claim_sql
 from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import retries as retries_sql
+from eop.pg.sql import turns as turns_sql
 
 if TYPE_CHECKING:
     from eop.handler import HandlerSpec
@@ -161,6 +162,11 @@ class Statements(abc.ABC):
             "outcome": outcome,
             "delivery_count": m.num_delivered,
         }
+
+    async def take_turn(self) -> None:
+        """Wait for the handler's turn among the fleet's contended transactions
+        (:func:`eop.pg.sql.turns.turn`), held until this transaction ends."""
+        await self._execute(*turns_sql.turn(self.tables, self.spec.name))
 
     async def unclaim(self, message: Message) -> None:
         """Drop this transaction's claim of ``message`` (its handler failed in a batch)."""

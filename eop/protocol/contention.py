@@ -11,12 +11,17 @@ counted on the way (:mod:`eop.protocol.misconfiguration`) and stop the worker.
 After a deadlock, a serialization failure or a lock timeout, a handler's
 transactions run one at a time in the process for a while
 (:attr:`Contention.active`, :data:`WINDOW_S`): the retried ones queue on one
-lock, and batches shrink to a transaction per message.
+lock, and batches shrink to a transaction per message. Such a contended step's
+handler transaction also waits for the handler's turn across the fleet
+(:func:`contended_now`, :meth:`eop.pg.contract.Transaction.take_turn`): processes
+each running one transaction at a time still cross each other, and PostgreSQL
+breaks each cycle only after ``deadlock_timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 from collections.abc import Awaitable, Callable
 
@@ -33,6 +38,14 @@ from eop.types import Delivery, Outcome
 #: time in a process. Long enough to drain a burst of crossing transactions, short
 #: enough that a one-off deadlock costs little parallelism.
 WINDOW_S = 5.0
+
+_CONTENDED: contextvars.ContextVar[bool] = contextvars.ContextVar("eop_contended", default=False)
+
+
+def contended_now() -> bool:
+    """Whether the step running in this task runs contended (one at a time in the process):
+    its handler's transaction then takes the fleet's turn before its claim."""
+    return _CONTENDED.get()
 
 
 class Contention:
@@ -91,10 +104,12 @@ class Contention:
         another worker): none of them counts as an attempt of the message.
 
         A step that deadlocked or timed out on a lock is retried ``contended``,
-        one at a time in this process: handlers that lock the same rows in
-        different orders would otherwise keep deadlocking each other
+        one at a time in this process, its handler's transaction in the handler's
+        turn across the fleet (:func:`contended_now`): handlers that lock the same
+        rows in different orders would otherwise keep deadlocking each other
         (PostgreSQL needs ``deadlock_timeout``, one second by default, to break
-        each cycle), and hot rows admit one writer anyway.
+        each cycle), and hot rows admit one writer anyway. A contended step still
+        waiting for its turn in the process when the worker stops is handed back.
         """
         attempt = 0
         while True:
@@ -102,7 +117,15 @@ class Contention:
                 if not contended:
                     return await step(msg)
                 async with self._one_at_a_time:
-                    return await step(msg)
+                    if self.stopping.is_set():
+                        # Queued behind the others, not started: handed back at once
+                        # rather than run one by one through the stop's grace.
+                        return await self.settlement.nak(delivery, msg, 0.0, logger)
+                    token = _CONTENDED.set(True)
+                    try:
+                        return await step(msg)
+                    finally:
+                        _CONTENDED.reset(token)
             except EpochChanged as changed:
                 msg = dataclasses.replace(msg, stream_epoch=changed.epoch)
                 continue

@@ -31,7 +31,7 @@ from eop.observe import observer as observe
 from eop.pg import contract, models, retries
 from eop.protocol import misconfiguration
 from eop.protocol.attempts import Attempts, crash_loop
-from eop.protocol.contention import Contention, transient
+from eop.protocol.contention import Contention, contended_now, transient
 from eop.protocol.settlement import CommitRejected, Settlement
 from eop.protocol.settlement import Critical as Critical  # re-exported: the worker makes one
 from eop.protocol.settlement import Epochs as Epochs  # re-exported: the test kit implements it
@@ -220,7 +220,11 @@ class Processor:
             handler=self._spec.name, stream=msg.stream, seq=msg.seq, attempt=msg.num_delivered
         )
         return await self.contention.retrying(
-            delivery, lambda m: self._rerun(delivery, m, logger), msg, logger
+            delivery,
+            lambda m: self._rerun(delivery, m, logger),
+            msg,
+            logger,
+            contended=self.contention.active,
         )
 
     async def prepare_batch(
@@ -350,6 +354,8 @@ class Processor:
         self, delivery: Delivery, msg: message.Message, logger: log.Logger
     ) -> Outcome:
         async with self.store.transaction(self._spec) as tx:
+            if contended_now():
+                await tx.take_turn()
             if not await tx.claim(msg, models.OUTCOME_PROCESSED):
                 existing = await tx.find(msg)
                 # A redelivery's run, counted before its claim, is forgotten here.
@@ -383,6 +389,8 @@ class Processor:
         ``retrying`` row take its outcome.
         """
         async with self.store.transaction(self._spec) as tx:
+            if contended_now():
+                await tx.take_turn()
             if not await tx.lock_run(msg, delivery.runs):
                 # A later run took it (this one outlived its lease), or it settled.
                 await tx.rollback()

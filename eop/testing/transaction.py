@@ -49,6 +49,11 @@ class MemoryTransaction:
         """Committed or rolled back."""
         return self._ended.is_set()
 
+    async def take_turn(self) -> None:
+        """Nothing to wait for: the test kit is one process, whose contended transactions
+        already run one at a time (:mod:`eop.protocol.contention`)."""
+        self._check_open()
+
     async def claim(self, message: Message, outcome: str) -> bool:
         """Insert the inbox row unless its key (or, with the msg-id guard, msg-id) is taken.
 

@@ -8,6 +8,7 @@ These drive :class:`eop.pg.store.PostgresStore` as the protocols do, without NAT
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -100,10 +101,15 @@ async def _nothing(tx: contract.Transaction) -> None:
     pass
 
 
+async def _take_turn(tx: contract.Transaction) -> None:
+    await tx.take_turn()
+
+
 FIRST: dict[str, Callable[[contract.Transaction], Awaitable[None]]] = {
     "the claim": _claim_with_its_lane,
     "a claim whose epoch has no lane yet": _claim_making_its_lane,
     "a look-up": _look_up,
+    "the fleet's turn (after a deadlock)": _take_turn,
     "the handler": _nothing,
 }
 
@@ -173,6 +179,34 @@ async def test_a_statement_before_the_claim_waits_no_longer_than_the_lock_timeou
         "SELECT * FROM eop.retries FOR UPDATE",
         _lock_a_parked_run,
     )
+
+
+async def test_a_contended_transaction_waits_for_its_handlers_turn_no_longer_than_the_lock_timeout(
+    app: Any, store: PostgresStore
+) -> None:
+    """The fleet's turn is one transaction of a handler at a time: while a transaction
+    holds it, another of the same handler (here another app's store: another process)
+    waits for it, at most eop's lock_timeout (a lock timeout, which contention retries);
+    once the holder ends, the turn is free. Another handler's turn is its own."""
+    spec = app.handlers["h"]
+    other = dataclasses.replace(spec, name="other")
+    elsewhere = eop.App(settings=app.settings)
+    peer = elsewhere.make_store()
+    try:
+        async with store.transaction(spec) as holder:
+            await holder.take_turn()
+            with pytest.raises(Exception) as raised:  # noqa: PT011  # the driver's error, classified below
+                async with peer.transaction(spec) as tx:
+                    await asyncio.wait_for(tx.take_turn(), 30.0)
+            assert classify(raised.value) is DbFailure.LOCK_TIMEOUT, repr(raised.value)
+            async with peer.transaction(other) as tx:
+                await asyncio.wait_for(tx.take_turn(), 30.0)
+            await holder.rollback()
+        async with peer.transaction(spec) as tx:
+            await asyncio.wait_for(tx.take_turn(), 30.0)
+    finally:
+        peer.close()
+        await elsewhere.dispose()
 
 
 async def _gives_up_at_the_lock_timeout(

@@ -506,6 +506,49 @@ async def test_a_failure_of_the_database_once_the_worker_stops_hands_the_message
     assert harness.calls == []
 
 
+async def test_after_a_deadlock_the_retry_waits_for_the_handlers_turn_across_the_fleet(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deadlocked transaction is retried contended: one at a time in the process, and its
+    transaction takes the handler's turn before its claim, so that processes each running
+    one at a time stop crossing each other. The first, uncontended run takes no turn."""
+    turns: list[bool] = []
+    real_claim = testing.MemoryTransaction.claim
+
+    async def take_turn(self: testing.MemoryTransaction) -> None:
+        turns.append(True)
+
+    async def claim(self: testing.MemoryTransaction, message: Any, outcome: str) -> bool:
+        turns.append(False)
+        return await real_claim(self, message, outcome)
+
+    monkeypatch.setattr(testing.MemoryTransaction, "take_turn", take_turn)
+    monkeypatch.setattr(testing.MemoryTransaction, "claim", claim)
+    harness.then(DatabaseBusy("40P01"))
+    assert await harness.handle(delivery()) is Outcome.PROCESSED
+    # The first run's claim without a turn, then the retry's turn before its claim.
+    assert turns == [False, True, False]
+    assert len(harness.store.effects) == 1
+
+
+async def test_a_message_queued_for_its_turn_when_the_worker_stops_is_handed_back_unrun(
+    harness: Harness,
+) -> None:
+    """After a deadlock a handler's messages queue to run one at a time; those still
+    queued when a stop is asked for are nak'ed at once, not run one by one through the
+    stop's grace period."""
+    contention = harness.processor.contention
+    contention.note()
+    d = delivery()
+    async with contention._one_at_a_time:  # another message's turn, under way
+        handling = asyncio.ensure_future(harness.handle(d))
+        await asyncio.sleep(0.01)
+        assert not handling.done()
+        harness.processor.stopping.set()
+    assert await handling is Outcome.RETRY
+    assert (d.naked, d.nak_delay, harness.calls) == (True, 0.0, [])
+
+
 async def test_row_vanished_between_claim_and_lookup_retries_the_transaction(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
