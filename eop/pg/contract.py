@@ -60,9 +60,10 @@ class Transaction(Protocol):
     """
 
     async def take_turn(self) -> None:
-        """Wait for the handler's turn among the fleet's contended transactions, held until
-        this one ends: after a deadlock, processes that each run one transaction at a time
-        would still cross each other (the SQL: ``eop.pg.sql.turns``). Before the claim."""
+        """Wait for this transaction's turn among the fleet's contended ones (every
+        handler's, on eop's schema), held until it ends: after a deadlock, processes that
+        each run one transaction at a time would still cross each other (the SQL:
+        ``eop.pg.sql.turns``). Before the claim."""
 
     async def claim(self, message: Message, outcome: str) -> bool:
         """Insert the message's inbox row; False when it (or its msg-id) is taken.

@@ -164,9 +164,9 @@ class Statements(abc.ABC):
         }
 
     async def take_turn(self) -> None:
-        """Wait for the handler's turn among the fleet's contended transactions
-        (:func:`eop.pg.sql.turns.turn`), held until this transaction ends."""
-        await self._execute(*turns_sql.turn(self.tables, self.spec.name))
+        """Wait for this transaction's turn among the fleet's contended ones
+        (:func:`eop.pg.sql.turns.turn`), held until it ends."""
+        await self._execute(*turns_sql.turn(self.tables))
 
     async def unclaim(self, message: Message) -> None:
         """Drop this transaction's claim of ``message`` (its handler failed in a batch)."""

@@ -12,8 +12,9 @@ After a deadlock, a serialization failure or a lock timeout, a handler's
 transactions run one at a time in the process for a while
 (:attr:`Contention.active`, :data:`WINDOW_S`): the retried ones queue on one
 lock, and batches shrink to a transaction per message. Such a contended step's
-handler transaction also waits for the handler's turn across the fleet
-(:func:`contended_now`, :meth:`eop.pg.contract.Transaction.take_turn`): processes
+handler transaction also waits for its turn across the fleet (every handler's
+contended transactions, one at a time: :func:`contended_now`,
+:meth:`eop.pg.contract.Transaction.take_turn`): processes
 each running one transaction at a time still cross each other, and PostgreSQL
 breaks each cycle only after ``deadlock_timeout``.
 """
@@ -104,8 +105,8 @@ class Contention:
         another worker): none of them counts as an attempt of the message.
 
         A step that deadlocked or timed out on a lock is retried ``contended``,
-        one at a time in this process, its handler's transaction in the handler's
-        turn across the fleet (:func:`contended_now`): handlers that lock the same
+        one at a time in this process, its handler's transaction in its turn across
+        the fleet (:func:`contended_now`): handlers that lock the same
         rows in different orders would otherwise keep deadlocking each other
         (PostgreSQL needs ``deadlock_timeout``, one second by default, to break
         each cycle), and hot rows admit one writer anyway. A contended step still

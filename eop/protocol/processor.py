@@ -340,6 +340,10 @@ class Processor:
         # Held for the run only: a retry's backoff (an outage, a lock held elsewhere)
         # must not keep the process's other redeliveries waiting.
         async with self.suspects:
+            if self.stopping.is_set():
+                # Queued behind the process's other redeliveries, not started: handed
+                # back at once rather than run one by one through the stop's grace.
+                return await self.settlement.nak(delivery, msg, 0.0, logger)
             if not counted:
                 async with self.store.transaction(self._spec) as tx:
                     runs = await tx.count_run(msg)

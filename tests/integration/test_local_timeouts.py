@@ -181,13 +181,13 @@ async def test_a_statement_before_the_claim_waits_no_longer_than_the_lock_timeou
     )
 
 
-async def test_a_contended_transaction_waits_for_its_handlers_turn_no_longer_than_the_lock_timeout(
+async def test_a_contended_transaction_waits_for_its_turn_no_longer_than_the_lock_timeout(
     app: Any, store: PostgresStore
 ) -> None:
-    """The fleet's turn is one transaction of a handler at a time: while a transaction
-    holds it, another of the same handler (here another app's store: another process)
-    waits for it, at most eop's lock_timeout (a lock timeout, which contention retries);
-    once the holder ends, the turn is free. Another handler's turn is its own."""
+    """The fleet's turn is one contended transaction at a time, every handler's: while a
+    transaction holds it, another (here in another app's store: another process), of the
+    same handler or of another, waits for it, at most eop's lock_timeout (a lock timeout,
+    which contention retries); once the holder ends, the turn is free."""
     spec = app.handlers["h"]
     other = dataclasses.replace(spec, name="other")
     elsewhere = eop.App(settings=app.settings)
@@ -195,14 +195,13 @@ async def test_a_contended_transaction_waits_for_its_handlers_turn_no_longer_tha
     try:
         async with store.transaction(spec) as holder:
             await holder.take_turn()
-            with pytest.raises(Exception) as raised:  # noqa: PT011  # the driver's error, classified below
-                async with peer.transaction(spec) as tx:
-                    await asyncio.wait_for(tx.take_turn(), 30.0)
-            assert classify(raised.value) is DbFailure.LOCK_TIMEOUT, repr(raised.value)
-            async with peer.transaction(other) as tx:
-                await asyncio.wait_for(tx.take_turn(), 30.0)
+            for waiting in (spec, other):
+                with pytest.raises(Exception) as raised:  # noqa: PT011  # the driver's error, classified below
+                    async with peer.transaction(waiting) as tx:
+                        await asyncio.wait_for(tx.take_turn(), 30.0)
+                assert classify(raised.value) is DbFailure.LOCK_TIMEOUT, repr(raised.value)
             await holder.rollback()
-        async with peer.transaction(spec) as tx:
+        async with peer.transaction(other) as tx:
             await asyncio.wait_for(tx.take_turn(), 30.0)
     finally:
         peer.close()

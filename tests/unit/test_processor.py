@@ -506,12 +506,12 @@ async def test_a_failure_of_the_database_once_the_worker_stops_hands_the_message
     assert harness.calls == []
 
 
-async def test_after_a_deadlock_the_retry_waits_for_the_handlers_turn_across_the_fleet(
+async def test_after_a_deadlock_the_retry_waits_for_its_turn_across_the_fleet(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A deadlocked transaction is retried contended: one at a time in the process, and its
-    transaction takes the handler's turn before its claim, so that processes each running
-    one at a time stop crossing each other. The first, uncontended run takes no turn."""
+    """A deadlocked transaction is retried contended: one at a time in the process, and it
+    takes its turn across the fleet before its claim, so that processes each running one
+    at a time stop crossing each other. The first, uncontended run takes no turn."""
     turns: list[bool] = []
     real_claim = testing.MemoryTransaction.claim
 
@@ -547,6 +547,24 @@ async def test_a_message_queued_for_its_turn_when_the_worker_stops_is_handed_bac
         harness.processor.stopping.set()
     assert await handling is Outcome.RETRY
     assert (d.naked, d.nak_delay, harness.calls) == (True, 0.0, [])
+
+
+async def test_a_redelivery_queued_behind_others_when_the_worker_stops_is_handed_back_unrun(
+    harness: Harness,
+) -> None:
+    """Redeliveries run one at a time in a process (their runs counted first); one still
+    queued when a stop is asked for is nak'ed at once, its run not counted, rather than
+    run through the stop's grace period behind the others."""
+    first = delivery()
+    again = first.redeliver()
+    async with harness.processor.suspects:  # another redelivery's run, under way
+        handling = asyncio.ensure_future(harness.handle(again))
+        await asyncio.sleep(0.01)
+        assert not handling.done()
+        harness.processor.stopping.set()
+    assert await handling is Outcome.RETRY
+    assert (again.naked, again.nak_delay, harness.calls) == (True, 0.0, [])
+    assert harness.store.runs == {}
 
 
 async def test_row_vanished_between_claim_and_lookup_retries_the_transaction(

@@ -1,15 +1,17 @@
-"""The fleet's turns: a handler's contended transactions, one at a time across processes.
+"""The fleet's turn: contended transactions, one at a time across processes.
 
 After a deadlock or a lock timeout a worker process runs that handler's
 transactions one at a time (:mod:`eop.protocol.contention`). That ends the
 crossings inside the process, not between processes: two workers, each one
 transaction at a time, still lock hot rows in opposite orders, and PostgreSQL
 breaks each such cycle only after ``deadlock_timeout`` (a second by default).
-A contended transaction therefore first waits for its handler's turn: a
-transaction-level advisory lock, keyed by the schema and the handler's
-subscription, which COMMIT or ROLLBACK releases (so it works behind a pooler in
-transaction mode). The wait is bounded by the transaction's ``lock_timeout``,
-and PostgreSQL's deadlock detection sees it as it sees row locks.
+A contended transaction therefore first waits for the fleet's turn: a
+transaction-level advisory lock, keyed by eop's schema, which COMMIT or
+ROLLBACK releases (so it works behind a pooler in transaction mode). One key
+for every handler: two handlers that lock the same rows in opposite orders
+cross each other as two processes of one handler do. The wait is bounded by
+the transaction's ``lock_timeout``, and PostgreSQL's deadlock detection sees
+it as it sees row locks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ _TURN = sa.text("SELECT pg_advisory_xact_lock(hashtext('eop.turn'), hashtext(:p_
 """The two-key form: a key space of its own, apart from the one-key locks an app takes."""
 
 
-def turn(t: models.Tables, subscription: str) -> Bound:
-    """Wait, in the current transaction, for ``subscription``'s turn; held until it ends."""
-    return _TURN, {"p_key": f"{t.schema}.{subscription}"}
+def turn(t: models.Tables) -> Bound:
+    """Wait, in the current transaction, for the turn of the contended transactions on
+    ``t``'s schema; held until the transaction ends."""
+    return _TURN, {"p_key": t.schema}
