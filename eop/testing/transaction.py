@@ -50,8 +50,9 @@ class MemoryTransaction:
         return self._ended.is_set()
 
     async def take_turn(self) -> None:
-        """Nothing to wait for: the test kit is one process, whose contended transactions
-        already run one at a time (:mod:`eop.protocol.contention`)."""
+        """Nothing to wait for: the test kit runs one process, with no other to cross (in
+        it, each handler's contended transactions run one at a time already,
+        :mod:`eop.protocol.contention`)."""
         self._check_open()
 
     async def claim(self, message: Message, outcome: str) -> bool:
