@@ -539,14 +539,8 @@ async def test_a_message_queued_for_its_turn_when_the_worker_stops_is_handed_bac
     stop's grace period."""
     contention = harness.processor.contention
     contention.note()
-    d = delivery()
-    async with contention._one_at_a_time:  # another message's turn, under way
-        handling = asyncio.ensure_future(harness.handle(d))
-        await asyncio.sleep(0.01)
-        assert not handling.done()
-        harness.processor.stopping.set()
-    assert await handling is Outcome.RETRY
-    assert (d.naked, d.nak_delay, harness.calls) == (True, 0.0, [])
+    # Another message's turn, under way.
+    await _stopped_while_queued(harness, contention._one_at_a_time, delivery())
 
 
 async def test_a_redelivery_queued_behind_others_when_the_worker_stops_is_handed_back_unrun(
@@ -555,16 +549,21 @@ async def test_a_redelivery_queued_behind_others_when_the_worker_stops_is_handed
     """Redeliveries run one at a time in a process (their runs counted first); one still
     queued when a stop is asked for is nak'ed at once, its run not counted, rather than
     run through the stop's grace period behind the others."""
-    first = delivery()
-    again = first.redeliver()
-    async with harness.processor.suspects:  # another redelivery's run, under way
-        handling = asyncio.ensure_future(harness.handle(again))
+    # Another redelivery's run, under way.
+    await _stopped_while_queued(harness, harness.processor.suspects, delivery().redeliver())
+    assert harness.store.runs == {}
+
+
+async def _stopped_while_queued(harness: Harness, held: asyncio.Lock, d: Any) -> None:
+    """Handle ``d`` while ``held`` is taken, ask for a stop, then let it go: ``d`` must
+    be nak'ed at once (no delay) with its handler never run."""
+    async with held:
+        handling = asyncio.ensure_future(harness.handle(d))
         await asyncio.sleep(0.01)
         assert not handling.done()
         harness.processor.stopping.set()
     assert await handling is Outcome.RETRY
-    assert (again.naked, again.nak_delay, harness.calls) == (True, 0.0, [])
-    assert harness.store.runs == {}
+    assert (d.naked, d.nak_delay, harness.calls) == (True, 0.0, [])
 
 
 async def test_row_vanished_between_claim_and_lookup_retries_the_transaction(
