@@ -12,6 +12,12 @@ a row whose key it gives), ``sk`` the same row with a key the database makes
 (the quickstart's ``AuditEntry`` style: the flush reads it back), ``o`` and
 ``ok`` the async ORM twins, ``c`` eop.Writes. Prints CPU µs a message.
 
+Two KINDs run without eop, as a plain SQLAlchemy app would write the same rows
+(``AsyncSession`` on asyncpg, a transaction of 64, no claim): ``po`` adds the
+bench's ``Effect`` objects and flushes, ``pc`` executes the bench's INSERT with
+the 64 rows' parameters. ``po`` minus ``pc`` is what the ORM itself costs a row,
+whoever runs it; compare it with ``o`` minus ``c``.
+
 Instructions a message, without start-up and imports: run it under callgrind
 for two N and divide the difference by 64 times the difference of N::
 
@@ -27,7 +33,7 @@ import sys
 import time
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 import eop
@@ -93,6 +99,33 @@ async def setup(url: str) -> None:
     await engine.dispose()
 
 
+async def run_plain(url: str, kind: str, count: int) -> None:
+    """``count`` transactions of 64 rows through a plain ``AsyncSession``, no eop."""
+    engine = create_async_engine(url)
+    sessions = async_sessionmaker(engine, expire_on_commit=False)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    variant = f"plain-{kind}-{time.time_ns()}"
+    started = 0.0
+    # Two warm-up transactions first, as eop's store has its connection and
+    # statements ready before the clock starts.
+    for batch in range(count + 2):
+        if batch == 2:
+            started = time.process_time()
+        seqs = range(batch * BATCH + 1, (batch + 1) * BATCH + 1)
+        async with sessions() as session, session.begin():
+            if kind == "po":
+                for seq in seqs:
+                    session.add(runs.Effect(variant=variant, seq=seq, stored_at=now))
+                await session.flush()
+            else:
+                await session.execute(
+                    runs.INSERT, [{"v": variant, "s": seq, "t": now} for seq in seqs]
+                )
+    spent = time.process_time() - started
+    print(f"{kind}: {count} transactions, {spent / count / BATCH * 1e6:.1f} CPU µs a message")
+    await engine.dispose()
+
+
 async def run(url: str, kind: str, count: int) -> None:
     """``count`` batch transactions of 64 new messages, for a handler of its own name."""
     app = eop.App(settings=settings_mod.Settings(database_url=url))
@@ -133,5 +166,7 @@ async def run(url: str, kind: str, count: int) -> None:
 if __name__ == "__main__":
     if sys.argv[2] == "setup":
         asyncio.run(setup(sys.argv[1]))
+    elif sys.argv[2] in ("po", "pc"):
+        asyncio.run(run_plain(sys.argv[1], sys.argv[2], int(sys.argv[3])))
     else:
         asyncio.run(run(sys.argv[1], sys.argv[2], int(sys.argv[3])))
