@@ -78,6 +78,8 @@ class Compactor:
         """Epochs whose watermark row is known to exist."""
         self._interval_s = store.app.settings.compaction_interval_s
         self._swept: dict[str, int] = {}
+        self._deferrals = 0
+        """Rounds in a row that gave way to claims (:meth:`_advance`)."""
         """Per epoch, the watermark of this compactor's last completed delete: the next
         round's delete starts above it (see :meth:`_delete_below`)."""
         self._raised_to: dict[str, int] = {}
@@ -299,8 +301,18 @@ class Compactor:
                 raise
             # Claims held up on hot rows share the row: this round deletes nothing, and
             # gives its connection back to them.
-            self._logger.info(log.Event.COMPACTION_DEFERRED, epoch=epoch, watermark=candidate)
+            self._deferrals += 1
+            # A storm of hot rows defers every round: the 1st, 2nd, 4th, 8th... say so,
+            # with the count, rather than a line every interval.
+            if self._deferrals & (self._deferrals - 1) == 0:
+                self._logger.info(
+                    log.Event.COMPACTION_DEFERRED,
+                    epoch=epoch,
+                    watermark=candidate,
+                    rounds=self._deferrals,
+                )
             return 0
+        self._deferrals = 0
         if value is None:
             # The row is gone (deleted by hand): create it again next round.
             self._known.discard(epoch)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
@@ -177,3 +178,25 @@ async def test_a_raise_behind_claims_held_up_gives_way_and_its_connection_back(
             assert (await session.execute(sa.text("SELECT 1"))).scalar_one() == 1
         await claim.commit()
     assert await bounded._advance(EPOCH, 11) == 11
+
+
+async def test_rounds_that_keep_giving_way_are_logged_ever_more_rarely(
+    app: eop.App, engine: AsyncEngine
+) -> None:
+    """A storm of hot rows defers every round: ``inbox.compaction_deferred`` is logged for
+    the 1st, 2nd and 4th round in a row, with the count, not every interval; a raise that
+    goes through starts the count again."""
+    bounded = compactor(app, lock_wait_ms=50)
+    with structlog.testing.capture_logs() as logs:
+        async with engine.connect() as claim:
+            await claim.execute(sa.text(f"{WATERMARK.text} FOR SHARE"))
+            for _ in range(5):
+                assert await bounded._advance(EPOCH, 11) == 0
+            await claim.commit()
+        assert await bounded._advance(EPOCH, 11) == 11
+        async with engine.connect() as claim:
+            await claim.execute(sa.text(f"{WATERMARK.text} FOR SHARE"))
+            assert await bounded._advance(EPOCH, 12) == 0
+            await claim.commit()
+    deferred = [e["rounds"] for e in logs if e["event"] == "inbox.compaction_deferred"]
+    assert deferred == [1, 2, 4, 1]
