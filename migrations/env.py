@@ -30,22 +30,6 @@ schema = migrate.configured_schema(config)
 target_metadata = models.tables(schema).metadata
 
 
-def include_name(name: str | None, type_: str, parent_names: object) -> bool:
-    """Reflect only eop's schema, so `alembic check` ignores the host app's tables."""
-    if type_ == "schema":
-        return name == schema
-    return True
-
-
-def include_object(
-    obj: object, name: str | None, type_: str, reflected: bool, compare_to: object
-) -> bool:
-    """Compare only tables of eop's schema (metadata tables all are)."""
-    if type_ == "table":
-        return getattr(obj, "schema", None) == schema
-    return True
-
-
 def run_migrations(connection: sa.Connection) -> None:
     """Run the requested command on ``connection``, in one transaction."""
     context.configure(
@@ -53,11 +37,8 @@ def run_migrations(connection: sa.Connection) -> None:
         target_metadata=target_metadata,
         version_table=models.VERSION_TABLE,
         version_table_schema=schema,
-        include_schemas=True,
-        include_name=include_name,
-        include_object=include_object,
-        compare_type=True,
-        compare_server_default=True,
+        # Only eop's schema, so `alembic check` ignores the host app's tables.
+        **migrate.comparison_options(schema),
         # script.py.mako turns this literal back into the run-time schema.
         template_args={"eop_schema": schema},
     )

@@ -171,7 +171,9 @@ def _cmd_db(args: argparse.Namespace) -> int:
         found = migrate.current(url, schema=schema, pooler=pooler)
         print(f"eop tables at {found or 'base'} in schema {schema!r}")
     elif args.action == "current":
-        print(migrate.current(url, schema=schema, pooler=pooler) or "base (not migrated)")
+        at = migrate.recorded(url, schema=schema, pooler=pooler)
+        where = f" (recorded by your own Alembic in {at.host_table})" if at.host_table else ""
+        print(f"{at.heads}{where}" if at.heads else "base (not migrated)")
     else:
         migrate.check(url, schema=schema, pooler=pooler)
         print("eop tables are up to date")

@@ -383,3 +383,49 @@ def test_host_environment_can_run_eop_revisions_as_a_branch(
         "spark_reports", "partitions", "members", "ack_floors", "handovers",
     }  # fmt: skip
     assert tables_in(empty_database_url, "public") == {"alembic_version", "accounts"}
+
+
+def test_eop_reads_its_revisions_from_a_host_environment_that_runs_them(
+    empty_database_url: str, tmp_path: Path
+) -> None:
+    """A host app whose Alembic runs eop's revisions records eop's head in its own
+    ``alembic_version``: a worker starts, ``eop db current`` and ``check`` read it there,
+    ``eop db upgrade`` refuses (it would begin a second history over existing tables),
+    and a database behind head says to run the host's ``alembic upgrade heads``."""
+    (tmp_path / "versions").mkdir()
+    (tmp_path / "env.py").write_text(HOST_ENV)
+    (tmp_path / "versions" / "host_0001.py").write_text(HOST_REVISION)
+    ini = tmp_path / "alembic.ini"
+    ini.write_text(
+        textwrap.dedent(f"""\
+        [alembic]
+        script_location = {tmp_path}
+        path_separator = newline
+        version_locations =
+            {tmp_path / "versions"}
+            {migrate.migrations_path() / "versions"}
+        sqlalchemy.url = {sync_url(empty_database_url).replace("%", "%%")}
+        eop_schema = eop
+        """)
+    )
+    config = Config(str(ini))
+    command.upgrade(config, "heads")
+    assert migrate.current(empty_database_url) == migrate.head()
+    assert migrate.recorded(empty_database_url).host_table == "public.alembic_version"
+    migrate.check(empty_database_url)
+    engine = create_async_engine(empty_database_url, poolclass=NullPool)
+    try:
+        asyncio.run(migrate.ensure_ready(engine, "eop"))
+        for call in (migrate.upgrade, migrate.downgrade):
+            with pytest.raises(errors.ConfigurationError, match="public.alembic_version records"):
+                call(empty_database_url)
+        assert tables_in(empty_database_url, "eop") >= {"inbox", "dead_letters"}
+        assert models.VERSION_TABLE not in tables_in(empty_database_url, "eop")
+        query_all(empty_database_url, "ALTER TABLE eop.inbox ADD COLUMN extra int")
+        with pytest.raises(errors.SchemaNotReady, match="extra"):
+            migrate.check(empty_database_url)
+        command.downgrade(config, "eop@-1")
+        with pytest.raises(errors.SchemaNotReady, match="run `alembic upgrade heads`"):
+            asyncio.run(migrate.ensure_ready(engine, "eop"))
+    finally:
+        asyncio.run(engine.dispose())
