@@ -90,11 +90,24 @@ def described(
     """The one line a worker stops with: what failed, and the fix."""
     left = "every message is left for redelivery, none dead-lettered"
     if kind is failures.Misconfiguration.POOLER:
-        return (
+        found = (
             f"PostgreSQL at {redaction.redact_url(settings.database_url)} is reached through "
-            "a transaction-mode pooler (PgBouncer?) that lost or doubled a prepared "
-            f"statement, but EOP_DB_POOLER is {settings.db_pooler!r}: set "
-            f"EOP_DB_POOLER=transaction (or auto), see docs/pgbouncer.md; {left}"
+            "a transaction-mode pooler (PgBouncer?) that lost or doubled a prepared statement"
+        )
+        engines = (
+            "an engine you gave eop.App (engine=, sessionmaker=, sync_sessionmaker=) needs "
+            'connect_args={"statement_cache_size": 0, "prepared_statement_cache_size": 0} '
+            'on asyncpg, {"prepare_threshold": None} on psycopg'
+        )
+        if settings.db_pooler in ("auto", "transaction"):
+            # eop's own engines prepare nothing then: the statement came from the app's.
+            return (
+                f"{found}; EOP_DB_POOLER is {settings.db_pooler!r}, so eop's own engines "
+                f"prepare none: {engines}, see docs/pgbouncer.md; {left}"
+            )
+        return (
+            f"{found}, but EOP_DB_POOLER is {settings.db_pooler!r}: set "
+            f"EOP_DB_POOLER=transaction (or auto), and {engines}, see docs/pgbouncer.md; {left}"
         )
     if kind is failures.Misconfiguration.LOGIN:
         return (

@@ -417,7 +417,7 @@ def test_eop_reads_its_revisions_from_a_host_environment_that_runs_them(
     try:
         asyncio.run(migrate.ensure_ready(engine, "eop"))
         for call in (migrate.upgrade, migrate.downgrade):
-            with pytest.raises(errors.ConfigurationError, match="public.alembic_version records"):
+            with pytest.raises(errors.ConfigurationError, match=r"public\.alembic_version records"):
                 call(empty_database_url)
         assert tables_in(empty_database_url, "eop") >= {"inbox", "dead_letters"}
         assert models.VERSION_TABLE not in tables_in(empty_database_url, "eop")

@@ -169,6 +169,43 @@ async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_s
         )
 
 
+async def test_an_apps_own_engine_caching_statements_behind_transaction_mode_names_its_fix(
+    pgbouncer_path: str,  # noqa: F811
+    postgres: embedded.PostgresCluster,
+    database_url: str,
+    engine: AsyncEngine,
+    js: Any,
+    nats_url: str,
+    tmp_path: Path,
+) -> None:
+    """An app given its own asyncpg engine, with its statement caches, behind PgBouncer in
+    transaction mode, EOP_DB_POOLER at its default: eop's own engines prepare nothing, so
+    the one `eop: error:` line names the engine's connect arguments, not EOP_DB_POOLER
+    (which is already right); with them, each message is processed once."""
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(EFFECTS_DDL))
+    await _publish_all(js, "created")
+    with bouncer.PgBouncer(
+        pgbouncer_path,
+        postgres,
+        "transaction",
+        pool_size=3,
+        settings=bouncer.no_prepared_statements(pgbouncer_path),
+    ) as pgb:
+        url = pgb.url_for(_database(database_url))
+        env = eop_env(url, nats_url, MISCONFIGURED_OWN_ENGINE="plain", **_BUSY)
+        log = await _stops_loudly(env, "created", tmp_path)
+        (line,) = error_lines(log)
+        assert '"statement_cache_size": 0' in line, line
+        assert "set EOP_DB_POOLER" not in line, line
+        await _then_each_message_once(
+            eop_env(url, nats_url, MISCONFIGURED_OWN_ENGINE="uncached", **_BUSY),
+            "created",
+            engine,
+            tmp_path,
+        )
+
+
 @pytest.mark.parametrize("handler", ["created", "shipped"])
 async def test_a_missing_table_stops_the_worker_instead_of_dead_lettering(
     database_url: str,
