@@ -46,6 +46,13 @@ _RETRYABLE_ACK_ERRORS: tuple[type[BaseException], ...] = (
 _ACK_RETRY_FIRST_S = 0.05
 _ACK_RETRY_MAX_S = 1.0
 
+#: How long acks answered "no responders" are resent, at most (``give_up_s`` when
+#: shorter). Nobody serves the consumer's ack subject: its leader is being elected
+#: (seconds, in a cluster), or the consumer is gone (an ordered handler's partition
+#: handed over under a new epoch), when no resend can land. Giving up costs a
+#: redelivery that the inbox skips; waiting held a stopping worker up to give_up_s.
+NO_RESPONDERS_GIVE_UP_S = 2.0
+
 # Sending a batch of acks stops at any client error: those not confirmed then
 # take the per-message path, which knows which errors are worth a retry.
 _BATCH_SEND_ERRORS: tuple[type[BaseException], ...] = (*_RETRYABLE_ACK_ERRORS, nats.errors.Error)
@@ -75,7 +82,7 @@ async def confirm(
         logger.debug(log.Event.ACK_RETRY, attempt=state.attempt_number, error=type(exc).__name__)
 
     retrying = backoff.retrying(
-        stop=tenacity.stop_after_delay(give_up_s),
+        stop=tenacity.stop_after_delay(give_up_s) | _NoRespondersForLong(),
         retry=tenacity.retry_if_exception_type(_RETRYABLE_ACK_ERRORS),
         base_s=_ACK_RETRY_FIRST_S,
         max_s=_ACK_RETRY_MAX_S,
@@ -95,6 +102,20 @@ async def confirm(
         )
         return False
     return True
+
+
+class _NoRespondersForLong(tenacity.stop.stop_base):
+    """Stop resending an ack once "no responders" answered it :data:`NO_RESPONDERS_GIVE_UP_S`
+    after the first resend."""
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        outcome, elapsed = retry_state.outcome, retry_state.seconds_since_start
+        return (
+            outcome is not None
+            and elapsed is not None
+            and isinstance(outcome.exception(), nats.errors.NoRespondersError)
+            and elapsed >= NO_RESPONDERS_GIVE_UP_S
+        )
 
 
 class _Waiting:

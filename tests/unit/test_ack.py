@@ -65,6 +65,25 @@ async def test_confirm_gives_up_after_the_bound_with_a_warning() -> None:
     assert not d.acked
 
 
+async def test_acks_nobody_answers_are_given_up_sooner_than_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No responders for the ack subject (the consumer gone with a partition's old epoch,
+    or its leader being elected) is resent only for NO_RESPONDERS_GIVE_UP_S, not the whole
+    ``give_up_s``: a stopping worker waited the full bound for such acks."""
+    monkeypatch.setattr(ack, "NO_RESPONDERS_GIVE_UP_S", 0.1)
+    d = testing.FakeDelivery.make().fail_acks(10_000, nats.errors.NoRespondersError)
+    with capture_logs() as logs:
+        assert await confirm(d, give_up_s=30.0) is False
+    [warning] = events(logs, log.Event.ACK_GAVE_UP)
+    assert warning["error"] == "NoRespondersError"
+    # Resent at 50 ms, then 100 ms: over 0.1 s after a few, where 30 s takes dozens.
+    assert 1 < d.ack_attempts <= 5
+    # Other failures still have the whole bound: a lost reply is resent past it.
+    lost = testing.FakeDelivery.make().fail_acks(4)
+    assert await confirm(lost, give_up_s=30.0) is True
+
+
 async def test_confirm_logs_each_retry_at_debug_level() -> None:
     d = testing.FakeDelivery.make().fail_acks(1)
     with capture_logs() as logs:
