@@ -32,6 +32,13 @@ def brief_error(exc: BaseException) -> str:
     return describe_error(exc)[:BRIEF_ERROR_CHARS]
 
 
+def round_error(exc: BaseException) -> str:
+    """:func:`brief_error`'s first line: what a warning of a background round that failed
+    on an outage carries. The failed statement's SQL that follows it, eop's own,
+    says nothing about the outage and took several lines of every such warning."""
+    return brief_error(exc).split("\n", 1)[0]
+
+
 def bounded_error(exc: BaseException) -> str:
     """:func:`describe_error`, cut to :data:`ERROR_CHARS`: what a dead letter, a parked
     retry or an error line records."""

@@ -31,6 +31,7 @@ from eop.error_text import bounded_error as bounded_error
 from eop.error_text import brief_error as brief_error
 from eop.error_text import describe_error as describe_error
 from eop.error_text import format_traceback as format_traceback
+from eop.error_text import round_error as round_error
 
 
 class Event(str, enum.Enum):

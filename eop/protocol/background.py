@@ -29,7 +29,7 @@ async def quietly(
     step: Step, logger: log.Logger, failed: log.Event, noted: Noted | None = None
 ) -> None:
     """Run ``step``, logging ``failed`` (not raising) for the I/O failures a later round
-    recovers from, with the error described (never its bound values), and telling
+    recovers from, with the error described in a line (never its bound values), and telling
     ``noted``; any other error (a bug) is raised."""
     try:
         await step()
@@ -42,6 +42,6 @@ async def quietly(
 
 
 def _failed(exc: BaseException, logger: log.Logger, failed: log.Event, noted: Noted | None) -> None:
-    logger.warning(failed, error=log.brief_error(exc))
+    logger.warning(failed, error=log.round_error(exc))
     if noted is not None:
         noted(exc)

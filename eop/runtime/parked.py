@@ -47,7 +47,7 @@ async def retry_loop(flight: InFlight, store: PostgresStore, proc: processor.Pro
                 log.Event.RETRY_LOOP_FAILED,
                 handler=proc.spec.name,
                 failures=failures,
-                error=log.brief_error(exc),
+                error=log.round_error(exc),
             )
         flight.slots.give(free - len(parked))
         # A poll's due retries run in one transaction (eop.protocol.retry_batch), as a

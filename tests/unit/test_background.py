@@ -43,6 +43,28 @@ async def test_an_io_or_database_failure_of_a_round_is_logged_not_raised(exc: Ex
     assert logs[0]["error"].startswith(type(exc).__name__)
 
 
+async def test_a_round_failed_on_a_statement_is_one_line_without_its_sql() -> None:
+    """A round's statement that failed as the database went away is described by its
+    first line: the driver's message, not the several lines of eop's own SQL."""
+
+    class ConnectionDoesNotExist(Exception):
+        """asyncpg's error as the connection drops."""
+
+    exc = sa_exc.InterfaceError(
+        "INSERT INTO eop.watermarks (subscription, stream)\nSELECT unnest($1::TEXT[])",
+        ("h", "ORDERS"),
+        ConnectionDoesNotExist("connection was closed in the middle of operation"),
+    )
+    assert "[SQL:" in log.describe_error(exc)
+    with capture_logs() as logs:
+        await background.quietly(failing(exc), log.get_logger(), log.Event.COMPACTION_FAILED)
+    [line] = logs
+    assert line["error"].startswith("InterfaceError: ")
+    assert "connection was closed" in line["error"]
+    assert "\n" not in line["error"]
+    assert "SQL" not in line["error"]
+
+
 async def test_a_bug_in_a_round_is_raised() -> None:
     """An error that is neither I/O nor the database's (a bug) is raised, not logged."""
     with capture_logs() as logs, pytest.raises(ValueError, match="a bug"):
