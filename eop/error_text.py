@@ -154,7 +154,8 @@ def _database_message(exc: BaseException) -> str | None:
         return "\n".join(lines)
     if isinstance(exc, sa_exc.SQLAlchemyError):
         return _args_text(exc)  # without the background link
-    if type(exc).__module__.split(".")[0] in _DRIVER_MODULES:
+    module = type(exc).__module__
+    if module.split(".")[0] in _DRIVER_MODULES or module.startswith(_DJANGO_DB):
         # PostgreSQL's primary message is one line; DETAIL, HINT and CONTEXT
         # follow it and may quote the row or the values.
         return _first_line(_safe_str(exc))
@@ -163,6 +164,10 @@ def _database_message(exc: BaseException) -> str | None:
 
 # Drivers' exception modules; sqlalchemy's for the asyncpg dialect's emulated DBAPI errors.
 _DRIVER_MODULES = ("asyncpg", "psycopg", "psycopg2", "sqlalchemy")
+
+# Django re-raises its driver's errors as its own (django.db.utils.IntegrityError and
+# the rest, django.db.transaction's), with the driver's whole text: DETAIL included.
+_DJANGO_DB = "django.db"
 
 
 def _args_text(exc: BaseException) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncpg
+import psycopg
 import pytest
 import sqlalchemy.exc as sa_exc
 
@@ -122,6 +123,35 @@ def test_describe_error_and_traceback_mask_what_the_driver_quotes_and_what_it_wa
     assert CANARY not in tb
     assert "ValueError: invalid literal for int() with base 10: '***'" in tb
     assert "in encode" in tb
+
+
+def test_djangos_database_errors_are_scrubbed_as_their_drivers_are() -> None:
+    """A Django handler's database error is Django's own (``django.db.utils``), raised from
+    psycopg's with the same text: its DETAIL and CONTEXT lines and the values they quote
+    are dropped from the description and the traceback, the constraint's name kept."""
+    from django.db import utils as django_db
+
+    text = (
+        'duplicate key value violates unique constraint "shop_payment_ref_key"\n'
+        f"DETAIL:  Key (ref)=({CANARY}) already exists.\n"
+        'CONTEXT:  while updating tuple (1,83) in relation "shop_account"'
+    )
+    try:
+        try:
+            raise psycopg.errors.UniqueViolation(text)
+        except psycopg.errors.UniqueViolation as driver:
+            raise django_db.IntegrityError(*driver.args) from driver
+    except django_db.IntegrityError as exc:
+        described = log.describe_error(exc)
+        tb = log.format_traceback(exc)
+    assert described == (
+        'IntegrityError: duplicate key value violates unique constraint "shop_payment_ref_key"'
+    )
+    for shown in (described, tb):
+        assert CANARY not in shown
+        assert "DETAIL" not in shown
+        assert "CONTEXT" not in shown
+    assert "django.db.utils.IntegrityError" in tb
 
 
 def test_a_handlers_own_error_raised_from_a_database_error_keeps_its_text() -> None:
