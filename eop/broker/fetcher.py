@@ -13,7 +13,10 @@ A fetch first asks with ``no_wait`` for as many messages as it wants: the
 server sends what it has and, when that is fewer, ends the request with a
 404 or 408 status. When there was nothing, it asks for one message with
 ``expires`` (a lingering request) and returns as soon as that message comes,
-so a message on a quiet stream waits for no batch to fill. Messages that
+so a message on a quiet stream waits for no batch to fill. Before that
+request it tells its caller (``lingering``), who gives back the room it kept
+for a batch: an idle handler holding a batch's worth of the worker's slots
+through each lingering request starved the busy handlers beside it. Messages that
 arrive for a request nobody waits for any more (its fetch timed out) are
 kept and returned by the next fetch, first; their lease runs meanwhile, as
 it would in nats-py's internal queue.
@@ -25,6 +28,7 @@ import asyncio
 import collections
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import nats.errors
@@ -84,8 +88,13 @@ class Fetcher:
         if self._sub is not None:
             await self._sub.unsubscribe()
 
-    async def fetch(self, batch: int, timeout_s: float) -> list[Msg]:
+    async def fetch(
+        self, batch: int, timeout_s: float, *, lingering: Callable[[], None] | None = None
+    ) -> list[Msg]:
         """Up to ``batch`` messages; waits at most ``timeout_s`` when there are none.
+
+        ``lingering`` is called once when there were none and the fetch goes on to
+        wait for one message: from then on it returns at most one.
 
         Raises ``nats.js.errors.APIError`` for a status that is not a normal end
         of a request (503: the consumer does not exist), ``nats.errors.Error``
@@ -98,6 +107,8 @@ class Fetcher:
         msgs = await self._request({"batch": batch, "no_wait": True}, batch, deadline)
         if msgs:
             return msgs
+        if lingering is not None:
+            lingering()
         expires_ns = int(timeout_s * 1e9) - _EXPIRES_MARGIN_NS
         msgs = await self._request({"batch": 1, "expires": expires_ns}, 1, deadline)
         if not msgs:

@@ -37,7 +37,7 @@ from eop.observe import observer as observe
 from eop.ordering import keys, ownership, partitions
 from eop.pg import failures
 from eop.protocol import background
-from eop.runtime.slots import Slots
+from eop.runtime.slots import Slots, Taken
 from eop.settings import Settings
 from eop.types import Delivery
 
@@ -329,9 +329,12 @@ class OrderedRunner:
             if wanted > room:
                 self._give_slots(wanted - room)
                 wanted = room
+            taken = Taken(self._give_slots, wanted)
             msgs: list[Msg] = []
             try:
-                msgs = await part.sub.fetch(wanted, self.settings.fetch_timeout_s)
+                msgs = await part.sub.fetch(
+                    wanted, self.settings.fetch_timeout_s, lingering=taken.all_but_one
+                )
                 failures = 0
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 pass
@@ -346,8 +349,8 @@ class OrderedRunner:
                 # Given back before the wait: the partition may be lost meanwhile (its
                 # consumer deleted by a new owner is what failed the fetch), and the
                 # cancel that stops this loop then would keep them from every partition.
-                self._give_slots(wanted)
-                wanted = 0
+                self._give_slots(taken.count)
+                taken.count = 0
                 if isinstance(exc, nats.js.errors.NotFoundError) or failures > 3:
                     # The consumer is gone (a NATS restart without its store, or deleted):
                     # a new one at the floor of whatever is left, same epoch.
@@ -355,13 +358,13 @@ class OrderedRunner:
                     return
                 await asyncio.sleep(backoff.backoff_s(failures, _RETRY_FIRST_S, _RETRY_MAX_S))
             except asyncio.CancelledError:
-                self._give_slots(wanted)
+                self._give_slots(taken.count)
                 raise
             received_at = time.monotonic()
             if part.lost.is_set():
                 # Left unacked: the next owner's consumer starts at or below them.
                 msgs = []
-            self._give_slots(wanted - len(msgs))
+            self._give_slots(taken.count - len(msgs))
             if not msgs:
                 continue
             self._read_ahead(msgs[-1])

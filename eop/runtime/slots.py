@@ -10,6 +10,7 @@ the stop event two tasks per fetch.)
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 
 class Slots:
@@ -79,3 +80,26 @@ class Slots:
     def _wake_next(self) -> None:
         if self.free > 0 and self._waiters and not self._waiters[0].done():
             self._waiters[0].set_result(None)
+
+
+class Taken:
+    """The slots one fetch holds, given back but one when it lingers.
+
+    A fetch takes room for a batch; when the server has nothing, it waits for
+    one message (:meth:`eop.broker.fetcher.Fetcher.fetch`'s ``lingering``), and
+    :meth:`all_but_one` gives the rest back for the worker's other loops: an idle
+    handler holding a batch's slots through every wait starved a busy one.
+    """
+
+    __slots__ = ("_give", "count")
+
+    def __init__(self, give: Callable[[int], None], count: int) -> None:
+        self.count = count
+        """How many slots the fetch holds now."""
+        self._give = give
+
+    def all_but_one(self) -> None:
+        """Give back every slot but one."""
+        if self.count > 1:
+            self._give(self.count - 1)
+            self.count = 1

@@ -27,6 +27,7 @@ from eop.broker import consumers, fetcher, jetstream
 from eop.handler import HandlerSpec
 from eop.protocol import processor
 from eop.runtime.inflight import InFlight
+from eop.runtime.slots import Taken
 
 # The waits after failed fetches (counted from 1): 0.2 s, doubling up to 5 s.
 _FETCH_RETRY_FIRST_S = 0.2
@@ -66,11 +67,13 @@ class Unordered:
         settings = flight.settings
         failures = 0
         while not flight.stopping.is_set():
-            wanted = await flight.take_slots()
-            if wanted == 0:
+            taken = Taken(flight.slots.give, await flight.take_slots())
+            if taken.count == 0:
                 break
             try:
-                msgs = await self._sub.fetch(wanted, settings.fetch_timeout_s)
+                msgs = await self._sub.fetch(
+                    taken.count, settings.fetch_timeout_s, lingering=taken.all_but_one
+                )
                 failures = 0
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 msgs = []
@@ -78,15 +81,15 @@ class Unordered:
                 msgs = []
                 failures += 1
                 # Free while it waits (a stop may cancel the wait).
-                flight.slots.give(wanted)
-                wanted = 0
+                flight.slots.give(taken.count)
+                taken.count = 0
                 await self._recover(exc, failures)
             received_at = time.monotonic()
             if msgs:
                 newest = msgs[-1].metadata
                 self._epochs.read_ahead(newest.stream, newest.timestamp)
             flight.leases.hold(msgs, proc.ack_wait_s, at=received_at)
-            flight.slots.give(wanted - len(msgs))
+            flight.slots.give(taken.count - len(msgs))
             groups = [msgs] if settings.batch_transactions else [[m] for m in msgs]
             for group in groups:
                 if group:

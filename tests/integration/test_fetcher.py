@@ -53,11 +53,15 @@ async def test_a_fetch_on_a_quiet_stream_returns_the_first_message_that_comes(
     nc: Any, js: Any
 ) -> None:
     """With nothing there, the fetch waits (lingering request) and returns as soon as one
-    message arrives instead of waiting for its batch to fill; with nothing, it times out."""
+    message arrives instead of waiting for its batch to fill; with nothing, it times out.
+    It says when it starts to linger (the caller gives back the room kept for a batch),
+    and a fetch that finds messages at once never does."""
     await _consumer(js)
     f = await fetcher.Fetcher(nc, STREAM, DURABLE).start()
+    lingered: list[int] = []
     with pytest.raises(nats.errors.TimeoutError):
-        await f.fetch(64, timeout_s=0.3)
+        await f.fetch(64, timeout_s=0.3, lingering=lambda: lingered.append(1))
+    assert lingered == [1]
 
     async def later() -> None:
         await asyncio.sleep(0.2)
@@ -67,6 +71,10 @@ async def test_a_fetch_on_a_quiet_stream_returns_the_first_message_that_comes(
     msgs = await asyncio.wait_for(f.fetch(64, timeout_s=30.0), 10.0)
     await publisher
     assert [m.data for m in msgs] == [b"m0"]
+    await _publish(js, 3, first=1)
+    found = await f.fetch(64, timeout_s=30.0, lingering=lambda: lingered.append(2))
+    assert [m.data for m in found] == [b"m1", b"m2", b"m3"]
+    assert lingered == [1]
     await f.stop()
 
 

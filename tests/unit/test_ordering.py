@@ -192,7 +192,9 @@ class _OneFetch:
     def __init__(self, msgs: list[object]) -> None:
         self.msgs = msgs
 
-    async def fetch(self, batch: int, timeout_s: float) -> list[object]:
+    async def fetch(
+        self, batch: int, timeout_s: float, *, lingering: object = None
+    ) -> list[object]:
         msgs, self.msgs = self.msgs, []
         return msgs
 
@@ -240,7 +242,9 @@ class _GoneConsumer:
     def __init__(self) -> None:
         self.failed = asyncio.Event()
 
-    async def fetch(self, batch: int, timeout_s: float) -> list[object]:
+    async def fetch(
+        self, batch: int, timeout_s: float, *, lingering: object = None
+    ) -> list[object]:
         self.failed.set()
         raise nats.errors.NoRespondersError
 
