@@ -103,6 +103,7 @@ _REASONS = (
     models.REASON_REJECTED,
     models.REASON_ATTEMPTS_EXHAUSTED,
     models.REASON_SEQUENCE_REUSED,
+    models.REASON_CRASH_LOOP,
 )
 
 _LABELS = ("handler", "stream")

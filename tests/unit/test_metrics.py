@@ -62,7 +62,15 @@ def test_worker_metrics_expose_every_handler_at_zero_from_the_start() -> None:
     assert value(m, "eop_messages_processed_total", handler="audit", stream="AUDIT") == 0
     assert value(m, "eop_messages_processed_total", handler="billing", stream="ORDERS") == 0
     dead = "eop_messages_dead_lettered_total"
-    assert value(m, dead, handler="billing", stream="ORDERS", reason="undecodable") == 0
+    # Every reason metrics.md lists, crash_loop included, exists before any dead letter.
+    for reason in (
+        "undecodable",
+        "rejected",
+        "attempts_exhausted",
+        "crash_loop",
+        "sequence_reused",
+    ):
+        assert value(m, dead, handler="billing", stream="ORDERS", reason=reason) == 0
     assert value(m, "eop_messages_in_flight", handler="audit", stream="AUDIT") == 0
     assert "# TYPE eop_handler_duration_seconds histogram" in text
     assert "# TYPE eop_commit_to_ack_seconds histogram" in text
