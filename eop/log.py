@@ -61,6 +61,7 @@ class Event(str, enum.Enum):
     MESSAGE_PROCESSED = "message.processed"
     BATCH_PROCESSED = "batch.processed"
     BATCH_FAILED = "batch.failed"
+    ON_COMMIT_FAILED = "transaction.on_commit_failed"
     MESSAGE_DUPLICATE = "message.duplicate"
     MESSAGE_RETRY = "message.retry"
     MESSAGE_DEAD_LETTERED = "message.dead_lettered"

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from structlog.testing import capture_logs
 
 from eop.contrib.django import get_app
 from eop.ops import dlq
@@ -124,6 +125,28 @@ async def test_async_orm_handler_runs_on_the_lanes_connection_with_its_outbox_ro
     assert await rows("SELECT count(*) FROM eop.dead_letters") == [(0,)]
     stream = await js.stream_info("DJ")
     assert stream.state.messages == 80  # 40 in, 40 forwarded
+
+
+@pytest.mark.parametrize("batch_transactions", [True, False], ids=["batch", "per-message"])
+async def test_an_on_commit_callback_that_raises_is_logged_and_its_message_acked_once(
+    project: str, nats_url: str, js: Any, batch_transactions: bool
+) -> None:
+    """A ``transaction.on_commit`` callback runs after COMMIT: when it raises, the message's
+    effect is committed all the same. It is acked as processed, once, and the callback's
+    error is an error-level ``transaction.on_commit_failed`` line (it was seen nowhere:
+    the message counted a failure, and its retry found it done)."""
+    with capture_logs() as logs:
+        async with worker(nats_url, "on_commit_fails", batch_transactions=batch_transactions):
+            for i in range(10):
+                await js.publish("dj.oncommit", body(i))
+            await wait_for(lambda: settled(js, "eop-on_commit_fails"), timeout_s=90, what="drained")
+    assert await effects("oncommit") == {str(i): 1 for i in range(10)}
+    assert await rows("SELECT count(*) FROM eop.dead_letters") == [(0,)]
+    failed = [e for e in logs if e["event"] == "transaction.on_commit_failed"]
+    assert failed, "the callback's error is logged"
+    assert all(e["log_level"] == "error" for e in failed)
+    assert all("the on_commit callback failed" in e["error"] for e in failed)
+    assert not [e for e in logs if e["event"] in ("message.retry", "message.duplicate")]
 
 
 async def test_crossing_hot_rows_deadlock_and_still_apply_each_message_once(

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psycopg
 import sqlalchemy as sa
 
-from eop import errors, redaction
+from eop import errors, log, redaction
 from eop.pg import failures, statements, transactions
 from eop.pg.sql import base as base_sql
 from eop.pg.store import Database, PostgresStore
@@ -306,7 +306,22 @@ class DjangoTransaction(statements.Statements):
     def _commit(self) -> None:
         self._check_usable()
         atomic, self._atomic = self._atomic, None
-        atomic.__exit__(None, None, None)
+        try:
+            atomic.__exit__(None, None, None)
+        except Exception as exc:
+            connection = self._connection()
+            # Django sets this flag once COMMIT went through, and clears it after the
+            # transaction.on_commit() callbacks ran: still set, one of them raised.
+            if not (connection.autocommit and connection.run_commit_hooks_on_set_autocommit_on):
+                raise
+            connection.run_commit_hooks_on_set_autocommit_on = False
+            # The messages' effects are committed: they are acked as processed. Counted as
+            # a failure, the retry found them done and the callback's error went unseen.
+            log.get_logger(handler=self.spec.name).error(
+                log.Event.ON_COMMIT_FAILED,
+                error=log.bounded_error(exc),
+                traceback=log.format_traceback(exc),
+            )
 
     def _end(self) -> None:
         """Roll back what is open; Django closes a connection that cannot."""

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.db import transaction
 from django.db.models import F
 from djproject.shop.models import Account, Effect, Step
 
@@ -97,3 +98,14 @@ def ledger(message: eop.Message, connection: Any) -> None:
     Step.objects.create(account=account, step=step, in_order=step == last + 1)
     Account.objects.filter(name=account).update(balance=step)
     time.sleep(0.003)
+
+
+def _failing_callback() -> None:
+    raise RuntimeError("the on_commit callback failed")
+
+
+@app.handler(stream="DJ", subject="dj.oncommit", name="on_commit_fails")
+def on_commit_fails(message: eop.Message, connection: Any) -> None:
+    """One Effect, then a ``transaction.on_commit`` callback that raises after COMMIT."""
+    Effect.objects.create(key=_key(message), handler="oncommit", saw_claim=True)
+    transaction.on_commit(_failing_callback)
