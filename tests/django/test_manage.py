@@ -101,6 +101,26 @@ def test_a_refused_settings_eop_is_one_line_never_a_traceback(project: str, nats
     assert "(eop.E001) settings.EOP has an unknown key 'CONCURENCY'" in checked.stderr
 
 
+def test_a_database_url_flag_is_refused_under_django(project: str, nats_url: str) -> None:
+    """Under Django the database is DATABASES': ``--database-url`` is refused with one line
+    and the usage status, before anything connects. A worker given a reachable other
+    database stopped only once connected, one it could not reach it retried for ever, and
+    ``eop db upgrade`` migrated whatever it named."""
+    env = manage_env(project, nats_url)
+    other = "postgresql://postgres@127.0.0.1:1/other"
+    for args in (
+        ("eop", "db", "upgrade", "--database-url", other),
+        ("eop_worker", f"--database-url={other}"),
+    ):
+        refused = manage(*args, env=env)
+        assert refused.returncode == 2, refused.stderr
+        assert "Traceback" not in refused.stderr
+        (line,) = refused.stderr.splitlines()
+        entry = json.loads(line)
+        assert "--database-url is not accepted under Django" in entry["error"]
+        assert "DATABASES['default']" in entry["error"]
+
+
 async def test_eop_worker_sigkilled_mid_batch_and_restarted_applies_each_message_once(
     project: str, nats_url: str, js: Any, tmp_path: Path
 ) -> None:

@@ -18,6 +18,8 @@ from eop.contrib.django import conf, project
 # whose default is EOP_APP.
 _APP_FIRST = ("worker", "status", "audit")
 
+_DATABASE_FLAG = "--database-url"
+
 
 def argv_for(argv: Sequence[str]) -> list[str]:
     """``eop``'s arguments for ``manage.py eop`` ones: the project's app where one goes."""
@@ -50,11 +52,21 @@ def run(argv: Sequence[str]) -> int:
     from eop import errors
     from eop.cli import main, options
 
+    asked = conf.eop_dict().get("LOG_FORMAT") or os.environ.get("EOP_LOG_FORMAT")
+    if any(arg == _DATABASE_FLAG or arg.startswith(f"{_DATABASE_FLAG}=") for arg in argv):
+        # The project's database, always: a worker given another one stopped only once
+        # connected (an unreachable one was retried for ever), and `eop db` migrated it.
+        refused = errors.ConfigurationError(
+            f"{_DATABASE_FLAG} is not accepted under Django: eop uses the database of "
+            f'DATABASES[{conf.alias()!r}] (settings.EOP["DATABASE"] names the alias); '
+            "run manage.py with the settings of the database you mean"
+        )
+        options.print_error(refused, as_json=asked == "json")
+        return 2
     try:
         # Exported as environment variables, an unknown key would be ignored there.
         conf.eop_values()
     except errors.ConfigurationError as exc:
-        asked = conf.eop_dict().get("LOG_FORMAT") or os.environ.get("EOP_LOG_FORMAT")
         options.print_error(exc, as_json=asked == "json")
         return 1
     export_environment()
