@@ -116,16 +116,20 @@ def _jsonable(value: Any) -> Any:
 async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]:
     """The status of the app's handlers (all, or those named).
 
-    Raises :class:`eop.SchemaNotReady` when eop's tables are not migrated and
-    :class:`eop.NatsUnavailable` when NATS is unreachable; a missing stream or
-    consumer, or one that does not answer (no leader in a cluster), is a
-    ``problem`` of its handler's status.
+    Raises :class:`eop.SchemaNotReady` when eop's tables are not migrated. A missing
+    stream or consumer, or one that does not answer (no leader in a cluster), is a
+    ``problem`` of its handler's status; so is NATS unreachable, when what PostgreSQL
+    holds (the inbox, the retries, the dead letters, an ordered handler's owners) is
+    still shown: an outage is when an operator needs it.
     """
     specs = select_handlers(app, handlers)
     if not specs:
         raise errors.ConfigurationError("the app has no handlers: register one with @app.handler")
     await migrate.ensure_ready(app.engine, app.settings.schema)
-    nc = await jetstream.connect(app.settings, name="eop-status")
+    try:
+        nc = await jetstream.connect(app.settings, name="eop-status")
+    except errors.NatsUnavailable as exc:
+        return await _without_nats(app, specs, exc)
     try:
         js = nc.jetstream()
         epochs = jetstream.StreamEpochs(nc)
@@ -153,6 +157,26 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
         return statuses
     finally:
         await nc.close()
+
+
+async def _without_nats(
+    app: App, specs: Sequence[HandlerSpec], exc: errors.NatsUnavailable
+) -> list[HandlerStatus]:
+    """What PostgreSQL says of each handler, NATS being unreachable: a problem of each."""
+    owners = await partition_status.read_ownership(app, specs)
+    statuses = []
+    for spec in specs:
+        status = HandlerStatus(handler=spec.name, stream=spec.stream, consumer=spec.durable)
+        if spec.order_by is not None:
+            status.consumer = partition_status.consumer_pattern(spec)
+            status.ordered = partition_status.from_rows(spec, *owners)
+        status.problems.append(
+            f"{exc}: its lag, acks and stuck deliveries are unknown; what PostgreSQL holds "
+            "is shown"
+        )
+        await _from_database(app, spec, status)
+        statuses.append(status)
+    return statuses
 
 
 async def _from_nats(

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import eop
 from eop.ops import status
 from eop.pg import models
+from eop.tools import embedded
 
 from .bed import (
     STREAM,
@@ -234,6 +235,25 @@ async def test_status_cli_json_and_clear_errors_for_missing_consumer_and_schema(
     unknown = run_eop("status", APP, "--handler", "nope", env=env)
     assert unknown.returncode == 1
     assert "unknown handler" in unknown.stderr
+
+
+def test_status_with_nats_unreachable_still_shows_what_postgresql_holds(
+    database_url: str,
+) -> None:
+    """NATS down: `eop status` is what an operator runs then. It exits 1 with NATS named
+    as each handler's problem (the password redacted), and still shows the inbox, the
+    retries and the dead letters from PostgreSQL, never a traceback."""
+    url = f"nats://u:hunter2@127.0.0.1:{embedded.free_port()}"
+    shown = run_eop("status", APP, "--json", env=eop_env(database_url, url))
+    assert shown.returncode == 1, shown.stderr
+    assert "Traceback" not in shown.stderr
+    assert "hunter2" not in shown.stderr + shown.stdout
+    rows = json.loads(shown.stdout)
+    assert rows
+    for row in rows:
+        assert any("NATS is unreachable" in p for p in row["problems"]), row
+        assert row["num_pending"] is None
+        assert (row["dead_letters"], row["retrying"]) == (0, 0)
 
 
 @pytest.mark.parametrize(
