@@ -204,6 +204,14 @@ def _takes_writes(func: Callable[..., Any], handler: str) -> bool:
 
 def parse_order_by(order_by: str) -> tuple[str, str]:
     """Check an ``order_by`` spec, ``subject:N`` or ``header:NAME``; (kind, argument)."""
+    if not isinstance(order_by, str):
+        # A function of the message is the natural guess; a key must be one the stream's
+        # subject transform (or the header) can give every process without running it.
+        raise errors.ConfigurationError(
+            "order_by must be 'subject:N' (a subject token) or 'header:NAME', not "
+            f"{type(order_by).__name__} {order_by!r}: put the key in the subject or a "
+            "header when publishing (docs/ordering.md)"
+        )
     kind, _, arg = order_by.partition(":")
     if (kind == "subject" and arg.isdigit()) or (kind == "header" and arg):
         return kind, arg

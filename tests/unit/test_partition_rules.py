@@ -119,3 +119,23 @@ def test_handlers_that_would_not_see_a_partitioned_streams_subjects_are_refused(
         partitions.stream_transforms([ledger, reader])
     elsewhere = _spec("audit.>", None, partitions=1, name="audit")
     assert set(partitions.stream_transforms([ledger, elsewhere])) == {"LEDGER"}
+
+
+def test_an_order_by_function_is_refused_with_what_to_give_instead() -> None:
+    """A function of the message is the natural guess for ``order_by``: it is refused at
+    registration with one clear line saying what it takes, not an AttributeError."""
+    app = eop.App()
+
+    with pytest.raises(eop.ConfigurationError, match="order_by must be 'subject:N'") as caught:
+
+        @app.handler(
+            stream="LEDGER",
+            subject="ledger.>",
+            name="ledger",
+            order_by=lambda m: m.subject,  # type: ignore[arg-type]
+        )
+        async def ledger(msg: eop.Message, session: object) -> None:
+            """Never registered."""
+
+    assert "not function" in str(caught.value)
+    assert "docs/ordering.md" in str(caught.value)
