@@ -63,7 +63,11 @@ async def connect(
             on_lost(error)
 
     async def on_error(exc: Exception) -> None:
-        logger.warning(log.Event.NATS_ERROR, error=type(exc).__name__)
+        # Before the first connection is handed over, the caller's error (one line, or a
+        # start-up retry's) tells of the failure: a warning per try was noise before it.
+        (logger.warning if handed_over else logger.debug)(
+            log.Event.NATS_ERROR, error=type(exc).__name__
+        )
         refused = refusals.error(exc)
         if refused is not None:
             give_up(refused)
