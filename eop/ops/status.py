@@ -171,8 +171,7 @@ async def _without_nats(
             status.consumer = partition_status.consumer_pattern(spec)
             status.ordered = partition_status.from_rows(spec, *owners)
         status.problems.append(
-            f"{exc}: its lag, acks and stuck deliveries are unknown; what PostgreSQL holds "
-            "is shown"
+            f"{exc}: its lag, acks and stuck deliveries are unknown; what PostgreSQL holds is shown"
         )
         await _from_database(app, spec, status)
         statuses.append(status)
