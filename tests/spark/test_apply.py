@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 import pytest
 import sqlalchemy as sa
+import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session
+from structlog.testing import capture_logs
 
 import eop
 from eop.contrib.spark.apply import Counts, Partition
+from eop.contrib.spark.transaction import SyncPartitionTx
 from eop.message import Message
 from tests.integration.bed import STREAM, SUBJECT, create_effects_table, effects_by_body, scalar
 
@@ -105,6 +109,39 @@ async def test_rejected_and_failing_messages_are_dead_lettered_beside_the_others
     assert dead == {2: "rejected", 3: "attempts_exhausted"}
     assert outcomes == {1: "processed", 2: "dead_lettered", 3: "dead_lettered", 4: "processed"}
     assert attempts == 2
+
+
+async def test_a_dead_letter_is_logged_once_its_partition_committed(
+    database_url: str, bed_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition's transaction that fails at COMMIT (a conflict) runs again: its dead
+    letter is logged once, by the run that committed it. Logged as each message failed,
+    a transaction retried, or a task that failed, told of dead letters that never were."""
+    first: list[bool] = []
+    commit = SyncPartitionTx.commit
+
+    async def conflicting_once(self: SyncPartitionTx) -> None:
+        if not first:
+            first.append(True)
+            raise eop.errors.TransactionConflict()
+        await commit(self)
+
+    monkeypatch.setattr(SyncPartitionTx, "commit", conflicting_once)
+    # A command run in this process earlier may have left the level at error.
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    app = make_app(database_url)
+    partition = Partition(app, app.handlers["spark_sync"])
+    try:
+        with capture_logs() as logs:
+            counts = await run(partition, [msg(1, "ok-1"), msg(2, "reject-2")])
+    finally:
+        structlog.configure(**saved)
+    assert first == [True]
+    assert (counts.processed, counts.dead_lettered) == (1, 1)
+    lines = [e for e in logs if e["event"] == "message.dead_lettered"]
+    assert [(e["seq"], e["reason"]) for e in lines] == [(2, "rejected")]
+    assert await scalar(bed_engine, "SELECT count(*) FROM eop.dead_letters") == 1
 
 
 async def test_a_reused_sequence_is_quarantined_not_skipped(

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -221,6 +222,9 @@ class _Pass:
         self.spec = partition.spec
         self.sleep = sleep
         self.isolate = isolate
+        self._committed_lines: list[Callable[[], None]] = []
+        """Lines that tell of what commits with the partition (its dead letters): logged
+        after COMMIT, so that a transaction retried, or a task that fails, tells of none."""
 
     async def transaction(self, batch: list[Message]) -> Counts:
         counts = Counts()
@@ -242,6 +246,8 @@ class _Pass:
                 await self._optimistic(tx, todo)
                 counts.add(RowOutcome.PROCESSED, len(todo))
             await tx.commit()
+        for line in self._committed_lines:
+            line()
         return counts
 
     def _select(self, batch: list[Message], counts: Counts) -> list[Message]:
@@ -336,7 +342,14 @@ class _Pass:
         await tx.add_dead_letter(
             msg, contract.DeadLetter(reason=reason, error=_describe(exc), traceback=tb)
         )
-        logger.warning(log.Event.MESSAGE_DEAD_LETTERED, reason=reason, error=_describe(exc)[:500])
+        self._committed_lines.append(
+            functools.partial(
+                logger.warning,
+                log.Event.MESSAGE_DEAD_LETTERED,
+                reason=reason,
+                error=_describe(exc)[:500],
+            )
+        )
         return RowOutcome.DEAD_LETTERED
 
 
