@@ -33,6 +33,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import eop
+from eop.broker import jetstream
 
 
 class Base(DeclarativeBase):
@@ -67,9 +68,11 @@ def add_payment(msg: eop.Message, session: Session) -> None:
 
 
 async def publish(count: int, nats_url: str | None = None, accounts: int = 100) -> None:
-    """Publish ``count`` payments of 1 to 100 cents over ``accounts`` accounts."""
+    """Publish ``count`` payments of 1 to 100 cents over ``accounts`` accounts, making the
+    stream first when it does not exist (as a worker would: eop's epoch in its metadata)."""
     nc = await nats.connect(nats_url or app.settings.nats_url)
     js = nc.jetstream()
+    await jetstream.ensure_stream(js, app.stream_spec("PAYMENTS"), create=True)
     for i in range(0, count, 500):
         batch = range(i, min(i + 500, count))
         await asyncio.gather(

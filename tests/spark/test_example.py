@@ -21,10 +21,10 @@ pytestmark = pytest.mark.integration
 async def test_balances_add_up_whether_spark_or_workers_or_both_apply_the_payments(
     spark: SparkSession, database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
-    """A backfill, a second backfill and then a worker: every payment counted once."""
+    """A backfill, a second backfill and then a worker: every payment counted once. The
+    docstring's steps on a fresh server: the example's publish makes the stream."""
     async with engine.begin() as conn:
         await conn.run_sync(example.Base.metadata.create_all)
-    await js.add_stream(name="PAYMENTS", subjects=["PAYMENTS.>"])
     await example.publish(600, nats_url)
     spec = example.app.handlers["balances"]
     target = sink.Target.create("examples.spark.app:app", "balances", database_url=database_url)

@@ -117,6 +117,31 @@ async def test_a_batch_backfill_equals_the_stream(
     }
 
 
+async def test_a_first_job_makes_its_handlers_lane_before_any_task_runs(
+    spark: SparkSession, database_url: str, nats_url: str, js: Any, bed_engine: AsyncEngine
+) -> None:
+    """The handler's watermark row (its lane) of the stream's epoch is made and committed
+    by the job's driver, before any task: tasks of a first job each made it in their own
+    transaction, the first held it while it retried a failing message in place, and the
+    others' claims waited on it past their lock timeout until the job failed. Here the
+    stream holds nothing of the handler's subject, so no task runs at all, and the lane is
+    there; then a first job over a poison message and the orders after it applies each."""
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    await publish(js, "cancel-0", subject="ORDERS.cancelled")
+    lanes = sa.text(
+        "SELECT stream, count(*) FROM eop.watermarks WHERE subscription = :s GROUP BY stream"
+    )
+    assert await backfill(spark, database_url, nats_url) == Counts()
+    async with bed_engine.connect() as conn:
+        assert (await conn.execute(lanes, {"s": HANDLER})).all() == [(STREAM, 1)]
+    await publish(js, "poison-0")
+    for i in range(12):
+        await publish(js, f"order-{i}")
+    counts = await backfill(spark, database_url, nats_url, per_partition=3)
+    assert (counts.processed, counts.dead_lettered) == (12, 1)
+    assert await effects_by_body(bed_engine) == {f"order-{i}": 1 for i in range(12)}
+
+
 async def test_a_backfill_over_what_live_workers_processed_changes_nothing(
     spark: SparkSession, database_url: str, nats_url: str, js: Any, bed_engine: AsyncEngine
 ) -> None:

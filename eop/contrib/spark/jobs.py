@@ -18,7 +18,18 @@ from typing import IO, TYPE_CHECKING, Any
 
 from eop import errors as eop_errors
 from eop import nats_access
-from eop.contrib.spark import connect, errors, failures, fleet, lease, probe, report, sink, watch
+from eop.contrib.spark import (
+    connect,
+    errors,
+    failures,
+    fleet,
+    lease,
+    probe,
+    reader,
+    report,
+    sink,
+    watch,
+)
 from eop.contrib.spark.apply import Counts
 from eop.handler import HandlerSpec, parse_order_by
 
@@ -45,6 +56,12 @@ class ReadOptions:
     secret_env: tuple[tuple[str, str], ...] = ()
     """NATS secrets (``password``, ``token``) each process reads from the named variable
     instead: the options and the partitions carry the name, not the value."""
+
+    def access(self) -> nats_access.NatsAccess:
+        """How this process reaches NATS (``nats_url`` over the access's own URL)."""
+        if self.nats is None:
+            return nats_access.NatsAccess(url=self.nats_url)
+        return dataclasses.replace(self.nats, url=self.nats_url)
 
     def options(self, spec: HandlerSpec) -> dict[str, str]:
         """The ``jetstream`` source options for ``spec``'s stream and subject (as stored:
@@ -134,6 +151,7 @@ def backfill(
         watch.watched(spark, what, watching),
     ):
         target = dataclasses.replace(target, lease=held.member)
+        held.prepare_lane(reader.state_once(read.access(), spec.stream).epoch)
         if check:
             probe.check(spark, target.app, _executor_env(target, read))
         df = spark.read.format("jetstream").options(**read.options(spec)).load()
@@ -193,6 +211,8 @@ def stream(
     held.start()
     target = dataclasses.replace(target, lease=held.member)
     try:
+        with translated(target.app):
+            held.prepare_lane(reader.state_once(read.access(), spec.stream).epoch)
         query = _start(
             spark,
             target,

@@ -33,6 +33,7 @@ from eop import log
 from eop.contrib.spark import errors
 from eop.ordering import sql
 from eop.pg import models, statements
+from eop.pg.sql import inbox as inbox_sql
 
 if TYPE_CHECKING:
     from sqlalchemy import orm
@@ -98,6 +99,21 @@ class JobLease:
                     f"{count - len(taken)} of its {count} partitions as the Spark job "
                     "started: stop its workers (scale them to 0), then run the job again"
                 )
+
+    def prepare_lane(self, epoch: str) -> None:
+        """Make, and commit, the handler's watermark row of the stream's ``epoch`` before
+        any task runs (a worker's compactor makes it as its subscription binds).
+
+        Without it the tasks of a first job each found the row missing and made it in
+        their own transaction; the first to make it held it while it retried its failing
+        messages in place, the others' claims waited on it past their lock timeout, and
+        the job failed, every time.
+        """
+        stmt, params = inbox_sql.create_lanes(
+            self.tables, self.spec.name, self.spec.stream, [epoch]
+        )
+        with self._session() as session, session.begin():
+            session.execute(stmt, params)
 
     def renew(self) -> bool:
         """Extend the lease; False when it was found gone (ran out, or taken over)."""
