@@ -38,6 +38,7 @@ from eop.ops.jetstream_state import group
 from eop.ops.jetstream_state import group_warnings as group_warnings
 from eop.ops.jetstream_state import persistence_warnings as persistence_warnings
 from eop.ops.jetstream_state import window_warnings as window_warnings
+from eop.ordering import ownership
 from eop.ordering import status as partition_status
 from eop.pg import floors, migrate, models
 from eop.pg.sql import dead_letters as dead_letters_sql
@@ -136,10 +137,7 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
         owners = await partition_status.read_ownership(app, specs)
         statuses = []
         for spec in specs:
-            status = HandlerStatus(handler=spec.name, stream=spec.stream, consumer=spec.durable)
-            if spec.order_by is not None:
-                status.consumer = partition_status.consumer_pattern(spec)
-                status.ordered = partition_status.from_rows(spec, *owners)
+            status = _started(spec, owners)
             # Before the consumers: a recorded wait holds if their floors did not move since.
             observed = await floors.read(
                 app.engine, models.tables(app.settings.schema), spec.name, spec.stream
@@ -159,6 +157,19 @@ async def collect(app: App, handlers: Iterable[str] = ()) -> list[HandlerStatus]
         await nc.close()
 
 
+def _started(
+    spec: HandlerSpec,
+    owners: tuple[list[ownership.PartitionRow], list[ownership.MemberRow]],
+) -> HandlerStatus:
+    """A handler's status before anything is read: its names, and an ordered handler's
+    partitions and members from ``owners``."""
+    status = HandlerStatus(handler=spec.name, stream=spec.stream, consumer=spec.durable)
+    if spec.order_by is not None:
+        status.consumer = partition_status.consumer_pattern(spec)
+        status.ordered = partition_status.from_rows(spec, *owners)
+    return status
+
+
 async def _without_nats(
     app: App, specs: Sequence[HandlerSpec], exc: errors.NatsUnavailable
 ) -> list[HandlerStatus]:
@@ -166,10 +177,7 @@ async def _without_nats(
     owners = await partition_status.read_ownership(app, specs)
     statuses = []
     for spec in specs:
-        status = HandlerStatus(handler=spec.name, stream=spec.stream, consumer=spec.durable)
-        if spec.order_by is not None:
-            status.consumer = partition_status.consumer_pattern(spec)
-            status.ordered = partition_status.from_rows(spec, *owners)
+        status = _started(spec, owners)
         status.problems.append(
             f"{exc}: its lag, acks and stuck deliveries are unknown; what PostgreSQL holds is shown"
         )

@@ -353,10 +353,9 @@ def downgrade():
 """
 
 
-def test_host_environment_can_run_eop_revisions_as_a_branch(
-    empty_database_url: str, tmp_path: Path
-) -> None:
-    """As migrations/README.md says: eop's versions in a host's version_locations, upgrade heads."""
+def host_config(url: str, tmp_path: Path, eop_schema: str) -> Config:
+    """A host app's Alembic environment in ``tmp_path`` that runs eop's revisions as a
+    branch of its own history (migrations/README.md), on ``url``."""
     (tmp_path / "versions").mkdir()
     (tmp_path / "env.py").write_text(HOST_ENV)
     (tmp_path / "versions" / "host_0001.py").write_text(HOST_REVISION)
@@ -369,11 +368,18 @@ def test_host_environment_can_run_eop_revisions_as_a_branch(
         version_locations =
             {tmp_path / "versions"}
             {migrate.migrations_path() / "versions"}
-        sqlalchemy.url = {sync_url(empty_database_url).replace("%", "%%")}
-        eop_schema = host_eop
+        sqlalchemy.url = {sync_url(url).replace("%", "%%")}
+        eop_schema = {eop_schema}
         """)
     )
-    config = Config(str(ini))
+    return Config(str(ini))
+
+
+def test_host_environment_can_run_eop_revisions_as_a_branch(
+    empty_database_url: str, tmp_path: Path
+) -> None:
+    """As migrations/README.md says: eop's versions in a host's version_locations, upgrade heads."""
+    config = host_config(empty_database_url, tmp_path, "host_eop")
     command.upgrade(config, "heads")
     command.check(config)
     versions = query(empty_database_url, "SELECT version_num FROM public.alembic_version")
@@ -392,23 +398,7 @@ def test_eop_reads_its_revisions_from_a_host_environment_that_runs_them(
     ``alembic_version``: a worker starts, ``eop db current`` and ``check`` read it there,
     ``eop db upgrade`` refuses (it would begin a second history over existing tables),
     and a database behind head says to run the host's ``alembic upgrade heads``."""
-    (tmp_path / "versions").mkdir()
-    (tmp_path / "env.py").write_text(HOST_ENV)
-    (tmp_path / "versions" / "host_0001.py").write_text(HOST_REVISION)
-    ini = tmp_path / "alembic.ini"
-    ini.write_text(
-        textwrap.dedent(f"""\
-        [alembic]
-        script_location = {tmp_path}
-        path_separator = newline
-        version_locations =
-            {tmp_path / "versions"}
-            {migrate.migrations_path() / "versions"}
-        sqlalchemy.url = {sync_url(empty_database_url).replace("%", "%%")}
-        eop_schema = eop
-        """)
-    )
-    config = Config(str(ini))
+    config = host_config(empty_database_url, tmp_path, "eop")
     command.upgrade(config, "heads")
     assert migrate.current(empty_database_url) == migrate.head()
     assert migrate.recorded(empty_database_url).host_table == "public.alembic_version"
