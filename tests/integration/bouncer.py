@@ -146,3 +146,13 @@ class PgBouncer(_child.Managed):
     def close(self) -> None:
         """Stop PgBouncer and remove its directory."""
         self._child.cleanup()
+
+
+def unprepared_transaction_mode(
+    path: str, postgres: embedded.PostgresCluster, pool_size: int = 3
+) -> PgBouncer:
+    """PgBouncer in transaction mode without its own prepared statements, on ``pool_size``
+    server connections: where a client's cached statements get lost or doubled."""
+    return PgBouncer(
+        path, postgres, "transaction", pool_size=pool_size, settings=no_prepared_statements(path)
+    )

@@ -140,13 +140,7 @@ async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_s
     async with engine.begin() as conn:
         await conn.execute(sa.text(EFFECTS_DDL))
     await _publish_all(js, handler)
-    with bouncer.PgBouncer(
-        pgbouncer_path,
-        postgres,
-        "transaction",
-        pool_size=3,
-        settings=bouncer.no_prepared_statements(pgbouncer_path),
-    ) as pgb:
+    with bouncer.unprepared_transaction_mode(pgbouncer_path, postgres) as pgb:
         url = pgb.url_for(_database(database_url))
         # One message per transaction, 16 at a time, on 3 server connections: a client
         # connection's next transaction soon lands where its statements are not. The
@@ -185,13 +179,7 @@ async def test_an_apps_own_engine_caching_statements_behind_transaction_mode_nam
     async with engine.begin() as conn:
         await conn.execute(sa.text(EFFECTS_DDL))
     await _publish_all(js, "created")
-    with bouncer.PgBouncer(
-        pgbouncer_path,
-        postgres,
-        "transaction",
-        pool_size=3,
-        settings=bouncer.no_prepared_statements(pgbouncer_path),
-    ) as pgb:
+    with bouncer.unprepared_transaction_mode(pgbouncer_path, postgres) as pgb:
         url = pgb.url_for(_database(database_url))
         env = eop_env(url, nats_url, MISCONFIGURED_OWN_ENGINE="plain", **_BUSY)
         log = await _stops_loudly(env, "created", tmp_path)

@@ -184,13 +184,7 @@ async def test_transaction_mode_is_detected_and_every_command_processes_each_mes
     eop finds the pooler, turns statement caching off on every engine (the worker's, its
     sync handlers' too, the relay's, migrations', ops commands') and polls instead of
     LISTEN; each message once."""
-    with bouncer.PgBouncer(
-        pgbouncer_path,
-        postgres,
-        "transaction",
-        pool_size=3,
-        settings=bouncer.no_prepared_statements(pgbouncer_path),
-    ) as pgb:
+    with bouncer.unprepared_transaction_mode(pgbouncer_path, postgres) as pgb:
         run = await _pipeline(pgb, database, direct, js, nats_url, tmp_path)
     # The worker's engine found it (its sync handlers run on it).
     assert run.log.count('"event": "db.pooler_found"') >= 1
@@ -340,13 +334,7 @@ async def test_an_ordered_handler_keeps_each_key_in_order_through_transaction_mo
     await create_ledger(engine, accounts)
     name = sa.make_url(database_url).database
     assert name is not None
-    with bouncer.PgBouncer(
-        pgbouncer_path,
-        postgres,
-        "transaction",
-        pool_size=3,
-        settings=bouncer.no_prepared_statements(pgbouncer_path),
-    ) as pgb:
+    with bouncer.unprepared_transaction_mode(pgbouncer_path, postgres) as pgb:
         env = eop_env(
             pgb.url_for(name),
             nats_url,
