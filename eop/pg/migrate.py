@@ -212,18 +212,20 @@ def _on_connection(
 
 def check(database_url: str, schema: str = DEFAULT_SCHEMA, *, pooler: DbPooler = "auto") -> None:
     """Raise :class:`~eop.errors.SchemaNotReady` unless eop's tables are at head and as modelled."""
-    found = recorded(database_url, schema, pooler=pooler)
+    metadata = models.tables(schema).metadata
+
+    def read(connection: sa.Connection) -> tuple[Recorded, list[object]]:
+        found = _read_recorded(connection, schema)
+        if found.host_table is None or found.heads != head():
+            return found, []
+        # eop's own environment would look for its version table: compare directly.
+        opts = {**comparison_options(schema), "target_metadata": metadata}
+        context = MigrationContext.configure(connection, opts=opts)
+        return found, list(compare_metadata(context, metadata))
+
+    found, diffs = _on_connection(database_url, schema, pooler, read)
     _raise_unless_head(found, schema)
     if found.host_table is not None:
-        # eop's own environment would look for its version table: compare directly.
-        metadata = models.tables(schema).metadata
-
-        def compare(connection: sa.Connection) -> list[object]:
-            opts = {**comparison_options(schema), "target_metadata": metadata}
-            context = MigrationContext.configure(connection, opts=opts)
-            return list(compare_metadata(context, metadata))
-
-        diffs = _on_connection(database_url, schema, pooler, compare)
         if diffs:
             raise errors.SchemaNotReady(
                 f"eop's tables in schema {schema!r} differ from eop's models "
