@@ -118,6 +118,36 @@ def _error_logged(log: str, problem: str, handler: str) -> bool:
     )
 
 
+async def _behind_transaction_mode(
+    bouncer_binary: str,
+    postgres: embedded.PostgresCluster,
+    database_url: str,
+    engine: AsyncEngine,
+    js: Any,
+    nats_url: str,
+    tmp_path: Path,
+    handler: str,
+    broken: dict[str, str],
+    fixed: dict[str, str],
+) -> str:
+    """Through PgBouncer in transaction mode without prepared statements: a worker of
+    ``handler`` with the ``broken`` environment stops by itself (its log, returned); one
+    with the ``fixed`` environment then processes each message once."""
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(EFFECTS_DDL))
+    await _publish_all(js, handler)
+    with bouncer.unprepared_transaction_mode(bouncer_binary, postgres) as pgb:
+        url = pgb.url_for(_database(database_url))
+        # One message per transaction, 16 at a time, on 3 server connections: a client
+        # connection's next transaction soon lands where its statements are not. The
+        # relay is off: the handler's transactions must be what stops the worker.
+        log = await _stops_loudly(eop_env(url, nats_url, **broken, **_BUSY), handler, tmp_path)
+        await _then_each_message_once(
+            eop_env(url, nats_url, **fixed, **_BUSY), handler, engine, tmp_path
+        )
+    return log
+
+
 @pytest.mark.parametrize("handler", ["created", "shipped"])
 @pytest.mark.parametrize("pooler", ["none", "session"])
 async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_stops_the_worker(
@@ -137,30 +167,26 @@ async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_s
     The worker stops within the bound with one `eop: error:` line naming
     EOP_DB_POOLER=transaction and an error-level log line; no message is dead-lettered,
     and with EOP_DB_POOLER=transaction each is processed once."""
-    async with engine.begin() as conn:
-        await conn.execute(sa.text(EFFECTS_DDL))
-    await _publish_all(js, handler)
-    with bouncer.unprepared_transaction_mode(pgbouncer_path, postgres) as pgb:
-        url = pgb.url_for(_database(database_url))
-        # One message per transaction, 16 at a time, on 3 server connections: a client
-        # connection's next transaction soon lands where its statements are not. The
-        # relay is off: the handler's transactions must be what stops the worker.
-        env = eop_env(url, nats_url, EOP_DB_POOLER=pooler, **_BUSY)
-        log = await _stops_loudly(env, handler, tmp_path)
-        (line,) = error_lines(log)
-        assert "EOP_DB_POOLER=transaction" in line, line
-        assert _error_logged(log, "pooler", handler), log[-3000:]
-        # The handler's own transactions (asyncpg's or psycopg's statements) met it.
-        assert any(
-            '"event": "transaction.retry"' in line and f'"handler": "{handler}"' in line
-            for line in log.splitlines()
-        ), log[-3000:]
-        await _then_each_message_once(
-            eop_env(url, nats_url, EOP_DB_POOLER="transaction", **_BUSY),
-            handler,
-            engine,
-            tmp_path,
-        )
+    log = await _behind_transaction_mode(
+        pgbouncer_path,
+        postgres,
+        database_url,
+        engine,
+        js,
+        nats_url,
+        tmp_path,
+        handler,
+        {"EOP_DB_POOLER": pooler},
+        {"EOP_DB_POOLER": "transaction"},
+    )
+    (line,) = error_lines(log)
+    assert "EOP_DB_POOLER=transaction" in line, line
+    assert _error_logged(log, "pooler", handler), log[-3000:]
+    # The handler's own transactions (asyncpg's or psycopg's statements) met it.
+    assert any(
+        '"event": "transaction.retry"' in line and f'"handler": "{handler}"' in line
+        for line in log.splitlines()
+    ), log[-3000:]
 
 
 async def test_an_apps_own_engine_caching_statements_behind_transaction_mode_names_its_fix(
@@ -176,22 +202,21 @@ async def test_an_apps_own_engine_caching_statements_behind_transaction_mode_nam
     transaction mode, EOP_DB_POOLER at its default: eop's own engines prepare nothing, so
     the one `eop: error:` line names the engine's connect arguments, not EOP_DB_POOLER
     (which is already right); with them, each message is processed once."""
-    async with engine.begin() as conn:
-        await conn.execute(sa.text(EFFECTS_DDL))
-    await _publish_all(js, "created")
-    with bouncer.unprepared_transaction_mode(pgbouncer_path, postgres) as pgb:
-        url = pgb.url_for(_database(database_url))
-        env = eop_env(url, nats_url, MISCONFIGURED_OWN_ENGINE="plain", **_BUSY)
-        log = await _stops_loudly(env, "created", tmp_path)
-        (line,) = error_lines(log)
-        assert '"statement_cache_size": 0' in line, line
-        assert "set EOP_DB_POOLER" not in line, line
-        await _then_each_message_once(
-            eop_env(url, nats_url, MISCONFIGURED_OWN_ENGINE="uncached", **_BUSY),
-            "created",
-            engine,
-            tmp_path,
-        )
+    log = await _behind_transaction_mode(
+        pgbouncer_path,
+        postgres,
+        database_url,
+        engine,
+        js,
+        nats_url,
+        tmp_path,
+        "created",
+        {"MISCONFIGURED_OWN_ENGINE": "plain"},
+        {"MISCONFIGURED_OWN_ENGINE": "uncached"},
+    )
+    (line,) = error_lines(log)
+    assert '"statement_cache_size": 0' in line, line
+    assert "set EOP_DB_POOLER" not in line, line
 
 
 @pytest.mark.parametrize("handler", ["created", "shipped"])
