@@ -19,7 +19,7 @@ from eop.broker import server
 from eop.ops import status
 from eop.tools import embedded
 
-from .bed import STREAM, SUBJECT, bed_settings, error_lines
+from .bed import bed_settings, error_lines
 from .test_cli import eop as run_eop
 from .test_cli import eop_env
 
@@ -66,6 +66,12 @@ def test_a_nats_server_older_than_the_minimum_is_refused_in_one_line(database_ur
         assert not any(old.store_dir.glob("jetstream/*/streams/*")), "a stream was created"
 
 
+async def create_stream(nc: NATS, config: dict[str, Any]) -> None:
+    """Create a stream raw, as an operator's `nats stream add` would."""
+    reply = await nc.request(f"$JS.API.STREAM.CREATE.{config['name']}", json.dumps(config).encode())
+    assert "error" not in json.loads(reply.data), reply.data
+
+
 async def test_status_warns_about_a_stream_that_acknowledges_before_the_disk(
     database_url: str, nats_url: str, nc: NATS
 ) -> None:
@@ -75,34 +81,36 @@ async def test_status_warns_about_a_stream_that_acknowledges_before_the_disk(
     stream none."""
     if (server.version_of(nc) or (0, 0))[:2] < server.PERSIST_MODE:
         pytest.skip("persist_mode needs nats-server 2.12 or newer")
-    app = eop.App(settings=bed_settings(database_url, nats_url))
 
-    @app.handler(stream=STREAM, subject=SUBJECT, name="billing")
-    async def bill(msg: eop.Message, session: Any) -> None:
-        pass
-
-    async def create(persist_mode: str | None, storage: str = "file") -> None:
-        config: dict[str, Any] = {"name": STREAM, "subjects": ["ORDERS.>"], "storage": storage}
+    async def warnings(name: str, persist_mode: str | None, storage: str) -> list[str]:
+        """`eop status`'s warnings for a handler on a stream of its own, which eop never
+        creates."""
+        config: dict[str, Any] = {"name": name, "subjects": [f"{name}.>"], "storage": storage}
         if persist_mode is not None:
             config["persist_mode"] = persist_mode
-        # Raw, as an operator's `nats stream add` would: eop never creates such a stream.
-        reply = await nc.request(f"$JS.API.STREAM.CREATE.{STREAM}", json.dumps(config).encode())
-        assert "error" not in json.loads(reply.data), reply.data
+        await create_stream(nc, config)
+        app = eop.App(settings=bed_settings(database_url, nats_url))
 
-    try:
-        await create("async")
-        [s] = await status.collect(app)
-        [warning] = [w for w in s.warnings if "persist_mode" in w]
-        assert "can lose messages" in warning
-        assert "cannot change it on a stream: recreate the stream" in warning
-        assert f"billing: {warning}" in status.format_table([s])
-        await nc.request(f"$JS.API.STREAM.DELETE.{STREAM}", b"")
-        await create(None, storage="memory")
-        [s] = await status.collect(app)
-        assert any("keeps its messages in memory" in w for w in s.warnings), s.warnings
-        await nc.request(f"$JS.API.STREAM.DELETE.{STREAM}", b"")
-        await create(None)
-        [s] = await status.collect(app)
-        assert s.warnings == []
-    finally:
-        await app.dispose()
+        @app.handler(stream=name, subject=f"{name}.created", name="billing")
+        async def bill(msg: eop.Message, session: Any) -> None:
+            pass
+
+        try:
+            [s] = await status.collect(app)
+            if s.warnings:
+                assert f"billing: {s.warnings[0]}" in status.format_table([s])
+            return s.warnings
+        finally:
+            await app.dispose()
+            await nc.request(f"$JS.API.STREAM.DELETE.{name}", b"")
+
+    # Deleting an account's last file stream removes the account's streams directory behind
+    # the reply, and a stream created meanwhile fails with "error creating store for stream":
+    # a stream kept to the end keeps that directory.
+    await create_stream(nc, {"name": "KEEP", "subjects": ["KEEP.>"], "storage": "file"})
+    [warning] = [w for w in await warnings("ASYNC", "async", "file") if "persist_mode" in w]
+    assert "can lose messages" in warning
+    assert "cannot change it on a stream: recreate the stream" in warning
+    in_memory = await warnings("MEMORY", None, "memory")
+    assert any("keeps its messages in memory" in w for w in in_memory), in_memory
+    assert await warnings("FILE", None, "file") == []
