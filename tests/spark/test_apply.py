@@ -7,8 +7,11 @@ again stand for a task retry, a speculative copy or a replayed micro-batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -111,12 +114,9 @@ async def test_rejected_and_failing_messages_are_dead_lettered_beside_the_others
     assert attempts == 2
 
 
-async def test_a_dead_letter_is_logged_once_its_partition_committed(
-    database_url: str, bed_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A partition's transaction that fails at COMMIT (a conflict) runs again: its dead
-    letter is logged once, by the run that committed it. Logged as each message failed,
-    a transaction retried, or a task that failed, told of dead letters that never were."""
+def conflicting_first_commit(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Make the first partition COMMIT fail with a conflict (it runs again); the list
+    returned holds True once it did."""
     first: list[bool] = []
     commit = SyncPartitionTx.commit
 
@@ -127,16 +127,33 @@ async def test_a_dead_letter_is_logged_once_its_partition_committed(
         await commit(self)
 
     monkeypatch.setattr(SyncPartitionTx, "commit", conflicting_once)
+    return first
+
+
+@contextlib.contextmanager
+def debug_logs() -> Iterator[list[MutableMapping[str, Any]]]:
+    """The lines logged inside, at every level."""
     # A command run in this process earlier may have left the level at error.
     saved = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    app = make_app(database_url)
-    partition = Partition(app, app.handlers["spark_sync"])
     try:
         with capture_logs() as logs:
-            counts = await run(partition, [msg(1, "ok-1"), msg(2, "reject-2")])
+            yield logs
     finally:
         structlog.configure(**saved)
+
+
+async def test_a_dead_letter_is_logged_once_its_partition_committed(
+    database_url: str, bed_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partition's transaction that fails at COMMIT (a conflict) runs again: its dead
+    letter is logged once, by the run that committed it. Logged as each message failed,
+    a transaction retried, or a task that failed, told of dead letters that never were."""
+    first = conflicting_first_commit(monkeypatch)
+    app = make_app(database_url)
+    partition = Partition(app, app.handlers["spark_sync"])
+    with debug_logs() as logs:
+        counts = await run(partition, [msg(1, "ok-1"), msg(2, "reject-2")])
     assert first == [True]
     assert (counts.processed, counts.dead_lettered) == (1, 1)
     lines = [e for e in logs if e["event"] == "message.dead_lettered"]
@@ -145,14 +162,21 @@ async def test_a_dead_letter_is_logged_once_its_partition_committed(
 
 
 async def test_a_reused_sequence_is_quarantined_not_skipped(
-    database_url: str, bed_engine: AsyncEngine
+    database_url: str, bed_engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Same key, another fingerprint: a dead letter 'sequence_reused'; the handler does not run."""
+    """Same key, another fingerprint: a dead letter 'sequence_reused'; the handler does not run.
+    Its alarm line is logged once, after the partition's COMMIT: a first COMMIT that fails
+    (the transaction runs again) tells of none."""
     app = make_app(database_url)
     partition = Partition(app, app.handlers["spark_sync"])
     await run(partition, [msg(1, "first")])
-    counts = await run(partition, [msg(1, "second")])
+    first = conflicting_first_commit(monkeypatch)
+    with debug_logs() as logs:
+        counts = await run(partition, [msg(1, "second")])
+    assert first == [True]
     assert counts.quarantined == 1
+    lines = [e for e in logs if e["event"] == "message.quarantined"]
+    assert [(e["seq"], e["alarm"]) for e in lines] == [(1, True)]
     assert await effects_by_body(bed_engine) == {"first": 1}
     reason = await scalar(bed_engine, "SELECT reason FROM eop.dead_letters")
     assert reason == "sequence_reused"

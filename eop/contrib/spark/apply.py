@@ -238,7 +238,7 @@ class _Pass:
                 todo += [m for m in group if m.seq in claimed]
                 taken = [m for m in group if m.seq not in claimed]
                 for msg, existing in await _existing(tx, self.p.tables, taken):
-                    counts.add(await _not_claimed(tx, msg, existing))
+                    counts.add(await self._not_claimed(tx, msg, existing))
             if self.isolate:
                 for outcome in await self._isolated(tx, todo):
                     counts.add(outcome)
@@ -337,7 +337,7 @@ class _Pass:
         # The claim says "processed": replace it, in this transaction, by a dead letter's.
         await tx.unclaim(msg)
         if not await tx.claim(msg, models.OUTCOME_DEAD_LETTERED):
-            return await _not_claimed(tx, msg, await tx.find(msg))
+            return await self._not_claimed(tx, msg, await tx.find(msg))
         tb = log.format_traceback(exc)
         await tx.add_dead_letter(
             msg, contract.DeadLetter(reason=reason, error=_describe(exc), traceback=tb)
@@ -352,27 +352,27 @@ class _Pass:
         )
         return RowOutcome.DEAD_LETTERED
 
-
-async def _not_claimed(
-    tx: transactions.SqlTransaction, msg: Message, existing: contract.Existing | None
-) -> RowOutcome:
-    """A message whose claim found the key (or its msg-id, or the watermark) taken."""
-    if existing is None:
-        # The conflicting claim rolled back between our claim and the look-up.
-        raise errors.TransactionConflict()
-    if existing.by == "key" and existing.fingerprint != msg.fingerprint:
-        dead = contract.DeadLetter(
-            reason=models.REASON_SEQUENCE_REUSED,
-            error=f"stream {msg.stream} sequence {msg.seq} (epoch {msg.stream_epoch}) was "
-            "already processed with a different fingerprint: the stream was recreated "
-            "without a new epoch, or the server lost its tail",
-        )
-        await tx.add_dead_letter(msg, dead)
-        log.get_logger(handler=msg.subscription, stream=msg.stream, seq=msg.seq).error(
-            log.Event.MESSAGE_QUARANTINED, alarm=True
-        )
-        return RowOutcome.QUARANTINED
-    return RowOutcome.DUPLICATE
+    async def _not_claimed(
+        self, tx: transactions.SqlTransaction, msg: Message, existing: contract.Existing | None
+    ) -> RowOutcome:
+        """A message whose claim found the key (or its msg-id, or the watermark) taken."""
+        if existing is None:
+            # The conflicting claim rolled back between our claim and the look-up.
+            raise errors.TransactionConflict()
+        if existing.by == "key" and existing.fingerprint != msg.fingerprint:
+            dead = contract.DeadLetter(
+                reason=models.REASON_SEQUENCE_REUSED,
+                error=f"stream {msg.stream} sequence {msg.seq} (epoch {msg.stream_epoch}) was "
+                "already processed with a different fingerprint: the stream was recreated "
+                "without a new epoch, or the server lost its tail",
+            )
+            await tx.add_dead_letter(msg, dead)
+            logger = log.get_logger(handler=msg.subscription, stream=msg.stream, seq=msg.seq)
+            self._committed_lines.append(
+                functools.partial(logger.error, log.Event.MESSAGE_QUARANTINED, alarm=True)
+            )
+            return RowOutcome.QUARANTINED
+        return RowOutcome.DUPLICATE
 
 
 async def _existing(
