@@ -308,8 +308,9 @@ async def ensure_stream(
     *,
     create: bool,
     transform: tuple[str, str] | None = None,
-) -> None:
-    """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata).
+) -> bool:
+    """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata):
+    True if this call created it.
 
     ``transform`` is the subject transform (src, dest) a stream eop creates gets
     for a handler whose keys are spread over partitions (:mod:`eop.ordering.partitions`,
@@ -332,7 +333,7 @@ async def ensure_stream(
                 ) from None
         else:
             _check_replicas(spec, info)
-            return
+            return False
         try:
             await js.add_stream(stream_config(spec, transform))
         except nats.js.errors.APIError as exc:
@@ -346,6 +347,8 @@ async def ensure_stream(
                     f"cannot create stream {spec.name!r} with subjects "
                     f"{', '.join(spec.subjects)}: {describe(exc)} ({_create_hint(spec, exc)})"
                 ) from None
+            return False
+        return True
 
 
 def stream_config(spec: StreamSpec, transform: tuple[str, str] | None = None) -> api.StreamConfig:

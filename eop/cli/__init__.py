@@ -123,6 +123,7 @@ def build_parser(tool: str | None = None) -> argparse.ArgumentParser:
     worker.add_db(sub)
     operations.add_dlq(sub)
     operations.add_status(sub)
+    operations.add_streams(sub)
     outbox_cli.add_outbox(sub)
     audit.add_audit(sub)
     worker.add_demo(sub)

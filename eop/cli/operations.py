@@ -1,4 +1,5 @@
-"""``eop dlq ...`` and ``eop status`` (:mod:`eop.ops.dlq`, :mod:`eop.ops.status`)."""
+"""``eop dlq ...``, ``eop status`` and ``eop streams`` (:mod:`eop.ops.dlq`,
+:mod:`eop.ops.status`, :mod:`eop.ops.streams`)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,31 @@ def add_status(sub: options.Subparsers) -> None:
     status.add_argument("--json", action="store_true", help="one JSON array, for scripts")
     options.add_settings(status, options.SERVER_FIELDS)
     status.set_defaults(command=_cmd_status)
+
+
+def add_streams(sub: options.Subparsers) -> None:
+    """Add ``streams`` and its action to the subparsers of ``eop``."""
+    streams = sub.add_parser(
+        "streams", help="create the app's streams before any worker runs, as a worker would"
+    )
+    streams_sub = streams.add_subparsers(title="actions", required=True, metavar="ACTION")
+    create = streams_sub.add_parser(
+        "create",
+        help="create the declared streams and the handlers' that are missing (epoch id, "
+        "partition transforms); check those that exist; list them",
+    )
+    options.add_log_options(create, suppress=True)
+    create.add_argument("app", metavar="MODULE:APP", help="the eop.App, e.g. myapp:app")
+    options.add_setting(create, "nats_url")
+    create.set_defaults(command=_cmd_streams_create)
+
+
+def _cmd_streams_create(args: argparse.Namespace) -> int:
+    from eop.ops import streams
+
+    app = options.configured_app(args, ("nats_url",))
+    print(streams.format_table(options.run_with(app, streams.create(app))))
+    return 0
 
 
 def _add_dlq_filters(parser: argparse.ArgumentParser, *, before: bool) -> None:
