@@ -54,11 +54,16 @@ def describe_error(exc: BaseException) -> str:
     (``invalid input syntax for type integer: "..."``, asyncpg's ``invalid
     input for query argument $1: '...'``). Database errors are described by
     their driver's one-line message with the values masked
-    (:func:`eop.redaction.scrub_values`) and, for a statement, its SQL.
+    (:func:`eop.redaction.scrub_values`) and, for a statement, its SQL. Any
+    error's URLs are shown without their passwords, and ``password=`` values
+    masked (:func:`eop.redaction.redact_text`).
     """
     chain = _chain(exc)
     values = _bound_values(chain)
-    return f"{type(exc).__name__}: {_message(exc, values, _below_database(exc, chain))}"
+    said = f"{type(exc).__name__}: {_message(exc, values, _below_database(exc, chain))}"
+    # A handler's own error may quote a URL with its password (a client's connection
+    # error): masked as eop masks its own URLs.
+    return redaction.redact_text(said)
 
 
 def format_traceback(exc: BaseException) -> str:
@@ -89,7 +94,7 @@ def format_traceback(exc: BaseException) -> str:
         members = getattr(te, "exceptions", None)  # an exception group's (3.11+)
         if members:
             pending.extend(zip(members, getattr(err, "exceptions", ()), strict=False))
-    return "".join(top.format())
+    return redaction.redact_text("".join(top.format()))
 
 
 def _message(exc: BaseException, values: Sequence[object] = (), below: bool = False) -> str:

@@ -52,7 +52,12 @@ def redact_text(text: str) -> str:
     return _redact_query(_URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text))
 
 
-_SECRET_QUERY = re.compile(r"((?:password|passwd|token|secret|sslpassword)=)[^&]*", re.IGNORECASE)
+# A value ends at the next ``&`` or blank, or is quoted (a libpq keyword string's
+# ``password='a b'``): inside a traceback, masking to the end would hide the rest of it.
+_SECRET_QUERY = re.compile(
+    r"((?:password|passwd|token|secret|sslpassword)=)(?:'[^']*'|\"[^\"]*\"|[^&\s]*)",
+    re.IGNORECASE,
+)
 
 
 def _redact_query(url: str) -> str:

@@ -28,7 +28,7 @@ from typing import (
     get_type_hints,
 )
 
-from eop import errors, log
+from eop import errors, log, redaction
 from eop import settings as settings_mod
 from eop.app import App
 from eop.pg import migrate
@@ -317,7 +317,8 @@ def print_error(exc: BaseException, to: str | None = None, *, as_json: bool | No
     to print once however many of its processes met the same error
     (:func:`eop.runtime.supervisor.supervise`); stderr when it cannot be written.
     """
-    said = [str(exc)]
+    # An app's import error or a bad URL may quote a password: masked like a log line's.
+    said = [redaction.redact_text(str(exc))]
     cause = exc.__cause__
     while cause is not None:
         # A database error's text may quote bound values: described, not printed.

@@ -302,3 +302,19 @@ def test_an_app_module_that_raises_on_import_is_one_line_naming_where(
         f"eop: error: importing 'raising_app_mod' failed at {tmp_path / 'raising_app_mod.py'}, "
         "line 2: RuntimeError: boom\n"
     )
+
+
+def test_a_url_password_in_an_app_modules_import_error_is_masked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The module's error quotes a URL with its password (a connection made at import):
+    the one line shows the URL without it."""
+    (tmp_path / "url_app_mod.py").write_text(
+        'raise ConnectionError("no postgresql://app:S3cr3t-pw@10.0.0.1/db")\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["worker", "url_app_mod:app"]) == 1
+    err = capsys.readouterr().err
+    assert "S3cr3t-pw" not in err
+    assert err.endswith("ConnectionError: no postgresql://app:***@10.0.0.1/db\n")

@@ -104,6 +104,9 @@ def test_redact_urls_redacts_each_of_a_comma_separated_list() -> None:
         ),
         ("servers nats://s3cr3t@n1:4222 down", "servers nats://***@n1:4222 down"),
         ("host=db password=s3cr3t", "host=db password=***"),
+        ("host=db password=s3cr3t dbname=app", "host=db password=*** dbname=app"),
+        ("host=db password='s3 cr3t' dbname=app", "host=db password=*** dbname=app"),
+        ('call(token="s3 cr3t")\nnext line', "call(token=***)\nnext line"),
         ("Exception closing connection %r", "Exception closing connection %r"),
     ],
 )

@@ -185,3 +185,16 @@ def test_a_line_logged_with_exc_info_carries_the_scrubbed_traceback() -> None:
     for line in lines:
         assert "DBAPIError" in line["exception"]
         assert CANARY not in json.dumps(line)
+
+
+def test_a_url_password_quoted_by_any_error_is_masked_in_its_description_and_traceback() -> None:
+    """A handler's own error (a client's connection error) may quote a URL with its
+    password: the dead letter's error and traceback, and the log lines, show the URL
+    without it, the rest of the error's text kept."""
+    try:
+        raise ConnectionError(f"upstream postgresql://appuser:{CANARY}@10.0.0.1/db failed")
+    except ConnectionError as exc:
+        described, tb = log.describe_error(exc), log.format_traceback(exc)
+    assert described == "ConnectionError: upstream postgresql://appuser:***@10.0.0.1/db failed"
+    assert "postgresql://appuser:***@10.0.0.1/db failed" in tb
+    assert CANARY not in tb
