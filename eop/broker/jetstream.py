@@ -35,6 +35,64 @@ API_PREFIX = "$JS.API"
 NATS_ERRORS = connection.NATS_ERRORS
 
 
+class _Events:
+    """What a connection's callbacks log and decide, from the first try to the close."""
+
+    def __init__(
+        self,
+        refusals: connection.Refusals,
+        on_lost: Callable[[errors.NatsUnavailable], None] | None,
+    ) -> None:
+        self.logger = log.get_logger()
+        self.refusals = refusals
+        self.on_lost = on_lost
+        self.nc: client.Client | None = None
+        self.handed_over = False
+        """Whether the caller has the connection (after its first connection and check)."""
+        self.lost = False
+        self.outage_errors: int | None = None
+        """The errors of the reconnect attempts since the connection dropped; None while up."""
+
+    def give_up(self, error: errors.NatsUnavailable) -> None:
+        if self.on_lost is not None and self.handed_over and not self.lost:
+            self.lost = True
+            self.on_lost(error)
+
+    async def error(self, exc: Exception) -> None:
+        # Before the first connection is handed over, the caller's error (one line, or a
+        # start-up retry's) tells of the failure: a warning per try was noise before it.
+        # While the connection is down (nats.disconnected, a warning, said so), each
+        # reconnect attempt fails, every 0.5 s or so: debug lines, counted on
+        # nats.reconnected.
+        warn = self.handed_over and self.outage_errors is None
+        if self.outage_errors is not None:
+            self.outage_errors += 1
+        (self.logger.warning if warn else self.logger.debug)(
+            log.Event.NATS_ERROR, error=type(exc).__name__
+        )
+        refused = self.refusals.error(exc)
+        if refused is not None:
+            self.give_up(refused)
+
+    async def disconnected(self) -> None:
+        # nats-py calls this on our own close() too: that is no news for the operator.
+        if self.nc is None or not self.nc.is_closed:
+            if self.outage_errors is None:
+                self.outage_errors = 0
+            self.logger.warning(log.Event.NATS_DISCONNECTED)
+
+    async def reconnected(self) -> None:
+        self.refusals.connected()
+        failed, self.outage_errors = self.outage_errors or 0, None
+        self.logger.info(log.Event.NATS_RECONNECTED, failed_attempts=failed)
+
+    async def closed(self) -> None:
+        # nats-py closes a connection by itself when the server ends it with
+        # an error: it will not reconnect. Our own close() is no news.
+        if self.nc is not None and not self.nc.eop_closing:
+            self.give_up(self.refusals.closed(self.nc.last_error))
+
+
 async def connect(
     settings: Settings,
     *,
@@ -49,56 +107,20 @@ async def connect(
     caller decides what to do (a worker stops). The connection is left to
     the caller to close.
     """
-    logger = log.get_logger()
-    nc: client.Client | None = None
     access = settings.nats_access
-    refusals = connection.Refusals(access, settings.nats_auth_refusals)
-    handed_over = False
-    lost = False
-
-    def give_up(error: errors.NatsUnavailable) -> None:
-        nonlocal lost
-        if on_lost is not None and handed_over and not lost:
-            lost = True
-            on_lost(error)
-
-    async def on_error(exc: Exception) -> None:
-        # Before the first connection is handed over, the caller's error (one line, or a
-        # start-up retry's) tells of the failure: a warning per try was noise before it.
-        (logger.warning if handed_over else logger.debug)(
-            log.Event.NATS_ERROR, error=type(exc).__name__
-        )
-        refused = refusals.error(exc)
-        if refused is not None:
-            give_up(refused)
-
-    async def on_disconnect() -> None:
-        # nats-py calls this on our own close() too: that is no news for the operator.
-        if nc is None or not nc.is_closed:
-            logger.warning(log.Event.NATS_DISCONNECTED)
-
-    async def on_reconnect() -> None:
-        refusals.connected()
-        logger.info(log.Event.NATS_RECONNECTED)
-
-    async def on_closed() -> None:
-        # nats-py closes a connection by itself when the server ends it with
-        # an error: it will not reconnect. Our own close() is no news.
-        if nc is not None and not nc.eop_closing:
-            give_up(refusals.closed(nc.last_error))
-
+    events = _Events(connection.Refusals(access, settings.nats_auth_refusals), on_lost)
     # A few tries only for the first connection, so that a worker started
     # against a dead server says so within seconds (its start-up retries the
     # whole connection, logging each retry: eop.runtime.startup), and fails at
     # once when the server refuses its credentials or certificate...
-    nc = await connection.connect_nats(
+    nc = events.nc = await connection.connect_nats(
         access,
         name=name,
         max_reconnect_attempts=2,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
-        closed_cb=on_closed,
+        error_cb=events.error,
+        disconnected_cb=events.disconnected,
+        reconnected_cb=events.reconnected,
+        closed_cb=events.closed,
     )
     # ...and, once connected, reconnect for as long as it takes. nats-py reads
     # this option on every reconnect cycle.
@@ -114,7 +136,7 @@ async def connect(
             f"JetStream is not available at {access.where} (start nats-server with -js; "
             f"in a cluster, a quorum of its servers must be up): {type(exc).__name__}"
         ) from exc
-    handed_over = True
+    events.handed_over = True
     return nc
 
 

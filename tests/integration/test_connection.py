@@ -63,6 +63,48 @@ def _logged(logs: list[dict[str, object]], event: log.Event) -> int:
     return sum(1 for e in logs if e["event"] == str(event))
 
 
+async def test_an_outage_logs_one_nats_error_warning_and_counts_the_rest_on_reconnection(
+    nats_server: embedded.NatsServer,
+) -> None:
+    """While NATS is down every reconnect attempt fails, twice a second or so: after the
+    `nats.disconnected` warning (and the error that ended the connection, if any) those
+    failures are debug lines, and `nats.reconnected` counts them. A second outage is
+    told of the same way."""
+    settings = Settings.from_env(environ={}, overrides={"nats_url": nats_server.url})
+
+    def nats_errors(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [e for e in logs if e["event"] == str(log.Event.NATS_ERROR)]
+
+    with structlog.testing.capture_logs() as logs:
+        nc = await jetstream.connect(settings)
+        try:
+            for outage in (1, 2):
+                before, start = len(nats_errors(logs)), len(logs)
+                nats_server.stop()
+
+                async def failing(before: int = before) -> bool:
+                    return len(nats_errors(logs)) >= before + 3
+
+                await wait_for(failing, what="three failed reconnect attempts")
+                nats_server.start()
+
+                async def back(outage: int = outage) -> bool:
+                    return _logged(logs, log.Event.NATS_RECONNECTED) == outage
+
+                await wait_for(back, what="the reconnection")
+                outage_lines = logs[start:]
+                down = [e["event"] for e in outage_lines].index("nats.disconnected")
+                warned = [e for e in outage_lines[:down] if e["event"] == "nats.error"]
+                during = [e for e in outage_lines[down:] if e["event"] == "nats.error"]
+                assert [e["log_level"] for e in warned] in ([], ["warning"])
+                assert len(during) >= 2
+                assert {e["log_level"] for e in during} == {"debug"}
+                reconnected = [e for e in logs if e["event"] == "nats.reconnected"][-1]
+                assert reconnected["failed_attempts"] == len(during)
+        finally:
+            await nc.close()
+
+
 async def test_a_read_loop_ended_while_connected_is_logged_and_the_worker_reconnects(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
