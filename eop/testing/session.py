@@ -50,7 +50,8 @@ class FakeSession:
         self.added.extend(instances)
 
     def flush(self) -> _Done:
-        """Do nothing, as ``session.flush()`` or ``await session.flush()``."""
+        """Do nothing, as ``session.flush()`` or ``await session.flush()``: a key the
+        database would assign stays None (test a handler that reads one with a database)."""
         self.flushes += 1
         return _Done()
 
@@ -65,8 +66,8 @@ class FakeSession:
 class FakeWrites:
     """The ``eop.Writes`` a handler gets from :class:`MemoryStore`: it records the statements.
 
-    :meth:`add` refuses what ``eop.Writes.add`` refuses (a SELECT, a RETURNING)
-    and records the rest in :attr:`FakeSession.statements`; they become
+    :meth:`add` refuses what ``eop.Writes.add`` refuses (a Core ``select()``, a
+    ``.returning()``) and records the rest in :attr:`FakeSession.statements`; they become
     :attr:`MemoryStore.statements` when the transaction commits. There is no
     database: :attr:`session` is the :class:`FakeSession`, which runs no queries.
     """

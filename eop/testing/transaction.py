@@ -237,9 +237,11 @@ class MemoryTransaction:
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call ``spec.func(message, session)``, awaiting it when it returns an awaitable.
 
-        A plain ``def`` handler runs on the event loop here (the real store
-        runs it in a worker thread). ``flush=False`` is accepted for the batch
-        path; the fake session sends nothing before COMMIT either way.
+        A plain ``def`` handler runs in a thread, as the real store runs it:
+        what it may not do on the event loop (``asyncio.run``, a blocking
+        client that checks) behaves as in production. ``flush=False`` is
+        accepted for the batch path; the fake session sends nothing before
+        COMMIT either way.
         """
         await self.run_many([message], flush=flush)
 
@@ -249,7 +251,10 @@ class MemoryTransaction:
         arg, extra = self.spec.arguments(messages)
         func: Any = self.spec.func  # given a fake session
         second = FakeWrites(self.session) if self.spec.takes_writes else self.session
-        result = func(arg, second, **extra)
+        if self.spec.is_async:
+            result = func(arg, second, **extra)
+        else:
+            result = await asyncio.to_thread(func, arg, second, **extra)
         if inspect.isawaitable(result):
             await result
         if flush:

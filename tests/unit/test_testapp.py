@@ -280,3 +280,27 @@ async def test_a_batch_with_msg_ids_skips_the_republished_one() -> None:
         )
     assert [d.outcome for d in delivered] == [Outcome.DUPLICATE, Outcome.PROCESSED]
     assert sorted(invoices(t)) == [("bulk", "a"), ("bulk", "b")]
+
+
+async def test_a_sync_handler_runs_in_a_thread_in_memory_as_in_a_worker() -> None:
+    """A plain `def` handler runs off the event loop, as `eop worker` runs it: one that
+    calls `asyncio.run` (a sync client built on asyncio) processes its message here too,
+    where on the loop it would fail and hide what production does."""
+    import asyncio
+    import threading
+
+    app = eop.App()
+    seen: list[bool] = []
+
+    async def lookup() -> int:
+        return 7
+
+    @app.handler(stream="ORDERS", subject="ORDERS.created", name="sync_client")
+    def handle(msg: eop.Message, session: object) -> None:
+        seen.append(threading.current_thread() is threading.main_thread())
+        assert asyncio.run(lookup()) == 7
+
+    async with testing.TestApp(app) as t:
+        delivered = await t.deliver("ORDERS.created", {"id": "o-1"})
+    assert delivered.processed, delivered
+    assert seen == [False]
