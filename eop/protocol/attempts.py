@@ -136,10 +136,10 @@ def exhausted(exc: Exception, error: str) -> contract.DeadLetter:
 
 
 def crash_loop(runs: int, bound: int) -> contract.DeadLetter:
-    """The dead letter of a message run ``runs`` times without an outcome (``max_deliveries``
-    is ``bound``)."""
+    """The dead letter of a message whose ``runs``-th run was counted, more than ``bound``
+    (``max_deliveries``): it is not run, and the runs before it ended without an outcome."""
     return contract.DeadLetter(
         reason=models.REASON_CRASH_LOOP,
-        error=f"run {runs} times without an outcome (max_deliveries={bound}): its worker "
-        "died or lost its lease in every attempt",
+        error=f"its worker died or lost its lease in each of its {runs - 1} runs, none of "
+        f"which settled it (max_deliveries={bound}): not run again",
     )

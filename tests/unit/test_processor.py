@@ -278,6 +278,9 @@ async def test_crash_looping_message_is_dead_lettered_without_running_handler(
     assert harness.calls == []
     [dead] = harness.store.dead_letters
     assert dead.reason == models.REASON_CRASH_LOOP
+    assert dead.error is not None
+    assert f"in each of its {FAST.max_deliveries} runs" in dead.error
+    assert f"(max_deliveries={FAST.max_deliveries})" in dead.error
     assert dead.traceback is None
     assert d.termed
 
