@@ -201,25 +201,30 @@ def _cmd_dlq_replay(args: argparse.Namespace) -> int:
     app = options.db_app(args, (*options.DB_FIELDS, "nats_url"))
     mode: dlq.ReplayMode = "rerun" if args.rerun else "publish"
 
+    def shown(result: dlq.ReplayResult) -> None:
+        # As each one is done: a replay cut short (killed, an outage) has said what it did.
+        print(result.describe(), flush=True)
+
+    on_result = None if args.json else shown
+
     async def replay() -> list[dlq.ReplayResult]:
         ids = list(args.ids) or await dlq.DeadLetters(app).ids(_dlq_filters(args))
         if mode == "rerun":
-            return await dlq.Replayer(app).replay_many(ids, mode=mode, again=args.again)
+            return await dlq.Replayer(app).replay_many(
+                ids, mode=mode, again=args.again, on_result=on_result
+            )
         nc = await jetstream.connect(app.settings, name="eop-dlq-replay")
         try:
             replayer = dlq.Replayer(app, nc.jetstream(), allow_fanout=args.allow_fanout)
-            return await replayer.replay_many(ids, mode=mode, again=args.again)
+            return await replayer.replay_many(ids, mode=mode, again=args.again, on_result=on_result)
         finally:
             await nc.close()
 
     results = options.run_with(app, replay(), schema_ready=True)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
-    else:
-        for result in results:
-            print(result.describe())
-        if not results:
-            print("no dead letters match")
+    elif not results:
+        print("no dead letters match")
     return 1 if any(r.status == "failed" for r in results) else 0
 
 

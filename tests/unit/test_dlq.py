@@ -201,3 +201,26 @@ def test_dlq_command_line_mistakes_are_clear_errors(
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+async def test_replay_many_tells_each_result_before_the_next_replay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`eop dlq replay` prints each dead letter's result as it is done: a replay killed
+    or stopped by an outage midway has said what it did."""
+    import eop
+
+    events: list[str] = []
+
+    async def replay(self: dlq.Replayer, i: int, **_: object) -> dlq.ReplayResult:
+        events.append(f"replay {i}")
+        if i == 3:
+            raise errors.NatsUnavailable("gone")
+        return dlq.ReplayResult(id=i, status="published", mode="publish", generation=1)
+
+    monkeypatch.setattr(dlq.Replayer, "replay", replay)
+    with pytest.raises(errors.NatsUnavailable):
+        await dlq.Replayer(eop.App()).replay_many(
+            [1, 2, 3], on_result=lambda r: events.append(f"told {r.id}")
+        )
+    assert events == ["replay 1", "told 1", "replay 2", "told 2", "replay 3"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import nats.errors
@@ -94,10 +94,21 @@ class Replayer:
         self._transforms: dict[str, tuple[str, str] | None] = {}
 
     async def replay_many(
-        self, ids: Iterable[int], *, mode: state.ReplayMode = "publish", again: bool = False
+        self,
+        ids: Iterable[int],
+        *,
+        mode: state.ReplayMode = "publish",
+        again: bool = False,
+        on_result: Callable[[state.ReplayResult], None] | None = None,
     ) -> list[state.ReplayResult]:
-        """Replay each dead letter in turn (see :meth:`replay`)."""
-        return [await self.replay(i, mode=mode, again=again) for i in ids]
+        """Replay each dead letter in turn (see :meth:`replay`); ``on_result`` is given
+        each result as it comes, so that a run cut short has told what it did."""
+        results = []
+        for i in ids:
+            results.append(await self.replay(i, mode=mode, again=again))
+            if on_result is not None:
+                on_result(results[-1])
+        return results
 
     @property
     def _nats(self) -> JetStreamContext:
