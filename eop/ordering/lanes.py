@@ -31,6 +31,10 @@ from eop.runtime import startup
 from eop.runtime.inflight import InFlight
 from eop.types import Delivery, Outcome
 
+#: How often a lane holding a redelivery, waiting behind its key's previous lane, looks
+#: whether that lane now waits for the redelivery (its first run settled as a retry).
+AWAITED_POLL_S = 0.05
+
 
 class Lanes:
     """The lanes of every ordered handler one worker runs, with their runners and heads."""
@@ -130,20 +134,29 @@ class Lanes:
         name = proc.spec.name
         flight.observer.received(proc.spec, msgs)
         try:
-            # The retried message the previous lane waits for must not wait for it.
-            awaited = self.blocked.blocked_seq(name, key)
-            first = [m for m in msgs if awaited is not None and _seq(m) <= awaited]
-            rest = [m for m in msgs if m not in first]
-            if await self._run_lane(proc, key, first, received_at, part):
-                while previous is not None and not previous.done():
-                    # Past the lookahead they keep their slots, unless the key is blocked.
-                    over = part.queued + len(rest) > self.runners[name].lookahead
-                    if over and self.blocked.blocked_seq(name, key) is None:
-                        await asyncio.wait({previous}, timeout=1.0)
-                        continue
-                    async with part.held(flight.slots, len(rest), queued=True):
-                        await asyncio.wait({previous})
-                await self._run_lane(proc, key, rest, received_at, part)
+            rest = list(msgs)
+            # A redelivery here may be of a message the previous lane still runs: once that
+            # run settles as a retry, the previous lane waits for this redelivery, which
+            # must then not wait for it. Checked again while the previous lane runs.
+            redelivered = any(m.metadata.num_delivered > 1 for m in rest)
+            poll_s = AWAITED_POLL_S if redelivered else None
+            while True:
+                first = self._awaited(name, key, rest)
+                if first:
+                    rest = [m for m in rest if m not in first]
+                    if not await self._run_lane(proc, key, first, received_at, part):
+                        return
+                if previous is None or previous.done():
+                    break
+                # Past the lookahead they keep their slots, unless the key is blocked.
+                over = part.queued + len(rest) > self.runners[name].lookahead
+                if over and self.blocked.blocked_seq(name, key) is None:
+                    await asyncio.wait({previous}, timeout=poll_s or 1.0)
+                    continue
+                async with part.held(flight.slots, len(rest), queued=True):
+                    while not previous.done() and not self._awaited(name, key, rest):
+                        await asyncio.wait({previous}, timeout=poll_s)
+            await self._run_lane(proc, key, rest, received_at, part)
         finally:
             # Those it did not run are left for the partition's next consumer.
             flight.leases.release(msgs)
@@ -151,6 +164,12 @@ class Lanes:
             part.room.set()
             flight.observer.done(proc.spec, msgs)
             flight.slots.give(len(msgs))
+
+    def _awaited(self, name: str, key: str, msgs: Sequence[Delivery]) -> list[Delivery]:
+        """Those of ``msgs`` the key's blocked lane waits for: the retried message's
+        redelivery (and any earlier one), which must not wait behind that lane."""
+        awaited = self.blocked.blocked_seq(name, key)
+        return [] if awaited is None else [m for m in msgs if _seq(m) <= awaited]
 
     async def _run_lane(
         self,

@@ -350,6 +350,57 @@ async def test_sync_handlers_work_in_batch_transactions(
     assert await effects_by_body(engine) == {"a": 1, "b": 1, "c": 1}
 
 
+async def test_a_retried_message_sharing_a_slow_transaction_does_not_stall_its_key(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """An ordered handler's x-1 fails and is nak'ed inside a transaction it shares with
+    another key's y-1, which keeps retrying on a lock held elsewhere. x-1's redelivery
+    arrives while x's lane still waits for that transaction: once it ends, x's lane waits
+    for the redelivery, which must run then rather than wait behind that lane (the key
+    stalled for as long as the worker owned the partition). Every message takes effect
+    once, x-1 before x-2."""
+    await create_effects_table(engine)
+    async with engine.begin() as conn:
+        await conn.execute(sa.text("CREATE TABLE hot (n int)"))
+        await conn.execute(sa.text("INSERT INTO hot VALUES (0)"))
+    app = make_app(database_url, nats_url, lock_timeout_s=0.3, batch=8, concurrency=8)
+    failed: list[str] = []
+
+    @app.handler(stream=STREAM, subject="ORDERS.*", name="ordered", order_by="subject:1")
+    async def ordered(msg: eop.Message, session: AsyncSession) -> None:
+        body = msg.data.decode()
+        if body == "z-1":
+            await asyncio.sleep(0.5)  # running: x-1 and y-1 queue, then share a transaction
+        if body == "x-1" and msg.num_delivered == 1:
+            failed.append(body)
+            raise eop.Retry("its first delivery", delay_s=0.05)
+        if body == "y-1":
+            await session.execute(sa.text("UPDATE hot SET n = n + 1"))
+        await record_effect(session, "ordered", msg)
+
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    # One fetch takes them all: z-1 runs alone, x-1 and y-1 wait and share a transaction.
+    for body in ("z-1", "x-1", "y-1", "x-2"):
+        await publish(js, body, subject=f"ORDERS.{body.split('-')[0]}")
+    async with engine.connect() as holder:
+        # y-1's UPDATE waits on this lock and times out, its transaction retried, for 3 s.
+        await holder.execute(sa.text("SELECT n FROM hot FOR UPDATE"))
+        async with running(app):
+            await asyncio.sleep(3.0)
+            await holder.rollback()
+
+            async def all_in() -> bool:
+                want = {"z-1": 1, "x-1": 1, "y-1": 1, "x-2": 1}
+                return await effects_by_body(engine) == want
+
+            await wait_for(all_in, what="every message, x's through its retry")
+    async with engine.connect() as conn:
+        rows = (await conn.execute(sa.text("SELECT body FROM effects ORDER BY id"))).all()
+    order = [body for (body,) in rows]
+    assert set(failed) == {"x-1"}
+    assert order.index("x-1") < order.index("x-2")
+
+
 async def test_same_key_messages_are_handled_in_stream_order_even_through_a_retry(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
