@@ -242,7 +242,8 @@ async def _from_nats(
         status.warnings.append(
             f"WARNING: consumer {spec.durable!r} has AckWait {status.ack_wait_s:g} s, but "
             f"these settings say {want:g} s: workers started with them set it to theirs "
-            "(with creating consumers off they refuse to start)"
+            "(with creating consumers off they refuse to start). If the workers run with "
+            "--ack-wait-s or EOP_ACK_WAIT_S, give eop status the same EOP_ACK_WAIT_S"
         )
     status.waiting_pulls = int(info.num_waiting or 0)
     if info.ack_floor is not None:
