@@ -82,10 +82,15 @@ class Heads:
         self._group = GROUP
         self._running = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._stop_watch: asyncio.Task[None] | None = None
 
     async def handle(self, delivery: Delivery, received_at: float) -> Outcome:
         """Process ``delivery`` (fetched, or its lease last renewed, at ``received_at``);
         returns once its outcome committed, or it was left, nak'ed or dead-lettered."""
+        if self._proc.stopping.is_set():
+            # The worker stops: what has not started is handed back, not run through
+            # the stop's grace one batch after another.
+            return await self._proc.hand_back(delivery)
         if not self._together or delivery.metadata.num_delivered > 1:
             # A redelivery forgets the failures counted for it (the per-message protocol
             # does that); they are rare.
@@ -101,6 +106,8 @@ class Heads:
         loop = asyncio.get_running_loop()
         waiting = _Waiting(delivery, received_at, loop.create_future())
         self._waiting.append(waiting)
+        if self._stop_watch is None:
+            self._stop_watch = asyncio.create_task(self._hand_back_at_stop())
         self._start(anyway=0)
         if self._waiting and self._timer is None:
             self._timer = loop.call_later(LINGER_S, self._lingered)
@@ -128,6 +135,11 @@ class Heads:
         ``anyway`` (in place of one that ended, or after the linger), when none runs, or
         when a group (:attr:`_group`) waits, as many transactions as the waiting fill with
         a group each, at least one."""
+        if self._proc.stopping.is_set() and self._waiting:
+            taken = list(self._waiting)
+            self._waiting.clear()
+            self._spawn(self._hand_back(taken))
+            return
         free = self._transactions - self._running
         waiting = len(self._waiting)
         if not waiting or free <= 0:
@@ -145,6 +157,23 @@ class Heads:
             taken = [self._waiting.popleft() for _ in range(min(size, len(self._waiting)))]
             self._running += 1
             self._spawn(self._run(taken))
+
+    async def _hand_back_at_stop(self) -> None:
+        """When the worker stops, hand the waiting messages back at once, not once a
+        running transaction ends (under contention, one lock timeout or more)."""
+        await self._proc.stopping.wait()
+        self._start(anyway=0)
+
+    async def _hand_back(self, taken: Sequence[_Waiting]) -> None:
+        """The worker stops: the waiting messages are handed back unrun, their lanes told."""
+        for waiting in taken:
+            try:
+                outcome = await self._proc.hand_back(waiting.delivery)
+            except BaseException:
+                waiting.outcome.cancel()
+                raise
+            if not waiting.outcome.done():
+                waiting.outcome.set_result(outcome)
 
     async def _run(self, taken: Sequence[_Waiting]) -> None:
         try:

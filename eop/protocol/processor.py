@@ -160,6 +160,20 @@ class Processor:
         """The lease of one delivery."""
         return self._spec.ack_wait_s or self.settings.ack_wait_s
 
+    async def hand_back(self, delivery: Delivery) -> Outcome:
+        """A delivery the worker stopped before it started: nak'ed at once, not run, so
+        that another process (or the partition's next owner) takes it without waiting."""
+        meta = delivery.metadata
+        logger = log.LazyLogger(
+            handler=self._spec.name,
+            stream=meta.stream,
+            seq=meta.sequence.stream,
+            delivered=meta.num_delivered,
+        )
+        await ack.nak(delivery, 0.0, logger)
+        self._observer.outcome(observe.Settled(self._spec, delivery, Outcome.RETRY))
+        return Outcome.RETRY
+
     async def handle(self, delivery: Delivery, received_at: float) -> Outcome:
         """Process one delivery fetched at ``received_at`` (on :attr:`clock`)."""
         await faults.point("after_fetch")
