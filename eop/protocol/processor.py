@@ -160,17 +160,20 @@ class Processor:
         """The lease of one delivery."""
         return self._spec.ack_wait_s or self.settings.ack_wait_s
 
-    async def hand_back(self, delivery: Delivery) -> Outcome:
-        """A delivery the worker stopped before it started: nak'ed at once, not run, so
-        that another process (or the partition's next owner) takes it without waiting."""
+    def _logger(self, delivery: Delivery) -> log.LazyLogger:
+        """A logger bound to the delivery's coordinates."""
         meta = delivery.metadata
-        logger = log.LazyLogger(
+        return log.LazyLogger(
             handler=self._spec.name,
             stream=meta.stream,
             seq=meta.sequence.stream,
             delivered=meta.num_delivered,
         )
-        await ack.nak(delivery, 0.0, logger)
+
+    async def hand_back(self, delivery: Delivery) -> Outcome:
+        """A delivery the worker stopped before it started: nak'ed at once, not run, so
+        that another process (or the partition's next owner) takes it without waiting."""
+        await ack.nak(delivery, 0.0, self._logger(delivery))
         self._observer.outcome(observe.Settled(self._spec, delivery, Outcome.RETRY))
         return Outcome.RETRY
 
@@ -178,12 +181,7 @@ class Processor:
         """Process one delivery fetched at ``received_at`` (on :attr:`clock`)."""
         await faults.point("after_fetch")
         meta = delivery.metadata
-        logger = log.LazyLogger(
-            handler=self._spec.name,
-            stream=meta.stream,
-            seq=meta.sequence.stream,
-            delivered=meta.num_delivered,
-        )
+        logger = self._logger(delivery)
         epoch = await self.epochs.epoch_of(meta.stream, meta.timestamp)
         if epoch is None:
             # Stored before the stream's current incarnation: that stream, and

@@ -38,12 +38,8 @@ def _keyed(seq: int) -> testing.FakeDelivery:
     return delivery(str(seq).encode(), seq=seq, subject=f"orders.k{seq}.new")
 
 
-async def test_messages_queued_behind_a_busy_transaction_commit_together_each_with_its_outcome(
-    make_harness: MakeHarness,
-) -> None:
-    """With its one transaction busy, three lanes' messages wait, then share one
-    transaction (one claim, one COMMIT): each lane gets PROCESSED, every message acked."""
-    h, harness = _heads(make_harness, transactions=1)
+async def _first_busy(h: heads.Heads, harness: Any) -> tuple[asyncio.Event, asyncio.Future[Any]]:
+    """Message 1 handed in, its handler running until the event returned is set."""
     release = asyncio.Event()
 
     async def slow(msg: Message, session: Any) -> None:
@@ -52,6 +48,16 @@ async def test_messages_queued_behind_a_busy_transaction_commit_together_each_wi
     harness.then(slow)
     first = asyncio.ensure_future(h.handle(_keyed(1), harness.processor.clock()))
     await asyncio.sleep(0.01)
+    return release, first
+
+
+async def test_messages_queued_behind_a_busy_transaction_commit_together_each_with_its_outcome(
+    make_harness: MakeHarness,
+) -> None:
+    """With its one transaction busy, three lanes' messages wait, then share one
+    transaction (one claim, one COMMIT): each lane gets PROCESSED, every message acked."""
+    h, harness = _heads(make_harness, transactions=1)
+    release, first = await _first_busy(h, harness)
     queued = [_keyed(seq) for seq in (2, 3, 4)]
     waiting = [asyncio.ensure_future(h.handle(d, harness.processor.clock())) for d in queued]
     await asyncio.sleep(0.01)
@@ -217,14 +223,7 @@ async def test_a_stop_hands_the_waiting_messages_back_at_once_unrun(
     waiting for that transaction, which finishes and commits its own message. A message
     handed in after the stop is handed back too."""
     h, harness = _heads(make_harness, transactions=1)
-    release = asyncio.Event()
-
-    async def slow(msg: Message, session: Any) -> None:
-        await release.wait()
-
-    harness.then(slow)
-    first = asyncio.ensure_future(h.handle(_keyed(1), harness.processor.clock()))
-    await asyncio.sleep(0.01)
+    release, first = await _first_busy(h, harness)
     queued = [_keyed(seq) for seq in (2, 3)]
     waiting = [asyncio.ensure_future(h.handle(d, harness.processor.clock())) for d in queued]
     await asyncio.sleep(0.01)
