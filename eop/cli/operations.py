@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -101,7 +102,13 @@ def add_streams(sub: options.Subparsers) -> None:
         "partition transforms); check those that exist; list them",
     )
     options.add_log_options(create, suppress=True)
-    create.add_argument("app", metavar="MODULE:APP", help="the eop.App, e.g. myapp:app")
+    create.add_argument(
+        "app",
+        metavar="MODULE:APP",
+        nargs="?",
+        default=os.environ.get("EOP_APP"),
+        help="the eop.App, e.g. myapp:app [env: EOP_APP; under Django, the project's]",
+    )
     options.add_setting(create, "nats_url")
     create.set_defaults(command=_cmd_streams_create)
 
@@ -109,6 +116,8 @@ def add_streams(sub: options.Subparsers) -> None:
 def _cmd_streams_create(args: argparse.Namespace) -> int:
     from eop.ops import streams
 
+    if not args.app:
+        raise errors.ConfigurationError("name the app: eop streams create MODULE:APP (or EOP_APP)")
     app = options.configured_app(args, ("nats_url",))
     print(streams.format_table(options.run_with(app, streams.create(app))))
     return 0

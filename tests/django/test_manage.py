@@ -83,6 +83,16 @@ def test_manage_eop_db_check_finds_the_tables_made_by_manage_py_migrate(
     assert listed.returncode == 0, listed.stderr
 
 
+def test_manage_eop_streams_create_makes_the_projects_streams(project: str, nats_url: str) -> None:
+    """``manage.py eop streams create`` takes the project's app without being told it,
+    and makes its declared streams before any worker runs."""
+    env = manage_env(project, nats_url)
+    done = manage("eop", "streams", "create", env=env)
+    assert done.returncode == 0, done.stderr
+    states = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines()[1:]}
+    assert states == {"DJ": "created", "DJLEDGER": "created"}
+
+
 def test_a_refused_settings_eop_is_one_line_never_a_traceback(project: str, nats_url: str) -> None:
     """A typo in ``settings.EOP`` (an unknown key) does not fail Django's start with a
     traceback: ``manage.py eop worker`` refuses to run with one line (JSON here, as the
