@@ -121,7 +121,7 @@ class Contention:
                     if self.stopping.is_set():
                         # Queued behind the others, not started: handed back at once
                         # rather than run one by one through the stop's grace.
-                        return await self.settlement.nak(delivery, msg, 0.0, logger)
+                        return await self.settlement.hand_back(delivery, logger)
                     token = _CONTENDED.set(True)
                     try:
                         return await step(msg)
@@ -144,7 +144,7 @@ class Contention:
                     self.note()
                 if self.stopping.is_set():
                     # Left for redelivery at once: no line saying it will run again here.
-                    return await self.settlement.nak(delivery, msg, 0.0, logger)
+                    return await self.settlement.hand_back(delivery, logger)
                 attempt += 1
                 delay_s = backoff.jittered_s(
                     attempt, self.settings.backoff_base_s, self.settings.backoff_max_s

@@ -173,9 +173,7 @@ class Processor:
     async def hand_back(self, delivery: Delivery) -> Outcome:
         """A delivery the worker stopped before it started: nak'ed at once, not run, so
         that another process (or the partition's next owner) takes it without waiting."""
-        await ack.nak(delivery, 0.0, self._logger(delivery))
-        self._observer.outcome(observe.Settled(self._spec, delivery, Outcome.RETRY))
-        return Outcome.RETRY
+        return await self.settlement.hand_back(delivery, self._logger(delivery))
 
     async def handle(self, delivery: Delivery, received_at: float) -> Outcome:
         """Process one delivery fetched at ``received_at`` (on :attr:`clock`)."""
@@ -355,7 +353,7 @@ class Processor:
             if self.stopping.is_set():
                 # Queued behind the process's other redeliveries, not started: handed
                 # back at once rather than run one by one through the stop's grace.
-                return await self.settlement.nak(delivery, msg, 0.0, logger)
+                return await self.settlement.hand_back(delivery, logger)
             if not counted:
                 async with self.store.transaction(self._spec) as tx:
                     runs = await tx.count_run(msg)

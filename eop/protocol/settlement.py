@@ -263,6 +263,14 @@ class Settlement:
         self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.RETRY))
         return Outcome.RETRY
 
+    async def hand_back(self, delivery: Delivery, logger: log.Logger) -> Outcome:
+        """The worker stops before this delivery ran (or while its transaction waits to be
+        retried): nak'ed at once, for another process to take without waiting, and
+        counted as left for redelivery, not as a retry (nothing failed)."""
+        await ack.nak(delivery, 0.0, logger)
+        self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
+        return Outcome.LEFT
+
     def left(self, delivery: Delivery) -> Outcome:
         """Nothing is settled here: another run or delivery settles the message, or its lease
         ends and the server delivers it again."""

@@ -219,7 +219,7 @@ async def test_a_stop_hands_the_waiting_messages_back_at_once_unrun(
     make_harness: MakeHarness,
 ) -> None:
     """The worker stops while lanes' messages wait behind a busy transaction: they are
-    nak'ed at once (delay 0) and their lanes told RETRY, without running and without
+    nak'ed at once (delay 0) and their lanes told LEFT, without running and without
     waiting for that transaction, which finishes and commits its own message. A message
     handed in after the stop is handed back too."""
     h, harness = _heads(make_harness, transactions=1)
@@ -228,11 +228,11 @@ async def test_a_stop_hands_the_waiting_messages_back_at_once_unrun(
     waiting = [asyncio.ensure_future(h.handle(d, harness.processor.clock())) for d in queued]
     await asyncio.sleep(0.01)
     harness.processor.stopping.set()
-    assert await asyncio.gather(*waiting) == [Outcome.RETRY] * 2
+    assert await asyncio.gather(*waiting) == [Outcome.LEFT] * 2
     assert not first.done()
     assert [(d.naked, d.nak_delay) for d in queued] == [(True, 0.0)] * 2
     late = _keyed(4)
-    assert await h.handle(late, harness.processor.clock()) == Outcome.RETRY
+    assert await h.handle(late, harness.processor.clock()) == Outcome.LEFT
     assert (late.naked, late.nak_delay) == (True, 0.0)
     release.set()
     assert await first == Outcome.PROCESSED

@@ -422,11 +422,12 @@ async def test_conflicts_are_retried_until_the_transaction_commits(harness: Harn
 
 
 async def test_a_stop_hands_a_message_waiting_to_retry_back_at_once(harness: Harness) -> None:
-    """While the database fails, a stopping worker naks (no delay) instead of waiting."""
+    """While the database fails, a stopping worker naks (no delay) instead of waiting: left
+    for redelivery, not counted as a retry (nothing failed)."""
     harness.store.conflict_commits(1000)
     harness.processor.stopping.set()
     d = delivery()
-    assert await harness.handle(d) is Outcome.RETRY
+    assert await harness.handle(d) is Outcome.LEFT
     assert d.naked
     assert d.nak_delay == 0.0
     assert harness.store.attempts == {}
@@ -559,13 +560,13 @@ async def test_a_redelivery_queued_behind_others_when_the_worker_stops_is_handed
 
 async def _stopped_while_queued(harness: Harness, held: asyncio.Lock, d: Any) -> None:
     """Handle ``d`` while ``held`` is taken, ask for a stop, then let it go: ``d`` must
-    be nak'ed at once (no delay) with its handler never run."""
+    be nak'ed at once (no delay) with its handler never run, left for redelivery."""
     async with held:
         handling = asyncio.ensure_future(harness.handle(d))
         await asyncio.sleep(0.01)
         assert not handling.done()
         harness.processor.stopping.set()
-    assert await handling is Outcome.RETRY
+    assert await handling is Outcome.LEFT
     assert (d.naked, d.nak_delay, harness.calls) == (True, 0.0, [])
 
 
