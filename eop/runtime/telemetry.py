@@ -88,13 +88,16 @@ class Telemetry:
                 ) from exc
             self.metrics = worker_metrics
             observers.append(worker_metrics)
+        readiness = self.readiness = health.Readiness(
+            bound=lambda: worker.ready.is_set(),
+            draining=lambda: worker.draining,
+            nats_connected=self._nats_connected,
+            ping=self._ping,
+        )
+        """What ``/readyz`` checks (:meth:`eop.Worker.readiness` for an embedded worker).
+        Told of outcomes only when an endpoint serves it; else it pings PostgreSQL when
+        asked, which costs the messages nothing."""
         if self.metrics is not None and (s.metrics_port or report_to):
-            readiness = health.Readiness(
-                bound=lambda: worker.ready.is_set(),
-                draining=lambda: worker.draining,
-                nats_connected=self._nats_connected,
-                ping=self._ping,
-            )
             if report_to:
                 self.reporter = reports.Reporter(report_to, readiness)
             else:

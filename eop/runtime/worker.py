@@ -167,6 +167,13 @@ class Worker(hosting.Hosted):
         """True once a stop was asked for."""
         return self._stopping.is_set()
 
+    async def readiness(self) -> dict[str, bool]:
+        """What ``eop worker``'s ``/readyz`` checks, each with whether it holds: every
+        subscription bound, not stopping, NATS connected, PostgreSQL answering (a
+        ping, at most one at a time, when no outcome showed it lately). Ready when all
+        hold: for the readiness probe of an application that embeds the worker."""
+        return await self.telemetry.readiness.check()
+
     async def run(self) -> None:
         """Connect, bind the subscriptions, process until stopped, then drain.
 

@@ -73,6 +73,38 @@ async def test_a_worker_in_the_host_loop_processes_each_message_once_and_install
     assert other_tasks() <= before
 
 
+async def test_a_hosted_workers_readiness_tells_of_a_nats_outage_and_of_its_stop(
+    database_url: str, nats_server: Any, engine: AsyncEngine
+) -> None:
+    """`await worker.readiness()` answers what `/readyz` checks, without a metrics port:
+    all true while running; NATS connected false while the server is down, true again once
+    back; not draining false after a stop is asked for."""
+    await create_effects_table(engine)
+    app = make_app(database_url, nats_server.url)
+    async with eop.Worker(app).running() as worker:
+        checks = await worker.readiness()
+        assert checks == {
+            "subscriptions_bound": True,
+            "not_draining": True,
+            "nats_connected": True,
+            "database_reachable": True,
+        }
+        nats_server.stop()
+
+        async def nats_down() -> bool:
+            return not (await worker.readiness())["nats_connected"]
+
+        await wait_for(nats_down, what="readiness to see NATS gone")
+        nats_server.start()
+
+        async def all_ready() -> bool:
+            return all((await worker.readiness()).values())
+
+        await wait_for(all_ready, what="readiness once NATS is back")
+        worker.stop()
+        assert not (await worker.readiness())["not_draining"]
+
+
 async def test_a_hosted_workers_metrics_go_into_the_hosts_registry(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
