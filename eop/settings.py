@@ -108,7 +108,8 @@ class Settings:
     ack_give_up_s: float = _field(
         10.0,
         "How long a confirmed ack is retried before giving up (redelivery is then skipped); "
-        "one that no server answers (no responders) at most 2 s.",
+        "one that no server answers (no responders), or any once the worker stops, at "
+        "most 2 s.",
     )
     lock_timeout_s: float = _field(
         5.0, "``lock_timeout`` of the message's transaction (waiting on a concurrent claim)."

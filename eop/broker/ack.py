@@ -59,12 +59,18 @@ _BATCH_SEND_ERRORS: tuple[type[BaseException], ...] = (*_RETRYABLE_ACK_ERRORS, n
 
 
 async def confirm(
-    delivery: Delivery, *, timeout_s: float, give_up_s: float, logger: log.Logger
+    delivery: Delivery,
+    *,
+    timeout_s: float,
+    give_up_s: float,
+    logger: log.Logger,
+    stopping: asyncio.Event | None = None,
 ) -> bool:
     """Send a confirmed ack, retried on timeouts and reconnects; True once the server has it.
 
     ``MsgAlreadyAckdError`` means an earlier attempt got through: done. After
-    ``give_up_s`` the ack is abandoned with a warning and False is returned.
+    ``give_up_s`` the ack is abandoned with a warning and False is returned; once
+    ``stopping`` is set, after :data:`NO_RESPONDERS_GIVE_UP_S` already.
     """
 
     # The first try outside tenacity: almost every ack succeeds at once, and a
@@ -82,7 +88,7 @@ async def confirm(
         logger.debug(log.Event.ACK_RETRY, attempt=state.attempt_number, error=type(exc).__name__)
 
     retrying = backoff.retrying(
-        stop=tenacity.stop_after_delay(give_up_s) | _NoRespondersForLong(),
+        stop=(tenacity.stop_after_delay(give_up_s) | _NoRespondersForLong() | _Stopped(stopping)),
         retry=tenacity.retry_if_exception_type(_RETRYABLE_ACK_ERRORS),
         base_s=_ACK_RETRY_FIRST_S,
         max_s=_ACK_RETRY_MAX_S,
@@ -114,6 +120,24 @@ class _NoRespondersForLong(tenacity.stop.stop_base):
             outcome is not None
             and elapsed is not None
             and isinstance(outcome.exception(), nats.errors.NoRespondersError)
+            and elapsed >= NO_RESPONDERS_GIVE_UP_S
+        )
+
+
+class _Stopped(tenacity.stop.stop_base):
+    """Stop resending an ack once the worker stops and :data:`NO_RESPONDERS_GIVE_UP_S` have
+    passed since the first resend: an ack NATS does not answer (the server down) held a
+    stopping worker for ``give_up_s``, when giving up costs a redelivery the inbox skips."""
+
+    def __init__(self, stopping: asyncio.Event | None) -> None:
+        self.stopping = stopping
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        elapsed = retry_state.seconds_since_start
+        return (
+            self.stopping is not None
+            and self.stopping.is_set()
+            and elapsed is not None
             and elapsed >= NO_RESPONDERS_GIVE_UP_S
         )
 
@@ -157,8 +181,10 @@ class Acker:
     :func:`confirm`: retried with tenacity, then given up with a warning.
     """
 
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, stopping: asyncio.Event | None = None) -> None:
         self._nc = nc
+        self.stopping = stopping
+        """Set when the worker stops: acks not confirmed are then given up sooner."""
         self._prefix: str | None = None
         self._skip = 0
         self._lock = asyncio.Lock()
@@ -248,7 +274,11 @@ class Acker:
             again = await asyncio.gather(
                 *(
                     confirm(
-                        deliveries[i], timeout_s=timeout_s, give_up_s=give_up_s, logger=loggers[i]
+                        deliveries[i],
+                        timeout_s=timeout_s,
+                        give_up_s=give_up_s,
+                        logger=loggers[i],
+                        stopping=self.stopping,
                     )
                     for i in retries
                 )

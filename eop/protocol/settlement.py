@@ -432,6 +432,7 @@ class Settlement:
             timeout_s=self.settings.ack_timeout_s,
             give_up_s=self.settings.ack_give_up_s,
             logger=logger,
+            stopping=self.acker.stopping if self.acker is not None else None,
         )
         await faults.point("after_ack")
         return acked

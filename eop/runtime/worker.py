@@ -287,7 +287,7 @@ class Worker(hosting.Hosted):
         s, wait = self.settings, self._startup
         js = nc.jetstream()
         epochs = jetstream.StreamEpochs(nc)
-        acker = ack.Acker(nc)
+        acker = ack.Acker(nc, self._stopping)
         # From every handler of the app, not only this worker's: whichever process
         # creates a stream first must give it the partition transform it needs.
         transforms = partitions.stream_transforms(self.app.handlers.values())

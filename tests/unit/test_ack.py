@@ -22,8 +22,12 @@ LOGGER = structlog.get_logger("test")
 # -------------------------------------------------------------------- confirm
 
 
-async def confirm(delivery: testing.FakeDelivery, give_up_s: float = 0.2) -> bool:
-    return await ack.confirm(delivery, timeout_s=0.05, give_up_s=give_up_s, logger=LOGGER)
+async def confirm(
+    delivery: testing.FakeDelivery, give_up_s: float = 0.2, stopping: asyncio.Event | None = None
+) -> bool:
+    return await ack.confirm(
+        delivery, timeout_s=0.05, give_up_s=give_up_s, logger=LOGGER, stopping=stopping
+    )
 
 
 async def test_confirm_returns_true_once_the_server_has_the_ack() -> None:
@@ -82,6 +86,25 @@ async def test_acks_nobody_answers_are_given_up_sooner_than_the_bound(
     # Other failures still have the whole bound: a lost reply is resent past it.
     lost = testing.FakeDelivery.make().fail_acks(4)
     assert await confirm(lost, give_up_s=30.0) is True
+
+
+async def test_a_stopping_worker_gives_up_unanswered_acks_sooner_than_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NATS down as the worker stops: its acks time out. Once the worker stops they are
+    resent only for NO_RESPONDERS_GIVE_UP_S, not the whole ``give_up_s``: a stop with NATS
+    down took the full bound. Not stopping, a lost reply keeps the whole bound."""
+    monkeypatch.setattr(ack, "NO_RESPONDERS_GIVE_UP_S", 0.1)
+    stopping = asyncio.Event()
+    stopping.set()
+    d = testing.FakeDelivery.make().fail_acks(10_000)
+    with capture_logs() as logs:
+        assert await confirm(d, give_up_s=30.0, stopping=stopping) is False
+    [warning] = events(logs, log.Event.ACK_GAVE_UP)
+    assert warning["error"] == "TimeoutError"
+    assert 1 < d.ack_attempts <= 5
+    lost = testing.FakeDelivery.make().fail_acks(4)
+    assert await confirm(lost, give_up_s=30.0, stopping=asyncio.Event()) is True
 
 
 async def test_confirm_logs_each_retry_at_debug_level() -> None:
