@@ -73,3 +73,7 @@ class Delivery(Protocol):
 
     async def in_progress(self) -> None:
         """Reset the delivery's AckWait timer."""
+
+    @property
+    def is_acked(self) -> bool:
+        """An ack, nak or term was sent for it (nats-py sets it as it sends one)."""

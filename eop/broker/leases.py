@@ -145,6 +145,15 @@ class Leases:
             while self._held:
                 now = self._clock()
                 due = [h for h in self._held.values() if h.due_at <= now + _EARLY * h.renew_every_s]
+                settled = [h for h in due if h.delivery.is_acked]
+                if settled:
+                    # Nak'ed (or acked, termed) while still held, as a retried message
+                    # of a batch whose others still run: an in_progress() now would
+                    # reset the server's redelivery timer to a whole AckWait, not the
+                    # nak's delay. Its holders' releases then find nothing.
+                    for held in settled:
+                        del self._held[id(held.delivery)]
+                    due = [h for h in due if not h.delivery.is_acked]
                 if due:
                     await self._send(due, now)
                 next_at = min((h.due_at for h in self._held.values()), default=None)

@@ -266,6 +266,11 @@ class Redelivery:
         """Reset the delivery's AckWait timer."""
         await self._delivery.in_progress()
 
+    @property
+    def is_acked(self) -> bool:
+        """An ack, nak or term was sent for it."""
+        return self._delivery.is_acked
+
 
 async def earlier_consumers(
     js: JetStreamContext, spec: HandlerSpec, partition: int, epoch: int, previous: str | None

@@ -85,6 +85,11 @@ class ParkedDelivery:
     async def term(self) -> None:
         """Nothing to do: the dead letter committed is the whole settlement."""
 
+    @property
+    def is_acked(self) -> bool:
+        """Never: nothing is sent to NATS, and the run's lease is renewed until released."""
+        return False
+
     async def in_progress(self) -> None:
         """Move the run's lease ahead in the retries table, as ``in_progress()`` does a
         delivery's: a run waiting (for a lock, a pooled connection, a thread) is not

@@ -127,6 +127,11 @@ class FakeDelivery:
         """An ack, nak or term went through: any further one raises, as in nats-py."""
         return self.acked or self.naked or self.termed
 
+    @property
+    def is_acked(self) -> bool:
+        """As nats-py's ``Msg.is_acked``: an ack, nak or term went through."""
+        return self.settled
+
     def redeliver(self) -> FakeDelivery:
         """The next delivery of the same stored message (``num_delivered`` + 1)."""
         meta = self._metadata

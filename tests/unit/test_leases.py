@@ -56,6 +56,28 @@ async def test_a_delivery_held_twice_is_renewed_until_both_release_it() -> None:
     await keeper.close()
 
 
+async def test_a_delivery_nakd_while_still_held_is_not_renewed_again() -> None:
+    """A retried message of a batch whose others still run is nak'ed while its holders
+    still hold it: an in_progress() after the nak would make the server wait a whole
+    AckWait instead of the nak's delay. It is dropped at the next round, unrenewed, and
+    its holders' releases then find nothing; the other held deliveries go on."""
+    nakd, other = testing.FakeDelivery.make(), testing.FakeDelivery.make(seq=2)
+    keeper = leases.Leases()
+    keeper.hold([nakd, other], ACK_WAIT_S)
+    keeper.hold([nakd], ACK_WAIT_S)
+    await asyncio.wait_for(nakd.wait_for_in_progress(1), timeout=10)
+    await nakd.nak(delay=0.5)
+    calls = nakd.in_progress_calls
+    await asyncio.wait_for(other.wait_for_in_progress(other.in_progress_calls + 3), timeout=10)
+    assert nakd.in_progress_calls == calls
+    assert len(keeper) == 1
+    keeper.release([nakd])
+    keeper.release([nakd])
+    keeper.release([other])
+    assert len(keeper) == 0
+    await keeper.close()
+
+
 async def test_every_held_delivery_is_renewed_from_one_task() -> None:
     """Hundreds of held deliveries cost one task, not one each."""
     held = [testing.FakeDelivery.make(seq=seq) for seq in range(1, 301)]
