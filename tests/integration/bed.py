@@ -6,12 +6,15 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
 from typing import Any
 
 import sqlalchemy as sa
+import structlog
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from structlog.testing import capture_logs
 
 import eop
 from eop import settings as settings_mod
@@ -194,3 +197,16 @@ def error_lines(output: str) -> list[str]:
             if entry.get("event") == "command.failed":
                 found.append(f"eop: error: {entry['error']}")
     return found
+
+
+@contextlib.contextmanager
+def debug_logs() -> Iterator[list[MutableMapping[str, Any]]]:
+    """The lines logged inside, at every level: a command run in this process earlier
+    (``eop.cli.main --log-level error``) may have left structlog filtering them."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as logs:
+            yield logs
+    finally:
+        structlog.configure(**saved)

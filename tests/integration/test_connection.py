@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -20,6 +21,7 @@ from .bed import (
     SUBJECT,
     bed_settings,
     create_effects_table,
+    debug_logs,
     drained,
     effects_by_body,
     publish,
@@ -72,10 +74,10 @@ async def test_an_outage_logs_one_nats_error_warning_and_counts_the_rest_on_reco
     told of the same way."""
     settings = Settings.from_env(environ={}, overrides={"nats_url": nats_server.url})
 
-    def nats_errors(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def nats_errors(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[str, Any]]:
         return [e for e in logs if e["event"] == str(log.Event.NATS_ERROR)]
 
-    with structlog.testing.capture_logs() as logs:
+    with debug_logs() as logs:
         nc = await jetstream.connect(settings)
         try:
             for outage in (1, 2):

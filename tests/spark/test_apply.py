@@ -7,24 +7,25 @@ again stand for a task retry, a speculative copy or a replayed micro-batch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import logging
-from collections.abc import Iterator, MutableMapping
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session
-from structlog.testing import capture_logs
 
 import eop
 from eop.contrib.spark.apply import Counts, Partition
 from eop.contrib.spark.transaction import SyncPartitionTx
 from eop.message import Message
-from tests.integration.bed import STREAM, SUBJECT, create_effects_table, effects_by_body, scalar
+from tests.integration.bed import (
+    STREAM,
+    SUBJECT,
+    create_effects_table,
+    debug_logs,
+    effects_by_body,
+    scalar,
+)
 
 from . import sparkapp
 
@@ -128,19 +129,6 @@ def conflicting_first_commit(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
     monkeypatch.setattr(SyncPartitionTx, "commit", conflicting_once)
     return first
-
-
-@contextlib.contextmanager
-def debug_logs() -> Iterator[list[MutableMapping[str, Any]]]:
-    """The lines logged inside, at every level."""
-    # A command run in this process earlier may have left the level at error.
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        with capture_logs() as logs:
-            yield logs
-    finally:
-        structlog.configure(**saved)
 
 
 async def test_a_dead_letter_is_logged_once_its_partition_committed(
