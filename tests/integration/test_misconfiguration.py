@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,39 +119,13 @@ def _error_logged(log: str, problem: str, handler: str) -> bool:
     )
 
 
-async def _behind_transaction_mode(
-    bouncer_binary: str,
-    postgres: embedded.PostgresCluster,
-    database_url: str,
-    engine: AsyncEngine,
-    js: Any,
-    nats_url: str,
-    tmp_path: Path,
-    handler: str,
-    broken: dict[str, str],
-    fixed: dict[str, str],
-) -> str:
-    """Through PgBouncer in transaction mode without prepared statements: a worker of
-    ``handler`` with the ``broken`` environment stops by itself (its log, returned); one
-    with the ``fixed`` environment then processes each message once."""
-    async with engine.begin() as conn:
-        await conn.execute(sa.text(EFFECTS_DDL))
-    await _publish_all(js, handler)
-    with bouncer.unprepared_transaction_mode(bouncer_binary, postgres) as pgb:
-        url = pgb.url_for(_database(database_url))
-        # One message per transaction, 16 at a time, on 3 server connections: a client
-        # connection's next transaction soon lands where its statements are not. The
-        # relay is off: the handler's transactions must be what stops the worker.
-        log = await _stops_loudly(eop_env(url, nats_url, **broken, **_BUSY), handler, tmp_path)
-        await _then_each_message_once(
-            eop_env(url, nats_url, **fixed, **_BUSY), handler, engine, tmp_path
-        )
-    return log
+BehindTransactionMode = Callable[[str, dict[str, str], dict[str, str]], Awaitable[str]]
+"""Given a handler and its ``broken`` and ``fixed`` environments: the log of the worker
+that stopped by itself."""
 
 
-@pytest.mark.parametrize("handler", ["created", "shipped"])
-@pytest.mark.parametrize("pooler", ["none", "session"])
-async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_stops_the_worker(
+@pytest.fixture
+def behind_transaction_mode(
     pgbouncer_path: str,  # noqa: F811
     postgres: embedded.PostgresCluster,
     database_url: str,
@@ -158,8 +133,34 @@ async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_s
     js: Any,
     nats_url: str,
     tmp_path: Path,
-    pooler: str,
-    handler: str,
+) -> BehindTransactionMode:
+    """Through PgBouncer in transaction mode without prepared statements: a worker of
+    ``handler`` with the ``broken`` environment stops by itself (its log, returned); one
+    with the ``fixed`` environment then processes each message once."""
+
+    async def run(handler: str, broken: dict[str, str], fixed: dict[str, str]) -> str:
+        async with engine.begin() as conn:
+            await conn.execute(sa.text(EFFECTS_DDL))
+        await _publish_all(js, handler)
+        with bouncer.unprepared_transaction_mode(pgbouncer_path, postgres) as pgb:
+            url = pgb.url_for(_database(database_url))
+            # One message per transaction, 16 at a time, on 3 server connections: a client
+            # connection's next transaction soon lands where its statements are not. The
+            # relay is off: the handler's transactions must be what stops the worker.
+            env = eop_env(url, nats_url, **broken, **_BUSY)
+            log = await _stops_loudly(env, handler, tmp_path)
+            await _then_each_message_once(
+                eop_env(url, nats_url, **fixed, **_BUSY), handler, engine, tmp_path
+            )
+        return log
+
+    return run
+
+
+@pytest.mark.parametrize("handler", ["created", "shipped"])
+@pytest.mark.parametrize("pooler", ["none", "session"])
+async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_stops_the_worker(
+    behind_transaction_mode: BehindTransactionMode, pooler: str, handler: str
 ) -> None:
     """db_pooler=none or session through PgBouncer in transaction mode (no
     prepared-statement support, 3 server connections shared by every client): the async
@@ -167,17 +168,8 @@ async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_s
     The worker stops within the bound with one `eop: error:` line naming
     EOP_DB_POOLER=transaction and an error-level log line; no message is dead-lettered,
     and with EOP_DB_POOLER=transaction each is processed once."""
-    log = await _behind_transaction_mode(
-        pgbouncer_path,
-        postgres,
-        database_url,
-        engine,
-        js,
-        nats_url,
-        tmp_path,
-        handler,
-        {"EOP_DB_POOLER": pooler},
-        {"EOP_DB_POOLER": "transaction"},
+    log = await behind_transaction_mode(
+        handler, {"EOP_DB_POOLER": pooler}, {"EOP_DB_POOLER": "transaction"}
     )
     (line,) = error_lines(log)
     assert "EOP_DB_POOLER=transaction" in line, line
@@ -190,29 +182,14 @@ async def test_a_pooler_setting_that_caches_statements_behind_transaction_mode_s
 
 
 async def test_an_apps_own_engine_caching_statements_behind_transaction_mode_names_its_fix(
-    pgbouncer_path: str,  # noqa: F811
-    postgres: embedded.PostgresCluster,
-    database_url: str,
-    engine: AsyncEngine,
-    js: Any,
-    nats_url: str,
-    tmp_path: Path,
+    behind_transaction_mode: BehindTransactionMode,
 ) -> None:
     """An app given its own asyncpg engine, with its statement caches, behind PgBouncer in
     transaction mode, EOP_DB_POOLER at its default: eop's own engines prepare nothing, so
     the one `eop: error:` line names the engine's connect arguments, not EOP_DB_POOLER
     (which is already right); with them, each message is processed once."""
-    log = await _behind_transaction_mode(
-        pgbouncer_path,
-        postgres,
-        database_url,
-        engine,
-        js,
-        nats_url,
-        tmp_path,
-        "created",
-        {"MISCONFIGURED_OWN_ENGINE": "plain"},
-        {"MISCONFIGURED_OWN_ENGINE": "uncached"},
+    log = await behind_transaction_mode(
+        "created", {"MISCONFIGURED_OWN_ENGINE": "plain"}, {"MISCONFIGURED_OWN_ENGINE": "uncached"}
     )
     (line,) = error_lines(log)
     assert '"statement_cache_size": 0' in line, line
