@@ -90,7 +90,13 @@ def eop_postgres() -> Iterator[embedded.PostgresCluster]:
             cluster = stack.enter_context(servers.postgres())
         except errors.ServerBinaryNotFound as exc:
             unavailable(str(exc))
-        yield cluster
+        except errors.DatabaseUnavailable as exc:
+            unreachable = str(exc)
+        else:
+            yield cluster
+            return
+    # A server named explicitly: its failure is the run's, never a skip.
+    pytest.fail(unreachable, pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -182,9 +188,15 @@ def eop_nats_server() -> Iterator[embedded.NatsServer]:
     try:
         server = embedded.NatsServer()
     except errors.ServerBinaryNotFound as exc:
-        unavailable(str(exc))
-    with server:
-        yield server
+        missing = str(exc)
+    else:
+        with server:
+            yield server
+        return
+    if os.environ.get(embedded.NATS_SERVER_ENV):
+        # Named explicitly: a wrong path is the run's error, never a skip.
+        pytest.fail(missing, pytrace=False)
+    unavailable(missing)
 
 
 @pytest.fixture

@@ -13,7 +13,10 @@ class EopError(Exception):
     """An eop error occurred."""
 
     def __init__(self, message: str | None = None) -> None:
-        super().__init__(message or (self.__doc__ or "").strip())
+        # Without a message, the docstring's first paragraph, on one line: it ends up in
+        # log lines and dead letters' error column.
+        summary = (self.__doc__ or "").strip().split("\n\n")[0]
+        super().__init__(message or " ".join(summary.split()))
 
 
 class ConfigurationError(EopError):

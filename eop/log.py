@@ -104,6 +104,7 @@ class Event(str, enum.Enum):
     RELAY_STANDING_BY = "relay.standing_by"
     RELAY_POLLING = "relay.polling"
     RELAY_FAILED = "relay.failed"
+    RELAY_ABANDONED = "relay.abandoned"
     RELAY_STOPPED = "relay.stopped"
     OUTBOX_PUBLISHED = "outbox.published"
     OUTBOX_REFUSED = "outbox.refused"

@@ -116,6 +116,7 @@ class Writes:
             if last_statement is statement and rows[0].keys() == row.keys():
                 rows.append(row)
                 return
+        _check_values(statement, row)
         groups.append((statement, [row]))
 
     def __len__(self) -> int:
@@ -176,3 +177,19 @@ def send_groups(session: Session, groups: list[_Group]) -> None:
     connection = session.connection()
     for statement, rows in groups:
         connection.execute(statement, rows[0] if len(rows) == 1 else rows)
+
+
+def _check_values(statement: sa.Executable, row: Mapping[str, Any]) -> None:
+    """Refuse a text statement's parameter left without a value, here rather than at
+    its flush: the test kit, which runs no SQL, fails the handler as a database would."""
+    if not isinstance(statement, sa.TextClause):
+        return
+    missing = [
+        name for name, bind in statement._bindparams.items() if bind.required and name not in row
+    ]
+    if missing:
+        names = ", ".join(repr(name) for name in missing)
+        raise errors.ConfigurationError(
+            f"Writes.add: no value for {names} of {str(statement)[:80]!r}: pass every "
+            "parameter the statement names"
+        )

@@ -58,6 +58,13 @@ def _cmd_audit(args: argparse.Namespace) -> int:
             value = getattr(args, flag)
             if value is not None and value < 1:
                 raise errors.ConfigurationError(f"--{flag.replace('_', '-')} must be at least 1")
+        if args.from_seq is not None and args.to_seq is not None and args.to_seq < args.from_seq:
+            # An empty range would check nothing and read "clean".
+            raise errors.ConfigurationError(
+                f"--to-seq {args.to_seq} is below --from-seq {args.from_seq}: nothing to walk"
+            )
+        if args.stuck_after_s is not None and args.stuck_after_s <= 0:
+            raise errors.ConfigurationError("--stuck-after-s must be above 0")
         app = options.configured_app(args, options.SERVER_FIELDS)
         audit_options = audit.Options(
             from_seq=args.from_seq,

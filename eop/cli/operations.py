@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from eop import errors
+from eop.app import App
 from eop.cli import options
 
 
@@ -137,6 +138,20 @@ def _add_dlq_filters(parser: argparse.ArgumentParser, *, before: bool) -> None:
     )
 
 
+def _dlq_app(args: argparse.Namespace, names: Sequence[str]) -> App:
+    """The app of a dlq command; with --app, a --handler it does not have is refused (an
+    empty listing or "purged 0" would read as nothing to do)."""
+    app = options.db_app(args, names)
+    handler = getattr(args, "handler", None)
+    if getattr(args, "app", None) and handler and handler not in app.handlers:
+        known = ", ".join(sorted(app.handlers)) or "none"
+        raise errors.ConfigurationError(
+            f"the app has no handler {handler!r} (it has: {known}); for the dead letters "
+            "of a handler it no longer has, leave --app out"
+        )
+    return app
+
+
 def _dlq_filters(args: argparse.Namespace, ids: Sequence[int] = ()) -> Any:
     from eop.ops import dlq
 
@@ -156,7 +171,7 @@ def _cmd_dlq_list(args: argparse.Namespace) -> int:
 
     from eop.ops import dlq
 
-    app = options.db_app(args, options.DB_FIELDS)
+    app = _dlq_app(args, options.DB_FIELDS)
     filters = _dlq_filters(args)
     store = dlq.DeadLetters(app)
 
@@ -207,7 +222,7 @@ def _cmd_dlq_replay(args: argparse.Namespace) -> int:
         raise errors.ConfigurationError("--rerun runs the handler: pass --app MODULE:APP")
     if args.ids and (args.handler or args.reason or args.since or args.until):
         raise errors.ConfigurationError("filters apply to --all only, not to listed IDs")
-    app = options.db_app(args, (*options.DB_FIELDS, "nats_url"))
+    app = _dlq_app(args, (*options.DB_FIELDS, "nats_url"))
     mode: dlq.ReplayMode = "rerun" if args.rerun else "publish"
 
     def shown(result: dlq.ReplayResult) -> None:
@@ -238,14 +253,14 @@ def _cmd_dlq_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_dlq_purge(args: argparse.Namespace) -> int:
-    from eop.ops import dlq
+    from eop.ops import dlq, tables
 
     filters = _dlq_filters(args)
     if filters.empty and not args.all:
         raise errors.ConfigurationError(
             "purge needs a filter (--handler, --reason, --since, --before) or --all"
         )
-    app = options.db_app(args, options.DB_FIELDS)
+    app = _dlq_app(args, options.DB_FIELDS)
     store = dlq.DeadLetters(app)
     if not args.yes:
         count = options.run_with(app, store.count(filters), schema_ready=True)
@@ -254,15 +269,16 @@ def _cmd_dlq_purge(args: argparse.Namespace) -> int:
             return 0
         if not sys.stdin.isatty():
             raise errors.ConfigurationError(
-                f"{count} dead letters match: pass --yes to delete them without a prompt"
+                f"{tables.counted(count, 'dead letter')} match: pass --yes to delete them "
+                "without a prompt"
             )
-        answer = input(f"Delete {count} dead letters? [y/N] ")
+        answer = input(f"Delete {tables.counted(count, 'dead letter')}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return 1
         app = options.db_app(args, options.DB_FIELDS)
     deleted = options.run_with(app, dlq.DeadLetters(app).purge(filters), schema_ready=True)
-    print(f"purged {deleted} dead letters")
+    print(f"purged {tables.counted(deleted, 'dead letter')}")
     return 0
 
 
@@ -286,7 +302,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         print(status.format_table(statuses))
         print(backlog.describe())
-    problems = [f"{s.handler}: {p}" for s in statuses for p in [*s.problems, *s.anomalies]]
+    problems = status.problem_summary(statuses)
     if problems:
-        raise errors.StatusProblem("; ".join(problems))
+        raise errors.StatusProblem(problems)
     return 0

@@ -263,6 +263,7 @@ def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, j
         per_partition=args.messages_per_partition,
         max_per_batch=getattr(args, "max_per_batch", None),
     )
+    jobs.check_range(spec, read)
     return app, spec, target, read
 
 

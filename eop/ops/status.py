@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import nats.js.errors
@@ -348,11 +348,32 @@ def format_table(statuses: Sequence[HandlerStatus]) -> str:
     if ordered:
         lines.append("")
         lines.extend(partition_status.format_partitions(ordered))
-    for s in statuses:
-        lines.extend(f"{s.handler}: {w}" for w in s.warnings)
-        lines.extend(f"{s.handler}: ERROR: {p}" for p in s.problems)
-        lines.extend(f"{s.handler}: ANOMALY: {a}" for a in s.anomalies)
+    lines.extend(_grouped(statuses, lambda s: s.warnings, ""))
+    lines.extend(_grouped(statuses, lambda s: s.problems, "ERROR: "))
+    lines.extend(_grouped(statuses, lambda s: s.anomalies, "ANOMALY: "))
     return "\n".join(lines)
+
+
+def problem_summary(statuses: Sequence[HandlerStatus]) -> str:
+    """The statuses' problems and anomalies on one line, each said once with the handlers
+    it concerns (an unreachable NATS is every handler's), or ``""`` when there are none."""
+    return "; ".join(
+        [
+            *_grouped(statuses, lambda s: s.problems, ""),
+            *_grouped(statuses, lambda s: s.anomalies, ""),
+        ]
+    )
+
+
+def _grouped(
+    statuses: Sequence[HandlerStatus], notes: Callable[[HandlerStatus], list[str]], tag: str
+) -> list[str]:
+    """``handler[, handler...]: <tag><note>`` for each distinct note, in first-seen order."""
+    handlers: dict[str, list[str]] = {}
+    for s in statuses:
+        for note in notes(s):
+            handlers.setdefault(note, []).append(s.handler)
+    return [f"{', '.join(names)}: {tag}{note}" for note, names in handlers.items()]
 
 
 _REPLICA_COLUMNS = (

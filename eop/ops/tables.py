@@ -15,6 +15,11 @@ def aligned(cells: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
+def counted(count: int, noun: str) -> str:
+    """``1 dead letter``, ``2 dead letters``: ``count`` and ``noun``, plural unless one."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def utc(value: datetime.datetime) -> str:
     """A time as a table shows it: UTC, to the second."""
     return value.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")

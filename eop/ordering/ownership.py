@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -109,10 +109,16 @@ class Ownership:
                 )
             await conn.execute(sql.create_partitions(t, s, self.count))
 
-    async def tick(self, want: int, releasing: list[int], expiring: Sequence[int] = ()) -> Tick:
+    async def tick(
+        self,
+        want: int,
+        releasing: list[int],
+        expiring: Sequence[int] = (),
+        taking: Callable[[], bool] = lambda: True,
+    ) -> Tick:
         """Renew this member and its leases, give up ``releasing`` (every run of theirs
         ended) and ``expiring`` (some cut short), take up to ``want`` more partitions than
-        it keeps; one transaction."""
+        it keeps, if ``taking()`` still says so once renewed; one transaction."""
         t, s, m, lease = self.tables, self.subscription, self.member, self.lease_s
         async with self.engine.begin() as conn:
             await conn.execute(sql.tick_timeouts(2000, 5000, int(lease * 500)))
@@ -128,7 +134,7 @@ class Ownership:
             owned = {int(r[0]): int(r[1]) for r in renewed}
             acquired: list[Acquired] = []
             need = want - len(owned)
-            if need > 0:
+            if need > 0 and taking():
                 rows = (
                     await conn.execute(sql.acquire(t, s, m.name, m.host, m.pid, lease, need))
                 ).all()

@@ -174,16 +174,16 @@ class OrderedRunner:
         while not self._stopping.is_set():
             started = time.monotonic()
             try:
-                before = self.members
-                await self.tick()
-                if self.members != before:
-                    # Someone joined or left (or this is the first tick): take the new
-                    # share now rather than a tick later.
-                    await self.tick()
+                # A tick waits on PostgreSQL and NATS for as long as they take: a stop
+                # gives it a tick's time, then leaves what it did not do to the leases.
+                await background.before_stop(self._ticks(), self._stopping, self.tick_s)
                 failures = 0
                 # A tick apart from start to start, however long this one took (opening
                 # consumers): the others rank only members that renewed lately.
                 wait_s = max(self.tick_s - (time.monotonic() - started), 0.0)
+            except background.Abandoned as exc:
+                self._logger.warning(log.Event.PARTITION_FAILED, error=log.brief_error(exc))
+                break
             except Exception as exc:
                 failures += 1
                 (self._logger.warning if failures == 1 else self._logger.debug)(
@@ -202,6 +202,14 @@ class OrderedRunner:
             part.lost.set()
             await self._stop_fetching(part)
 
+    async def _ticks(self) -> None:
+        before = self.members
+        await self.tick()
+        if self.members != before and not self._stopping.is_set():
+            # Someone joined or left (or this is the first tick): take the new share now
+            # rather than a tick later.
+            await self.tick()
+
     async def tick(self) -> None:
         """Renew, give up what is drained, take this process's share, open new consumers."""
         want = share(self.members, self.owners.member.name, self.owners.count)
@@ -212,7 +220,14 @@ class OrderedRunner:
         releasing = [p.number for p in drained if not p.inflight]
         asked_at = time.monotonic()
         try:
-            tick = await self.owners.tick(want if self.members else 0, releasing, expiring)
+            tick = await self.owners.tick(
+                want if self.members else 0,
+                releasing,
+                expiring,
+                # Asked just before taking more: a tick a stop overtook (one waiting on
+                # PostgreSQL) must not take partitions from live processes to give up.
+                taking=lambda: not self._stopping.is_set(),
+            )
         except Exception:
             # Unknown whether the leases were renewed: past the lease, another owner may
             # have them, so stop fetching what may be lost (the lanes stop at once).
@@ -235,7 +250,7 @@ class OrderedRunner:
             self._logger.info(log.Event.PARTITION_ACQUIRED, partition=part.number, epoch=part.epoch)
             self._observer.partitions_changed(self.spec, "acquired", len(self.owned))
         for part in self.owned.values():
-            if part.consumer is None and not part.releasing:
+            if part.consumer is None and not part.releasing and not self._stopping.is_set():
                 await self._open(part)
         self._give_up_surplus(share(self.members, self.owners.member.name, self.owners.count))
 
@@ -452,7 +467,9 @@ class OrderedRunner:
         for part in self.owned.values():
             part.lost.set()
         try:
-            await self.owners.leave(numbers, clean=clean)
+            # Bounded: PostgreSQL not answering at a stop must not hold it; the leases
+            # then pass on when they run out, as after a crash.
+            await background.bounded(self.owners.leave(numbers, clean=clean), self.tick_s)
         except Exception as exc:
             self._logger.warning(log.Event.PARTITION_FAILED, error=log.brief_error(exc))
             return

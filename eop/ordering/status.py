@@ -292,7 +292,7 @@ def describe(status: OrderedStatus) -> list[str]:
         for m in status.members
     )
     lines = [
-        f"{status.partition_count} partitions; {owned or 'none owned'}",
+        f"{tables.counted(status.partition_count, 'partition')}; {owned or 'none owned'}",
         f"live members: {members or 'none'}",
     ]
     if status.last_rebalance_at is not None:

@@ -121,7 +121,7 @@ class Outbox:
 
 def count_text(count: int, what: str) -> str:
     """``1 parked row``, ``2 parked rows``."""
-    return f"{count} {what} row" if count == 1 else f"{count} {what} rows"
+    return tables.counted(count, f"{what} row")
 
 
 def to_json(row: dict[str, Any]) -> dict[str, Any]:

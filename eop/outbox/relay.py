@@ -39,6 +39,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable
 
 import sqlalchemy as sa
 import tenacity
@@ -49,7 +50,7 @@ from eop.observe.observer import NOOP, Observer
 from eop.outbox import notifications, sql
 from eop.outbox.publishing import Fate, Publisher, Receipt, Row
 from eop.pg import failures, models
-from eop.protocol import misconfiguration
+from eop.protocol import background, misconfiguration
 from eop.settings import Settings
 
 # The waits after failed rounds: 0.2 s doubling to 5 s (an outage is retried for ever).
@@ -161,8 +162,19 @@ class Relay:
         try:
             while not stopping.is_set():
                 try:
-                    wait_s = await self._step()
+                    # A step waits on PostgreSQL (a lock, a connection that does not
+                    # come) and NATS for as long as they take: a stop must not. An
+                    # abandoned round's rows are sent again by the next holder, with
+                    # their msg-ids, as after a crash.
+                    wait_s = await background.before_stop(
+                        self._step(), stopping, self.settings.publish_timeout_s
+                    )
                     failures_in_row = 0
+                except background.Abandoned:
+                    self._logger.warning(
+                        log.Event.RELAY_ABANDONED, waited_s=self.settings.publish_timeout_s
+                    )
+                    break
                 except Exception as exc:
                     failures_in_row += 1
                     self.misconfigured.note(exc, "the outbox relay", self.settings)
@@ -237,18 +249,25 @@ class Relay:
             self._housekeeping_at = 0.0
 
     async def _leave(self) -> None:
-        """On the way out: mark what was published, give the lease up, stop listening."""
+        """On the way out: mark what was published, give the lease up, stop listening.
+
+        All of it within ``publish_timeout_s``: what is not done by then (PostgreSQL does
+        not answer) is done by the next holder, once the lease has run out.
+        """
         await self._listener.close()
-        with contextlib.suppress(Exception):
-            # A mark that failed put its rows back into _unmarked, marked just below.
-            await asyncio.wait_for(self.marked(), self.settings.publish_timeout_s)
+        deadline = time.monotonic() + self.settings.publish_timeout_s
+
+        async def bounded(work: Awaitable[None]) -> None:
+            with contextlib.suppress(Exception):
+                await background.bounded(work, max(deadline - time.monotonic(), 0.0))
+
+        # A mark that failed put its rows back into _unmarked, marked just below.
+        await bounded(self.marked())
         if not self._holding and not self._unmarked:
             self._logger.info(log.Event.RELAY_STOPPED, published=self.published)
             return
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._mark_unmarked(), self.settings.publish_timeout_s)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._release_lease(), self.settings.publish_timeout_s)
+        await bounded(self._mark_unmarked())
+        await bounded(self._release_lease())
         self._lease_until = 0.0
         self._holding = False
         self._logger.info(log.Event.RELAY_STOPPED, published=self.published)

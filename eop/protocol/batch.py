@@ -19,7 +19,7 @@ import collections
 import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from eop import errors, faults, log
 from eop.pg import contract, models
@@ -42,8 +42,15 @@ class BatchProcessor:
     ``contention``.
     """
 
-    def __init__(self, single: Processor) -> None:
+    def __init__(
+        self, single: Processor, *, settled_one: Callable[[Delivery], None] | None = None
+    ) -> None:
         self.single = single
+        self.settled_one = settled_one
+        """Told of each message settled on its own (one at a time after a deadlock, or
+        the batch transaction's leftovers) as soon as it is: the worker gives its slot
+        back then, not when the whole batch is done, so that a batch crawling one message
+        at a time behind hot rows does not hold the other handlers' room for all of it."""
         self.spec = single.spec
         self.settlement = single.settlement
         self.contention = single.contention
@@ -143,7 +150,7 @@ class BatchProcessor:
         message alone: it does not sink the others. A cancellation is no failure
         (``BaseException``): it passes.
         """
-        settled, unsettled = await run_each(work, serial=serial)
+        settled, unsettled = await run_each(work, serial=serial, settled_one=self.settled_one)
         self._unsettled.extend(unsettled)
         for delivery, outcome in settled:
             self._settled[id(delivery)] = outcome

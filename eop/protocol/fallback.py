@@ -59,14 +59,27 @@ def log_failure(
 
 
 async def run_each(
-    work: Sequence[Step], *, serial: bool
+    work: Sequence[Step],
+    *,
+    serial: bool,
+    settled_one: Callable[[Delivery], None] | None = None,
 ) -> tuple[list[tuple[Delivery, Outcome]], list[tuple[Delivery, Exception]]]:
     """Run each delivery's step, concurrently or one after another: the outcomes, and the
-    deliveries whose step raised with what it raised (one failure sinks no other)."""
+    deliveries whose step raised with what it raised (one failure sinks no other).
+    ``settled_one`` is told of each delivery as soon as its step settled it."""
+
+    async def run(
+        delivery: Delivery, step: Callable[[], Awaitable[Outcome]]
+    ) -> Outcome | Exception:
+        result = await caught(step())
+        if settled_one is not None and isinstance(result, Outcome):
+            settled_one(delivery)
+        return result
+
     if serial:
-        results = [await caught(step()) for _, step in work]
+        results = [await run(delivery, step) for delivery, step in work]
     else:
-        results = await asyncio.gather(*(caught(step()) for _, step in work))
+        results = await asyncio.gather(*(run(delivery, step) for delivery, step in work))
     settled: list[tuple[Delivery, Outcome]] = []
     unsettled: list[tuple[Delivery, Exception]] = []
     for (delivery, _), result in zip(work, results, strict=True):

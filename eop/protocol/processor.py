@@ -369,6 +369,12 @@ class Processor:
     ) -> Outcome:
         async with self.store.transaction(self._spec) as tx:
             if contended_now():
+                # One settled already (a late republish, found by its msg-id) is acked
+                # without a turn: the fleet's contended transactions queue for it.
+                existing = await tx.find(msg)
+                if existing is not None:
+                    await self.settlement.end_look_up(tx, msg, existing)
+                    return await self.settlement.not_claimed(delivery, msg, existing, logger)
                 await tx.take_turn()
             if not await tx.claim(msg, models.OUTCOME_PROCESSED):
                 existing = await tx.find(msg)

@@ -60,7 +60,7 @@ class Critical:
         """Run ``coro`` to its end even if the caller is cancelled."""
         task: asyncio.Task[T] = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -69,10 +69,26 @@ class Critical:
             await asyncio.wait({task})
             raise
 
-    async def drain(self) -> None:
-        """Wait for every running section."""
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # its caller's, if it still waits; else nobody's
+
+    async def drain(self, within_s: float | None = None) -> int:
+        """Wait for every running section, for ``within_s`` at most; how many still run.
+
+        A section that outlives it waits on a server that does not answer (a COMMIT to a
+        frozen PostgreSQL): it is left to end by itself. Its message, not acked, comes
+        back, and the inbox tells whether its COMMIT took effect.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if within_s is None else loop.time() + within_s
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            left_s = None if deadline is None else deadline - loop.time()
+            if left_s is not None and left_s <= 0:
+                break
+            await asyncio.wait(list(self._tasks), timeout=left_s)
+        return len(self._tasks)
 
 
 class EpochChanged(Exception):

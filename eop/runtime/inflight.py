@@ -75,6 +75,14 @@ class InFlight:
         """Process one message, a batch in one transaction, or a poll's due retries in one;
         release their slots."""
         self.observer.received(proc.spec, msgs)
+        early: set[int] = set()
+
+        def settled_one(delivery: Delivery) -> None:
+            # Settled alone before the rest of its batch: its slot and lease are free now.
+            early.add(id(delivery))
+            self.leases.release([delivery])
+            self.slots.give(1)
+
         try:
             parked = [m for m in msgs if isinstance(m, retries.ParkedDelivery)]
             if len(parked) == 1:
@@ -84,7 +92,8 @@ class InFlight:
             elif len(msgs) == 1:
                 outcomes = [await proc.handle(msgs[0], received_at)]
             else:
-                handled = batch.BatchProcessor(proc).handle_batch(msgs, received_at)
+                batches = batch.BatchProcessor(proc, settled_one=settled_one)
+                handled = batches.handle_batch(msgs, received_at)
                 outcomes = await self._together(proc, handled)
             settled = (Outcome.PROCESSED, Outcome.DEAD_LETTERED)
             self.count(proc.spec, sum(1 for o in outcomes if o in settled))
@@ -92,9 +101,10 @@ class InFlight:
         except Exception as exc:
             await self._failed(proc, msgs, exc)
         finally:
-            self.leases.release(msgs)
+            rest = [m for m in msgs if id(m) not in early] if early else msgs
+            self.leases.release(rest)
             self.observer.done(proc.spec, msgs)
-            self.slots.give(len(msgs))
+            self.slots.give(len(rest))
 
     async def _together(
         self, proc: processor.Processor, settling: Awaitable[list[Outcome]]

@@ -119,6 +119,9 @@ class Worker(hosting.Hosted):
         """In-flight messages a stop cancelled after the grace period (left for redelivery)."""
         self.abandoned_threads = 0
         """Threads still running a sync handler after the stop (:mod:`eop.runtime.shutdown`)."""
+        self.abandoned_commits = 0
+        """COMMITs (with their acks) still waiting on a server ``ack_give_up_s + 5`` s after
+        the grace: left to end by themselves, their messages redelivered."""
         self.relay: relay.Relay | None = None
         """The outbox relay of this process (``relay`` setting), once started."""
 
@@ -236,6 +239,8 @@ class Worker(hosting.Hosted):
                 self.ready.set()
                 await self._stopping.wait()
                 self.ready.clear()  # set just above by a start a stop overtook
+            # The grace counts from the stop, whatever the loops' own ends take.
+            grace_until = asyncio.get_running_loop().time() + s.shutdown_grace_s
             self._logger.info(log.Event.WORKER_STOPPING, inflight=len(self._flight.tasks))
             # A compaction round raising the watermark waits for every open claim's
             # transaction (they read it FOR SHARE): awaited here, it would hold the
@@ -243,17 +248,21 @@ class Worker(hosting.Hosted):
             # needs no round; a cancelled one rolls back, and the next worker's redoes it.
             for task in compacting:
                 task.cancel()
-            await asyncio.gather(*loops, *compacting, return_exceptions=True)
+            await self._end_loops([*loops, *compacting], grace_until)
             # The relay's last round and its lease run beside the in-flight messages'
             # grace, not before it: a relay waiting on PostgreSQL must not eat the grace.
-            await self._finish_inflight()
+            await self._finish_inflight(grace_until)
             # Given up once their lanes are done, so that the other processes take them
             # over at their next tick rather than when the leases run out.
             for runner in self._runners.values():
                 await runner.leave(clean=not self.cancelled)
             await asyncio.gather(*relaying, return_exceptions=True)
         finally:
-            await self._critical.drain()
+            # A COMMIT's ack gives up within ack_give_up_s: a section still running past
+            # it waits on a server that does not answer, and must not hold the stop.
+            self.abandoned_commits = await self._critical.drain(
+                s.ack_give_up_s + shutdown.STOP_MARGIN_S
+            )
             await self._leases.close()
             # Not nc.drain(): it waits on the pull subscriptions' inboxes until its
             # own timeout. Every ack was confirmed already; flush sends the naks
@@ -272,6 +281,7 @@ class Worker(hosting.Hosted):
             processed=self.processed,
             cancelled=self.cancelled,
             abandoned_threads=self.abandoned_threads,
+            abandoned_commits=self.abandoned_commits,
         )
 
     async def _start(
@@ -378,10 +388,26 @@ class Worker(hosting.Hosted):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
 
-    async def _finish_inflight(self) -> None:
-        """Wait for in-flight messages, up to the grace period or a second stop."""
+    async def _end_loops(self, tasks: list[asyncio.Task[None]], deadline: float) -> None:
+        """Wait for the loops to end, until the grace's end (the loop's ``deadline``): one
+        still waiting then on a server that does not answer (a parked retries' poll on a
+        frozen PostgreSQL) is cancelled, as the in-flight messages are just after."""
+        if not tasks:
+            return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.shutdown_grace_s
+        _, pending = await asyncio.wait(tasks, timeout=max(deadline - loop.time(), 0.0))
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=shutdown.STOP_MARGIN_S)
+        for task in tasks:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved, as gather(return_exceptions=True) did
+
+    async def _finish_inflight(self, deadline: float) -> None:
+        """Wait for in-flight messages, up to the grace's end (the loop's ``deadline``) or
+        a second stop."""
+        loop = asyncio.get_running_loop()
         pending: set[asyncio.Future[Any]] = set(self._flight.tasks)
         force = asyncio.ensure_future(self._force.wait())
         try:

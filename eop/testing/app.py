@@ -320,7 +320,15 @@ class TestApp(DeliveryLoop):
     def _matching(self, subject: str, handler: str | None) -> list[HandlerSpec]:
         self._ready()
         if handler is not None:
-            return [self._spec(handler)]
+            spec = self._spec(handler)
+            if not consumers.subject_matches(spec.subject, subject):
+                # Its consumer would never receive it: a test must not pass on routing
+                # no worker does.
+                raise errors.ConfigurationError(
+                    f"handler {handler!r} takes {spec.subject!r}, not {subject!r}: its "
+                    "consumer would never receive this message"
+                )
+            return [spec]
         specs = [
             s for s in self.app.handlers.values() if consumers.subject_matches(s.subject, subject)
         ]

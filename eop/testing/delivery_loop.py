@@ -25,6 +25,7 @@ from eop.testing.epochs import FakeEpochs
 from eop.testing.lanes import Lanes
 from eop.testing.results import Recorder, Result, raise_unexpected
 from eop.testing.rows import InboxKey, inbox_key
+from eop.testing.session import InMemoryOnly
 from eop.types import Outcome
 
 if TYPE_CHECKING:
@@ -193,6 +194,9 @@ class DeliveryLoop:
         )
 
     def _check(self, results: Sequence[Result], raise_errors: bool | None) -> None:
+        # What the in-memory session cannot do is the test's limit: counted as the
+        # handler's failure, it would end as a dead letter no worker would make.
+        raise_unexpected([r for r in results if isinstance(r.error, InMemoryOnly)], advice="")
         if self.raise_errors if raise_errors is None else raise_errors:
             raise_unexpected(results)
 
@@ -202,6 +206,13 @@ def delivery_headers(
 ) -> dict[str, str] | None:
     """A delivery's headers: those given, with ``msg_id`` as its ``Nats-Msg-Id``."""
     merged = dict(headers or {})
+    for name, value in merged.items():
+        # NATS headers are text: a test's other value could never arrive.
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise errors.ConfigurationError(
+                f"header {name!r}: {value!r} is not text: NATS headers are strings "
+                f"(str({value!r}) if that is what the publisher sends)"
+            )
     if msg_id is not None:
         merged["Nats-Msg-Id"] = msg_id
     return merged or None

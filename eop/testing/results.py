@@ -216,9 +216,11 @@ def unexpected(error: BaseException | None) -> bool:
     return error is not None and not isinstance(error, errors.HandlerError)
 
 
-def raise_unexpected(results: Sequence[Result]) -> None:
+def raise_unexpected(
+    results: Sequence[Result], advice: str = " Pass raise_errors=False to test failures."
+) -> None:
     """Raise :class:`eop.errors.HandlerFailed` from the first error a handler did not raise
-    on purpose, if any."""
+    on purpose, if any; ``advice`` ends its text."""
     for result in results:
         if result.error is None or not unexpected(result.error):
             continue
@@ -227,7 +229,7 @@ def raise_unexpected(results: Sequence[Result]) -> None:
         raise errors.HandlerFailed(
             f"handler {result.handler!r} raised {type(result.error).__name__}: {result.error} "
             f"(on {msg.subject}, {msg.stream} #{msg.seq}, delivery {msg.num_delivered}); the "
-            f"message was settled as {settled}. Pass raise_errors=False to test failures."
+            f"message was settled as {settled}.{advice}"
         ) from result.error
 
 

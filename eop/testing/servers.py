@@ -12,6 +12,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 
+from eop import errors
 from eop.pg import migrate
 from eop.tools import embedded
 
@@ -34,6 +35,11 @@ def postgres() -> Iterator[embedded.PostgresCluster]:
     url = os.environ.get(TEST_DATABASE_URL)
     if url:
         cluster = embedded.PostgresCluster(url)
+        try:
+            cluster.ping()
+        except errors.DatabaseUnavailable as exc:
+            cluster.close()
+            raise errors.DatabaseUnavailable(f"{TEST_DATABASE_URL}: {exc}") from exc
         try:
             yield cluster
         finally:

@@ -57,10 +57,15 @@ class FakeSession:
 
     def __getattr__(self, name: str) -> Any:
         # execute, scalar, get...: a handler that reads or runs SQL needs a database.
-        raise AttributeError(
+        raise InMemoryOnly(
             f"the in-memory test session has no {name!r}: it records add() and add_all() "
             "only; test a handler that runs SQL on a database: TestApp(app, database=...)"
         )
+
+
+class InMemoryOnly(AttributeError):
+    """What the in-memory session cannot do: the test's limit, not the handler's failure,
+    so it is raised to the test even with ``raise_errors=False``."""
 
 
 class FakeWrites:

@@ -242,6 +242,18 @@ class PostgresCluster:
         self._execute(sql)
         return self.url_for(name)
 
+    def ping(self) -> None:
+        """Connect and run ``SELECT 1``; :class:`eop.errors.DatabaseUnavailable`, naming the
+        server without its password, when that fails."""
+        try:
+            self._execute("SELECT 1")
+        except sa.exc.DBAPIError as exc:
+            where = self._admin_url.render_as_string(hide_password=True)
+            reason = " ".join(str(getattr(exc, "orig", None) or exc).split())
+            raise errors.DatabaseUnavailable(
+                f"cannot reach PostgreSQL at {where}: {reason}"
+            ) from exc
+
     def drop_database(self, name: str) -> None:
         """Drop ``name`` if it exists, closing the connections still open to it."""
         self._execute(f"DROP DATABASE IF EXISTS {self._quote(name)} WITH (FORCE)")

@@ -44,9 +44,11 @@ def make_api(orders: eop.App = app, *, worker: bool = False) -> FastAPI:
         if not worker:
             yield
             return
-        # Serving starts once the worker fetches; leaving the lifespan stops it
-        # gracefully: in-flight messages finish, every COMMIT is acked.
-        async with eop.Worker(orders).running():
+        # Serving starts at once, the worker connecting beside it (wait=False), so
+        # that uvicorn acts on a SIGTERM even while a server is unreachable. Leaving
+        # the lifespan stops it gracefully: in-flight messages finish, every COMMIT
+        # is acked.
+        async with eop.Worker(orders).running(wait=False):
             yield
 
     web = FastAPI(title="orders", lifespan=lifespan)

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from structlog.testing import capture_logs
 
 import eop
+from eop import faults
+from eop.pg import migrate
 
 from .bed import (
     STREAM,
@@ -21,6 +27,7 @@ from .bed import (
     effects_by_body,
     publish,
     record_effect,
+    running,
     scalar,
     wait_for,
 )
@@ -372,3 +379,149 @@ async def test_leaving_running_does_not_raise_again_what_the_worker_stopped_with
             await wait_for(lambda: stopped(worker), timeout_s=60, what="the failed start")
     assert isinstance(worker.error, eop.NatsUnavailable)
     assert [e["event"] for e in logs if e["event"] == "worker.failed"] == ["worker.failed"]
+
+
+def frozen_app(database_url: str, nats_url: str, *, ordered: bool, **changes: Any) -> eop.App:
+    """An app whose handler writes one effect per message after 0.05 s, over 10 keys,
+    ordered by key or not."""
+    app = eop.App(settings=bed_settings(database_url, nats_url, **changes))
+    app.stream(STREAM, subjects=["ORDERS.>"])
+
+    @app.handler(
+        stream=STREAM,
+        subject="ORDERS.*",
+        name="embedded",
+        order_by="subject:1" if ordered else None,
+    )
+    async def handle(msg: eop.Message, session: AsyncSession) -> None:
+        await asyncio.sleep(0.05)
+        await record_effect(session, "embedded", msg)
+
+    return app
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
+async def test_a_hosted_worker_stops_while_postgresql_is_frozen_and_loses_nothing(
+    ordered: bool, make_postgres_server: Any, nats_url: str, js: Any
+) -> None:
+    """PostgreSQL frozen (SIGSTOP: its sockets accept, nothing answers) under a hosted
+    worker at work, its relay on: the host's stop still ends with PostgreSQL frozen (the
+    messages in flight are cancelled after the grace, the relay's round is abandoned, an
+    ordered handler's partitions are left to their lease, the parked retries' poll is
+    cancelled at the grace's end). Thawed, a new worker applies every message once, none
+    dead-lettered."""
+    pg = make_postgres_server()
+    migrate.upgrade(pg.url)
+    engine = create_async_engine(pg.url)
+    await create_effects_table(engine)
+    before, after = 30, 10
+    # Leases renewed every third of a second, parked retries polled every tenth: a
+    # renewal and a poll are under way at the freeze.
+    app = frozen_app(
+        pg.url,
+        nats_url,
+        ordered=ordered,
+        shutdown_grace_s=1.0,
+        publish_timeout_s=1.0,
+        relay_lease_s=1.0,
+        partition_lease_s=1.0,
+        retry_poll_s=0.1,
+        concurrency=16,
+    )
+    worker = eop.Worker(app)
+    await worker.start()
+    for i in range(before):
+        await publish(js, f"m{i}", subject=f"ORDERS.k{i % 10}")
+    await wait_for(lambda: _effects_at_least(engine, before), what="the worker at work")
+    frozen = _server_processes(pg.pid)
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    # Taken in by the idle worker, whose slots are mostly free: the parked retries' poll
+    # takes them and waits on PostgreSQL too.
+    for i in range(before, before + after):
+        await publish(js, f"m{i}", subject=f"ORDERS.k{i % 10}")
+    await asyncio.sleep(0.5)
+    stopping = asyncio.ensure_future(worker.shutdown())
+    # A liveness bound, far above the stop's (grace, ack give-up, relay): without them,
+    # the stop waits for PostgreSQL, which answers only once thawed below.
+    await asyncio.wait({stopping}, timeout=60)
+    stopped_frozen = stopping.done()
+    for pid in frozen:
+        os.kill(pid, signal.SIGCONT)
+    await stopping
+    assert stopped_frozen
+    assert worker.cancelled > 0  # the freeze caught messages in flight
+    async with running(frozen_app(pg.url, nats_url, ordered=ordered)):
+        await wait_for(
+            lambda: _effects_at_least(engine, before + after), timeout_s=60, what="the rest"
+        )
+    assert await effects_by_body(engine) == {f"m{i}": 1 for i in range(before + after)}
+    assert await scalar(engine, DEAD) == 0
+    await engine.dispose()
+
+
+async def test_a_hosted_workers_commit_caught_by_a_frozen_postgresql_does_not_hold_its_stop(
+    make_postgres_server: Any, nats_url: str, js: Any
+) -> None:
+    """PostgreSQL frozen just before a batch's COMMIT goes out (a stall at before_commit):
+    the COMMIT, which a stop never cuts, waits on it for ever. The stop still ends,
+    ack_give_up_s + 5 s after the grace, the COMMIT left to end by itself; thawed, a new
+    worker applies every message once."""
+    pg = make_postgres_server()
+    migrate.upgrade(pg.url)
+    engine = create_async_engine(pg.url)
+    await create_effects_table(engine)
+    count = 200
+    settings = dict(shutdown_grace_s=1.0, ack_give_up_s=1.0, publish_timeout_s=1.0)
+    worker = eop.Worker(frozen_app(pg.url, nats_url, ordered=False, **settings))
+    await worker.start()
+    for i in range(count):
+        await publish(js, f"m{i}", subject=f"ORDERS.k{i % 10}")
+    await wait_for(lambda: _effects_at_least(engine, 10), what="the worker at work")
+    faults.arm([faults.Rule("before_commit", "stall", seconds=1.0, nth=1)], seed=1)
+    try:
+        with capture_logs() as logs:
+            await wait_for(lambda: _logged(logs, "fault.hit"), what="a COMMIT about to go out")
+        frozen = _server_processes(pg.pid)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+    finally:
+        faults.disarm()
+    stopping = asyncio.ensure_future(worker.shutdown())
+    await asyncio.wait({stopping}, timeout=60)  # a liveness bound, as above
+    stopped_frozen = stopping.done()
+    for pid in frozen:
+        os.kill(pid, signal.SIGCONT)
+    await stopping
+    assert stopped_frozen
+    assert worker.abandoned_commits >= 1
+    async with running(frozen_app(pg.url, nats_url, ordered=False)):
+        await wait_for(
+            lambda: drained(js, "eop-embedded"), timeout_s=60, what="the messages redelivered"
+        )
+    assert await effects_by_body(engine) == {f"m{i}": 1 for i in range(count)}
+    assert await scalar(engine, DEAD) == 0
+    await engine.dispose()
+
+
+async def _logged(logs: list[Any], event: str) -> bool:
+    return any(entry.get("event") == event for entry in logs)
+
+
+async def _effects_at_least(engine: AsyncEngine, n: int) -> bool:
+    return int(await scalar(engine, "SELECT count(*) FROM effects")) >= n
+
+
+def _server_processes(root: int) -> list[int]:
+    """``root`` and its descendants: PostgreSQL's backends each lead a process group of
+    their own, so a signal to the postmaster's group does not reach them."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
+        found += frontier
+    return found

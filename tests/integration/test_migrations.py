@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
@@ -64,6 +64,18 @@ def test_fresh_upgrade_matches_the_models(empty_database_url: str) -> None:
         "handovers",
         "eop_alembic_version",
     }
+
+
+@pytest.mark.parametrize("step", [migrate.upgrade, migrate.downgrade])
+def test_a_revision_that_does_not_exist_is_one_line_naming_the_ones_that_do(
+    step: Any, database_url: str
+) -> None:
+    """`eop db upgrade nosuchrev` (or downgrade) is a ConfigurationError naming eop's
+    revisions, one line, not Alembic's traceback; the tables stay at head."""
+    with pytest.raises(errors.ConfigurationError, match=r"nosuchrev.*eop_0001") as caught:
+        step(database_url, revision="nosuchrev")
+    assert "\n" not in str(caught.value)
+    assert migrate.current(database_url) == migrate.head()
 
 
 def test_alembic_command_line_runs_eop_environment(empty_database_url: str, tmp_path: Path) -> None:
@@ -211,6 +223,22 @@ def test_check_fails_clearly_on_an_unmigrated_database(empty_database_url: str) 
         migrate.check(empty_database_url)
     assert migrate.current(empty_database_url) is None
     assert query(empty_database_url, "SELECT 1 FROM pg_namespace WHERE nspname = 'eop'") == []
+
+
+def test_tables_behind_head_name_the_upgrade_command_django_projects_need(
+    database_url: str,
+) -> None:
+    """Tables one revision behind say to run `eop db upgrade`, and under Django its
+    `manage.py eop db upgrade` form: Django recorded eop's migration as applied when it
+    first made the tables, so `manage.py migrate` would do nothing."""
+    previous = migrate._script().get_revision(migrate.head()).down_revision
+    assert isinstance(previous, str)
+    migrate.downgrade(database_url, revision=previous)
+    with pytest.raises(errors.SchemaNotReady, match="not at head") as caught:
+        migrate.check(database_url)
+    assert "run `eop db upgrade` (in a Django project: python manage.py eop db upgrade)" in str(
+        caught.value
+    )
 
 
 def test_check_fails_on_a_hand_altered_table(database_url: str) -> None:

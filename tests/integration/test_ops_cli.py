@@ -80,10 +80,8 @@ async def test_dlq_commands_list_show_replay_once_and_purge(
     table = run_eop("dlq", "list", "--handler", "billing", "--reason", "BILLABLE", env=env)
     assert "rejected" in table.stdout
     assert "poison is not billable" in table.stdout
-    assert (
-        run_eop("dlq", "list", "--since", "1h", "--handler", "nobody", env=env).stdout.count("\n")
-        == 1
-    )  # the header line only
+    nothing = run_eop("dlq", "list", "--since", "1h", "--reason", "no such reason", env=env)
+    assert nothing.stdout.count("\n") == 1  # the header line only
     shown = run_eop("dlq", "show", dl, env=env)
     assert '"Authorization": "***"' in shown.stdout
     assert "s3cr3t" not in shown.stdout
@@ -114,7 +112,7 @@ async def test_dlq_commands_list_show_replay_once_and_purge(
     assert "--yes" in refused.stderr
     assert run_eop("dlq", "purge", env=env).returncode == 1  # no filter, no --all
     purged = run_eop("dlq", "purge", "--handler", "billing", "--yes", env=env)
-    assert purged.stdout.strip() == "purged 1 dead letters"
+    assert purged.stdout.strip() == "purged 1 dead letter"
     missing = run_eop("dlq", "show", dl, env=env)
     assert missing.returncode == 1
     assert "no dead letter" in missing.stderr

@@ -528,6 +528,37 @@ async def test_a_connection_that_fails_to_listen_is_not_handed_out_again(
     await app.dispose()
 
 
+async def test_a_relay_waiting_on_postgresql_at_a_stop_stops_while_it_still_waits(
+    database_url: str, nats_url: str, engine: AsyncEngine
+) -> None:
+    """A stop while the relay's lease renewal waits on a lock PostgreSQL never grants:
+    the renewal is abandoned after publish_timeout_s and the relay stops, the lock still
+    held. (It waited for as long as PostgreSQL did, and the worker's stop with it: a
+    relay stuck on a connection that did not come held a worker's stop past 30 s.)"""
+    app = make_app(database_url, nats_url, publish_timeout_s=1.0)
+    nc = NATS()
+    await nc.connect(nats_url)
+    relay = Relay(app.engine, JetStreamPublisher(nc, app.settings), app.settings)
+    stopping = asyncio.Event()
+    async with engine.connect() as locker:
+        await locker.execute(sa.text("LOCK TABLE eop.relay_leases IN ACCESS EXCLUSIVE MODE"))
+        task = asyncio.create_task(relay.run(stopping))
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND datname = current_database()"
+        )
+        await wait_for(lambda: equals(scalar(engine, waiting), 1), what="a renewal waiting")
+        stopping.set()
+        # Not a timing: without the bound, the renewal waits until the lock is released
+        # below, and this wait fails first.
+        await asyncio.wait_for(task, 30)
+        assert await scalar(engine, waiting) == 0  # its statement was cancelled with it
+        await locker.rollback()
+    assert not relay.leading
+    await nc.close()
+    await app.dispose()
+
+
 @pytest.mark.parametrize("sync_pool", [False, True])
 async def test_a_worker_whose_async_pool_has_one_connection_still_publishes(
     sync_pool: bool, database_url: str, nats_url: str, js: Any, engine: AsyncEngine

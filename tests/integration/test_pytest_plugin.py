@@ -93,6 +93,32 @@ def test_a_users_suite_gets_servers_a_database_per_test_and_the_test_app(
     result.assert_outcomes(passed=5)
 
 
+def test_servers_named_explicitly_and_wrong_fail_the_run_in_one_line_not_skip(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EOP_TEST_DATABASE_URL naming a server nobody listens on, EOP_NATS_SERVER naming no
+    binary: without CI=true too, each test errors with one line naming the variable,
+    instead of a driver's traceback or a silent skip."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("EOP_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:1/postgres")
+    monkeypatch.setenv("EOP_NATS_SERVER", "/nonexistent/nats-server")
+    pytester.makepyfile(
+        test_user="""
+        def test_db(eop_database_url):
+            pass
+
+        def test_nats(eop_nats_url):
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(
+        ["EOP_TEST_DATABASE_URL: cannot reach PostgreSQL at *", "EOP_NATS_SERVER=* is not an*"]
+    )
+    assert "Traceback" not in result.stdout.str()
+
+
 def test_the_plugin_imports_no_eop_and_starts_nothing_unless_a_fixture_is_used(
     pytester: pytest.Pytester,
 ) -> None:

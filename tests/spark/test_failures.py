@@ -61,6 +61,26 @@ def test_a_jvm_error_is_summed_up_by_its_deepest_exception_line() -> None:
     assert failures.summary_of(PY4J) == "java.net.ConnectException: Connection refused"
 
 
+# An executor's Python worker killed (SIGKILL, the OOM killer) under a backfill's save.
+CRASHED = """An error occurred while calling o91.save.
+: org.apache.spark.SparkException: Job aborted due to stage failure: Task 1 in stage 3.0 \
+failed 1 times, most recent failure: Lost task 1.0 in stage 3.0 (TID 7) (vm executor driver): \
+org.apache.spark.SparkException: Python worker exited unexpectedly (crashed)
+\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.read(PythonRunner.scala:1)
+Caused by: java.io.EOFException
+\tat java.base/java.io.DataInputStream.readFully(DataInputStream.java:210)
+"""
+
+
+def test_a_crashed_python_worker_is_named_not_the_py4j_wrapper_line() -> None:
+    """A bare JVM cause (``Caused by: java.io.EOFException``, no message) is no reason to
+    fall back to Py4J's "An error occurred while calling o91.save.": the innermost
+    SparkException says what happened, the cause is named beside it."""
+    assert failures.summary_of(CRASHED) == (
+        "Python worker exited unexpectedly (crashed) (java.io.EOFException)"
+    )
+
+
 def test_an_eop_error_inside_a_failure_wins() -> None:
     """A task that raised an eop error: its message and class name, as before."""
     text = TASK.replace(

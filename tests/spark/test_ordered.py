@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from eop import cli, errors
 from eop.broker import jetstream
-from eop.contrib.spark import fleet, jobs, sink
+from eop.contrib.spark import fleet, jobs, lease, sink
 from eop.contrib.spark.apply import Counts
 from eop.message import fingerprint
 from eop.ordering import partitions
@@ -228,3 +228,44 @@ async def _equals(rows: Any, expected: list[tuple[Any, ...]]) -> bool:
 async def _all_owned_by_workers(engine: AsyncEngine) -> bool:
     owners = await _owners(engine)
     return bool(owners) and all(o is not None and ":spark-" not in o for o in owners)
+
+
+def test_an_ordered_job_starting_inside_the_stream_is_refused_before_it_runs() -> None:
+    """A range from --from-seq would run a key's messages at and above it before its earlier
+    ones that have no outcome yet, and the later ones after them: refused in one line, as
+    the command builds its options (before Spark starts). From the stream's start, or
+    ending early (--to-seq), a range keeps each key's order."""
+    read = jobs.ReadOptions(nats_url="nats://127.0.0.1:1", from_seq=28760)
+    with pytest.raises(errors.ConfigurationError, match=r"keeps its keys in order.*--from-seq"):
+        jobs.check_range(SPEC, read)
+    jobs.check_range(SPEC, jobs.ReadOptions(nats_url="nats://127.0.0.1:1", from_seq=1, to_seq=9))
+    jobs.check_range(SPEC, jobs.ReadOptions(nats_url="nats://127.0.0.1:1", to_seq=9))
+    unordered = next(s for s in sparkapp.app.handlers.values() if s.order_by is None)
+    jobs.check_range(unordered, read)
+
+
+async def test_the_refusal_beside_a_spark_job_says_a_killed_one_holds_it_for_its_lease(
+    database_url: str, engine: AsyncEngine
+) -> None:
+    """Another Spark job's member row holds the handler: the one line asks to wait for it,
+    and says that a job that was killed (which nobody can stop any more) holds it only
+    until its lease lapses, with how long that is."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            sa.text(
+                "INSERT INTO eop.members (subscription, member, host, pid, expires_at) "
+                "VALUES (:s, :m, 'vm', 9, now() + interval '1 h')"
+            ),
+            {"s": HANDLER, "m": f"vm:9:{lease.SPARK_MARK}x"},
+        )
+    app = sparkapp.app.with_settings(database_url=database_url)
+    try:
+        with pytest.raises(errors.ConfigurationError) as caught:
+            await asyncio.to_thread(fleet.check_idle, app, SPEC)
+    finally:
+        await app.dispose()
+    said = str(caught.value)
+    assert "a Spark job started on vm runs it" in said
+    assert f"until its lease lapses, partition_lease_s: {app.settings.partition_lease_s:g} s" in (
+        said
+    )

@@ -1,4 +1,5 @@
-"""A background round's failure (compaction, the unacked watch): logged, or raised if a bug."""
+"""A background round's failure (compaction, the unacked watch): logged, or raised if a bug;
+a round under way at a stop (the relay's, an ordered handler's tick): bounded."""
 
 from __future__ import annotations
 
@@ -109,3 +110,74 @@ async def test_a_failed_rounds_line_says_why_and_whoever_counts_is_told() -> Non
     assert noted == [pooler, pooler]
     assert len(logs) == 2
     assert all('prepared statement "__asyncpg_stmt_a__" does not exist' in e["error"] for e in logs)
+
+
+async def hanging(cancelled: asyncio.Event) -> None:
+    """A round waiting for ever (a server that does not answer); ``cancelled`` set when
+    it is cancelled."""
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+
+
+async def test_a_round_that_ends_is_awaited_whole_across_a_stop() -> None:
+    """A round the stop comes during, done within its bound: its result, not cut."""
+    stopping = asyncio.Event()
+
+    async def round_() -> str:
+        stopping.set()
+        await asyncio.sleep(0.01)
+        return "done"
+
+    assert await background.before_stop(round_(), stopping, bound_s=5.0) == "done"
+
+
+async def test_a_round_that_never_ends_is_cancelled_after_its_bound_from_the_stop() -> None:
+    """A round waiting for ever (a server that does not answer) runs on until the stop,
+    then for its bound, then is cancelled and Abandoned raised."""
+    stopping = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    task = asyncio.ensure_future(background.before_stop(hanging(cancelled), stopping, bound_s=0.05))
+    await asyncio.sleep(0.1)
+    assert not task.done()  # no stop yet: no bound
+    stopping.set()
+    with pytest.raises(background.Abandoned, match=r"no answer within 0\.05 s at the stop"):
+        await task
+    assert cancelled.is_set()
+
+
+async def test_a_round_whose_cancellation_hangs_too_is_left_behind() -> None:
+    """A round whose cancellation waits on the server as well (a rollback on a frozen
+    connection): Abandoned is raised anyway, the round left to end by itself, its error
+    retrieved."""
+    release = asyncio.Event()
+    ended = asyncio.Event()
+
+    async def round_() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await release.wait()
+            ended.set()
+            raise RuntimeError("the rollback failed")  # retrieved, never reported
+
+    with pytest.raises(background.Abandoned):
+        await background.bounded(round_(), bound_s=0.05)
+    assert not ended.is_set()
+    release.set()
+    await asyncio.wait_for(ended.wait(), 5)
+
+
+async def test_a_cancelled_caller_cancels_its_round() -> None:
+    """The caller cancelled (a second stop, a cancelled host): its round with it."""
+    cancelled = asyncio.Event()
+
+    task = asyncio.ensure_future(background.before_stop(hanging(cancelled), asyncio.Event(), 5.0))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(cancelled.wait(), 5)

@@ -103,6 +103,10 @@ def test_a_bad_environment_variable_is_one_line_naming_it_and_its_rule(
         (["status", APP, "--nats-url", "http://x"], "EOP_NATS_URL", "NATS server URLs"),
         (["relay", "--app", APP, "--outbox-batch", "0"], "EOP_OUTBOX_BATCH", "at least 1"),
         (["worker", APP, "--log-format", "xml"], "--log-format", "invalid choice"),
+        (["audit", APP, "--from-seq", "5", "--to-seq", "2"], "--to-seq 2", "nothing to walk"),
+        (["audit", APP, "--stuck-after-s", "-1"], "--stuck-after-s", "above 0"),
+        (["dlq", "list", "--app", APP, "--handler", "nosuch"], "'nosuch'", "it has: audit"),
+        (["dlq", "purge", "--app", APP, "--handler", "no", "--yes"], "'no'", "leave --app out"),
     ],
 )
 def test_a_bad_flag_is_one_line_naming_the_setting_and_its_rule(

@@ -367,6 +367,43 @@ async def test_in_contention_a_batch_runs_one_transaction_per_message() -> None:
     assert (b.store.transactions, b.store.commits) == (3, 3)
 
 
+async def test_in_contention_each_message_is_reported_settled_before_the_next_one_runs() -> None:
+    """A batch crawling one message at a time behind hot rows tells the worker of each
+    message as soon as it is settled (so it gives that message's slot back at once, for
+    the other handlers of the process), not once the whole batch is done."""
+    b = make()
+    b.processor.single.contention.note()
+    seen: list[tuple[str, int]] = []
+    real = b.processor.single.spec.func
+
+    async def recording(msg: Message, session: Any) -> None:
+        seen.append(("run", msg.seq))
+        await real(msg, session)  # type: ignore[misc]
+
+    b.processor.single.spec = dataclasses.replace(b.processor.single.spec, func=recording)
+    batches = batch.BatchProcessor(
+        b.processor.single,
+        settled_one=lambda d: seen.append(("settled", d.metadata.sequence.stream)),
+    )
+    outcomes = await batches.handle_batch(three(), b.processor.single.clock())
+    assert outcomes == [Outcome.PROCESSED] * 3
+    assert seen == [
+        ("run", 1), ("settled", 1), ("run", 2), ("settled", 2), ("run", 3), ("settled", 3)
+    ]  # fmt: skip
+
+
+async def test_a_batch_settled_in_one_transaction_reports_no_message_alone() -> None:
+    """The common path settles the whole batch at once: nothing is reported early, and the
+    worker gives the batch's slots back together."""
+    b = make()
+    seen: list[int] = []
+    batches = batch.BatchProcessor(b.processor.single, settled_one=lambda d: seen.append(1))
+    assert await batches.handle_batch(three(), b.processor.single.clock()) == (
+        [Outcome.PROCESSED] * 3
+    )
+    assert seen == []
+
+
 async def test_a_commit_refused_for_the_handlers_writes_settles_each_message_alone() -> None:
     """A deferred constraint fails the batch's COMMIT: no batch failure, no attempt counted;
     each message runs in its own transaction, where a refusal would be its handler's."""

@@ -86,13 +86,31 @@ def test_settings_eop_keys_are_eops_settings_by_their_env_names(
     monkeypatch.setattr(
         conf, "eop_dict", lambda: {"APP": "x:app", "DATABASE": "default", "MAX_ATTEMPTS": 3}
     )
-    assert conf.eop_values() == {"max_attempts": 3}
+    assert conf.eop_given() == {"MAX_ATTEMPTS": 3}
     monkeypatch.setattr(conf, "eop_dict", lambda: {"MAX_ATEMPTS": 3})
     with pytest.raises(errors.ConfigurationError, match=r"unknown key 'MAX_ATEMPTS'.*MAX_ATTEMPTS"):
-        conf.eop_values()
+        conf.eop_given()
     monkeypatch.setattr(conf, "eop_dict", lambda: {"DATABASE_URL": "postgresql://x/y"})
     with pytest.raises(errors.ConfigurationError, match="uses the database of DATABASES"):
-        conf.eop_values()
+        conf.eop_given()
+
+
+def test_a_refused_value_of_settings_eop_is_named_by_its_key_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bad value in ``settings.EOP`` is reported as ``settings.EOP["KEY"]``, where the
+    user set it, not as the EOP_* variable; one from the environment keeps its name."""
+    monkeypatch.delenv("EOP_CONCURRENCY", raising=False)
+    monkeypatch.setattr(conf, "eop_dict", lambda: {"APP": "x:app", "CONCURRENCY": "abc"})
+    with pytest.raises(errors.ConfigurationError) as caught:
+        conf.checked()
+    assert str(caught.value) == (
+        """concurrency (settings.EOP["CONCURRENCY"]) must be a whole number, not 'abc'"""
+    )
+    monkeypatch.setattr(conf, "eop_dict", lambda: {"APP": "x:app"})
+    monkeypatch.setenv("EOP_CONCURRENCY", "abc")
+    with pytest.raises(errors.ConfigurationError, match=r"\(EOP_CONCURRENCY\)"):
+        conf.checked()
 
 
 def test_for_psycopg_binds_values_as_a_session_on_psycopg_would() -> None:

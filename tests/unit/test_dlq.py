@@ -224,3 +224,33 @@ async def test_replay_many_tells_each_result_before_the_next_replay(
             [1, 2, 3], on_result=lambda r: events.append(f"told {r.id}")
         )
     assert events == ["replay 1", "told 1", "replay 2", "told 2", "replay 3"]
+
+
+def test_status_says_a_problem_every_handler_shares_once_naming_them_all() -> None:
+    """An unreachable NATS is every handler's problem: the table and the one-line summary
+    say it once with the handlers it concerns, a handler's own problem apart."""
+    down = "NATS is unreachable at nats://127.0.0.1:1"
+    billing = status.HandlerStatus(
+        handler="billing", stream="ORDERS", consumer="eop-billing", problems=[down]
+    )
+    audit = status.HandlerStatus(
+        handler="audit", stream="ORDERS", consumer="eop-audit", problems=[down, "own"]
+    )
+    text = status.format_table([billing, audit])
+    assert text.count(down) == 1
+    assert f"billing, audit: ERROR: {down}" in text
+    assert "audit: ERROR: own" in text
+    assert status.problem_summary([billing, audit]) == f"billing, audit: {down}; audit: own"
+    assert status.problem_summary([status.HandlerStatus("x", "S", "c")]) == ""
+
+
+def test_counts_in_the_ops_output_are_singular_for_one() -> None:
+    """The operators' lines say "1 dead letter", "2 partitions", "1 parked row"."""
+    from eop.ops import tables
+    from eop.outbox import operations as outbox
+
+    assert tables.counted(1, "dead letter") == "1 dead letter"
+    assert tables.counted(2, "partition") == "2 partitions"
+    assert tables.counted(0, "dead letter") == "0 dead letters"
+    assert outbox.count_text(1, "parked") == "1 parked row"
+    assert outbox.count_text(3, "parked") == "3 parked rows"

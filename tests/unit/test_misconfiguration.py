@@ -223,7 +223,7 @@ async def test_an_ordered_handlers_failing_partition_ticks_stop_it_through_the_w
         count = 4
         ticks = 0
 
-        async def tick(self, *_: object) -> None:
+        async def tick(self, *_: object, **__: object) -> None:
             self.ticks += 1
             raise POOLER
 

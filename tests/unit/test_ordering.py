@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import nats.errors
 
@@ -112,14 +112,31 @@ class _FakeOwners:
         self.fail = False
         self.released: list[list[int]] = []
         self.expired: list[list[int]] = []
+        self.gate: asyncio.Event | None = None
+        """When set, each tick waits for it (a database that does not answer)."""
+        self.entered = asyncio.Event()
+        self.taking: list[bool] = []
+        """What each tick's ``taking()`` said, asked before it takes partitions."""
 
     async def tick(
-        self, want: int, releasing: list[int], expiring: Sequence[int] = ()
+        self,
+        want: int,
+        releasing: list[int],
+        expiring: Sequence[int] = (),
+        taking: Callable[[], bool] = lambda: True,
     ) -> ownership.Tick:
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
         if self.fail:
             raise OSError("the database is away")
         self.released.append(releasing)
         self.expired.append(list(expiring))
+        if want and not releasing and not expiring:
+            self.taking.append(taking())
+            if self.taking[-1]:
+                acquired = tuple(ownership.Acquired(n, 1, None, False) for n in range(want))
+                return ownership.Tick(members=("me",), owned={}, acquired=acquired)
         owned = {n: 1 for n in (0, 1) if n not in releasing and n not in expiring}
         return ownership.Tick(members=("me",), owned=owned, acquired=())
 
@@ -175,6 +192,23 @@ async def test_a_partition_given_up_with_runs_cut_short_is_expired_not_released(
     runner.owned[1].inflight = 2
     await runner.tick()
     assert (owners.released[-1], owners.expired[-1]) == ([0], [1])
+    assert runner.owned == {}
+
+
+async def test_a_tick_a_stop_overtakes_takes_no_partition_from_the_live_processes() -> None:
+    """A tick waiting on PostgreSQL when the stop comes, answered just after: it renews
+    but takes no partition (it would take them from live processes only to give them up),
+    opens no consumer, and the runner's loop ends."""
+    owners = _FakeOwners()
+    runner = _runner(owners)
+    runner.members = ("me",)  # its share is both partitions
+    owners.gate = asyncio.Event()
+    running = asyncio.ensure_future(runner.run())
+    await asyncio.wait_for(owners.entered.wait(), 5)
+    runner._stopping.set()
+    owners.gate.set()
+    await asyncio.wait_for(running, 5)
+    assert owners.taking == [False]
     assert runner.owned == {}
 
 

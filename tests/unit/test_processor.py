@@ -535,6 +535,30 @@ async def test_after_a_deadlock_the_retry_waits_for_its_turn_across_the_fleet(
     assert len(harness.store.effects) == 1
 
 
+async def test_a_settled_message_arriving_contended_is_acked_without_waiting_for_the_turn(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a handler runs contended, a late republish of a settled message (its msg-id
+    taken) is looked up first and acked as a duplicate: it does not queue for the
+    fleet's turn behind the contended transactions it has nothing to write beside."""
+    turns: list[int] = []
+
+    async def take_turn(self: testing.MemoryTransaction) -> None:
+        turns.append(1)
+
+    monkeypatch.setattr(testing.MemoryTransaction, "take_turn", take_turn)
+    await harness.handle(delivery(seq=1, headers={"Nats-Msg-Id": "order-1"}))
+    harness.processor.contention.note()
+    republished = delivery(seq=9, headers={"Nats-Msg-Id": "order-1"})
+    assert await harness.handle(republished) is Outcome.DUPLICATE
+    assert republished.acked
+    assert turns == []
+    # A message not settled yet still takes its turn before its claim.
+    assert await harness.handle(delivery(seq=10)) is Outcome.PROCESSED
+    assert turns == [1]
+    assert len(harness.calls) == 2
+
+
 async def test_a_message_queued_for_its_turn_when_the_worker_stops_is_handed_back_unrun(
     harness: Harness,
 ) -> None:

@@ -205,6 +205,20 @@ def test_without_a_temporary_directory_each_child_prints_its_own_error() -> None
     assert done.stderr.count("eop: error: ") == 2, done.stderr
 
 
+def test_a_child_that_ends_by_itself_with_status_0_makes_the_worker_exit_1() -> None:
+    """A process that ended before any stop, even cleanly (a SIGTERM sent to it alone),
+    leaves the worker short of a process: the supervisor stops the others and exits 1,
+    a failure to a restart policy, rather than 0, which reads as a worker that finished."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SUPERVISOR, "tmp", "2", "import sys; sys.exit(0)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+
+
 def test_a_child_reaped_elsewhere_is_still_seen_to_exit() -> None:
     """Another part of the process reaped one of the children while another child of the
     process lives on: the supervisor still sees it gone (waiting for any child found

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncSession
 
 import eop
 from eop import testing
@@ -304,3 +306,61 @@ async def test_a_sync_handler_runs_in_a_thread_in_memory_as_in_a_worker() -> Non
         delivered = await t.deliver("ORDERS.created", {"id": "o-1"})
     assert delivered.processed, delivered
     assert seen == [False]
+
+
+async def test_a_message_given_to_a_handler_whose_subject_it_does_not_match_is_refused() -> None:
+    """handler= names a handler whose consumer would never receive the subject: refused,
+    so that a test does not pass on routing no worker does."""
+    async with testing.TestApp(orm_app()) as t:
+        with pytest.raises(eop.ConfigurationError, match=r"'ORDERS\.paid'"):
+            await t.deliver("ORDERS.paid", {"id": "o-1"}, handler="billing")
+
+
+def sql_app() -> eop.App:
+    """A handler that runs SQL through its session: the in-memory session cannot."""
+    app = eop.App()
+
+    @app.handler(stream="ORDERS", subject="ORDERS.created", name="reads")
+    async def reads(msg: eop.Message, session: AsyncSession) -> None:
+        await session.execute(sa.text("SELECT 1"))
+
+    return app
+
+
+async def test_what_the_in_memory_session_cannot_do_is_raised_not_dead_lettered() -> None:
+    """A handler running SQL on the in-memory session: its limit is raised to the test,
+    even with raise_errors=False, never counted as the handler's failure and dead-lettered
+    as no worker with a database would."""
+    async with testing.TestApp(sql_app(), raise_errors=False) as t:
+        with pytest.raises(testing.HandlerFailed, match="no 'execute'"):
+            await t.deliver("ORDERS.created", {"id": "o-1"})
+
+
+def writes_missing_app() -> eop.App:
+    """An eop.Writes handler whose statement names a parameter it is not given."""
+    app = eop.App()
+    add = sa.text("INSERT INTO invoices (order_id, amount_cents) VALUES (:order_id, :cents)")
+
+    @app.handler(stream="ORDERS", subject="ORDERS.created", name="bulk", batch=True)
+    async def bulk(msgs: list[eop.Message], writes: eop.Writes) -> None:
+        for msg in msgs:
+            writes.add(add, {"order_id": msg.json()["id"]})
+
+    return app
+
+
+async def test_a_write_missing_a_parameter_fails_its_handler_as_the_database_would() -> None:
+    """writes.add of a text statement without a value for one of its parameters: the
+    handler fails here as it fails on a database (where every message would end
+    dead-lettered), not processed."""
+    async with testing.TestApp(writes_missing_app()) as t:
+        with pytest.raises(testing.HandlerFailed, match="no value for 'cents'"):
+            await t.deliver("ORDERS.created", {"id": "o-1"})
+
+
+async def test_a_header_that_is_not_text_is_refused_in_one_line() -> None:
+    """NATS headers are strings: an int given as a header's value is refused, naming the
+    header, not failed deep in the kit with an AttributeError."""
+    async with testing.TestApp(orm_app()) as t:
+        with pytest.raises(eop.ConfigurationError, match="header 'Account'"):
+            await t.deliver("ORDERS.created", {"id": "o-1"}, headers={"Account": 5})  # type: ignore[dict-item]

@@ -23,14 +23,14 @@ class EopConfig(AppConfig):
         """
         from django.core import checks
 
-        from eop import errors, settings
+        from eop import errors
         from eop.contrib.django import conf
         from eop.outbox import table as outbox
 
         checks.register(conf.check_settings, "eop")
         # Not the database: a project starts (and checks settings.EOP) without reaching it.
         try:
-            configured = settings.Settings.from_env(overrides=conf.eop_values())
+            configured = conf.checked()
         except errors.ConfigurationError as exc:
             outbox.configure_default(exc)
             return

@@ -64,8 +64,9 @@ def run(argv: Sequence[str]) -> int:
         options.print_error(refused, as_json=asked == "json")
         return 2
     try:
-        # Exported as environment variables, an unknown key would be ignored there.
-        conf.eop_values()
+        # Exported as environment variables, an unknown key would be ignored there, and a
+        # refused value named as the variable the user never set.
+        conf.checked()
     except errors.ConfigurationError as exc:
         options.print_error(exc, as_json=asked == "json")
         return 1

@@ -108,7 +108,7 @@ def settings(
     """
     from django.db import connections
 
-    values = {**eop_values(), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    cli = {k: v for k, v in (overrides or {}).items() if v is not None}
     if database is None:
         name = alias()
         if name not in connections.databases:
@@ -117,13 +117,40 @@ def settings(
             )
         database = connections.databases[name]
     url = database_url(database).render_as_string(hide_password=False)
-    return settings_mod.Settings.from_env(overrides={**values, "database_url": url})
+    return _built(eop_given(), {**cli, "database_url": url})
 
 
-def eop_values() -> dict[str, object]:
-    """The eop settings of ``settings.EOP``, by field name; an unknown key is an error."""
+def checked() -> settings_mod.Settings:
+    """eop's Settings from the environment and ``settings.EOP``, without the database's:
+    an unknown key or a refused value is a :class:`~eop.errors.ConfigurationError`, a
+    value of ``settings.EOP`` named by its key there."""
+    return _built(eop_given(), {})
+
+
+def _built(given: Mapping[str, object], overrides: Mapping[str, object]) -> settings_mod.Settings:
+    """``Settings.from_env`` with ``given`` (``settings.EOP``'s, by its keys) then
+    ``overrides`` over the environment. An error about a value of ``settings.EOP`` names
+    its key there, not the ``EOP_*`` variable the same error names otherwise."""
+    values = {key.lower(): value for key, value in given.items()}
+    try:
+        return settings_mod.Settings.from_env(overrides={**values, **overrides})
+    except errors.ConfigurationError as exc:
+        text = str(exc)
+        for key in given:
+            name = key.lower()
+            if name not in overrides:
+                named = f"{name} ({settings_mod.env_var(name)})"
+                text = text.replace(named, f'{name} (settings.EOP["{key}"])')
+        if text == str(exc):
+            raise
+        raise errors.ConfigurationError(text) from None
+
+
+def eop_given() -> dict[str, object]:
+    """The entries of ``settings.EOP`` that set eop's settings, keyed as written; an
+    unknown key is an error."""
     fields = {f.name for f in dataclasses.fields(settings_mod.Settings)}
-    values: dict[str, object] = {}
+    given: dict[str, object] = {}
     for key, value in eop_dict().items():
         if key in OWN_KEYS:
             continue
@@ -141,8 +168,8 @@ def eop_values() -> dict[str, object]:
                 f"settings.EOP has an unknown key {key!r} (known: {known}); the database "
                 "comes from DATABASES"
             )
-        values[name] = value
-    return values
+        given[key] = value
+    return given
 
 
 def check_settings(**_: object) -> list[Any]:
@@ -151,7 +178,7 @@ def check_settings(**_: object) -> list[Any]:
     from django.core import checks
 
     try:
-        settings_mod.Settings.from_env(overrides=eop_values())
+        checked()
     except errors.ConfigurationError as exc:
         return [checks.Error(str(exc), id="eop.E001")]
     return []

@@ -18,9 +18,12 @@ _PYTHON_ERROR = re.compile(
 )
 #: A JVM exception line, as it stands in a stack trace or after "Caused by: ".
 _JAVA_ERROR = re.compile(
-    r"^(?:Caused by: )?((?:java|javax|scala|org|io|com)\.[\w.$]+(?:Exception|Error)): (.*)$",
+    r"^(?:Caused by: )?((?:java|javax|scala|org|io|com)\.[\w.$]+(?:Exception|Error))(?:: (.*))?$",
     re.MULTILINE,
 )
+#: What a SparkException says, wherever it stands (a task's failure is quoted mid-line).
+_SPARK_SAYS = re.compile(r"SparkException: ((?:(?!\S*SparkException: )[^\n])+)")
+_GENERIC = ("Job aborted", "Task failed")
 _JVM_PACKAGES = ("java.", "javax.", "scala.", "org.", "io.", "com.")
 #: Wrappers that carry a cause rather than being one.
 _WRAPPERS = (
@@ -76,7 +79,12 @@ def root_cause(text: str) -> str | None:
     java = [(n, m) for n, m in _JAVA_ERROR.findall(text) if not _is_wrapper(n)]
     if java:
         name, message = java[-1]
-        return f"{name}: {message.strip()}"
+        if message.strip():
+            return f"{name}: {message.strip()}"
+        # A bare cause (an executor's Python worker crashed: java.io.EOFException) says
+        # less than the innermost SparkException, which tells what happened.
+        said = [m.strip() for m in _SPARK_SAYS.findall(text) if not m.startswith(_GENERIC)]
+        return f"{said[-1]} ({name})" if said else name
     return None
 
 

@@ -46,7 +46,8 @@ def check_idle(app: App, spec: HandlerSpec) -> None:
         raise errors.ConfigurationError(
             f"handler {spec.name!r} keeps its keys in order and a Spark job started on "
             f"{', '.join(jobs[:_HOSTS_NAMED])} runs it: wait for it to end (or stop it), "
-            "then run this one"
+            "then run this one (a job that was killed holds it until its lease lapses, "
+            f"partition_lease_s: {app.settings.partition_lease_s:g} s)"
         )
     if not holders:
         return

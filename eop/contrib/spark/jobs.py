@@ -96,6 +96,23 @@ def stored_subject(spec: HandlerSpec) -> str:
     return f"*.{spec.subject}" if spec.partitions > 1 else spec.subject
 
 
+def check_range(spec: HandlerSpec, read: ReadOptions) -> None:
+    """Refuse a range that starts inside the stream for a handler with ``order_by``.
+
+    Messages below ``from_seq`` without an outcome would run after the job's,
+    later messages of their keys: each key's order holds only for a run from
+    the stream's start. (The inbox skips what is done; a range that ends early,
+    ``to_seq``, keeps the order.)
+    """
+    if spec.order_by is not None and read.from_seq is not None and read.from_seq > 1:
+        raise eop_errors.ConfigurationError(
+            f"handler {spec.name!r} keeps its keys in order: a job starting at --from-seq "
+            f"{read.from_seq} would run a key's later messages before its earlier ones "
+            "that have no outcome yet; run it from the stream's start (what is done is "
+            "skipped), --to-seq to stop early"
+        )
+
+
 def ordered(df: DataFrame, spec: HandlerSpec) -> DataFrame:
     """For handlers with ``order_by``: a key's messages in one partition.
 
@@ -142,6 +159,7 @@ def backfill(
     handler's job refuses to start while workers run it (:mod:`eop.contrib.spark.fleet`).
     """
     home = app or sink.caller_app(target)
+    check_range(spec, read)
     fleet.check_idle(home, spec)
     watching = watching or watch.Watch(out=progress)
     what = f"backfill of {spec.stream} for {spec.name}"
@@ -204,6 +222,7 @@ def stream(
     renewed by this process until :func:`wait` returns: call it.
     """
     home = app or sink.caller_app(target)
+    check_range(spec, read)
     fleet.check_idle(home, spec)
     report_id = report_id_of(spec, checkpoint) if on_batch is not None else None
     held = lease.JobLease(home, spec)

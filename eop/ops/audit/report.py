@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from typing import Any
 
+from eop.ops import tables
 from eop.ops.audit.rules import KINDS, Anomaly
 
 #: Anomalies listed per kind and handler (all are counted).
@@ -200,7 +201,7 @@ def _render_handler(h: HandlerAudit) -> list[str]:
     never = f"above the consumer's delivered sequence {h.delivered}"
     combined = f"consumer          ack floor {h.ack_floor}, delivered {h.delivered}"
     if h.partitions:
-        consumer = f"consumers {h.durable} ({len(h.partitions)} partitions)"
+        consumer = f"consumers {h.durable} ({tables.counted(len(h.partitions), 'partition')})"
         # A message of one partition is never delivered by its own partition's consumer;
         # the highest delivered over all of them says nothing about it.
         never = "each above its partition's delivered sequence (below)"
