@@ -113,6 +113,10 @@ class Transaction(Protocol):
         """Count a run of a redelivered message, before its handler starts (the caller
         commits it on its own); its runs without an outcome, 0 if it has its outcome."""
 
+    async def count_first_run(self, message: Message) -> bool:
+        """:meth:`count_run` when it is the message's first run without an outcome (no
+        failure or run counted, no outcome); False, nothing written, otherwise."""
+
     async def forget_failures(self, message: Message) -> None:
         """Drop the message's failure count and parked copy (it has its outcome)."""
 

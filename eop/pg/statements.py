@@ -223,18 +223,14 @@ class Statements(abc.ABC):
     async def count_run(self, message: Message) -> int:
         """Count a run of the redelivered ``message``; its runs without an outcome (0 when
         it has its outcome already)."""
-        row = {
-            "subscription": message.subscription,
-            "stream": message.stream,
-            "stream_epoch": message.stream_epoch,
-            "stream_seq": message.seq,
-            "subject": message.subject,
-            "headers": json.dumps(dict(message.headers)).encode(),
-            "payload": message.data,
-            "stored_at": message.timestamp,
-        }
-        rows = await self._rows(*retries_sql.count_run(self.tables, row))
+        rows = await self._rows(*retries_sql.count_run(self.tables, _run_row(message)))
         return int(rows[0][0]) if rows else 0
+
+    async def count_first_run(self, message: Message) -> bool:
+        """Count the run of the redelivered ``message`` if it is its first without an
+        outcome (no ``retries`` row, no inbox row); False, nothing written, otherwise."""
+        rows = await self._rows(*retries_sql.count_first_run(self.tables, _run_row(message)))
+        return bool(rows)
 
     async def forget_failures(self, message: Message) -> None:
         """Drop the message's failure count and parked copy (it has its outcome)."""
@@ -344,3 +340,17 @@ def _epoch_of(messages: list[Message]) -> tuple[str, str, str]:
     if any((m.subscription, m.stream, m.stream_epoch) != shared for m in messages):
         raise ValueError("these statements take the messages of one subscription, stream, epoch")
     return shared
+
+
+def _run_row(message: Message) -> dict[str, object]:
+    """The ``retries`` row of a redelivered message's counted run."""
+    return {
+        "subscription": message.subscription,
+        "stream": message.stream,
+        "stream_epoch": message.stream_epoch,
+        "stream_seq": message.seq,
+        "subject": message.subject,
+        "headers": json.dumps(dict(message.headers)).encode(),
+        "payload": message.data,
+        "stored_at": message.timestamp,
+    }

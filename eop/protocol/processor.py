@@ -48,6 +48,18 @@ class Fetched:
     logger: log.Logger
 
 
+class _Counted:
+    """A redelivery's counted run, kept across the retries of its step (the database
+    failed): its runs without an outcome, this one included (None until counted), and
+    whether this is the first, run beside the process's others."""
+
+    __slots__ = ("runs", "shared")
+
+    def __init__(self) -> None:
+        self.runs: int | None = None
+        self.shared = False
+
+
 class Processor:
     """Runs the protocol for the deliveries of one handler subscription.
 
@@ -93,9 +105,9 @@ class Processor:
         """Where the leases of the deliveries it holds are renewed: the worker's, which holds
         them from their fetch (a processor of its own otherwise, on the default clock)."""
         self.suspects = suspects if suspects is not None else asyncio.Lock()
-        """Held by a redelivered message while it runs: one at a time in the process (the
-        worker shares one among its handlers), so a message that kills the process is the
-        only one whose run that death counts."""
+        """Held by a redelivered message with a counted run while it runs: one at a time in
+        the process (the worker shares one among its handlers), so a message that kills
+        the process again is the only one whose run that death counts."""
         self.misconfigured = (
             misconfigured if misconfigured is not None else misconfiguration.Watch()
         )
@@ -204,10 +216,11 @@ class Processor:
                 logger,
             )
         if msg.num_delivered > 1:
-            # Maybe a crash loop: its run is counted before it starts, and it runs
-            # alone, so that a message killing its process does not take the runs
-            # of others with it (docs/design.md, 'Crash loops').
-            counted: list[int] = []
+            # Maybe a crash loop: its run is counted before it starts, and from its
+            # second counted run on it runs alone, so that a message killing its
+            # process does not take the runs of others with it (docs/design.md,
+            # 'The crash-loop bound').
+            counted = _Counted()
             return await self._claiming(
                 delivery,
                 lambda m: self._suspect(delivery, m, logger, counted),
@@ -255,7 +268,7 @@ class Processor:
             usual = (
                 epoch is not None
                 and lease_left >= self.settings.lease_margin_s
-                # A redelivery runs alone, its run counted first (_suspect).
+                # A redelivery's run is counted before it starts (_suspect).
                 and meta.num_delivered == 1
                 and message.undecodable(delivery) is None
             )
@@ -333,20 +346,38 @@ class Processor:
             )
 
     async def _suspect(
-        self, delivery: Delivery, msg: message.Message, logger: log.Logger, counted: list[int]
+        self, delivery: Delivery, msg: message.Message, logger: log.Logger, counted: _Counted
     ) -> Outcome:
         """A redelivered message: count its run (once, however often the step is retried
         for the database), committed before the handler starts; dead-letter it as a crash
-        loop past ``max_deliveries`` runs without an outcome, else attempt it."""
-        if not counted:
+        loop past ``max_deliveries`` runs without an outcome, else attempt it.
+
+        Its first run without an outcome runs at once, beside the process's other
+        runs; a message with a run counted already runs alone, one at a time in the
+        process, its run counted when its turn comes (docs/design.md, 'The
+        crash-loop bound').
+        """
+        if counted.runs is None:
             # Most redeliveries are done already (acked out of order above the ack floor
             # before a handover or a crash): settled without a count or the wait.
             async with self.store.transaction(self._spec) as tx:
                 existing = await tx.find(msg)
-                # An earlier delivery's counted run, found settled, is forgotten here.
-                await self.settlement.end_look_up(tx, msg, existing)
+                # At max_deliveries=1 the one count a first run beside others may cost a
+                # good neighbour would dead-letter it: there every redelivery runs alone.
+                shares = self.settings.max_deliveries >= 2
+                if existing is None and shares and await tx.count_first_run(msg):
+                    await tx.commit()
+                    counted.runs, counted.shared = 1, True
+                else:
+                    # An earlier delivery's counted run, found settled, is forgotten here.
+                    await self.settlement.end_look_up(tx, msg, existing)
             if existing is not None:
                 return await self.settlement.not_claimed(delivery, msg, existing, logger)
+        if counted.shared:
+            # Its first run without an outcome (so also when the step is retried for the
+            # database): a message that kills its process costs the runs beside it one
+            # count each, and only once, as each of them runs alone from then on.
+            return await self._attempt(delivery, msg, logger)
         # Held for the run only: a retry's backoff (an outage, a lock held elsewhere)
         # must not keep the process's other redeliveries waiting.
         async with self.suspects:
@@ -354,13 +385,13 @@ class Processor:
                 # Queued behind the process's other redeliveries, not started: handed
                 # back at once rather than run one by one through the stop's grace.
                 return await self.settlement.hand_back(delivery, logger)
-            if not counted:
+            if counted.runs is None:
                 async with self.store.transaction(self._spec) as tx:
                     runs = await tx.count_run(msg)
                     await tx.commit()
-                counted.append(runs)
-            if counted[0] > self.settings.max_deliveries:
-                dead = crash_loop(counted[0], self.settings.max_deliveries)
+                counted.runs = runs
+            if counted.runs > self.settings.max_deliveries:
+                dead = crash_loop(counted.runs, self.settings.max_deliveries)
                 return await self.settlement.dead_letter(delivery, msg, dead, logger)
             return await self._attempt(delivery, msg, logger)
 

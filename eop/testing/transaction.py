@@ -169,6 +169,17 @@ class MemoryTransaction:
         self._runs[key] = runs
         return runs - self.store.attempts.get(key, 0)
 
+    async def count_first_run(self, message: Message) -> bool:
+        """:meth:`count_run` only when ``message`` has no run or failure counted and no
+        inbox row; False otherwise."""
+        self._check_open()
+        key = inbox_key(message)
+        counted = self._runs.get(key, self.store.runs.get(key, 0))
+        if key in self.store.inbox or counted or self.store.attempts.get(key, 0):
+            return False
+        self._runs[key] = 1
+        return True
+
     async def forget_failures(self, message: Message) -> None:
         """Drop the failure count of ``message`` at COMMIT."""
         self._check_open()

@@ -288,9 +288,10 @@ async def test_a_message_that_kills_its_worker_dead_letters_nothing_but_itself(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine, tmp_path: Any
 ) -> None:
     """A message that kills every process it runs in, fetched in one batch with good
-    ones: each death sends the whole batch back. Its neighbours never started, so no run
-    of theirs is counted: only the killer is dead-lettered as a crash loop (they were
-    before: 23 of 29 good messages at max_deliveries=3), the others take effect once."""
+    ones: each death sends the whole batch back. A neighbour is counted one run at most
+    (its first redelivery, run beside the killer's), then runs alone: only the killer is
+    dead-lettered as a crash loop (counting deliveries, 23 of 29 good messages were, at
+    max_deliveries=3), the others take effect once."""
     from .test_cli import Workers, eop_env
 
     async with engine.begin() as conn:

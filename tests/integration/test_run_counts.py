@@ -193,6 +193,37 @@ async def test_a_redelivery_whose_claim_finds_the_first_owner_committed_forgets_
     assert await effects_by_body(engine) == {"m7": 1}
 
 
+async def test_first_runs_without_an_outcome_run_side_by_side_each_counted_once(
+    app: eop.App, engine: AsyncEngine, script: Script
+) -> None:
+    """Two redeliveries of one process, neither with a run counted: both run at once
+    (neither waits for the other to end), each run committed as counted before its
+    handler starts, and forgotten with its outcome. ``count_first_run`` writes nothing
+    for a message that has a run counted or its outcome."""
+    shared = app.with_settings(max_deliveries=2)
+    proc = worker(shared)
+    # The epoch's lane first: two claims making it at once would wait on each other.
+    assert await handle(proc, delivery(1, 1)) is Outcome.PROCESSED
+    (a_in, a_go), (b_in, b_go) = script.gate(3, 2), script.gate(4, 2)
+    a = asyncio.create_task(handle(proc, delivery(3, 2)))
+    b = asyncio.create_task(handle(proc, delivery(4, 2)))
+    await asyncio.wait_for(asyncio.gather(a_in.wait(), b_in.wait()), 10)
+    assert await retries(engine) == {(EPOCH, 3): (0, 1, False), (EPOCH, 4): (0, 1, False)}
+    a_go.set()
+    b_go.set()
+    assert (await a, await b) == (Outcome.PROCESSED, Outcome.PROCESSED)
+    assert await retries(engine) == {}
+    await count_a_run(shared, 5, 2)
+    store = shared.make_store()
+    for seq in (3, 5):
+        msg = message.from_nats(delivery(seq, 3), subscription=SUB, stream_epoch=EPOCH)
+        async with store.transaction(shared.handlers[SUB]) as tx:
+            assert not await tx.count_first_run(msg)
+            await tx.commit()
+    assert await retries(engine) == {(EPOCH, 5): (0, 1, False)}
+    assert await effects_by_body(engine) == {"m1": 1, "m3": 1, "m4": 1}
+
+
 class HeldStore:
     """A store whose next transaction, once :attr:`hold` is set, waits for it to be set."""
 

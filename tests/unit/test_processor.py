@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 
 import eop
 from eop import backoff, log, testing
+from eop.message import Message
 from eop.pg import models
 from eop.pg.retries import ParkedDelivery
 from eop.protocol.processor import Critical
@@ -574,12 +575,69 @@ async def test_a_message_queued_for_its_turn_when_the_worker_stops_is_handed_bac
 async def test_a_redelivery_queued_behind_others_when_the_worker_stops_is_handed_back_unrun(
     harness: Harness,
 ) -> None:
-    """Redeliveries run one at a time in a process (their runs counted first); one still
-    queued when a stop is asked for is nak'ed at once, its run not counted, rather than
-    run through the stop's grace period behind the others."""
+    """Redeliveries with a counted run run one at a time in a process (their runs counted
+    first); one still queued when a stop is asked for is nak'ed at once, its run not
+    counted, rather than run through the stop's grace period behind the others."""
+    d = delivery().redeliver()
+    harness.ran_before(d, 1)
     # Another redelivery's run, under way.
-    await _stopped_while_queued(harness, harness.processor.suspects, delivery().redeliver())
+    await _stopped_while_queued(harness, harness.processor.suspects, d)
+    assert harness.store.runs == {("orders", STREAM, "e1", 1): 1}
+
+
+async def test_a_first_run_without_an_outcome_does_not_wait_for_other_redeliveries(
+    harness: Harness,
+) -> None:
+    """A redelivery with no run counted yet (its first delivery died with a neighbour, or
+    was handed back) runs at once, beside the process's other redeliveries, its run
+    counted before it starts and forgotten with its outcome: after a crash, a process's
+    redeliveries do not queue one by one behind each other (nor behind the hot rows its
+    new messages wait on)."""
+    d = delivery().redeliver()
+    seen: list[dict[tuple[str, str, str, int], int]] = []
+
+    async def runs_when_it_ran(msg: Message, session: Any) -> None:
+        seen.append(dict(harness.store.runs))
+
+    harness.then(runs_when_it_ran)
+    async with harness.processor.suspects:  # another redelivery's run, under way
+        outcome = await asyncio.wait_for(harness.handle(d), 5)
+    assert outcome is Outcome.PROCESSED
+    assert seen == [{("orders", STREAM, "e1", 1): 1}]
     assert harness.store.runs == {}
+
+
+async def test_a_redelivery_with_a_counted_run_waits_its_turn_and_counts_another(
+    harness: Harness,
+) -> None:
+    """A message whose counted run ended with no outcome (its process died in it) runs
+    alone: it waits while another redelivery runs, and its run is counted only when its
+    turn comes, so a process dying meanwhile blames no message that was only waiting."""
+    d = delivery(num_delivered=3)
+    harness.ran_before(d, 1)
+    key = ("orders", STREAM, "e1", 1)
+    async with harness.processor.suspects:
+        handling = asyncio.ensure_future(harness.handle(d))
+        await asyncio.sleep(0.05)
+        assert not handling.done()
+        assert harness.store.runs == {key: 1}
+    assert await handling is Outcome.PROCESSED
+    assert harness.store.runs == {}
+
+
+async def test_with_max_deliveries_1_even_a_first_redelivery_runs_alone(
+    make_harness: MakeHarness,
+) -> None:
+    """A first run beside others may cost a good neighbour one count; at max_deliveries=1
+    that count alone would dead-letter it on its next delivery, so every redelivery runs
+    alone there."""
+    harness = make_harness(settings=dataclasses.replace(FAST, max_deliveries=1))
+    d = delivery().redeliver()
+    async with harness.processor.suspects:
+        handling = asyncio.ensure_future(harness.handle(d))
+        await asyncio.sleep(0.05)
+        assert not handling.done()
+    assert await handling is Outcome.PROCESSED
 
 
 async def _stopped_while_queued(harness: Harness, held: asyncio.Lock, d: Any) -> None:

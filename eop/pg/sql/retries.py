@@ -47,7 +47,7 @@ def count_run(t: models.Tables, row: dict[str, Any]) -> Bound:
     runs without an outcome (runs less failures), or no row when it has its outcome.
 
     Committed on its own, before the handler's transaction: a run that kills its
-    process still counts (docs/design.md, 'Crash loops'). ``row`` carries the key
+    process still counts (docs/design.md, 'The crash-loop bound'). ``row`` carries the key
     and the message (subject, headers, payload, stored_at), kept in the row as a
     failure's are.
     """
@@ -58,6 +58,19 @@ def count_run(t: models.Tables, row: dict[str, Any]) -> Bound:
 
 @functools.cache
 def _count_run(t: models.Tables) -> sa.Executable:
+    c = t.retries.c
+    return (
+        _insert_run(t)
+        .on_conflict_do_update(
+            index_elements=["subscription", "stream", "stream_epoch", "stream_seq"],
+            set_={"runs": c.runs + 1, "updated_at": sa.func.now()},
+        )
+        .returning(c.runs - c.failures)
+    )
+
+
+def _insert_run(t: models.Tables) -> postgresql.Insert:
+    """A message's first counted run, inserted only while its inbox row is absent."""
     c, i = t.retries.c, t.inbox.c
     values = {name: sa.bindparam(f"p_{name}", type_=c[name].type) for name in _RUN_COLUMNS}
     lane = lane_of(t, values["subscription"], values["stream"], values["stream_epoch"])
@@ -70,13 +83,29 @@ def _count_run(t: models.Tables) -> sa.Executable:
         "due_at": sa.func.now(),
         "last_error": sa.literal(""),
     }
-    insert = postgresql.insert(t.retries).from_select(
+    return postgresql.insert(t.retries).from_select(
         list(fresh), sa.select(*fresh.values()).where(~settled)
     )
-    return insert.on_conflict_do_update(
-        index_elements=["subscription", "stream", "stream_epoch", "stream_seq"],
-        set_={"runs": c.runs + 1, "updated_at": sa.func.now()},
-    ).returning(c.runs - c.failures)
+
+
+def count_first_run(t: models.Tables, row: dict[str, Any]) -> Bound:
+    """:func:`count_run` for a message with no ``retries`` row and no outcome only:
+    RETURNING its one run, or no row (nothing written) when it has either.
+
+    A redelivery whose run is its first without an outcome runs beside the
+    process's other such runs (docs/design.md, 'The crash-loop bound').
+    """
+    if row.keys() != set(_RUN_COLUMNS):
+        raise ValueError(f"a run row has exactly the columns {_RUN_COLUMNS}")
+    return _count_first_run(t), {f"p_{name}": value for name, value in row.items()}
+
+
+@functools.cache
+def _count_first_run(t: models.Tables) -> sa.Executable:
+    insert = _insert_run(t)
+    return insert.on_conflict_do_nothing(
+        index_elements=["subscription", "stream", "stream_epoch", "stream_seq"]
+    ).returning(t.retries.c.runs)
 
 
 def count_failure(t: models.Tables, row: dict[str, Any]) -> Bound:
