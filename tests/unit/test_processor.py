@@ -616,12 +616,19 @@ async def test_a_redelivery_with_a_counted_run_waits_its_turn_and_counts_another
     d = delivery(num_delivered=3)
     harness.ran_before(d, 1)
     key = ("orders", STREAM, "e1", 1)
+    seen: list[dict[tuple[str, str, str, int], int]] = []
+
+    async def runs_when_it_ran(msg: Message, session: Any) -> None:
+        seen.append(dict(harness.store.runs))
+
+    harness.then(runs_when_it_ran)
     async with harness.processor.suspects:
         handling = asyncio.ensure_future(harness.handle(d))
         await asyncio.sleep(0.05)
         assert not handling.done()
         assert harness.store.runs == {key: 1}
     assert await handling is Outcome.PROCESSED
+    assert seen == [{key: 2}]
     assert harness.store.runs == {}
 
 
