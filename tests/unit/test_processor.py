@@ -594,12 +594,7 @@ async def test_a_first_run_without_an_outcome_does_not_wait_for_other_redeliveri
     redeliveries do not queue one by one behind each other (nor behind the hot rows its
     new messages wait on)."""
     d = delivery().redeliver()
-    seen: list[dict[tuple[str, str, str, int], int]] = []
-
-    async def runs_when_it_ran(msg: Message, session: Any) -> None:
-        seen.append(dict(harness.store.runs))
-
-    harness.then(runs_when_it_ran)
+    seen = _runs_seen_by_the_handler(harness)
     async with harness.processor.suspects:  # another redelivery's run, under way
         outcome = await asyncio.wait_for(harness.handle(d), 5)
     assert outcome is Outcome.PROCESSED
@@ -616,12 +611,7 @@ async def test_a_redelivery_with_a_counted_run_waits_its_turn_and_counts_another
     d = delivery(num_delivered=3)
     harness.ran_before(d, 1)
     key = ("orders", STREAM, "e1", 1)
-    seen: list[dict[tuple[str, str, str, int], int]] = []
-
-    async def runs_when_it_ran(msg: Message, session: Any) -> None:
-        seen.append(dict(harness.store.runs))
-
-    harness.then(runs_when_it_ran)
+    seen = _runs_seen_by_the_handler(harness)
     async with harness.processor.suspects:
         handling = asyncio.ensure_future(harness.handle(d))
         await asyncio.sleep(0.05)
@@ -645,6 +635,18 @@ async def test_with_max_deliveries_1_even_a_first_redelivery_runs_alone(
         await asyncio.sleep(0.05)
         assert not handling.done()
     assert await handling is Outcome.PROCESSED
+
+
+def _runs_seen_by_the_handler(harness: Harness) -> list[dict[tuple[str, str, str, int], int]]:
+    """Script the next handler call to note the committed run counts as it starts; the
+    list it appends them to."""
+    seen: list[dict[tuple[str, str, str, int], int]] = []
+
+    async def note_runs(msg: Message, session: Any) -> None:
+        seen.append(dict(harness.store.runs))
+
+    harness.then(note_runs)
+    return seen
 
 
 async def _stopped_while_queued(harness: Harness, held: asyncio.Lock, d: Any) -> None:
