@@ -38,6 +38,10 @@ class Metadata(Protocol):
         """The stream the message is in."""
 
     @property
+    def consumer(self) -> str:
+        """The consumer that delivered it: the one its ack goes to."""
+
+    @property
     def sequence(self) -> Sequences:
         """Its sequences."""
 

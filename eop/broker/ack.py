@@ -58,6 +58,11 @@ NO_RESPONDERS_GIVE_UP_S = 2.0
 _BATCH_SEND_ERRORS: tuple[type[BaseException], ...] = (*_RETRYABLE_ACK_ERRORS, nats.errors.Error)
 
 
+def _consumer_of(delivery: Delivery) -> tuple[str, str]:
+    meta = delivery.metadata
+    return meta.stream, meta.consumer
+
+
 async def confirm(
     delivery: Delivery,
     *,
@@ -65,22 +70,36 @@ async def confirm(
     give_up_s: float,
     logger: log.Logger,
     stopping: asyncio.Event | None = None,
+    gone: set[tuple[str, str]] | None = None,
 ) -> bool:
     """Send a confirmed ack, retried on timeouts and reconnects; True once the server has it.
 
     ``MsgAlreadyAckdError`` means an earlier attempt got through: done. After
     ``give_up_s`` the ack is abandoned with a warning and False is returned; once
     ``stopping`` is set, after :data:`NO_RESPONDERS_GIVE_UP_S` already.
+
+    ``gone`` holds the (stream, consumer) pairs whose last ack was given up on "no
+    responders" (:attr:`Acker.gone`): an ack to one of them is given up at its first
+    "no responders", and a confirmed one takes its consumer off.
     """
 
     # The first try outside tenacity: almost every ack succeeds at once, and a
     # retrying loop costs more CPU than the ack itself.
     try:
         await delivery.ack_sync(timeout=timeout_s)
+        if gone:
+            gone.discard(_consumer_of(delivery))
         return True
     except nats.errors.MsgAlreadyAckdError:
         return True
     except _RETRYABLE_ACK_ERRORS as exc:
+        if (
+            gone
+            and isinstance(exc, nats.errors.NoRespondersError)
+            and _consumer_of(delivery) in gone
+        ):
+            _gave_up(logger, exc)
+            return False
         logger.debug(log.Event.ACK_RETRY, attempt=1, error=type(exc).__name__)
 
     def before_sleep(state: tenacity.RetryCallState) -> None:
@@ -101,13 +120,21 @@ async def confirm(
     except nats.errors.MsgAlreadyAckdError:
         return True
     except _RETRYABLE_ACK_ERRORS as exc:
-        logger.warning(
-            log.Event.ACK_GAVE_UP,
-            error=type(exc).__name__,
-            note="the outcome is committed; a redelivery will be skipped by the inbox",
-        )
+        if gone is not None and isinstance(exc, nats.errors.NoRespondersError):
+            gone.add(_consumer_of(delivery))
+        _gave_up(logger, exc)
         return False
+    if gone:
+        gone.discard(_consumer_of(delivery))
     return True
+
+
+def _gave_up(logger: log.Logger, exc: BaseException) -> None:
+    logger.warning(
+        log.Event.ACK_GAVE_UP,
+        error=type(exc).__name__,
+        note="the outcome is committed; a redelivery will be skipped by the inbox",
+    )
 
 
 class _NoRespondersForLong(tenacity.stop.stop_base):
@@ -185,6 +212,14 @@ class Acker:
         self._nc = nc
         self.stopping = stopping
         """Set when the worker stops: acks not confirmed are then given up sooner."""
+        self.gone: set[tuple[str, str]] = set()
+        """The (stream, consumer) pairs whose last ack was given up on "no responders",
+        since :data:`NO_RESPONDERS_GIVE_UP_S` of resending found nobody serving their ack
+        subject: the consumer was deleted (an ordered handler's partition handed over
+        under a new epoch) or its leader is still being elected. The next ack to one of
+        them is given up at its first "no responders": a lane settling its messages one
+        after another waited the whole resending for each. A confirmed ack takes its
+        consumer off."""
         self._prefix: str | None = None
         self._skip = 0
         self._lock = asyncio.Lock()
@@ -279,12 +314,17 @@ class Acker:
                         give_up_s=give_up_s,
                         logger=loggers[i],
                         stopping=self.stopping,
+                        gone=self.gone,
                     )
                     for i in retries
                 )
             )
             for i, ok in zip(retries, again, strict=True):
                 confirmed[i] = ok
+        if self.gone:
+            self.gone.difference_update(
+                _consumer_of(d) for d, ok in zip(deliveries, confirmed, strict=True) if ok
+            )
         return confirmed
 
 

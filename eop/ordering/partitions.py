@@ -308,6 +308,11 @@ class _Counted:
         return self._meta.stream
 
     @property
+    def consumer(self) -> str:
+        """The consumer that delivered it: the one its ack goes to."""
+        return self._meta.consumer
+
+    @property
     def sequence(self) -> Sequences:
         """Its sequences."""
         return self._meta.sequence

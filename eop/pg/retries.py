@@ -38,6 +38,8 @@ class _Metadata:
     sequence: _Sequence
     num_delivered: int
     timestamp: datetime.datetime | None
+    consumer: str = ""
+    """Empty: a parked run goes to no consumer; it is settled in the database alone."""
 
 
 class ParkedDelivery:

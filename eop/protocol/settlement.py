@@ -449,6 +449,7 @@ class Settlement:
             give_up_s=self.settings.ack_give_up_s,
             logger=logger,
             stopping=self.acker.stopping if self.acker is not None else None,
+            gone=self.acker.gone if self.acker is not None else None,
         )
         await faults.point("after_ack")
         return acked

@@ -207,6 +207,45 @@ async def test_batched_acks_are_all_confirmed_and_nothing_is_redelivered(
         await nc.close()
 
 
+async def test_acks_to_a_deleted_consumer_after_the_first_are_given_up_without_resends(
+    nats_url: str, js: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ordered handler's lane acks one message after another; its partition's consumer
+    is deleted under it (a new owner's epoch). The server answers no responders: the
+    first ack is resent until NO_RESPONDERS_GIVE_UP_S, the next ones to that consumer are
+    given up at their first answer. An ack to a consumer that exists is unaffected."""
+    monkeypatch.setattr(ack, "NO_RESPONDERS_GIVE_UP_S", 0.3)
+    await _stream(js, 3)
+    await js.add_consumer(
+        STREAM, ConsumerConfig(durable_name="alive", ack_policy=AckPolicy.EXPLICIT)
+    )
+    nc = await _connect(nats_url)
+    try:
+        f = await fetcher.Fetcher(nc, STREAM, DURABLE).start()
+        msgs = await f.fetch(64, timeout_s=30.0)
+        assert len(msgs) == 3
+        await f.stop()
+        alive = await fetcher.Fetcher(nc, STREAM, "alive").start()
+        [kept, *_] = await alive.fetch(1, timeout_s=30.0)
+        await js.delete_consumer(STREAM, DURABLE)
+        acker = ack.Acker(nc)
+        recorders = [Recorder() for _ in msgs]
+        for m, recorder in zip(msgs, recorders, strict=True):
+            assert await acker.confirm_many([m], [recorder], timeout_s=1.0, give_up_s=30.0) == [
+                False
+            ]
+        first, *later = (r.events for r in recorders)
+        assert first.count(log.Event.ACK_RETRY) > 1
+        assert first[-1] == log.Event.ACK_GAVE_UP
+        assert later == [[log.Event.ACK_GAVE_UP]] * 2
+        other = Recorder()
+        assert await acker.confirm_many([kept], [other], timeout_s=1.0, give_up_s=30.0) == [True]
+        assert other.events == []
+        await alive.stop()
+    finally:
+        await nc.close()
+
+
 async def test_a_plain_nats_py_client_confirms_a_batch_one_publish_per_ack(
     nc: Any, js: Any
 ) -> None:

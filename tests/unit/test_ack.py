@@ -107,6 +107,65 @@ async def test_a_stopping_worker_gives_up_unanswered_acks_sooner_than_the_bound(
     assert await confirm(lost, give_up_s=30.0, stopping=asyncio.Event()) is True
 
 
+async def test_acks_to_a_consumer_found_gone_are_given_up_at_their_first_no_responders(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once an ack to a consumer was given up on no responders (deleted with a partition's
+    old epoch), the next acks to it are given up at their first no responders, not after
+    NO_RESPONDERS_GIVE_UP_S each: a lane settling one message after another waited that
+    long for every one. Another consumer's acks keep their resends, and a confirmed ack
+    takes the consumer off."""
+    monkeypatch.setattr(ack, "NO_RESPONDERS_GIVE_UP_S", 0.1)
+    gone: set[tuple[str, str]] = set()
+
+    def to(consumer: str, seq: int) -> testing.FakeDelivery:
+        return testing.FakeDelivery.make(seq=seq, consumer=consumer)
+
+    async def confirm_to(d: testing.FakeDelivery) -> bool:
+        return await ack.confirm(d, timeout_s=0.05, give_up_s=30.0, logger=LOGGER, gone=gone)
+
+    first = to("old-e1", 1).fail_acks(10_000, nats.errors.NoRespondersError)
+    assert await confirm_to(first) is False
+    assert first.ack_attempts > 1
+    assert gone == {("S", "old-e1")}
+    later = to("old-e1", 2).fail_acks(10_000, nats.errors.NoRespondersError)
+    with capture_logs() as logs:
+        assert await confirm_to(later) is False
+    assert later.ack_attempts == 1
+    [warning] = events(logs, log.Event.ACK_GAVE_UP)
+    assert warning["error"] == "NoRespondersError"
+    # Only no responders: a lost reply to the same consumer is resent as before.
+    lost = to("old-e1", 3).fail_acks(2)
+    other = to("new-e2", 4).fail_acks(2, nats.errors.NoRespondersError)
+    assert await confirm_to(lost) is True
+    assert await confirm_to(other) is True
+    assert (lost.ack_attempts, other.ack_attempts) == (3, 3)
+    assert gone == set()
+    again = to("old-e1", 5).fail_acks(2, nats.errors.NoRespondersError)
+    assert await confirm_to(again) is True
+    assert again.ack_attempts == 3
+
+
+async def test_a_batch_confirmed_takes_its_consumer_off_the_gone_ones() -> None:
+    """The gone consumers are shared by an Acker's batches and single acks: a batch's
+    reply of no responders to one is given up at the first resend; a batch confirmed by
+    a consumer (its leader elected again) takes it off."""
+    acker = ack.Acker(FakeAckConnection({}))
+    acker.gone.add(("S", "eop-test"))
+    ds = deliveries(2)
+    ds[0].fail_acks(10_000, nats.errors.NoRespondersError)
+    nc = FakeAckConnection({ds[0].reply: "503"})
+    acker._nc = nc
+    assert await confirm_many(acker, ds, give_up_s=30.0) == [False, True]
+    assert ds[0].ack_attempts == 1
+    # ds[1] confirmed in the same batch: the consumer answers after all.
+    assert acker.gone == set()
+    acker.gone.add(("S", "eop-test"))
+    acker._nc = FakeAckConnection({})
+    assert await confirm_many(acker, deliveries(2)) == [True, True]
+    assert acker.gone == set()
+
+
 async def test_confirm_logs_each_retry_at_debug_level() -> None:
     d = testing.FakeDelivery.make().fail_acks(1)
     with capture_logs() as logs:
