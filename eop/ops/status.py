@@ -27,6 +27,7 @@ from nats.js import JetStreamContext
 
 from eop import errors
 from eop.app import App, select_handlers
+from eop.broker import floors as broker_floors
 from eop.broker import jetstream
 from eop.handler import HandlerSpec
 from eop.ops import stuck, tables
@@ -247,7 +248,7 @@ async def _from_nats(
         )
     status.waiting_pulls = int(info.num_waiting or 0)
     if info.ack_floor is not None:
-        status.ack_floor = int(info.ack_floor.stream_seq)
+        status.ack_floor = broker_floors.acked_through(info)
         status.last_ack_at = info.ack_floor.last_active
     status.warnings.extend(window_warnings(status.ack_pending, status.max_ack_pending))
 

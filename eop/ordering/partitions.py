@@ -28,7 +28,7 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 
 from eop import errors
-from eop.broker import consumers
+from eop.broker import consumers, floors
 from eop.handler import HandlerSpec, parse_order_by
 from eop.settings import Settings
 from eop.types import Delivery, Metadata, Sequences
@@ -334,8 +334,7 @@ async def _position(js: JetStreamContext, stream: str, name: str) -> tuple[int, 
         info = await js.consumer_info(stream, name)
     except nats.js.errors.NotFoundError:
         return None
-    floor = int(info.ack_floor.stream_seq if info.ack_floor else 0)
-    return floor, int(info.delivered.stream_seq if info.delivered else 0)
+    return floors.acked_through(info), int(info.delivered.stream_seq if info.delivered else 0)
 
 
 async def floor(js: JetStreamContext, stream: str, names: list[str]) -> int | None:
@@ -348,17 +347,17 @@ async def floor(js: JetStreamContext, stream: str, names: list[str]) -> int | No
     """
     info = await js.stream_info(stream)
     last = int(info.state.last_seq or 0)
-    floors = []
+    lowest = []
     for name in names:
         try:
             consumer = await js.consumer_info(stream, name)
         except nats.js.errors.NotFoundError:
             return None
-        acked = int(consumer.ack_floor.stream_seq if consumer.ack_floor else 0)
+        acked = floors.acked_through(consumer)
         if not consumer.num_pending and not consumer.num_ack_pending:
             acked = max(acked, last)
-        floors.append(acked)
-    return min(floors) if floors else None
+        lowest.append(acked)
+    return min(lowest) if lowest else None
 
 
 def stream_transforms(specs: Iterable[HandlerSpec]) -> dict[str, tuple[str, str]]:

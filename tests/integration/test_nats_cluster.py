@@ -12,16 +12,17 @@ import nats.errors
 import pytest
 import structlog
 import structlog.testing
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
 from eop import errors
-from eop.broker import jetstream
+from eop.broker import floors, jetstream
 from eop.handler import StreamSpec
+from eop.ordering import partitions
 from eop.tools.embedded_cluster import NatsCluster
 
 from ..conftest import unavailable
-from .bed import STREAM, create_effects_table, drained, effects_by_body, publish, wait_for
+from .bed import STREAM, SUBJECT, create_effects_table, drained, effects_by_body, publish, wait_for
 from .test_cli import Workers, consumer_exists, eop_env
 from .test_cli import eop as run_eop
 
@@ -175,5 +176,60 @@ async def test_a_placement_no_server_matches_is_one_clear_error(cluster: NatsClu
         with pytest.raises(eop.ConfigurationError, match="matching its placement") as caught:
             await jetstream.ensure_stream(nc.jetstream(), spec, create=True)
         assert "placement" in str(caught.value).split("(")[0]
+    finally:
+        await nc.close()
+
+
+async def test_an_ordered_partition_handed_over_twice_on_r3_starts_above_what_was_acked(
+    cluster: NatsCluster,
+) -> None:
+    """An ordered handler's partition changes owner twice with nothing acked in between, on
+    a replicated stream. A replicated consumer created at a start sequence reports an ack
+    floor of 0 until its first ack (a single server: the start minus one), so the third
+    owner's consumer started at the stream's first message: every message delivered
+    again, skipped one by one, for as long as the stream is. Each consumer now starts where
+    the first left off, and its floor (for the watermark, `eop status` and the audit) is
+    never below its start."""
+    app = eop.App()
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="ordered", order_by="subject:1")
+    async def ordered(msg: eop.Message, session: AsyncSession) -> None:
+        """Never run: the test opens the partition's consumers itself."""
+
+    spec = app.handlers["ordered"]
+    settings = eop.Settings()
+    nc = await nats.connect(cluster.url.split(","))
+    try:
+        js = nc.jetstream()
+        await jetstream.ensure_stream(
+            js, StreamSpec(STREAM, ("ORDERS.>",), replicas=3), create=True
+        )
+        for i in range(30):
+            await publish(js, f"m{i}")
+        first = await partitions.open_consumer(js, spec, settings, 0, 1, None)
+        assert first.start is None  # the first owner starts at the stream's start
+        sub = await js.pull_subscribe_bind(first.name, STREAM)
+        for msg in await sub.fetch(30, timeout=10):
+            await msg.ack_sync()
+        assert await partitions.floor(js, STREAM, [first.name]) == 30
+
+        async def handed_over(epoch: int, previous: str) -> partitions.Opened:
+            opened = await partitions.open_consumer(js, spec, settings, 0, epoch, previous)
+            await partitions.retire(js, STREAM, [previous])
+            return opened
+
+        second = await handed_over(2, first.name)
+        assert second.start == 31
+        # Nothing published, nothing acked: the replicated consumer says 0 itself.
+        info = await js.consumer_info(STREAM, second.name)
+        assert int(info.ack_floor.stream_seq if info.ack_floor else 0) == 0
+        assert floors.acked_through(info) == 30
+        await publish(js, "m30")  # pending: the floor is the consumer's own, not the stream's
+        assert await partitions.floor(js, STREAM, [second.name]) == 30
+        third = await handed_over(3, second.name)
+        assert third.start == 31
+        sub = await js.pull_subscribe_bind(third.name, STREAM)
+        [msg] = await sub.fetch(30, timeout=10)
+        assert msg.data == b"m30"
     finally:
         await nc.close()

@@ -29,7 +29,7 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 
 from eop import errors, message
-from eop.broker import consumers, jetstream
+from eop.broker import consumers, floors, jetstream
 from eop.handler import HandlerSpec
 from eop.ordering import partitions
 
@@ -134,7 +134,7 @@ def consumer_from_info(info: Mapping[str, Any], notes: list[str]) -> Consumer:
     return Consumer(
         exists=True,
         filters=filters,
-        ack_floor=int(floor.get("stream_seq", 0)),
+        ack_floor=floors.ack_floor(int(floor.get("stream_seq", 0)), floors.start_seq(config)),
         ack_floor_at=_time(floor.get("last_active")),
         delivered=int(delivered.get("stream_seq", 0)),
         pending=int(info.get("num_pending", 0)),
