@@ -155,6 +155,7 @@ class HandlerSpec:
         # Through wrappers (eop.observe.observer.instrument) to the user's function and its hints.
         func = inspect.unwrap(self.func)
         binding = payload.bind(func, batch=self.batch, handler=self.name)
+        _check_callable(func, binding, self.name)
         object.__setattr__(self, "payload", binding)  # a frozen dataclass's derived fields
         object.__setattr__(self, "takes_writes", _takes_writes(func, self.name))
 
@@ -183,6 +184,25 @@ class HandlerSpec:
                 f"token into the partition); {self.order_by!r} is not. Use such a subject, "
                 "or partitions=1"
             )
+
+
+def _check_callable(func: Callable[..., Any], binding: payload.Binding | None, name: str) -> None:
+    """Refuse a handler that cannot be called as eop calls it: its message (or payload, or
+    batch), its session (or ``eop.Writes``), and the raw message's keyword when it asks
+    for one. Found only when messages came, it failed each of them until dead-lettered."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # builtins and some callables have no signature
+        return
+    keyword = binding.message_param if binding is not None else None
+    try:
+        signature.bind(None, None, **({keyword: None} if keyword else {}))
+    except TypeError as exc:
+        raise errors.ConfigurationError(
+            f"handler {name!r} cannot be called as eop calls it, with the message (or its "
+            f"payload) and the session: {exc}. Fix: take those two parameters; give any "
+            "other a default"
+        ) from None
 
 
 def _takes_writes(func: Callable[..., Any], handler: str) -> bool:

@@ -363,6 +363,51 @@ def test_unsupported_annotations_fail_at_registration_with_the_fix(
     assert "handler 'h'" in str(caught.value)
 
 
+async def raw_one_parameter(msg: eop.Message) -> None: ...
+
+
+async def raw_extra_required(msg: eop.Message, session: Any, extra: int) -> None: ...
+
+
+async def raw_keyword_required(msg: eop.Message, session: Any, *, extra: int) -> None: ...
+
+
+def sync_unannotated_extra(msg, session, extra):  # type: ignore[no-untyped-def]
+    ...
+
+
+async def raw_extra_defaulted(msg: eop.Message, session: Any, extra: int = 1) -> None: ...
+
+
+async def raw_catch_all(msg: eop.Message, session: Any, *more: Any, **named: Any) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("func", "problem"),
+    [
+        (raw_one_parameter, "too many positional arguments"),
+        (raw_extra_required, "missing a required argument: 'extra'"),
+        (raw_keyword_required, "missing a required argument: 'extra'"),
+        (sync_unannotated_extra, "missing a required argument: 'extra'"),
+    ],
+)
+def test_a_raw_message_handler_eop_cannot_call_fails_at_registration(
+    func: Any, problem: str
+) -> None:
+    """A handler of raw messages is called with the message and the session, like any: one
+    that needs another argument (or takes one) is refused in one line at registration.
+    It was accepted, then failed every message until each was dead-lettered."""
+    app = eop.App(database_url="postgresql+asyncpg://x/y")
+    with pytest.raises(errors.ConfigurationError) as caught:
+        app.handler(stream="S", subject="s", name="h")(func)
+    text = str(caught.value)
+    assert "handler 'h' cannot be called as eop calls it" in text
+    assert problem in text
+    assert "give any other a default" in text
+    for fine in (raw_extra_defaulted, raw_catch_all):
+        app.handler(stream="S", subject="s", name=fine.__name__.replace("_", "-"))(fine)
+
+
 def test_a_pydantic_v1_model_is_rejected_at_registration() -> None:
     import pydantic.v1
 
