@@ -341,6 +341,62 @@ async def _check_schema(app: App) -> None:
     await migrate.ensure_ready(app.engine, app.settings.schema)
 
 
+@contextlib.contextmanager
+def _cancelled_on_signal(spark: SparkSession, what: str) -> Iterator[None]:
+    """SIGTERM or SIGINT cancels the block's Spark jobs; the block's error is then JobStopped.
+
+    Its own job and lease code give the lease up on the way out, as for any error: the
+    process ending at the signal kept it (an ordered handler's partitions too) until it
+    ran out, and SIGINT printed Spark's and Python's tracebacks. The jobs are cancelled
+    from a thread of their own, again until the block ends (a job may start after the
+    signal): the main thread's py4j connection may be waiting for the JVM's answer. A
+    second signal has its default effect.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from eop.contrib.spark import connect
+    from eop.contrib.spark.errors import JobStopped
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    signalled: list[int] = []
+    ended = threading.Event()
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def cancel() -> None:
+        while not ended.is_set():
+            with contextlib.suppress(Exception):
+                if connect.is_connect(spark):
+                    spark.interruptAll()
+                else:
+                    spark.sparkContext.cancelAllJobs()
+            ended.wait(0.5)
+
+    def stop(signum: int, _frame: object) -> None:
+        restore()
+        signalled.append(signum)
+        threading.Thread(target=cancel, name="eop-spark-stop", daemon=True).start()
+
+    for sig in signals:
+        signal.signal(sig, stop)
+    try:
+        yield
+    except Exception:
+        if not signalled:
+            raise
+        raise JobStopped(
+            f"{what} stopped by {signal.Signals(signalled[0]).name} before it finished: "
+            "what its tasks committed stays, and its lease was given up; run it again to finish"
+        ) from None
+    finally:
+        ended.set()
+        restore()
+
+
 def _cmd_backfill(args: argparse.Namespace) -> int:
     from eop.contrib.spark import jobs, watch
 
@@ -348,9 +404,13 @@ def _cmd_backfill(args: argparse.Namespace) -> int:
     watching = watch.Watch(
         stall_warn_s=args.stall_warn_s, stall_timeout_s=args.stall_timeout_s, out=sys.stderr
     )
-    with _session(args, f"eop-backfill-{spec.name}") as spark:
+    what = f"backfill of {spec.stream} for handler {spec.name}"
+    with (
+        _session(args, f"eop-backfill-{spec.name}") as spark,
+        _cancelled_on_signal(spark, what),
+    ):
         counts = jobs.backfill(spark, target, spec, read, watching=watching, app=app)
-    print(f"backfill of {spec.stream} for handler {spec.name}: {counts}")
+    print(f"{what}: {counts}")
     return 0
 
 
@@ -370,18 +430,20 @@ def _cmd_stream(args: argparse.Namespace) -> int:
     # (and the probe before it, which a cluster with no free executor would leave waiting).
     watching = watch.Watch(args.stall_warn_s, args.stall_timeout_s, out=sys.stderr, progress=False)
     with _session(args, f"eop-stream-{spec.name}", streaming=True) as spark:
-        query = jobs.stream(
-            spark,
-            target,
-            spec,
-            read,
-            checkpoint=args.checkpoint,
-            trigger_s=args.trigger_s,
-            available_now=args.available_now,
-            on_batch=on_batch,
-            watching=watching,
-            app=app,
-        )
+        # Until the query runs (its probe first), a signal ends the start as a backfill's.
+        with _cancelled_on_signal(spark, f"the start of the stream of {spec.stream}"):
+            query = jobs.stream(
+                spark,
+                target,
+                spec,
+                read,
+                checkpoint=args.checkpoint,
+                trigger_s=args.trigger_s,
+                available_now=args.available_now,
+                on_batch=on_batch,
+                watching=watching,
+                app=app,
+            )
         stop = threading.Event()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):

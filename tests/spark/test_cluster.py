@@ -150,6 +150,61 @@ async def test_a_backfill_no_executor_takes_warns_then_ends_at_the_stall_timeout
     assert "no task ran for 12 s (stall timeout)" in lines[-1]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_a_signal_stops_a_backfill_in_one_line_and_gives_its_lease_up(
+    tmp_path: Path,
+    user_dir: Path,
+    database_url: str,
+    nats_url: str,
+    js: Any,
+    engine: AsyncEngine,
+    signum: signal.Signals,
+) -> None:
+    """SIGTERM or Ctrl-C while a backfill's tasks wait (a master without workers): its Spark
+    jobs are cancelled, its lease is given up (no `eop.members` row left for workers or
+    the next job to wait out) and it ends with one line, exit 1. SIGTERM ended the
+    process at once with its lease kept; SIGINT printed some 120 lines of tracebacks."""
+    await published(js, 10)
+    empty = Cluster(tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
+    argv = eop_spark("backfill", "clusterapp:app", "--handler", "cluster")
+    argv += ["--master", empty.url, "--python", sys.executable, "--stall-warn-s", "2"]
+    try:
+        await asyncio.to_thread(empty.start, 0)
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=user_dir,
+            env=user_env(database_url, nats_url),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert proc.stderr is not None
+            # The job holds its lease and waits for an executor once eop warns of it.
+            lines: list[str] = []
+            while not any("none has run for" in line for line in lines):
+                line = (await proc.stderr.readline()).decode()
+                assert line, "".join(lines)[-3000:]
+                lines.append(line)
+            members = "SELECT count(*) FROM eop.members WHERE subscription = 'cluster'"
+            assert await scalar(engine, members) == 1
+            proc.send_signal(signum)
+            rest = (await proc.stderr.read()).decode()
+            code = await asyncio.wait_for(proc.wait(), COMMAND_TIMEOUT_S)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    finally:
+        await asyncio.to_thread(empty.stop)
+    name = signal.Signals(signum).name
+    assert code == 1, rest[-3000:]
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith(f"eop: error: backfill of ORDERS for handler cluster stopped by {name}")
+    assert "Traceback" not in rest, rest[-3000:]
+    assert await scalar(engine, members) == 0
+
+
 async def test_a_stream_whose_probe_no_executor_takes_warns_then_ends_at_the_stall_timeout(
     tmp_path: Path, user_dir: Path, database_url: str, nats_url: str, js: Any
 ) -> None:

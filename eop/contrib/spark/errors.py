@@ -36,6 +36,10 @@ class JobStalled(errors.EopError):
     """No task of the Spark job ran for longer than the stall timeout: no executor took it."""
 
 
+class JobStopped(errors.EopError):
+    """SIGTERM or SIGINT stopped the Spark job before it finished: what it committed stays."""
+
+
 class JobLeaseLost(errors.EopError):
     """The Spark job's lease in PostgreSQL ran out or was taken over: its tasks commit no more."""
 
