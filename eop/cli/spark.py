@@ -263,6 +263,8 @@ def _prepare(args: argparse.Namespace) -> tuple[App, HandlerSpec, sink.Target, j
         per_partition=args.messages_per_partition,
         max_per_batch=getattr(args, "max_per_batch", None),
     )
+    # Again in backfill() and stream(), for callers of the API; here before the JVM starts,
+    # so that a refused range costs the command a second, not Spark's start-up.
     jobs.check_range(spec, read)
     return app, spec, target, read
 
