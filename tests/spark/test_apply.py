@@ -243,6 +243,43 @@ async def test_a_batch_handler_failing_on_one_message_still_commits_the_others(
     assert max(calls) == 4  # the partition is handed over in lists of at most `batch`
 
 
+async def test_a_job_forgets_the_members_a_killed_job_left(
+    database_url: str, bed_engine: AsyncEngine
+) -> None:
+    """A killed Spark job of an unordered handler leaves its member row, expired: no
+    worker tick forgets it (only an ordered handler's do). The next job's lease forgets
+    the expired rows of its handler, not the live ones, nor another handler's."""
+    from eop.contrib.spark import lease
+
+    app = make_app(database_url)
+    spec = app.handlers["spark_sync"]
+    insert = sa.text(
+        "INSERT INTO eop.members (subscription, member, host, pid, expires_at) "
+        "VALUES (:s, :m, 'h', 1, now() + make_interval(secs => :in_s))"
+    )
+    async with bed_engine.begin() as conn:
+        for subscription, member, in_s in (
+            (spec.name, "h:1:spark-dead", -5),
+            (spec.name, "h:2:spark-live", 3600),
+            ("other", "h:3:spark-dead", -5),
+        ):
+            await conn.execute(insert, {"s": subscription, "m": member, "in_s": in_s})
+    held = lease.JobLease(app, spec)
+    await asyncio.to_thread(held.take)
+    try:
+        async with bed_engine.connect() as conn:
+            rows = await conn.execute(sa.text("SELECT subscription, member FROM eop.members"))
+            left = set(map(tuple, rows))
+        assert left == {
+            (spec.name, "h:2:spark-live"),
+            (spec.name, held.member),
+            ("other", "h:3:spark-dead"),
+        }
+    finally:
+        await asyncio.to_thread(held.give_up)
+        await app.dispose()
+
+
 async def test_a_task_commits_only_while_its_jobs_lease_holds(
     database_url: str, bed_engine: AsyncEngine
 ) -> None:

@@ -84,6 +84,9 @@ class JobLease:
                         "docs/ordering.md for changing the count"
                     )
                 session.execute(sql.create_partitions(t, s, self.spec.partitions))
+            # Members whose lease ran out died (a killed job): a worker of an ordered
+            # handler forgets them at its ticks, but nothing else would an unordered one's.
+            session.execute(sql.prune(t, s))
             session.execute(sql.join(t, s, m, self.host, self.pid, self.lease_s))
             if not self.ordered:
                 return
