@@ -124,7 +124,7 @@ def consumer_from_info(info: Mapping[str, Any], notes: list[str]) -> Consumer:
     )
     floor, delivered = info.get("ack_floor", {}), info.get("delivered", {})
     policy = str(config.get("deliver_policy", "all"))
-    start = int(config.get("opt_start_seq") or 1) if policy == "by_start_sequence" else 1
+    start = floors.start_seq(config) or 1
     if policy not in ("all", "by_start_sequence"):
         notes.append(
             f"the consumer's deliver policy is {policy!r}: messages before its first delivery "
@@ -134,7 +134,7 @@ def consumer_from_info(info: Mapping[str, Any], notes: list[str]) -> Consumer:
     return Consumer(
         exists=True,
         filters=filters,
-        ack_floor=floors.ack_floor(int(floor.get("stream_seq", 0)), floors.start_seq(config)),
+        ack_floor=floors.ack_floor(int(floor.get("stream_seq", 0)), start),
         ack_floor_at=_time(floor.get("last_active")),
         delivered=int(delivered.get("stream_seq", 0)),
         pending=int(info.get("num_pending", 0)),
