@@ -48,6 +48,8 @@ class MemoryInbox:
         self._claims: dict[InboxKey, asyncio.Event] = {}
         """Keys claimed by open transactions, each to the end event of its holder."""
         self._msg_id_claims: dict[tuple[str, str], asyncio.Event] = {}
+        self._turn: asyncio.Event | None = None
+        """The end event of the open transaction holding the contended transactions' turn."""
         self._failures = Failures("open", "claim", "has_outcome")
         self._commit_failures: list[ErrorSpec | Ambiguous] = []
         self._commit_gate: asyncio.Event | None = None
@@ -77,13 +79,25 @@ class MemoryInbox:
             except asyncio.TimeoutError:
                 raise LockNotAvailable() from None
 
+    async def _take_turn(self, ended: asyncio.Event) -> None:
+        """Wait for the contended transactions' turn, then hold it for the transaction that
+        ends with ``ended``; as the advisory lock of the real store, bounded by the lock timeout."""
+        while self._turn is not None and self._turn is not ended:
+            try:
+                await asyncio.wait_for(self._turn.wait(), self.lock_timeout_s)
+            except asyncio.TimeoutError:
+                raise LockNotAvailable() from None
+        self._turn = ended
+
     def _committed(self, key: InboxKey, id_key: tuple[str, str] | None) -> bool:
         """Whether a committed inbox row has ``key`` or (the guard's) ``id_key``."""
         return key in self.inbox or (id_key is not None and id_key in self._by_msg_id)
 
     def _release(self, ended: asyncio.Event) -> None:
-        """Drop the locks of the transaction that ends with ``ended``."""
+        """Drop the locks (and the turn) of the transaction that ends with ``ended``."""
         self._claims = {k: holder for k, holder in self._claims.items() if holder is not ended}
         self._msg_id_claims = {
             k: holder for k, holder in self._msg_id_claims.items() if holder is not ended
         }
+        if self._turn is ended:
+            self._turn = None

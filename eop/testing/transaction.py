@@ -50,10 +50,11 @@ class MemoryTransaction:
         return self._ended.is_set()
 
     async def take_turn(self) -> None:
-        """Nothing to wait for: the test kit runs one process, with no other to cross (in
-        it, each handler's contended transactions run one at a time already,
-        :mod:`eop.protocol.contention`)."""
+        """Wait for the turn of the store's contended transactions (every handler's), held
+        until this one ends, as the real store's advisory lock is; a wait past the store's
+        ``lock_timeout_s`` raises ``LockNotAvailable``, which eop retries."""
         self._check_open()
+        await self.store._take_turn(self._ended)
 
     async def claim(self, message: Message, outcome: str) -> bool:
         """Insert the inbox row unless its key (or, with the msg-id guard, msg-id) is taken.

@@ -284,6 +284,40 @@ async def test_a_concurrent_claim_times_out_with_a_claim_timeout() -> None:
     assert failures.classify(info.value.__cause__) is failures.DbFailure.LOCK_TIMEOUT
 
 
+async def test_the_turn_is_held_until_its_transaction_ends_across_handlers() -> None:
+    """As the real store's advisory lock: a contended transaction of another handler waits
+    for the turn until the holder commits; taking it twice in one transaction does not wait."""
+    store = testing.MemoryStore()
+    async with store.transaction(spec()) as first:
+        await first.take_turn()
+        await first.take_turn()
+        async with store.transaction(spec(name="payments")) as second:
+            waiting = asyncio.create_task(second.take_turn())
+            await asyncio.sleep(0)
+            assert not waiting.done()
+            await first.commit()
+            await waiting
+            async with store.transaction(spec()) as third:
+                waiting = asyncio.create_task(third.take_turn())
+                await asyncio.sleep(0)
+                assert not waiting.done()
+                await second.rollback()
+                await waiting
+
+
+async def test_a_wait_for_the_turn_past_the_lock_timeout_raises_lock_not_available() -> None:
+    """Bounded by the store's lock timeout, as the real wait is; eop retries that failure."""
+    store = testing.MemoryStore(lock_timeout_s=0.01)
+    async with store.transaction(spec()) as holder:
+        await holder.take_turn()
+        async with store.transaction(spec()) as tx:
+            with pytest.raises(testing.LockNotAvailable) as info:
+                await tx.take_turn()
+    assert failures.classify(info.value) is failures.DbFailure.LOCK_TIMEOUT
+    async with store.transaction(spec()) as after:
+        await after.take_turn()  # the holder's scope ended: the turn is free
+
+
 async def test_claim_many_claims_in_one_go_skipping_taken_keys_and_msg_ids() -> None:
     """Like INSERT ... ON CONFLICT DO NOTHING: a committed key, a committed msg-id and a
     msg-id repeated by an earlier row of the same batch are skipped, the rest claimed."""
