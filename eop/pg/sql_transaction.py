@@ -1,6 +1,7 @@
 """What eop's two SQLAlchemy transactions share (:mod:`eop.pg.async_transaction`,
 :mod:`eop.pg.sync_transaction`): the statements on a session, the handler's write queue,
-the run outside a savepoint of a handler that sends nothing, and COMMIT's errors translated.
+the run outside a savepoint of a handler that sends nothing, the handler calls a batch
+leaves to its flush, and COMMIT's errors translated.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from eop.handler import HandlerSpec
+    from eop.message import Message
     from eop.pg.sql.base import LocalTimeouts
 
 
@@ -45,6 +47,26 @@ class SqlTransaction(Statements):
         info = session.info
         info[outbox.WRITES_KEY] = self.writes
         info[outbox.CONTEXT_KEY] = outbox_context or outbox.Context(tables, DEFAULT_MAX_PAYLOAD)
+        self._deferred: list[Message] = []
+        """Messages whose handler call :meth:`_defer` left to the next flush (or COMMIT)."""
+
+    def _defer(self, message: Message, flush: bool) -> bool:
+        """Leave ``message``'s handler call to the next flush when ``flush`` is False (a
+        batch's handlers, run one after another); whether it was left.
+
+        A handler run in a thread is deferred so that the flush runs every waiting
+        call in order in one thread hop: a hop a message cost more than the
+        handler and its INSERT. Its error is then the flush's, as its writes' are.
+        """
+        if flush:
+            return False
+        self._deferred.append(message)
+        return True
+
+    def _take_deferred(self) -> list[Message]:
+        """The calls left waiting, in order; none wait after (a ROLLBACK forgets them so)."""
+        deferred, self._deferred = self._deferred, []
+        return deferred
 
     def _second_argument(self, session: Any) -> Any:
         """What the handler gets after the message: its write queue, or the session."""

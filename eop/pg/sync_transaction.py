@@ -55,8 +55,6 @@ class SyncTransaction(SqlTransaction):
         self._threads = threads
         self._permit = False
         self._abandoned = False
-        self._deferred: list[Message] = []
-        """Messages whose handler :meth:`run` left to the next :meth:`flush` (or COMMIT)."""
 
     async def _step(self, func: Callable[..., T], *args: Any) -> T:
         """Run one blocking step of the transaction: in a worker thread, off the event loop."""
@@ -153,14 +151,10 @@ class SyncTransaction(SqlTransaction):
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call the handler in a worker thread, off the event loop, and flush its writes.
 
-        With ``flush=False`` (a batch's handlers, run one after another) the call
-        itself waits for :meth:`flush`, which runs every waiting handler in
-        order, then sends their writes, in one thread hop: a hop per message
-        cost more than the handler and its INSERT. A handler's error is raised
-        by that :meth:`flush`, as its writes' errors are.
+        With ``flush=False`` the call waits for :meth:`flush`, which runs every
+        waiting handler, then sends their writes, in one thread hop (:meth:`_defer`).
         """
-        if not flush:
-            self._deferred.append(message)
+        if self._defer(message, flush):
             return
         await self._step(self._call, [message], flush)
 
@@ -178,8 +172,7 @@ class SyncTransaction(SqlTransaction):
     async def flush(self) -> None:
         """Run the handlers :meth:`run` left waiting, send queued writes, then flush pending
         ORM objects, in one worker thread step."""
-        deferred, self._deferred = self._deferred, []
-        await self._step(self._flush, deferred)
+        await self._step(self._flush, self._take_deferred())
 
     def _flush(self, deferred: Sequence[Message] = ()) -> None:
         for message in deferred:
@@ -230,7 +223,7 @@ class SyncTransaction(SqlTransaction):
 
     async def rollback(self) -> None:
         """ROLLBACK, ignoring a broken connection."""
-        self._deferred = []
+        self._take_deferred()
         try:
             await self._step(session_guard.end, self.session, "rollback")
         except Exception:

@@ -56,8 +56,6 @@ class ThreadedTransaction(AsyncTransaction):
             bridge.terminate_on_loop(bind.dialect)
         self._running: concurrent.futures.Future[Any] | None = None
         """The handler's latest run in a thread: :meth:`close` waits for it if not done."""
-        self._deferred: list[Message] = []
-        """Messages whose handler :meth:`run` left to the next :meth:`flush` (or COMMIT)."""
 
     def _second_argument(self, session: Any) -> Any:
         """The handler's write queue, or the session's sync face."""
@@ -97,16 +95,15 @@ class ThreadedTransaction(AsyncTransaction):
     async def run(self, message: Message, *, flush: bool = True) -> None:
         """Call the handler in a thread and flush its writes; with ``flush=False`` (a
         batch's handlers) the call waits for :meth:`flush`, which runs every waiting
-        handler in order in one thread hop, then sends their writes."""
-        if not flush:
-            self._deferred.append(message)
+        handler in order in one thread hop, then sends their writes (:meth:`_defer`)."""
+        if self._defer(message, flush):
             return
         await super().run(message, flush=flush)
 
     async def flush(self) -> None:
         """Run the handlers :meth:`run` left waiting, in one thread hop, then send the
         queued writes and pending ORM objects from the loop."""
-        deferred, self._deferred = self._deferred, []
+        deferred = self._take_deferred()
         if deferred:
             await self._in_thread(
                 self._handle, [[message] for message in deferred], self._second_argument(None)
@@ -121,7 +118,7 @@ class ThreadedTransaction(AsyncTransaction):
 
     async def rollback(self) -> None:
         """Forget the handlers still waiting; ROLLBACK."""
-        self._deferred = []
+        self._take_deferred()
         await super().rollback()
 
     async def close(self) -> None:
