@@ -123,14 +123,10 @@ class FakeDelivery:
         return self._metadata
 
     @property
-    def settled(self) -> bool:
-        """An ack, nak or term went through: any further one raises, as in nats-py."""
-        return self.acked or self.naked or self.termed
-
-    @property
     def is_acked(self) -> bool:
-        """As nats-py's ``Msg.is_acked``: an ack, nak or term went through."""
-        return self.settled
+        """As nats-py's ``Msg.is_acked``: an ack, nak or term went through (any further one
+        raises). :attr:`acked`, :attr:`naked` and :attr:`termed` tell which."""
+        return self.acked or self.naked or self.termed
 
     def redeliver(self) -> FakeDelivery:
         """The next delivery of the same stored message (``num_delivered`` + 1)."""
@@ -161,7 +157,7 @@ class FakeDelivery:
         return self
 
     def _check_unsettled(self) -> None:
-        if self.settled:
+        if self.is_acked:
             raise nats.errors.MsgAlreadyAckdError(self)
 
     async def ack_sync(self, timeout: float = 1.0) -> FakeDelivery:

@@ -521,7 +521,7 @@ async def test_a_message_the_per_message_protocol_cannot_settle_either_is_left_a
     others = [d for d in ds if d is not failed]
     assert all(d.acked for d in others)
     assert isinstance(failed, testing.FakeDelivery)
-    assert not failed.settled  # no ack, nak or term: the worker's to nak
+    assert not failed.is_acked  # no ack, nak or term: the worker's to nak
     assert len(b.store.effects) == 2
 
 

@@ -785,7 +785,7 @@ async def test_ambiguous_commit_left_unresolved_leaves_the_delivery(
     harness.store.ambiguous_commit(committed=True).fail_has_outcome(3)
     d = delivery()
     assert await harness.handle(d) is Outcome.LEFT
-    assert not d.settled
+    assert not d.is_acked
     assert len(harness.calls) == 1
 
 
@@ -829,7 +829,7 @@ async def test_spent_lease_leaves_delivery_without_running_handler(
     assert outcome is Outcome.LEFT
     assert harness.calls == []
     assert harness.store.transactions == 0
-    assert not d.settled
+    assert not d.is_acked
 
 
 async def test_handler_ack_wait_overrides_settings_for_the_lease(
@@ -1107,5 +1107,5 @@ async def test_ambiguous_commit_of_a_quarantine_is_resolved_not_raised(harness: 
     harness.store.ambiguous_commit(committed=True)
     other = delivery(b"second")
     await harness.handle(other)
-    assert other.settled
+    assert other.is_acked
     assert len(harness.store.dead_letters) == 1

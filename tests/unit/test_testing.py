@@ -67,7 +67,7 @@ def test_make_builds_jetstream_metadata() -> None:
 async def test_ack_sync_records_the_ack() -> None:
     d = testing.FakeDelivery.make()
     assert await d.ack_sync() is d
-    assert (d.acked, d.settled, d.ack_attempts) == (True, True, 1)
+    assert (d.acked, d.is_acked, d.ack_attempts) == (True, True, 1)
 
 
 async def test_a_second_ack_raises_already_acked_like_nats_py() -> None:
@@ -138,7 +138,7 @@ def test_redeliver_is_the_next_delivery_of_the_same_message() -> None:
     )
     assert again.metadata.num_delivered == 2
     assert again.metadata.sequence.consumer == d.metadata.sequence.consumer + 1
-    assert not again.settled
+    assert not again.is_acked
 
 
 # --------------------------------------------------------------- FakeEpochs
