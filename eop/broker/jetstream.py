@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import json
 import uuid
@@ -324,15 +325,24 @@ def parse_time(text: str) -> datetime.datetime:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class BoundStream:
+    """A stream :func:`ensure_stream` bound to."""
+
+    info: api.StreamInfo
+    """Its info, as the server answered the call that found or created it."""
+    created: bool
+    """True if this call created it."""
+
+
 async def ensure_stream(
     js: JetStreamContext,
     spec: StreamSpec,
     *,
     create: bool,
     transform: tuple[str, str] | None = None,
-) -> bool:
-    """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata):
-    True if this call created it.
+) -> BoundStream:
+    """Bind to the stream, creating it when allowed (with a fresh epoch id in its metadata).
 
     ``transform`` is the subject transform (src, dest) a stream eop creates gets
     for a handler whose keys are spread over partitions (:mod:`eop.ordering.partitions`,
@@ -355,22 +365,22 @@ async def ensure_stream(
                 ) from None
         else:
             _check_replicas(spec, info)
-            return False
+            return BoundStream(info, created=False)
         try:
-            await js.add_stream(stream_config(spec, transform))
+            info = await js.add_stream(stream_config(spec, transform))
         except nats.js.errors.APIError as exc:
             # Another worker may have created it first, with its own epoch id;
             # if it still does not exist, the server refused it (overlapping
             # subjects, an invalid subject, limits, more replicas than servers).
             try:
-                await js.stream_info(spec.name)
+                info = await js.stream_info(spec.name)
             except nats.js.errors.NotFoundError:
                 raise errors.ConfigurationError(
                     f"cannot create stream {spec.name!r} with subjects "
                     f"{', '.join(spec.subjects)}: {describe(exc)} ({_create_hint(spec, exc)})"
                 ) from None
-            return False
-        return True
+            return BoundStream(info, created=False)
+        return BoundStream(info, created=True)
 
 
 def stream_config(spec: StreamSpec, transform: tuple[str, str] | None = None) -> api.StreamConfig:

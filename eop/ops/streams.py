@@ -57,16 +57,14 @@ async def create(app: App) -> list[Provisioned]:
         js = nc.jetstream()
         done = []
         for spec in app_streams(app):
-            created = await jetstream.ensure_stream(
+            bound = await jetstream.ensure_stream(
                 js, spec, create=True, transform=transforms.get(spec.name)
             )
-            with jetstream.translated(f"stream {spec.name!r}"):
-                info = await js.stream_info(spec.name)
             ordered = _partitioned(app, spec.name)
             for handler in ordered:
-                partitions.check_transform(info, app.handlers[handler])
-            subjects = tuple(info.config.subjects or ())
-            done.append(Provisioned(spec.name, subjects, created, ordered))
+                partitions.check_transform(bound.info, app.handlers[handler])
+            subjects = tuple(bound.info.config.subjects or ())
+            done.append(Provisioned(spec.name, subjects, bound.created, ordered))
         return done
     finally:
         await nc.close()
