@@ -53,8 +53,12 @@ def main(
     *,
     prepare: Callable[[], None] | None = None,
     program: Sequence[str] | None = None,
+    host: options.Host | None = None,
 ) -> int:
     """Run the ``eop`` command; returns the process exit code.
+
+    ``host`` is a program that runs these commands on its own configuration
+    (Django's ``manage.py eop``): the help names it and its settings.
 
     ``prepare`` and ``program`` serve an entry point that wraps this one (the
     chaos harness's :mod:`eop.tools.chaos.armed`, which arms fault points):
@@ -64,15 +68,17 @@ def main(
     starts its children with (default: ``python -m eop``).
     """
     options.command_line(argv)
-    args, _ = build_parser().parse_known_args(argv)
-    tool = getattr(args, "tool", None)
-    try:
-        # A tool's command is parsed again, by its own full parser (bench's reads eop.tools).
-        with options.developer_tools(args.command_name):
-            parser = build_parser(tool)
-    except errors.EopError as exc:
-        options.print_error(exc, as_json=options.json_asked(argv))
-        return 1
+    with options.hosted(host):
+        args, _ = build_parser().parse_known_args(argv)
+        tool = getattr(args, "tool", None)
+        try:
+            # A tool's command is parsed again, by its own full parser (bench's reads
+            # eop.tools).
+            with options.developer_tools(args.command_name):
+                parser = build_parser(tool)
+        except errors.EopError as exc:
+            options.print_error(exc, as_json=options.json_asked(argv))
+            return 1
     args = parser.parse_args(argv)
     # `eop worker --processes N` starts its children with the same arguments,
     # through the same entry point.
@@ -110,7 +116,7 @@ def build_parser(tool: str | None = None) -> argparse.ArgumentParser:
     others are listed by name and help only.
     """
     parser: argparse.ArgumentParser = options.Parser(
-        prog="eop",
+        prog=options.prog(),
         description="Exactly-once processing of NATS JetStream messages into PostgreSQL.",
     )
     options.add_log_options(parser)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import datetime
 import functools
@@ -51,6 +52,42 @@ NATS_AUTH_FIELDS = (
     "nats_tls_hostname",
     "nats_tls_handshake_first",
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """A program that runs eop's command line on its own configuration (Django's
+    ``manage.py eop``): the help then says where the settings and the app come from."""
+
+    prog: str
+    """The command as its users type it, e.g. ``manage.py eop``."""
+    settings: str
+    """Where its settings are written, e.g. ``settings.EOP``: each key a setting's name in
+    capitals, exported to the environment variable the help names."""
+    app: str
+    """Where the app comes from, given for the user where a command takes one."""
+    fixed: tuple[str, ...] = ()
+    """Settings the host sets itself and refuses as flags: left out of the help."""
+
+
+_HOST: contextvars.ContextVar[Host | None] = contextvars.ContextVar("eop_cli_host", default=None)
+
+
+@contextlib.contextmanager
+def hosted(host: Host | None) -> Iterator[None]:
+    """Build the parsers within for ``host`` (None: the plain ``eop`` command)."""
+    token = _HOST.set(host)
+    try:
+        yield
+    finally:
+        _HOST.reset(token)
+
+
+def prog() -> str:
+    """The program the help's usage lines name."""
+    host = _HOST.get()
+    return "eop" if host is None else host.prog
+
 
 #: The settings of the commands that read the database only.
 DB_FIELDS = ("database_url", "schema", "db_pooler")
@@ -152,7 +189,13 @@ def add_log_options(parser: argparse.ArgumentParser, *, suppress: bool = False) 
 def add_app_arguments(parser: argparse.ArgumentParser, *, app_help: str, handler_help: str) -> None:
     """The log flags, the ``MODULE:APP`` argument and a repeatable ``--handler NAME``."""
     add_log_options(parser, suppress=True)
-    parser.add_argument("app", metavar="MODULE:APP", help=app_help)
+    host = _HOST.get()
+    if host is None:
+        parser.add_argument("app", metavar="MODULE:APP", help=app_help)
+    else:
+        parser.add_argument(
+            "app", metavar="MODULE:APP", nargs="?", help=f"{app_help} [default: {host.app}]"
+        )
     parser.add_argument("--handler", action="append", default=[], metavar="NAME", help=handler_help)
 
 
@@ -169,8 +212,14 @@ def add_app_option(parser: argparse.ArgumentParser, help_text: str) -> None:
         "--app",
         metavar="MODULE:APP",
         default=os.environ.get("EOP_APP"),
-        help=f"{help_text} [env: EOP_APP]",
+        help=f"{help_text} [{_app_source()}]",
     )
+
+
+def _app_source() -> str:
+    """Where ``--app`` comes from when it is not given, as its help says it."""
+    host = _HOST.get()
+    return "env: EOP_APP" if host is None else f"default: {host.app}"
 
 
 def add_settings(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
@@ -201,7 +250,13 @@ def add_setting(
     flag = "--" + name.replace("_", "-")
     # The help is written for the docs (reST ``literals``); a terminal shows `literals`.
     text = field.metadata["help"].replace("``", "`")
-    help_text = f"{text} [env: {settings_mod.env_var(name)}; default: {field.default}]"
+    host = _HOST.get()
+    source = f"env: {settings_mod.env_var(name)}"
+    if host is not None:
+        source = f"{host.settings}[{name.upper()!r}] or {source}"
+    help_text = f"{text} [{source}; default: {field.default}]"
+    if host is not None and name in host.fixed:
+        help_text = argparse.SUPPRESS
     if hint is bool:
         parser.add_argument(
             flag, action=argparse.BooleanOptionalAction, default=None, help=help_text

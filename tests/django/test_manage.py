@@ -131,6 +131,30 @@ def test_a_database_url_flag_is_refused_under_django(project: str, nats_url: str
         assert "DATABASES['default']" in entry["error"]
 
 
+def test_help_under_django_names_the_projects_settings_not_eops_defaults(
+    project: str, nats_url: str
+) -> None:
+    """``manage.py eop worker --help`` is the help of the command as typed there: its usage
+    names ``manage.py eop``, the app is the project's (given for the user), each setting
+    names its ``settings.EOP`` key, and ``--database-url``, refused there, is not offered
+    with eop's default URL."""
+    env = manage_env(project, nats_url)
+    for args in (("eop", "worker", "--help"), ("eop_worker", "--help")):
+        shown = manage(*args, env=env)
+        assert shown.returncode == 0, shown.stderr
+        text = " ".join(shown.stdout.split())
+        assert text.startswith("usage: manage.py eop worker "), text[:80]
+        assert "[MODULE:APP]" in text
+        assert "[default: the project's, settings.EOP['APP']]" in text
+        assert "[settings.EOP['SCHEMA'] or env: EOP_SCHEMA; default: eop]" in text
+        assert "--database-url" not in text
+        assert "postgresql+asyncpg://" not in text
+    listed = " ".join(manage("eop", "dlq", "list", "--help", env=env).stdout.split())
+    assert "--app MODULE:APP take the database URL and schema from this app [default: the " in (
+        listed
+    )
+
+
 async def test_eop_worker_sigkilled_mid_batch_and_restarted_applies_each_message_once(
     project: str, nats_url: str, js: Any, tmp_path: Path
 ) -> None:

@@ -71,4 +71,10 @@ def run(argv: Sequence[str]) -> int:
         options.print_error(exc, as_json=asked == "json")
         return 1
     export_environment()
-    return main(argv_for(argv))
+    host = options.Host(
+        prog="manage.py eop",
+        settings="settings.EOP",
+        app="the project's, settings.EOP['APP']",
+        fixed=("database_url",),
+    )
+    return main(argv_for(argv), host=host)
