@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import os
 import sys
 from collections.abc import Sequence
@@ -129,13 +130,26 @@ def _add_dlq_filters(parser: argparse.ArgumentParser, *, before: bool) -> None:
     parser.add_argument(
         "--reason", metavar="TEXT", help="reason or error contains TEXT (case-insensitive)"
     )
-    parser.add_argument("--since", metavar="WHEN", help="created at or after WHEN (ISO or 2h)")
+    parser.add_argument(
+        "--since", type=_when, metavar="WHEN", help="created at or after WHEN (ISO or 2h)"
+    )
     parser.add_argument(
         "--before" if before else "--until",
         dest="until",
+        type=_when,
         metavar="WHEN",
         help="created before WHEN (ISO time, UTC if no offset, or a duration ago like 7d)",
     )
+
+
+def _when(text: str) -> datetime.datetime:
+    """A ``WHEN`` flag's time; a refused one is a usage error, as a malformed flag is."""
+    from eop.ops import dlq
+
+    try:
+        return dlq.parse_when(text)
+    except errors.ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _dlq_app(args: argparse.Namespace, names: Sequence[str]) -> App:
@@ -160,8 +174,8 @@ def _dlq_filters(args: argparse.Namespace, ids: Sequence[int] = ()) -> Any:
         ids=tuple(ids),
         handler=args.handler,
         reason=args.reason,
-        since=dlq.parse_when(args.since) if args.since else None,
-        until=dlq.parse_when(args.until) if args.until else None,
+        since=args.since,
+        until=args.until,
         limit=limit if limit and limit > 0 else None,
     )
 

@@ -288,6 +288,20 @@ def test_a_usage_error_is_a_json_line_when_json_is_asked(
     assert "--processes" in entry["error"]
 
 
+@pytest.mark.parametrize("flag", ["--since", "--until"])
+def test_a_dead_letter_time_eop_cannot_read_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """``eop dlq list --since soon`` is refused as argparse refuses a malformed flag: one
+    line naming the flag and the forms it takes, status 2, before any database is asked."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["dlq", "list", flag, "soon", "--database-url", "postgresql+asyncpg://x@h:1/d"])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"eop: error: argument {flag}: 'soon' is neither an ISO time")
+    assert "duration (2h, 30m, 7d)" in line
+
+
 def test_an_app_module_that_raises_on_import_is_one_line_naming_where(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
