@@ -307,10 +307,11 @@ class App:
         if self._engine is None:
             # libpq's TLS parameters (sslrootcert...) become asyncpg's ssl context.
             url, connect_args = engines.asyncpg_url(self.settings.database_url)
+            within = self.settings.db_connect_timeout_s
             if url.get_driver_name() == "asyncpg":
-                connect_args = engines.named(connect_args)
+                connect_args = engines.timed(url, engines.named(connect_args), within)
             else:  # psycopg takes libpq's options in the URL, not asyncpg's server_settings
-                url = engines.named_url(url)
+                url = engines.timed_url(engines.named_url(url), within)
             self._engine = create_async_engine(
                 url,
                 connect_args=connect_args,
@@ -351,7 +352,12 @@ class App:
                 engines.for_pooler(
                     engines.paged_for_psycopg(
                         sa.create_engine(
-                            engines.named_url(sync_url(sa.make_url(self.settings.database_url))),
+                            engines.timed_url(
+                                engines.named_url(
+                                    sync_url(sa.make_url(self.settings.database_url))
+                                ),
+                                self.settings.db_connect_timeout_s,
+                            ),
                             # Spark's executors and tools open it; a worker's sync
                             # handlers do too when not bridged.
                             pool_size=max(1, self._shares(bridged=False)[1]),

@@ -76,6 +76,14 @@ class Settings:
         "``none``: as a direct connection; ``auto``: ``transaction`` if the first connection "
         "shows a pooler (its backend pid is not PostgreSQL's), else ``none``.",
     )
+    db_connect_timeout_s: float = _field(
+        10.0,
+        "How long opening one connection to PostgreSQL may take (TCP, TLS and the server's "
+        "start-up answer) before the attempt fails and is retried, for the connections eop "
+        "opens from ``database_url``; a ``timeout`` (asyncpg) or ``connect_timeout`` (libpq) "
+        "in the URL wins. 0: the driver's own, under which a host that drops packets holds "
+        "each attempt about a minute (asyncpg) or for ever (libpq).",
+    )
     batch: int = _field(64, "Messages fetched per pull request (and per transaction).", minimum=1)
     batch_transactions: bool = _field(
         True, "One transaction (and one multi-row claim) per fetched batch, not per message."

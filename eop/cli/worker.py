@@ -16,6 +16,7 @@ WORKER_FIELDS = (
     "concurrency",
     "db_pool_size",
     "db_pooler",
+    "db_connect_timeout_s",
     "batch",
     "batch_transactions",
     "fetch_timeout_s",

@@ -9,6 +9,7 @@ from them. :func:`for_pooler` fits an engine to the ``db_pooler`` setting
 
 from __future__ import annotations
 
+import math
 import os
 import ssl
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,23 @@ def asyncpg_url(url: str | sa.URL) -> tuple[sa.URL, dict[str, Any]]:
     if "sslcert" in files:
         context.load_cert_chain(files["sslcert"], files["sslkey"])
     return rest, {"ssl": context}
+
+
+def timed(url: sa.URL, connect_args: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """asyncpg ``connect_args`` whose connection attempts give up after ``seconds`` (0: as
+    asyncpg's own do), unless the URL sets asyncpg's ``timeout`` (the URL's query would
+    lose to ``connect_args``)."""
+    if "timeout" in url.query or not seconds:
+        return connect_args
+    return {**connect_args, "timeout": seconds}
+
+
+def timed_url(url: sa.URL, seconds: float) -> sa.URL:
+    """A libpq (psycopg) URL whose connection attempts give up after ``seconds`` (0: never, as
+    libpq's own), unless it sets ``connect_timeout``; libpq counts whole seconds."""
+    if "connect_timeout" in url.query or not seconds:
+        return url
+    return url.update_query_dict({"connect_timeout": str(max(1, math.ceil(seconds)))})
 
 
 #: How eop's own connections show in ``pg_stat_activity`` (unless the URL names them).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 import eop
 from eop import errors, log
 from eop.broker import client, jetstream
+from eop.pg import failures
 from eop.settings import Settings
 
 from .bed import (
@@ -178,3 +180,33 @@ async def test_eops_own_connections_name_themselves_in_pg_stat_activity(
             assert session.execute(query).scalar() == "eop"
     finally:
         await app.dispose()
+
+
+@pytest.mark.timeout(45)
+@pytest.mark.parametrize("driver", ["postgresql+asyncpg", "postgresql+psycopg"])
+async def test_a_database_host_that_never_answers_fails_each_attempt_within_the_timeout(
+    driver: str,
+) -> None:
+    """A host that takes the TCP connection and never answers (a server frozen, packets
+    dropped past a load balancer) fails each of eop's connection attempts once
+    ``db_connect_timeout_s`` has passed, as an unreachable database that eop retries;
+    asyncpg would wait a minute by itself and libpq for ever (the test's own timeout)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshakes; nothing ever answers
+        port = silent.getsockname()[1]
+        url = f"{driver}://postgres@127.0.0.1:{port}/postgres"
+        app = eop.App(settings=Settings(database_url=url, db_connect_timeout_s=0.5))
+        try:
+            with pytest.raises((OSError, sa.exc.OperationalError)) as waited:
+                async with app.engine.connect():
+                    pass
+            assert failures.unreachable(waited.value), repr(waited.value)
+            with (
+                pytest.raises((OSError, sa.exc.OperationalError)) as waited_sync,
+                app.sync_sessionmaker() as session,
+            ):
+                session.execute(sa.text("SELECT 1"))
+            assert failures.unreachable(waited_sync.value), repr(waited_sync.value)
+        finally:
+            await app.dispose()

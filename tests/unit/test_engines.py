@@ -200,3 +200,49 @@ def test_a_multi_row_insert_gets_the_page_psycopg_parses_once(
     single = paged(ExecuteStyle.EXECUTE, per_row)
     single.pre_exec()
     assert "insertmanyvalues_page_size" not in single.execution_options
+
+
+def test_connection_attempts_are_bounded_unless_the_url_bounds_them_itself() -> None:
+    """``db_connect_timeout_s`` reaches asyncpg's ``timeout`` and libpq's ``connect_timeout``
+    (whole seconds, at least one); a bound the URL sets is kept, for either driver."""
+    plain = sa.make_url("postgresql+asyncpg://u@h/d")
+    assert engines.timed(plain, {"ssl": "x"}, 2.5) == {"ssl": "x", "timeout": 2.5}
+    own = sa.make_url("postgresql+asyncpg://u@h/d?timeout=30")
+    assert engines.timed(own, {}, 2.5) == {}
+    libpq = sa.make_url("postgresql+psycopg://u@h/d")
+    assert engines.timed_url(libpq, 2.5).query["connect_timeout"] == "3"
+    assert engines.timed_url(libpq, 0.2).query["connect_timeout"] == "1"
+    assert engines.timed(plain, {}, 0.0) == {}
+    assert "connect_timeout" not in engines.timed_url(libpq, 0.0).query
+    kept = sa.make_url("postgresql+psycopg://u@h/d?connect_timeout=60")
+    assert engines.timed_url(kept, 2.5).query["connect_timeout"] == "60"
+
+
+async def test_eops_engines_carry_the_connect_timeout_setting() -> None:
+    """The async engine and the sync one eop makes from ``database_url`` both bound a
+    connection attempt by the setting."""
+    app = eop.App(
+        settings=settings_mod.Settings(
+            database_url="postgresql+asyncpg://u@h/d", db_connect_timeout_s=4.0, db_pooler="none"
+        )
+    )
+    seen: dict[str, Any] = {}
+
+    class _Seen(Exception):
+        pass
+
+    def catch(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+        seen.update(cparams)
+        raise _Seen  # before any connection is attempted
+
+    sync_engine = app.sync_sessionmaker.kw["bind"]
+    for engine in (app.engine.sync_engine, sync_engine):
+        sa.event.listen(engine, "do_connect", catch)
+    with pytest.raises(_Seen):
+        async with app.engine.connect():
+            pass
+    assert seen["timeout"] == 4.0
+    seen.clear()
+    with pytest.raises(_Seen):
+        sync_engine.raw_connection()
+    assert seen["connect_timeout"] == "4"
