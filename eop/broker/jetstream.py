@@ -21,7 +21,7 @@ import tenacity
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
 
-from eop import backoff, errors, log
+from eop import backoff, errors, futures, log
 from eop.broker import client, connection
 from eop.handler import StreamSpec
 from eop.settings import Settings
@@ -235,8 +235,7 @@ class StreamEpochs:
 
     def _ahead_done(self, task: asyncio.Task[str | None]) -> None:
         self._ahead.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: the batch that needs the reading reports a failure
+        futures.retrieve(task)  # the batch that needs the reading reports a failure
 
     async def _refresh_retried(self, stream: str) -> None:
         """:meth:`refresh`, asked again while nobody answers for the stream.

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from eop import writes
+from eop import futures, writes
 from eop.outbox import table as outbox
 from eop.pg import bridge, models, session_guard
 from eop.pg.async_transaction import AsyncTransaction
@@ -88,7 +88,7 @@ class ThreadedTransaction(AsyncTransaction):
             if call.cancel():
                 returned = asyncio.wrap_future(future)
                 # Its outcome is the thread's; the cancellation is what goes on from here.
-                returned.add_done_callback(_retrieved)
+                returned.add_done_callback(futures.retrieve)
                 await asyncio.wait({returned}, timeout=bridge.RETURN_S)
             raise
 
@@ -145,12 +145,6 @@ class ThreadedTransaction(AsyncTransaction):
         task = asyncio.ensure_future(session_guard.end_async(self.session, "close"))
         _CLOSING.add(task)
         task.add_done_callback(_CLOSING.discard)
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    """Take a finished future's error, so that the loop does not report it as never retrieved."""
-    if not future.cancelled():
-        future.exception()
 
 
 _CLOSING: set[asyncio.Future[None]] = set()

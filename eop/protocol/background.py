@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import nats.errors
 
-from eop import errors, log
+from eop import errors, futures, log
 from eop.pg import failures
 
 T = TypeVar("T")
@@ -93,19 +93,14 @@ async def _within(task: asyncio.Future[T], bound_s: float) -> T:
         _drop(task)
         raise
     # Still cancelling: left to end by itself, not cancelled again (its cleanup goes on).
-    task.add_done_callback(_retrieve)
+    task.add_done_callback(futures.retrieve)
     raise Abandoned(f"no answer within {bound_s:.3g} s at the stop")
 
 
 def _drop(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` if it still runs, and let it end unseen (its error retrieved)."""
     if task.done():
-        _retrieve(task)
+        futures.retrieve(task)
         return
     task.cancel()
-    task.add_done_callback(_retrieve)
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
+    task.add_done_callback(futures.retrieve)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from eop import backoff, errors, faults, log, message
+from eop import backoff, errors, faults, futures, log, message
 from eop.broker import ack
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
@@ -71,8 +71,7 @@ class Critical:
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # its caller's, if it still waits; else nobody's
+        futures.retrieve(task)  # its caller's, if it still waits; else nobody's
 
     async def drain(self, within_s: float | None = None) -> int:
         """Wait for every running section, for ``within_s`` at most; how many still run.

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import nats.errors
 
-from eop import errors, log, redaction
+from eop import errors, futures, log, redaction
 from eop.app import App, select_handlers
 from eop.broker import ack, client, connection, jetstream, leases
 from eop.handler import HandlerSpec
@@ -401,8 +401,7 @@ class Worker(hosting.Hosted):
         if pending:
             await asyncio.wait(pending, timeout=shutdown.STOP_MARGIN_S)
         for task in tasks:
-            if task.done() and not task.cancelled():
-                task.exception()  # retrieved, as gather(return_exceptions=True) did
+            futures.retrieve(task)  # as gather(return_exceptions=True) did
 
     async def _finish_inflight(self, deadline: float) -> None:
         """Wait for in-flight messages, up to the grace's end (the loop's ``deadline``) or

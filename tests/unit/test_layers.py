@@ -51,6 +51,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "eop.log",
             "eop.faults",
             "eop.backoff",
+            "eop.futures",
             "eop.scratch_owners",
         ),
     ),
