@@ -20,7 +20,8 @@ def add_audit(sub: options.Subparsers) -> None:
     options.add_app_arguments(
         audit,
         app_help="the eop.App to audit, e.g. myapp:app",
-        handler_help="audit only this handler (repeatable; default: all)",
+        handler_help="audit only this handler (repeatable; default: all) [env: EOP_HANDLERS, "
+        "comma separated]",
     )
     for flag, help_text in (
         ("from-seq", "first stream sequence to walk (default: the stream's first)"),
@@ -75,7 +76,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
             current_epoch_only=args.current_epoch_only,
         )
         # audit.run closes the app's pools itself.
-        report = asyncio.run(audit.run(app, args.handler, audit_options))
+        handlers = args.handler or options.env_list("EOP_HANDLERS")
+        report = asyncio.run(audit.run(app, handlers, audit_options))
     except errors.EopError as exc:
         options.print_error(exc)
         return 2

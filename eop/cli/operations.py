@@ -85,7 +85,10 @@ def add_status(sub: options.Subparsers) -> None:
         "their owners and lag, its members and last rebalance",
     )
     options.add_app_arguments(
-        status, app_help="the eop.App, e.g. myapp:app", handler_help="only this handler"
+        status,
+        app_help="the eop.App, e.g. myapp:app",
+        handler_help="only this handler (repeatable; default: all) [env: EOP_HANDLERS, comma "
+        "separated]",
     )
     status.add_argument("--json", action="store_true", help="one JSON array, for scripts")
     options.add_settings(status, options.SERVER_FIELDS)

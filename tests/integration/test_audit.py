@@ -317,7 +317,8 @@ async def test_every_class_is_counted_and_only_anomalies_fail(
 
 
 def test_cli_exit_codes(database_url: str, nats_url: str) -> None:
-    """`eop audit` exits 0 on a clean stream, 1 on an anomaly, 2 when it cannot connect."""
+    """`eop audit` exits 0 on a clean stream, 1 on an anomaly, 2 when it cannot connect or
+    is asked for a handler the app does not have (by ``EOP_HANDLERS`` too)."""
     env = dict(os.environ, EOP_DATABASE_URL=database_url, EOP_NATS_URL=nats_url)
 
     def eop(*args: str) -> subprocess.CompletedProcess[str]:
@@ -376,3 +377,8 @@ def test_cli_exit_codes(database_url: str, nats_url: str) -> None:
     broken = eop("--nats-url", "nats://127.0.0.1:1")
     assert broken.returncode == 2
     assert "NATS is unreachable" in broken.stderr
+    # Without --handler it audits the handlers EOP_HANDLERS names, as a worker runs them.
+    env["EOP_HANDLERS"] = "not_one_of_its"
+    named = eop()
+    assert named.returncode == 2
+    assert "not_one_of_its" in named.stderr
