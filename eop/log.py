@@ -110,6 +110,9 @@ class Event(str, enum.Enum):
     OUTBOX_REFUSED = "outbox.refused"
     OUTBOX_PARKED = "outbox.parked"
     OUTBOX_PURGED = "outbox.purged"
+    WRITES_THROUGH_SESSION = "writes.through_session"
+    """An engine's ``eop.Writes`` go through the SQLAlchemy session, not asyncpg's own
+    connection (:mod:`eop.pg.direct`): said once per engine, with the reason."""
     DB_POOLER_FOUND = "db.pooler_found"
     DB_POOLER_UNNEEDED = "db.pooler_unneeded"
     DB_MISCONFIGURED = "db.misconfigured"

@@ -37,6 +37,7 @@ import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from eop import log
 from eop import writes as writes_mod
 
 if TYPE_CHECKING:
@@ -208,6 +209,29 @@ def _engine_plain(engine: sa.Engine) -> bool:
     )
 
 
+_EXPLAINED: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The binds whose writes were said, once each, to go through the session."""
+
+
+def _through_session(bind: object) -> None:
+    """Say once per engine why none of its writes goes out on asyncpg's connection: a
+    listener (an instrumentation, say) costs every ``eop.Writes`` handler SQLAlchemy's
+    execution path, which is most of their writes' cost otherwise spared."""
+    try:
+        if bind in _EXPLAINED:
+            return
+        _EXPLAINED.add(bind)
+    except TypeError:  # not weakly referenceable: said each time would be too often
+        return
+    if not isinstance(bind, sa.Engine):
+        reason = "the session is bound to a connection, not an engine"
+    elif bind.get_execution_options().get("schema_translate_map"):
+        reason = "the engine translates schemas (schema_translate_map)"
+    else:
+        reason = "an event listens to the engine's executions (a listener or instrumentation)"
+    log.get_logger().info(log.Event.WRITES_THROUGH_SESSION, reason=reason)
+
+
 async def send(writes: writes_mod.Writes, session: AsyncSession, adapter: Any) -> None:
     """Send the queued writes of ``writes``: on asyncpg's connection (under ``adapter``,
     SQLAlchemy's DBAPI connection of the session's transaction) those it can, in order,
@@ -215,6 +239,7 @@ async def send(writes: writes_mod.Writes, session: AsyncSession, adapter: Any) -
     groups = writes.take()
     engine = session.get_bind()
     if not isinstance(engine, sa.Engine) or not _engine_plain(engine):
+        _through_session(engine)
         await session.run_sync(writes_mod.send_groups, groups)
         return
     driver = adapter.driver_connection

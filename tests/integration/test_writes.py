@@ -17,6 +17,7 @@ from .bed import (
     STREAM,
     SUBJECT,
     create_effects_table,
+    debug_logs,
     drained,
     effects_by_body,
     running,
@@ -66,6 +67,43 @@ async def test_queued_writes_of_a_batch_go_out_as_one_executemany_and_count_once
     assert await effects_by_body(engine) == dict.fromkeys(bodies, 1)
     assert sum(sizes) == 40
     assert max(sizes) > 1  # the first fetch returns a full batch of pre-published messages
+
+
+async def test_writes_sent_through_the_session_because_of_a_listener_are_said_once(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """On eop's own engine, queued writes go out on asyncpg's connection and nothing is
+    said; once a listener (as an instrumentation adds) watches the engine's executions,
+    they go through the session, exactly once each still, and one
+    ``writes.through_session`` line says why, however many batches follow."""
+    await create_effects_table(engine)
+    bodies = [f"w{i}" for i in range(30)]
+    await prepublish(js, bodies)
+    said: dict[str, list[Any]] = {}
+    for name in ("plain", "listened"):
+        app = make_app(database_url, nats_url)
+        sizes = _count_executemany(app) if name == "listened" else []
+
+        async def queued(msg: eop.Message, writes: eop.Writes) -> None:
+            writes.add(EFFECT, {"h": msg.subscription, "k": msg.idempotency_key, "b": msg.text()})
+
+        app.handler(stream=STREAM, subject=SUBJECT, name=name)(queued)
+        with debug_logs() as logs:
+            async with running(app):
+                durable = f"eop-{name}"
+                await wait_for(lambda d=durable: drained(js, d, engine=engine), what=name)
+        said[name] = [e for e in logs if e["event"] == "writes.through_session"]
+        if name == "listened":
+            assert sum(sizes) == 30  # the listener saw every row go through the session
+    assert said["plain"] == []
+    assert len(said["listened"]) == 1, said["listened"]
+    assert "an event listens to the engine's executions" in said["listened"][0]["reason"]
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            sa.text("SELECT handler, body, count(*) FROM effects GROUP BY handler, body")
+        )
+        counts = {(h, b): int(n) for h, b, n in rows}
+    assert counts == {(h, b): 1 for h in ("plain", "listened") for b in bodies}
 
 
 async def test_a_failing_write_fails_its_own_message_only(
