@@ -23,6 +23,12 @@ class ConfigurationError(EopError):
     """eop is misconfigured."""
 
 
+class UsageError(ConfigurationError):
+    """The command line asks for something the command cannot do (flags that exclude each
+    other, an action with nothing to act on): the command exits 2, as for a flag it cannot
+    read, before it connects to anything."""
+
+
 class ServiceUnavailable(EopError):
     """A service eop depends on is unreachable."""
 

@@ -94,6 +94,9 @@ def main(
         command: Callable[[argparse.Namespace], int] = args.command
         with options.developer_tools(args.command_name):
             return command(args)
+    except errors.UsageError as exc:
+        options.print_error(exc, to=getattr(args, "error_file", None))
+        return 2
     except errors.EopError as exc:
         # print_error's default: the logs' format, or as asked when a setting was refused
         # before logging was configured (command_line above).

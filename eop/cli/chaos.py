@@ -111,7 +111,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     custom = (args.app, args.handler, args.effects_sql, args.payloads)
     if any(custom) and not all(custom):
-        raise errors.ConfigurationError(
+        raise errors.UsageError(
             "--app needs --handler, --effects-sql and --payloads (and they need --app)"
         )
     chosen = (
@@ -160,5 +160,5 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _batch_mode(value: str) -> BatchMode:
     if value not in ("mixed", "on", "off"):
-        raise errors.ConfigurationError(f"--batch-mode must be mixed, on or off, not {value!r}")
+        raise errors.UsageError(f"--batch-mode must be mixed, on or off, not {value!r}")
     return value  # type: ignore[return-value]  # checked above

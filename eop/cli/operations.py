@@ -122,7 +122,7 @@ def _cmd_streams_create(args: argparse.Namespace) -> int:
     from eop.ops import streams
 
     if not args.app:
-        raise errors.ConfigurationError("name the app: eop streams create MODULE:APP (or EOP_APP)")
+        raise errors.UsageError("name the app: eop streams create MODULE:APP (or EOP_APP)")
     app = options.configured_app(args, ("nats_url",))
     print(streams.format_table(options.run_with(app, streams.create(app))))
     return 0
@@ -234,11 +234,11 @@ def _cmd_dlq_replay(args: argparse.Namespace) -> int:
     from eop.ops import dlq
 
     if bool(args.ids) == bool(args.all):
-        raise errors.ConfigurationError("name the dead letters to replay (IDs) or pass --all")
+        raise errors.UsageError("name the dead letters to replay (IDs) or pass --all")
     if args.rerun and not args.app:
-        raise errors.ConfigurationError("--rerun runs the handler: pass --app MODULE:APP")
+        raise errors.UsageError("--rerun runs the handler: pass --app MODULE:APP")
     if args.ids and (args.handler or args.reason or args.since or args.until):
-        raise errors.ConfigurationError("filters apply to --all only, not to listed IDs")
+        raise errors.UsageError("filters apply to --all only, not to listed IDs")
     app = _dlq_app(args, (*options.DB_FIELDS, "nats_url"))
     mode: dlq.ReplayMode = "rerun" if args.rerun else "publish"
 
@@ -274,7 +274,7 @@ def _cmd_dlq_purge(args: argparse.Namespace) -> int:
 
     filters = _dlq_filters(args)
     if filters.empty and not args.all:
-        raise errors.ConfigurationError(
+        raise errors.UsageError(
             "purge needs a filter (--handler, --reason, --since, --before) or --all"
         )
     app = _dlq_app(args, options.DB_FIELDS)

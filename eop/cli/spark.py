@@ -215,7 +215,7 @@ def _conf(args: argparse.Namespace, *, remote: bool = False) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise eop_errors.ConfigurationError(f"--conf takes KEY=VALUE, not {item!r}")
+            raise eop_errors.UsageError(f"--conf takes KEY=VALUE, not {item!r}")
         conf[key.strip()] = value.strip()
     if not remote:
         # The commands print their own progress lines; Spark's bar would garble them.
@@ -278,13 +278,13 @@ def _session(
 
     if args.remote:
         if args.master:
-            raise eop_errors.ConfigurationError(
+            raise eop_errors.UsageError(
                 "--master and --remote exclude each other: a Spark Connect server has its master"
             )
         if streaming and py_files(args):
             # The probe would pass (it runs as a batch job, which sees the session's
             # artifacts) and every micro-batch's tasks would then fail on the import.
-            raise eop_errors.ConfigurationError(
+            raise eop_errors.UsageError(
                 "--py-files does not reach a streaming query's tasks on Spark Connect "
                 "(only batch jobs see the session's artifacts): install the app's module "
                 "in the Spark Connect server's Python, or run the stream with --master"

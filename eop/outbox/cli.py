@@ -121,7 +121,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _check_selection(args: argparse.Namespace, action: str) -> None:
     if bool(args.ids) == bool(args.all):
-        raise errors.ConfigurationError(f"name the parked rows to {action} (IDs) or pass --all")
+        raise errors.UsageError(f"name the parked rows to {action} (IDs) or pass --all")
 
 
 def _cmd_retry(args: argparse.Namespace) -> int:

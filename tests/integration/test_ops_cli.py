@@ -110,7 +110,7 @@ async def test_dlq_commands_list_show_replay_once_and_purge(
     refused = run_eop("dlq", "purge", "--all", env=env)
     assert refused.returncode == 1
     assert "--yes" in refused.stderr
-    assert run_eop("dlq", "purge", env=env).returncode == 1  # no filter, no --all
+    assert run_eop("dlq", "purge", env=env).returncode == 2  # no filter, no --all: a usage error
     purged = run_eop("dlq", "purge", "--handler", "billing", "--yes", env=env)
     assert purged.stdout.strip() == "purged 1 dead letter"
     missing = run_eop("dlq", "show", dl, env=env)

@@ -108,7 +108,7 @@ async def test_outbox_commands_list_retry_and_purge_parked_rows(
     ids = {row["subject"]: row["id"] for row in rows}
     assert set(ids) == {"LATER.a", "LATER.b"}
     refused = run_eop("outbox", "retry", env=env)
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert error_lines(refused.stderr) == [
         "eop: error: name the parked rows to retry (IDs) or pass --all"
     ]

@@ -311,7 +311,7 @@ def test_chaos_command_names_its_variables_and_refuses_half_a_target(
     with pytest.raises(SystemExit):
         cli.main(["chaos", "--help"])
     assert "EOP_CHAOS_SEED" in capsys.readouterr().out
-    assert cli.main(["chaos", "--app", "myapp:app"]) == 1
+    assert cli.main(["chaos", "--app", "myapp:app"]) == 2
     assert "--app needs --handler" in capsys.readouterr().err
 
 
