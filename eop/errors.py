@@ -116,8 +116,17 @@ class TransactionEndedByHandler(EopError):
     eop's transaction holds the message's claim and the handler's writes together, and
     eop ends it after the handler: remove the call (``flush()`` sends pending writes,
     ``begin_nested()`` makes a savepoint the handler may roll back). The message fails
-    as any handler error does, and nothing it wrote is committed.
+    as any handler error does. Refused by the session's guard, before the call did
+    anything, nothing it wrote is committed; found after the handler (:attr:`ended`),
+    what it wrote before the call may be.
     """
+
+    def __init__(self, message: str | None = None, *, ended: bool = False) -> None:
+        super().__init__(message)
+        self.ended = ended
+        """True when the transaction had ended already (the handler went past the guard:
+        its connection's commit(), a COMMIT statement); False when the guard refused the
+        call, leaving the transaction as it was."""
 
 
 class ClaimTimeout(EopError):

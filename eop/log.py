@@ -62,6 +62,8 @@ class Event(str, enum.Enum):
     BATCH_PROCESSED = "batch.processed"
     BATCH_FAILED = "batch.failed"
     ON_COMMIT_FAILED = "transaction.on_commit_failed"
+    TRANSACTION_ENDED_BY_HANDLER = "transaction.ended_by_handler"
+    """A handler committed or rolled back eop's transaction past its session's guard."""
     MESSAGE_DUPLICATE = "message.duplicate"
     MESSAGE_RETRY = "message.retry"
     MESSAGE_DEAD_LETTERED = "message.dead_lettered"

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from eop import errors
 from eop.outbox import table as outbox
 from eop.pg import direct, models, session_guard
 from eop.pg.failures import INFRASTRUCTURE, DbFailure, classify
@@ -42,6 +44,9 @@ class AsyncTransaction(SqlTransaction):
         self._adapter: Any = None
         """SQLAlchemy's DBAPI connection under the session since :meth:`begin`, when asyncpg's,
         until the transaction ends: where :meth:`flush` sends queued writes itself."""
+        self._driver_status: Any = None
+        """The asyncpg connection :meth:`begin` ran on, whose own status :meth:`commit` reads
+        (:meth:`_check_intact`)."""
         self._timeouts_due: tuple[Any, LocalTimeouts] | None = None
         """The asyncpg connection :meth:`begin` ran on and the local timeouts it left for the
         claim to carry, until a statement sets them (:meth:`_set_timeouts`)."""
@@ -61,6 +66,8 @@ class AsyncTransaction(SqlTransaction):
         session's way.
         """
         connection = await self.session.connection()
+        if connection.sync_connection is not None:
+            self._root = connection.sync_connection.get_transaction()
         if connection.dialect.driver == "asyncpg":
             raw = await connection.get_raw_connection()
             adapter = raw.dbapi_connection
@@ -77,6 +84,7 @@ class AsyncTransaction(SqlTransaction):
                             await connection.invalidate(exc)
                     raise
                 self._raw = driver
+                self._driver_status = driver
                 self._adapter = adapter
                 self._timeouts_due = (driver, timeouts)
                 return
@@ -147,8 +155,20 @@ class AsyncTransaction(SqlTransaction):
 
     async def _call(self, messages: list[Message], *, flush: bool = True) -> None:
         await self._invoke(messages, self._second_argument(self.session))
+        self._check_handler_left_it(messages)
         if flush:
             await self.flush()
+
+    def _check_handler_left_it(self, messages: Sequence[Message]) -> None:
+        """:meth:`_check_intact` after the handler of ``messages``, with asyncpg's own status
+        when known."""
+        driver = self._driver_status
+        try:
+            self._check_intact(None if driver is None else driver.is_in_transaction(), messages)
+        except errors.TransactionEndedByHandler:
+            # Said once: the next handlers of the transaction are not the ones at fault.
+            self._driver_status = None
+            raise
 
     async def _invoke(self, messages: list[Message], second: Any) -> None:
         """Call the handler with ``messages`` and ``second`` (its session or write queue)."""
@@ -191,6 +211,7 @@ class AsyncTransaction(SqlTransaction):
         if ran:
             try:
                 await self._invoke(messages, self.writes)
+                self._check_handler_left_it(messages)
             except Exception as exc:
                 return self._unsent_failure(exc)
             self._check_sent_nothing()
@@ -209,6 +230,8 @@ class AsyncTransaction(SqlTransaction):
             await savepoint.commit()
         except Exception as exc:
             self.writes.discard()
+            if isinstance(exc, errors.TransactionEndedByHandler) and exc.ended:
+                return exc  # the savepoint went with the transaction
             if classify(exc) in INFRASTRUCTURE:
                 raise
             await savepoint.rollback()
@@ -217,6 +240,7 @@ class AsyncTransaction(SqlTransaction):
 
     async def commit(self) -> None:
         """COMMIT; a connection lost during it makes the outcome unknown."""
+        self._driver_status = None
         if self.writes:
             await self.flush()  # never left behind, whoever ran the handler
         self._raw = self._adapter = self._timeouts_due = None
@@ -225,6 +249,6 @@ class AsyncTransaction(SqlTransaction):
 
     async def rollback(self) -> None:
         """ROLLBACK, ignoring a broken connection."""
-        self._raw = self._adapter = self._timeouts_due = None
+        self._raw = self._adapter = self._timeouts_due = self._driver_status = None
         with contextlib.suppress(Exception):
             await session_guard.end_async(self.session, "rollback")

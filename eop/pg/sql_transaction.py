@@ -7,10 +7,12 @@ leaves to its flush, and COMMIT's errors translated.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from eop import errors, writes
+import sqlalchemy as sa
+
+from eop import errors, log, writes
 from eop.outbox import table as outbox
 from eop.outbox.outgoing import DEFAULT_MAX_PAYLOAD
 from eop.pg import models, session_guard
@@ -49,6 +51,45 @@ class SqlTransaction(Statements):
         info[outbox.CONTEXT_KEY] = outbox_context or outbox.Context(tables, DEFAULT_MAX_PAYLOAD)
         self._deferred: list[Message] = []
         """Messages whose handler call :meth:`_defer` left to the next flush (or COMMIT)."""
+        self._root: sa.engine.Transaction | None = None
+        """The connection's transaction eop began (:meth:`begin`): still active after the
+        handler unless it ended it past the session's guard (:meth:`_check_intact`)."""
+
+    def _check_intact(self, in_transaction: bool | None, messages: Sequence[Message]) -> None:
+        """After the handler of ``messages``: when the transaction eop began has ended, log
+        it (``transaction.ended_by_handler``) and raise
+        :class:`eop.errors.TransactionEndedByHandler` (``ended``).
+
+        The handler committed or rolled it back past the session's guard
+        (:mod:`eop.pg.session_guard`): through its connection (``connection().commit()``,
+        ``get_transaction().commit()``) or a ``COMMIT`` or ``ROLLBACK`` statement, which
+        ``in_transaction`` (the driver's own status, None when unknown) shows. What it
+        wrote before, and the claims, may be committed already: the handler fails, so
+        that eop commits nothing more apart from them, and the log line says so even
+        when the protocol then finds the messages settled. A ``COMMIT`` statement
+        followed by more statements on psycopg, which begins a transaction again by
+        itself, is not seen.
+        """
+        root = self._root
+        ended = root is not None and not root.is_active and not root.connection.invalidated
+        if ended or in_transaction is False:
+            # Reported once: what runs next in this session runs in its next transaction.
+            self._root = None
+            log.get_logger(handler=self.spec.name).error(
+                log.Event.TRANSACTION_ENDED_BY_HANDLER,
+                stream=messages[0].stream if messages else None,
+                first_seq=messages[0].seq if messages else None,
+                last_seq=messages[-1].seq if messages else None,
+                messages=len(messages),
+            )
+            raise errors.TransactionEndedByHandler(
+                "the handler ended eop's transaction past the session it was given (a "
+                "commit() or rollback() of its connection or transaction, or a COMMIT or "
+                "ROLLBACK statement): what it wrote before may be committed with the "
+                "message's claim; remove the call (flush() sends pending writes, "
+                "begin_nested() makes a savepoint)",
+                ended=True,
+            )
 
     def _defer(self, message: Message, flush: bool) -> bool:
         """Leave ``message``'s handler call to the next flush when ``flush`` is False (a

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 
+from eop import errors
 from eop.outbox import table as outbox
 from eop.pg import models, session_guard
 from eop.pg.failures import INFRASTRUCTURE, classify
@@ -55,6 +56,9 @@ class SyncTransaction(SqlTransaction):
         self._threads = threads
         self._permit = False
         self._abandoned = False
+        self._dbapi: Any = None
+        """The driver's connection :meth:`begin` ran on, whose own status :meth:`commit`
+        reads (:meth:`_check_intact`)."""
 
     async def _step(self, func: Callable[..., T], *args: Any) -> T:
         """Run one blocking step of the transaction: in a worker thread, off the event loop."""
@@ -104,7 +108,10 @@ class SyncTransaction(SqlTransaction):
         """
 
         def execute() -> None:
-            self.session.connection().exec_driver_sql(timeouts.text)
+            connection = self.session.connection()
+            self._root = connection.get_transaction()
+            self._dbapi = connection.connection.dbapi_connection
+            connection.exec_driver_sql(timeouts.text)
 
         await self._step(execute)
 
@@ -166,6 +173,7 @@ class SyncTransaction(SqlTransaction):
         arg, extra = self.spec.arguments(messages)
         func: Any = self.spec.func  # a sync handler, given the Session or Writes
         func(arg, self._second_argument(self.session), **extra)
+        self._check_handler_left_it(messages)
         if flush:
             self._flush()
 
@@ -173,6 +181,17 @@ class SyncTransaction(SqlTransaction):
         """Run the handlers :meth:`run` left waiting, send queued writes, then flush pending
         ORM objects, in one worker thread step."""
         await self._step(self._flush, self._take_deferred())
+
+    def _check_handler_left_it(self, messages: Sequence[Message]) -> None:
+        """:meth:`_check_intact` after the handler of ``messages``, in its thread, with
+        psycopg's own status (IDLE after a ``COMMIT`` or ``ROLLBACK`` statement) when known."""
+        status = getattr(getattr(self._dbapi, "info", None), "transaction_status", None)
+        in_transaction = None if status is None else getattr(status, "name", "") != "IDLE"
+        try:
+            self._check_intact(in_transaction, messages)
+        except errors.TransactionEndedByHandler:
+            self._dbapi = None  # said once: the next handlers are not the ones at fault
+            raise
 
     def _flush(self, deferred: Sequence[Message] = ()) -> None:
         for message in deferred:
@@ -192,6 +211,7 @@ class SyncTransaction(SqlTransaction):
                 arg, extra = self.spec.arguments(messages)
                 func: Any = self.spec.func  # a sync handler, given the write queue
                 func(arg, self.writes, **extra)
+                self._check_handler_left_it(messages)
             except Exception as exc:
                 return self._unsent_failure(exc)
             self._check_sent_nothing()
@@ -206,6 +226,8 @@ class SyncTransaction(SqlTransaction):
             savepoint.commit()
         except Exception as exc:
             self.writes.discard()
+            if isinstance(exc, errors.TransactionEndedByHandler) and exc.ended:
+                return exc  # the savepoint went with the transaction
             if classify(exc) in INFRASTRUCTURE:
                 raise
             savepoint.rollback()
@@ -214,6 +236,7 @@ class SyncTransaction(SqlTransaction):
 
     async def commit(self) -> None:
         """COMMIT in a worker thread; a connection lost during it makes the outcome unknown."""
+        self._dbapi = None
         if self.writes or self._deferred:
             await self.flush()  # never left behind, whoever ran the handler
         commit = functools.partial(self._step, session_guard.end, self.session, "commit")

@@ -208,7 +208,9 @@ class BatchProcessor:
                     await faults.point("mid_handler")
             await tx.flush()
         except Exception as exc:
-            if transient(exc):
+            if transient(exc) or (isinstance(exc, errors.TransactionEndedByHandler) and exc.ended):
+                # Run again in isolation, an ended transaction's claims would be found
+                # committed and its handler's error never seen: it goes up.
                 raise
             raise _NeedsIsolation() from exc
 
@@ -224,6 +226,10 @@ class BatchProcessor:
         failures = []
         for item in mine:
             error = await tx.run_isolated([item.msg])
+            if isinstance(error, errors.TransactionEndedByHandler) and error.ended:
+                # The batch's transaction is gone, with the claims and writes of the
+                # messages before: each message alone, in a transaction of its own.
+                raise error
             if error is not None:
                 failures.append((item, error))
         return failures

@@ -216,10 +216,9 @@ class Processor:
                 logger,
             )
         if msg.num_delivered > 1:
-            # Maybe a crash loop: its run is counted before it starts, and from its
-            # second counted run on it runs alone, so that a message killing its
-            # process does not take the runs of others with it (docs/design.md,
-            # 'The crash-loop bound').
+            # Maybe a crash loop: its run is counted before it starts, and from its second
+            # counted run on it runs alone, so that a message killing its process does not
+            # take the runs of others with it (docs/design.md, 'The crash-loop bound').
             counted = _Counted()
             return await self._claiming(
                 delivery,
@@ -382,8 +381,7 @@ class Processor:
         # must not keep the process's other redeliveries waiting.
         async with self.suspects:
             if self.stopping.is_set():
-                # Queued behind the process's other redeliveries, not started: handed
-                # back at once rather than run one by one through the stop's grace.
+                # Queued behind the other redeliveries, not started: handed back at once.
                 return await self.settlement.hand_back(delivery, logger)
             if counted.runs is None:
                 async with self.store.transaction(self._spec) as tx:
@@ -419,8 +417,7 @@ class Processor:
                     await tx.run(msg)
                     await faults.point("mid_handler")
                 if msg.num_delivered > 1:
-                    # Its runs were counted (and an ordered handler's failures, for its
-                    # nak'ed retries).
+                    # Its runs were counted (an ordered handler's failures too, if nak'ed).
                     await tx.forget_failures(msg)
 
             result = await self._run_and_commit(tx, delivery, msg, run, logger)
@@ -451,6 +448,9 @@ class Processor:
                 dead = crash_loop(delivery.runs - delivery.failures, self.settings.max_deliveries)
                 return await self.settlement.dead_letter(delivery, msg, dead, logger)
             failed = await tx.run_isolated([msg])
+            if isinstance(failed, errors.TransactionEndedByHandler) and failed.ended:
+                await tx.rollback()  # nothing more can go in it: counted in a new one
+                return await self.handler_failed(delivery, msg, failed, logger)
             if failed is not None:
                 self._observer.failed(self._spec, delivery, failed)
                 return await self.attempts.settle_failure(tx, delivery, msg, failed, logger)

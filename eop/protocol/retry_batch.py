@@ -166,6 +166,8 @@ class RetryBatch:
                 if run.msg.seq not in locked:
                     continue
                 error = await tx.run_isolated([run.msg])
+                if isinstance(error, errors.TransactionEndedByHandler) and error.ended:
+                    raise error  # the poll's transaction is gone: each run alone
                 if error is None:
                     decided.processed.append(run)
                 else:

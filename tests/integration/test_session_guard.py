@@ -22,6 +22,7 @@ from .bed import (
     SUBJECT,
     bed_settings,
     create_effects_table,
+    debug_logs,
     drained,
     effects_by_body,
     publish,
@@ -190,3 +191,93 @@ async def test_a_handler_may_flush_and_roll_back_its_own_savepoint(
     }
     async with engine.connect() as conn:
         assert (await conn.execute(sa.text("SELECT count(*) FROM eop.dead_letters"))).scalar() == 0
+
+
+async def _past_the_guard_async(session: AsyncSession, msg: eop.Message) -> None:
+    """End the transaction where the session's own methods are not involved."""
+    body = msg.data.decode()
+    if body.startswith("conn-commit"):
+        await (await session.connection()).commit()
+    elif body.startswith("tx-commit"):
+        transaction = session.get_transaction()
+        assert transaction is not None
+        await transaction.commit()
+    elif body.startswith("sql-commit"):
+        await session.execute(sa.text("COMMIT"))
+    elif body.startswith("conn-rollback"):
+        await (await session.connection()).rollback()
+
+
+def _past_the_guard_sync(session: Session, msg: eop.Message) -> None:
+    body = msg.data.decode()
+    if body.startswith("conn-commit"):
+        session.connection().commit()
+    elif body.startswith("conn-rollback"):
+        session.connection().rollback()
+
+
+async def test_a_transaction_ended_past_the_guard_is_found_before_eops_commit(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A handler that ends eop's transaction through its connection, its transaction
+    object or a COMMIT statement is found out before eop's COMMIT: it fails with
+    TransactionEndedByHandler, logged with the message, instead of eop committing its
+    later writes apart from the claim (and, after a rollback, acking a message whose
+    claim was dropped). A commit past the guard committed the claim with the writes
+    before it, so its redelivery is a duplicate; a rollback's message fails each run and
+    is dead-lettered with that error. Good messages take effect once each."""
+    await create_effects_table(engine)
+    # A batch of one: the error of each message is its own (in a batch, the first
+    # handler to commit its transaction commits the claims of all the batch's messages).
+    settings = bed_settings(database_url, nats_url, max_attempts=2, batch=1)
+    base = eop.App(settings=settings)
+    app = eop.App(settings=settings, sync_sessionmaker=base.sync_sessionmaker)
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="async_orm")
+    async def on_async(msg: eop.Message, session: AsyncSession) -> None:
+        await session.execute(_INSERT, _row("async_orm", msg, "-before"))
+        await _past_the_guard_async(session, msg)
+        await session.execute(_INSERT, _row("async_orm", msg, "-after"))
+
+    @app.handler(stream=STREAM, subject="ORDERS.sync", name="sync")
+    def on_sync(msg: eop.Message, session: Session) -> None:
+        session.execute(_INSERT, _row("sync", msg, "-before"))
+        _past_the_guard_sync(session, msg)
+        session.execute(_INSERT, _row("sync", msg, "-after"))
+
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    ways = ("conn-commit", "tx-commit", "sql-commit", "conn-rollback")
+    for i in range(2):
+        for body in (f"good-{i}", *(f"{way}-{i}" for way in ways)):
+            await publish(js, body)
+        for body in (f"good-s{i}", f"conn-commit-s{i}", f"conn-rollback-s{i}"):
+            await js.publish("ORDERS.sync", body.encode(), headers={"Nats-Msg-Id": body})
+
+    async def settled() -> bool:
+        return all([await drained(js, d, engine=engine) for d in ("eop-async_orm", "eop-sync")])
+
+    with debug_logs() as logs:
+        async with running(app):
+            await wait_for(settled, timeout_s=60, what="every message settled")
+    ended = [entry for entry in logs if entry["event"] == "transaction.ended_by_handler"]
+    caught = {(entry["handler"], entry["first_seq"]) for entry in ended}
+    # Every misusing message, and only those (a rollback's, at each of its runs).
+    assert len(caught) == 2 * len(ways) + 2 * 2, ended
+    effects = await effects_by_body(engine)
+    for i in range(2):
+        for suffix in ("", "s"):
+            assert effects[f"good-{suffix}{i}-before"] == 1
+            assert effects[f"good-{suffix}{i}-after"] == 1
+            # Committed by the handler with the claim: never run again.
+            assert effects[f"conn-commit-{suffix}{i}-before"] == 1
+            assert f"conn-commit-{suffix}{i}-after" not in effects
+            assert f"conn-rollback-{suffix}{i}-before" not in effects
+            assert f"conn-rollback-{suffix}{i}-after" not in effects
+        assert effects[f"tx-commit-{i}-before"] == 1
+        assert f"tx-commit-{i}-after" not in effects
+        assert effects[f"sql-commit-{i}-before"] == 1
+    async with engine.connect() as conn:
+        found_letters = await conn.execute(sa.text("SELECT error FROM eop.dead_letters"))
+        letters = [str(error) for (error,) in found_letters]
+    assert len(letters) == 4  # the rollbacks', each run failing
+    assert all("ended eop's transaction past the session" in error for error in letters)
