@@ -45,8 +45,8 @@ class AsyncTransaction(SqlTransaction):
         """SQLAlchemy's DBAPI connection under the session since :meth:`begin`, when asyncpg's,
         until the transaction ends: where :meth:`flush` sends queued writes itself."""
         self._driver_status: Any = None
-        """The asyncpg connection :meth:`begin` ran on, whose own status :meth:`commit` reads
-        (:meth:`_check_intact`)."""
+        """The asyncpg connection :meth:`begin` ran on, whose own status is read after each
+        handler (:meth:`_check_intact`)."""
         self._timeouts_due: tuple[Any, LocalTimeouts] | None = None
         """The asyncpg connection :meth:`begin` ran on and the local timeouts it left for the
         claim to carry, until a statement sets them (:meth:`_set_timeouts`)."""

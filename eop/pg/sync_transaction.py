@@ -57,8 +57,8 @@ class SyncTransaction(SqlTransaction):
         self._permit = False
         self._abandoned = False
         self._dbapi: Any = None
-        """The driver's connection :meth:`begin` ran on, whose own status :meth:`commit`
-        reads (:meth:`_check_intact`)."""
+        """The driver's connection :meth:`begin` ran on, whose own status is read after each
+        handler (:meth:`_check_intact`)."""
 
     async def _step(self, func: Callable[..., T], *args: Any) -> T:
         """Run one blocking step of the transaction: in a worker thread, off the event loop."""

@@ -209,8 +209,8 @@ class BatchProcessor:
             await tx.flush()
         except Exception as exc:
             if transient(exc) or (isinstance(exc, errors.TransactionEndedByHandler) and exc.ended):
-                # Run again in isolation, an ended transaction's claims would be found
-                # committed and its handler's error never seen: it goes up.
+                # Rerun in isolation, an ended transaction would find its claims committed
+                # and never show the handler's error: it goes up.
                 raise
             raise _NeedsIsolation() from exc
 
