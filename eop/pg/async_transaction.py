@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -44,9 +43,6 @@ class AsyncTransaction(SqlTransaction):
         self._adapter: Any = None
         """SQLAlchemy's DBAPI connection under the session since :meth:`begin`, when asyncpg's,
         until the transaction ends: where :meth:`flush` sends queued writes itself."""
-        self._driver_status: Any = None
-        """The asyncpg connection :meth:`begin` ran on, whose own status is read after each
-        handler (:meth:`_check_intact`)."""
         self._timeouts_due: tuple[Any, LocalTimeouts] | None = None
         """The asyncpg connection :meth:`begin` ran on and the local timeouts it left for the
         claim to carry, until a statement sets them (:meth:`_set_timeouts`)."""
@@ -84,7 +80,7 @@ class AsyncTransaction(SqlTransaction):
                             await connection.invalidate(exc)
                     raise
                 self._raw = driver
-                self._driver_status = driver
+                self._driver_handle = driver
                 self._adapter = adapter
                 self._timeouts_due = (driver, timeouts)
                 return
@@ -155,20 +151,13 @@ class AsyncTransaction(SqlTransaction):
 
     async def _call(self, messages: list[Message], *, flush: bool = True) -> None:
         await self._invoke(messages, self._second_argument(self.session))
-        self._check_handler_left_it(messages)
+        self._check_intact(messages)
         if flush:
             await self.flush()
 
-    def _check_handler_left_it(self, messages: Sequence[Message]) -> None:
-        """:meth:`_check_intact` after the handler of ``messages``, with asyncpg's own status
-        when known."""
-        driver = self._driver_status
-        try:
-            self._check_intact(None if driver is None else driver.is_in_transaction(), messages)
-        except errors.TransactionEndedByHandler:
-            # Said once: the next handlers of the transaction are not the ones at fault.
-            self._driver_status = None
-            raise
+    def _driver_in_transaction(self, driver: Any) -> bool | None:
+        """asyncpg's own status: False after a ``COMMIT`` or ``ROLLBACK`` statement."""
+        return bool(driver.is_in_transaction())
 
     async def _invoke(self, messages: list[Message], second: Any) -> None:
         """Call the handler with ``messages`` and ``second`` (its session or write queue)."""
@@ -211,7 +200,7 @@ class AsyncTransaction(SqlTransaction):
         if ran:
             try:
                 await self._invoke(messages, self.writes)
-                self._check_handler_left_it(messages)
+                self._check_intact(messages)
             except Exception as exc:
                 return self._unsent_failure(exc)
             self._check_sent_nothing()
@@ -240,7 +229,7 @@ class AsyncTransaction(SqlTransaction):
 
     async def commit(self) -> None:
         """COMMIT; a connection lost during it makes the outcome unknown."""
-        self._driver_status = None
+        self._driver_handle = None
         if self.writes:
             await self.flush()  # never left behind, whoever ran the handler
         self._raw = self._adapter = self._timeouts_due = None
@@ -249,6 +238,6 @@ class AsyncTransaction(SqlTransaction):
 
     async def rollback(self) -> None:
         """ROLLBACK, ignoring a broken connection."""
-        self._raw = self._adapter = self._timeouts_due = self._driver_status = None
+        self._raw = self._adapter = self._timeouts_due = self._driver_handle = None
         with contextlib.suppress(Exception):
             await session_guard.end_async(self.session, "rollback")

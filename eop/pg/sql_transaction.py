@@ -54,8 +54,16 @@ class SqlTransaction(Statements):
         self._root: sa.engine.Transaction | None = None
         """The connection's transaction eop began (:meth:`begin`): still active after the
         handler unless it ended it past the session's guard (:meth:`_check_intact`)."""
+        self._driver_handle: Any = None
+        """The driver's connection :meth:`begin` ran on, when the subclass reads its own
+        status (:meth:`_driver_in_transaction`), until the transaction ends."""
 
-    def _check_intact(self, in_transaction: bool | None, messages: Sequence[Message]) -> None:
+    def _driver_in_transaction(self, driver: Any) -> bool | None:
+        """Whether ``driver`` (:attr:`_driver_handle`) says a transaction is open; None when it
+        cannot say."""
+        return None
+
+    def _check_intact(self, messages: Sequence[Message]) -> None:
         """After the handler of ``messages``: when the transaction eop began has ended, log
         it (``transaction.ended_by_handler``) and raise
         :class:`eop.errors.TransactionEndedByHandler` (``ended``).
@@ -63,18 +71,18 @@ class SqlTransaction(Statements):
         The handler committed or rolled it back past the session's guard
         (:mod:`eop.pg.session_guard`): through its connection (``connection().commit()``,
         ``get_transaction().commit()``) or a ``COMMIT`` or ``ROLLBACK`` statement, which
-        ``in_transaction`` (the driver's own status, None when unknown) shows. What it
+        only the driver's own status shows (:meth:`_driver_in_transaction`). What it
         wrote before, and the claims, may be committed already: the handler fails, so
         that eop commits nothing more apart from them, and the log line says so even
         when the protocol then finds the messages settled. A ``COMMIT`` statement
         followed by more statements on psycopg, which begins a transaction again by
         itself, is not seen.
         """
-        root = self._root
+        root, driver = self._root, self._driver_handle
         ended = root is not None and not root.is_active and not root.connection.invalidated
-        if ended or in_transaction is False:
-            # Reported once: what runs next in this session runs in its next transaction.
-            self._root = None
+        if ended or (driver is not None and self._driver_in_transaction(driver) is False):
+            # Reported once: the next handlers of the transaction are not the ones at fault.
+            self._root = self._driver_handle = None
             log.get_logger(handler=self.spec.name).error(
                 log.Event.TRANSACTION_ENDED_BY_HANDLER,
                 stream=messages[0].stream if messages else None,

@@ -56,9 +56,6 @@ class SyncTransaction(SqlTransaction):
         self._threads = threads
         self._permit = False
         self._abandoned = False
-        self._dbapi: Any = None
-        """The driver's connection :meth:`begin` ran on, whose own status is read after each
-        handler (:meth:`_check_intact`)."""
 
     async def _step(self, func: Callable[..., T], *args: Any) -> T:
         """Run one blocking step of the transaction: in a worker thread, off the event loop."""
@@ -110,7 +107,7 @@ class SyncTransaction(SqlTransaction):
         def execute() -> None:
             connection = self.session.connection()
             self._root = connection.get_transaction()
-            self._dbapi = connection.connection.dbapi_connection
+            self._driver_handle = connection.connection.dbapi_connection
             connection.exec_driver_sql(timeouts.text)
 
         await self._step(execute)
@@ -173,7 +170,7 @@ class SyncTransaction(SqlTransaction):
         arg, extra = self.spec.arguments(messages)
         func: Any = self.spec.func  # a sync handler, given the Session or Writes
         func(arg, self._second_argument(self.session), **extra)
-        self._check_handler_left_it(messages)
+        self._check_intact(messages)
         if flush:
             self._flush()
 
@@ -182,16 +179,11 @@ class SyncTransaction(SqlTransaction):
         ORM objects, in one worker thread step."""
         await self._step(self._flush, self._take_deferred())
 
-    def _check_handler_left_it(self, messages: Sequence[Message]) -> None:
-        """:meth:`_check_intact` after the handler of ``messages``, in its thread, with
-        psycopg's own status (IDLE after a ``COMMIT`` or ``ROLLBACK`` statement) when known."""
-        status = getattr(getattr(self._dbapi, "info", None), "transaction_status", None)
-        in_transaction = None if status is None else getattr(status, "name", "") != "IDLE"
-        try:
-            self._check_intact(in_transaction, messages)
-        except errors.TransactionEndedByHandler:
-            self._dbapi = None  # said once: the next handlers are not the ones at fault
-            raise
+    def _driver_in_transaction(self, driver: Any) -> bool | None:
+        """psycopg's own status, read in the handler's thread: IDLE after a ``COMMIT`` or
+        ``ROLLBACK`` statement; None for a driver without it."""
+        status = getattr(getattr(driver, "info", None), "transaction_status", None)
+        return None if status is None else getattr(status, "name", "") != "IDLE"
 
     def _flush(self, deferred: Sequence[Message] = ()) -> None:
         for message in deferred:
@@ -211,7 +203,7 @@ class SyncTransaction(SqlTransaction):
                 arg, extra = self.spec.arguments(messages)
                 func: Any = self.spec.func  # a sync handler, given the write queue
                 func(arg, self.writes, **extra)
-                self._check_handler_left_it(messages)
+                self._check_intact(messages)
             except Exception as exc:
                 return self._unsent_failure(exc)
             self._check_sent_nothing()
@@ -236,7 +228,7 @@ class SyncTransaction(SqlTransaction):
 
     async def commit(self) -> None:
         """COMMIT in a worker thread; a connection lost during it makes the outcome unknown."""
-        self._dbapi = None
+        self._driver_handle = None
         if self.writes or self._deferred:
             await self.flush()  # never left behind, whoever ran the handler
         commit = functools.partial(self._step, session_guard.end, self.session, "commit")

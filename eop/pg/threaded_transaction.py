@@ -108,7 +108,7 @@ class ThreadedTransaction(AsyncTransaction):
             await self._in_thread(
                 self._handle, [[message] for message in deferred], self._second_argument(None)
             )
-            self._check_handler_left_it(deferred)
+            self._check_intact(deferred)
         await super().flush()
 
     async def commit(self) -> None:

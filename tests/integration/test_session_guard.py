@@ -208,12 +208,19 @@ async def _past_the_guard_async(session: AsyncSession, msg: eop.Message) -> None
         await (await session.connection()).rollback()
 
 
-def _past_the_guard_sync(session: Session, msg: eop.Message) -> None:
+def _past_the_guard_sync(session: Session, msg: eop.Message) -> bool:
+    """End the transaction past the session; whether the handler must stop there (a
+    COMMIT statement on psycopg, which a later statement would hide by beginning a
+    transaction again: that case is documented as unseen)."""
     body = msg.data.decode()
     if body.startswith("conn-commit"):
         session.connection().commit()
     elif body.startswith("conn-rollback"):
         session.connection().rollback()
+    elif body.startswith("sql-commit"):
+        session.execute(sa.text("COMMIT"))
+        return True
+    return False
 
 
 async def test_a_transaction_ended_past_the_guard_is_found_before_eops_commit(
@@ -242,15 +249,17 @@ async def test_a_transaction_ended_past_the_guard_is_found_before_eops_commit(
     @app.handler(stream=STREAM, subject="ORDERS.sync", name="sync")
     def on_sync(msg: eop.Message, session: Session) -> None:
         session.execute(_INSERT, _row("sync", msg, "-before"))
-        _past_the_guard_sync(session, msg)
+        if _past_the_guard_sync(session, msg):
+            return
         session.execute(_INSERT, _row("sync", msg, "-after"))
 
     await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
     ways = ("conn-commit", "tx-commit", "sql-commit", "conn-rollback")
+    sync_ways = ("conn-commit", "sql-commit", "conn-rollback")
     for i in range(2):
         for body in (f"good-{i}", *(f"{way}-{i}" for way in ways)):
             await publish(js, body)
-        for body in (f"good-s{i}", f"conn-commit-s{i}", f"conn-rollback-s{i}"):
+        for body in (f"good-s{i}", *(f"{way}-s{i}" for way in sync_ways)):
             await js.publish("ORDERS.sync", body.encode(), headers={"Nats-Msg-Id": body})
 
     async def settled() -> bool:
@@ -262,7 +271,7 @@ async def test_a_transaction_ended_past_the_guard_is_found_before_eops_commit(
     ended = [entry for entry in logs if entry["event"] == "transaction.ended_by_handler"]
     caught = {(entry["handler"], entry["first_seq"]) for entry in ended}
     # Every misusing message, and only those (a rollback's, at each of its runs).
-    assert len(caught) == 2 * len(ways) + 2 * 2, ended
+    assert len(caught) == 2 * len(ways) + 2 * len(sync_ways), ended
     effects = await effects_by_body(engine)
     for i in range(2):
         for suffix in ("", "s"):
@@ -276,6 +285,7 @@ async def test_a_transaction_ended_past_the_guard_is_found_before_eops_commit(
         assert effects[f"tx-commit-{i}-before"] == 1
         assert f"tx-commit-{i}-after" not in effects
         assert effects[f"sql-commit-{i}-before"] == 1
+        assert effects[f"sql-commit-s{i}-before"] == 1
     async with engine.connect() as conn:
         found_letters = await conn.execute(sa.text("SELECT error FROM eop.dead_letters"))
         letters = [str(error) for (error,) in found_letters]
