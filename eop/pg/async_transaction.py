@@ -13,7 +13,7 @@ import sqlalchemy as sa
 
 from eop import errors
 from eop.outbox import table as outbox
-from eop.pg import direct, models, session_guard
+from eop.pg import direct, models, pending, session_guard
 from eop.pg.failures import INFRASTRUCTURE, DbFailure, classify
 from eop.pg.sql import claim as claim_sql
 from eop.pg.sql_transaction import SqlTransaction, translate_commit
@@ -173,14 +173,15 @@ class AsyncTransaction(SqlTransaction):
         greenlet hop then.
         """
         await self._set_timeouts()
+        if self.session.new:
+            pending.queue(self.session.sync_session, self.writes)
         if self.writes:
             # A handler given only the write queue cannot have ended the session's
             # transaction (and so changed its connection); one given the session, or
-            # that asked for writes.session, may have.
-            if (
-                self._adapter is not None
-                and self.spec.takes_writes
-                and not self.writes.session_used
+            # that asked for writes.session, may have, unless the transaction eop
+            # began is still active after it.
+            if self._adapter is not None and (
+                (self.spec.takes_writes and not self.writes.session_used) or self._intact()
             ):
                 await direct.send(self.writes, self.session, self._adapter)
             else:

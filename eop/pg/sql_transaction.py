@@ -63,6 +63,11 @@ class SqlTransaction(Statements):
         cannot say."""
         return None
 
+    def _intact(self) -> bool:
+        """Whether the transaction eop began is still the connection's, active."""
+        root = self._root
+        return root is not None and root.is_active and not root.connection.invalidated
+
     def _check_intact(self, messages: Sequence[Message]) -> None:
         """After the handler of ``messages``: when the transaction eop began has ended, log
         it (``transaction.ended_by_handler``) and raise

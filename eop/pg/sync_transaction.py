@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from eop import errors
 from eop.outbox import table as outbox
-from eop.pg import models, session_guard
+from eop.pg import models, pending, session_guard
 from eop.pg.failures import INFRASTRUCTURE, classify
 from eop.pg.sql import claim as claim_sql
 from eop.pg.sql_transaction import SqlTransaction, translate_commit
@@ -188,6 +188,8 @@ class SyncTransaction(SqlTransaction):
     def _flush(self, deferred: Sequence[Message] = ()) -> None:
         for message in deferred:
             self._call([message], flush=False)
+        if self.session.new:
+            pending.queue(self.session, self.writes)
         if self.writes:
             self.writes.send(self.session)
         self.session.flush()

@@ -9,6 +9,7 @@ keys the database makes, relationships, and the mapper and session events.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 import eop
 
-from .bed import STREAM, SUBJECT, drained, running, wait_for
+from .bed import STREAM, SUBJECT, drained, publish, running, wait_for
 from .test_batch import make_app, prepublish
 
 
@@ -143,3 +144,152 @@ async def test_an_orm_flush_sends_rows_together_and_keeps_the_orms_behaviour(
     # A statement or a few a batch, each of many rows (an executemany's statement has one).
     assert sum(statements) == 40
     assert 1 <= len(statements) < 40 // 4
+
+
+def _stamp() -> datetime.datetime:
+    return datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+class _NoteColumns:
+    """Every kind of column but a relationship."""
+
+    id: orm.Mapped[int] = orm.mapped_column(sa.BigInteger, primary_key=True, autoincrement=False)
+    body: orm.Mapped[str] = orm.mapped_column(sa.Text)
+    state: orm.Mapped[str] = orm.mapped_column(sa.Text, server_default="fresh")
+    at: orm.Mapped[datetime.datetime] = orm.mapped_column(
+        sa.DateTime(timezone=True), default=_stamp
+    )
+    remark: orm.Mapped[str | None] = orm.mapped_column(sa.Text, nullable=True)
+    kind: orm.Mapped[str] = orm.mapped_column("note_kind", sa.Text, server_default="plain")
+
+
+class Note(_NoteColumns, _Base):
+    """A plain model: its new objects alone are written as queued rows
+    (:mod:`eop.pg.pending`), past the unit of work."""
+
+    __tablename__ = "orm_notes"
+
+
+class TwinNote(_NoteColumns, _Base):
+    """The same model on a table of its own, written by a plain session's flush."""
+
+    __tablename__ = "orm_twin_notes"
+
+
+class Tally(_Base):
+    """A plain model whose key the database makes."""
+
+    __tablename__ = "orm_tallies"
+    id: orm.Mapped[int] = orm.mapped_column(sa.BigInteger, primary_key=True)
+    note_id: orm.Mapped[int] = orm.mapped_column(sa.BigInteger)
+
+
+def _notes(seq: int, body: str, note: type[_NoteColumns] = Note) -> list[Any]:
+    """Odd messages set what even ones leave to the defaults, None included."""
+    if seq % 2:
+        return [note(id=seq, body=body, state=None, remark="r", kind="k")]
+    return [note(id=seq, body=body), Tally(note_id=seq)]
+
+
+_NOTE_ROWS = "SELECT id, body, state, at, remark, note_kind FROM {} ORDER BY id"
+
+
+class _Seen:
+    """The INSERTs an engine sent, and the ORM events that fired."""
+
+    def __init__(self) -> None:
+        self.statements: list[str] = []
+        self.events = {"before_insert": 0, "before_flush": 0}
+
+    def statement(
+        self, conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool
+    ) -> None:
+        if statement.startswith("INSERT INTO orm_"):
+            self.statements.append(statement)
+
+    def counter(self, name: str) -> Any:
+        def count(*args: Any) -> None:
+            self.events[name] += 1
+
+        return count
+
+    @property
+    def read_back(self) -> list[str]:
+        """The INSERTs that read keys back: the unit of work's."""
+        return [statement for statement in self.statements if "RETURNING" in statement]
+
+
+@pytest.mark.parametrize("style", ["async", "sync"])
+async def test_new_plain_objects_skip_the_unit_of_work_and_keep_what_it_would_write(
+    style: str, database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """README-style handlers (async and sync) that only add plain objects: their rows are
+    exactly those SQLAlchemy's own flush writes for the same objects (a None left to the
+    server default, a Python default, a column named apart from its attribute, keys the
+    database makes), sent without the unit of work (no RETURNING to read keys back).
+    Then, with a before_insert listener on the model and a before_flush one on the
+    session, the flush is SQLAlchemy's again: each listener fires, before_insert once an
+    object."""
+    async with engine.begin() as conn:
+        await conn.run_sync(_Base.metadata.create_all)
+    app = make_app(database_url, nats_url)
+    seen = _Seen()
+    added: list[Note | Tally] = []
+
+    def add(msg: eop.Message, session: orm.Session | AsyncSession) -> None:
+        objects = _notes(msg.seq, msg.text())
+        session.add_all(objects)
+        added.extend(objects)
+
+    if style == "async":
+
+        @app.handler(stream=STREAM, subject=SUBJECT, name="notes")
+        async def notes(msg: eop.Message, session: AsyncSession) -> None:
+            add(msg, session)
+
+    else:
+
+        @app.handler(stream=STREAM, subject=SUBJECT, name="notes")
+        def sync_notes(msg: eop.Message, session: orm.Session) -> None:
+            add(msg, session)
+
+    await prepublish(js, [f"n{i}" for i in range(40)])
+    async with running(app):
+        await wait_for(lambda: drained(js, "eop-notes", engine=engine), what="the notes")
+        # Nothing left them in a session: their rows went out as queued writes (those
+        # of a table without a Python default on asyncpg's own connection).
+        assert len(added) == 60
+        assert all(sa.inspect(obj).transient for obj in added)
+        listeners = [
+            (Note, "before_insert", seen.counter("before_insert")),
+            (orm.Session, "before_flush", seen.counter("before_flush")),
+            (app.engine.sync_engine, "before_cursor_execute", seen.statement),
+        ]
+        for target, name, listener in listeners:
+            sa.event.listen(target, name, listener)
+        try:
+            for i in range(40, 60):
+                await publish(js, f"n{i}")
+            await wait_for(
+                lambda: drained(js, "eop-notes", engine=engine), what="the listened notes"
+            )
+        finally:
+            for target, name, listener in listeners:
+                sa.event.remove(target, name, listener)
+    assert seen.events["before_insert"] == 20  # the unit of work's, once an object
+    assert seen.events["before_flush"] >= 1
+    assert seen.read_back  # the tallies' keys, read back by the unit of work
+    assert not any(sa.inspect(obj).transient for obj in added[60:])
+    # The same objects through a plain session, SQLAlchemy's flush: the same rows.
+    async with AsyncSession(engine) as session, session.begin():
+        for seq in range(1, 61):
+            session.add_all(_notes(seq, f"n{seq - 1}", TwinNote))
+    async with engine.connect() as conn:
+        through_eop = (await conn.execute(sa.text(_NOTE_ROWS.format("orm_notes")))).all()
+        through_orm = (await conn.execute(sa.text(_NOTE_ROWS.format("orm_twin_notes")))).all()
+        tallies = (await conn.execute(sa.text("SELECT note_id FROM orm_tallies"))).all()
+    assert len(through_eop) == 60
+    assert through_eop == through_orm
+    assert through_eop[0][2:] == ("fresh", _stamp(), "r", "k")  # seq 1: state=None
+    assert through_eop[1][2:] == ("fresh", _stamp(), None, "plain")
+    assert sorted(n for (n,) in tallies) == sorted([*range(2, 61, 2)] * 2)  # eop's, the twins'

@@ -335,8 +335,13 @@ async def test_a_sync_batch_flushes_rows_wider_than_a_page(
     app: eop.App, store: PostgresStore, engine: AsyncEngine
 ) -> None:
     """Objects of 61 columns with database-made keys: no page of 50 parameters holds one,
-    and the flush still sends them all and reads every key back."""
+    and the flush still sends them all and reads every key back. An ``after_insert``
+    listener wants the keys, so the flush is SQLAlchemy's (:mod:`eop.pg.pending`)."""
     added: list[Wide] = []
+    inserted: list[int] = []
+
+    def after_insert(mapper: Any, connection: Any, target: Wide) -> None:
+        inserted.append(target.id)
 
     @app.handler(stream="ORDERS", subject="orders.>", name="wide")
     def wide(msg: eop.Message, session: orm.Session) -> None:
@@ -346,9 +351,14 @@ async def test_a_sync_batch_flushes_rows_wider_than_a_page(
         session.add(row)
         added.append(row)
 
-    claimed = await run_batch(store, app.handlers["wide"], [message(s) for s in range(1, 9)])
+    sa.event.listen(Wide, "after_insert", after_insert)
+    try:
+        claimed = await run_batch(store, app.handlers["wide"], [message(s) for s in range(1, 9)])
+    finally:
+        sa.event.remove(Wide, "after_insert", after_insert)
     assert claimed == set(range(1, 9))
     assert len({row.id for row in added if row.id is not None}) == 8
+    assert inserted == [row.id for row in added]
     async with engine.connect() as conn:
         rows = (
             await conn.execute(sa.text("SELECT id, seq, c59 FROM sync_wide ORDER BY seq"))

@@ -299,6 +299,9 @@ class FakeSyncFace:
 
     def __init__(self, outer: FakeAsyncSession) -> None:
         self.outer = outer
+        # The fake's objects are no ORM objects: as if one were loaded, which leaves the
+        # whole flush to the session (eop.pg.pending).
+        self.identity_map = {"key": object()}
 
     def commit(self) -> None:
         self.outer.calls.append("commit")

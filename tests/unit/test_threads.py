@@ -24,6 +24,7 @@ class FakeSession:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.info: dict[str, object] = {}
+        self.new: list[object] = []  # nothing added: no flush of eop's own (eop.pg.pending)
         self.gate = threading.Event()
         self.gate.set()
         self.closed = threading.Event()
