@@ -73,8 +73,9 @@ _SHAPES: weakref.WeakKeyDictionary[Mapper[Any], Shape | None] = weakref.WeakKeyD
 
 def shape(mapper: Mapper[Any]) -> Shape | None:
     """``mapper``'s :class:`Shape`, or None when its objects need the unit of work: a table
-    of its own (no inheritance, no join, no polymorphism), no relationship, no version
-    counter, not a dataclass (whose ORM-level defaults the unit of work applies)."""
+    of its own (no inheritance, no join, no polymorphism), no relationship, no composite,
+    no version counter, not a dataclass (whose ORM-level defaults the unit of work
+    applies)."""
     try:
         return _SHAPES[mapper]
     except KeyError:
@@ -91,6 +92,7 @@ def _shape(mapper: Mapper[Any]) -> Shape | None:
         or mapper.inherits is not None
         or mapper.polymorphic_on is not None
         or mapper.relationships
+        or mapper.composites
         or mapper.version_id_col is not None
         or dataclasses.is_dataclass(mapper.class_)
     ):

@@ -37,9 +37,11 @@ def test_every_message_takes_effect_exactly_once_under_fire() -> None:
 
 
 @pytest.mark.timeout(200)
-def test_a_users_own_handler_is_checked_the_same_way() -> None:
+@pytest.mark.parametrize("handler", ["notes", "orm_notes"])
+def test_a_users_own_handler_is_checked_the_same_way(handler: str) -> None:
     """Pointed at another app, handler, payload factory and effects query, the harness
-    runs that handler under fire and checks its effects per key (a short run).
+    runs that handler under fire and checks its effects per key (a short run): one
+    queuing ``eop.Writes``, one adding ORM objects to its session as the README does.
     """
     from eop.tools.chaos import Target
 
@@ -47,7 +49,7 @@ def test_a_users_own_handler_is_checked_the_same_way() -> None:
 
     target = Target(
         app="tests.chaos.userapp:app",
-        handler="notes",
+        handler=handler,
         effects_sql=userapp.EFFECTS_SQL,
         payloads=userapp.payload,
         setup=userapp.setup,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import sqlalchemy as sa
+from sqlalchemy import orm
+from sqlalchemy.ext.asyncio import AsyncSession
 
 import eop
 from eop.tools.chaos import Payload
@@ -25,6 +27,27 @@ async def save(msg: eop.Message, writes: eop.Writes) -> None:
     if text.startswith("poison"):
         raise eop.Reject("poisonous note")
     writes.add(_NOTE, {"n": text})
+
+
+class _Base(orm.DeclarativeBase):
+    pass
+
+
+class Note(_Base):
+    """A note as the README's models are written: a key the database makes."""
+
+    __tablename__ = "notes"
+    id: orm.Mapped[int] = orm.mapped_column(primary_key=True)
+    note: orm.Mapped[str]
+
+
+@app.handler(stream="NOTES", subject="notes.new", name="orm_notes")
+async def save_object(msg: eop.Message, session: AsyncSession) -> None:
+    """The README's first style: add one note object to the session; 'poison' is refused."""
+    text = msg.text()
+    if text.startswith("poison"):
+        raise eop.Reject("poisonous note")
+    session.add(Note(note=text))
 
 
 def payload(index: int, rng: random.Random) -> Payload:

@@ -87,6 +87,22 @@ class Versioned(_Base):
     __mapper_args__: ClassVar[dict[str, Any]] = {"version_id_col": version}
 
 
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+class Spot(_Base):
+    """A composite attribute, whose columns the unit of work fills in from its value."""
+
+    __tablename__ = "spots"
+    id: orm.Mapped[int] = orm.mapped_column(primary_key=True, autoincrement=False)
+    x: orm.Mapped[int] = orm.mapped_column()
+    y: orm.Mapped[int] = orm.mapped_column()
+    point: orm.Mapped[Point] = orm.composite("x", "y")
+
+
 class _DataBase(orm.MappedAsDataclass, orm.DeclarativeBase):
     pass
 
@@ -154,6 +170,7 @@ def test_rows_of_one_table_and_key_set_go_out_together(session: orm.Session) -> 
         pytest.param(lambda: [Child(id=1, parent_id=1), Parent(id=1)], id="relationship-after"),
         pytest.param(lambda: [Owner(id=1), Pet(id=1, owner_id=1)], id="foreign-key-between"),
         pytest.param(lambda: [Versioned(id=1)], id="version-counter"),
+        pytest.param(lambda: [Spot(id=1, point=Point(1, 2))], id="composite"),
         pytest.param(lambda: [Card(id=1)], id="dataclass"),
         pytest.param(lambda: [Keyless()], id="key-nothing-makes"),
         pytest.param(lambda: [Note(id=1, body=sa.func.upper("a"))], id="sql-expression"),
@@ -162,9 +179,9 @@ def test_rows_of_one_table_and_key_set_go_out_together(session: orm.Session) -> 
 def test_objects_that_need_the_unit_of_work_leave_the_flush_to_it(
     session: orm.Session, objects: Any
 ) -> None:
-    """A relationship, a foreign key between two new objects' tables, a version counter, a
-    dataclass's defaults, a key left to nothing, a SQL expression as a value: nothing is
-    queued and every object stays pending, for SQLAlchemy's flush."""
+    """A relationship, a foreign key between two new objects' tables, a composite, a version
+    counter, a dataclass's defaults, a key left to nothing, a SQL expression as a value:
+    nothing is queued and every object stays pending, for SQLAlchemy's flush."""
     made = objects()
     session.add_all([Note(id=99, body="plain"), *made])
     done, writes = _queued(session)
