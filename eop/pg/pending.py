@@ -149,6 +149,8 @@ def queue(session: Session, writes: Writes) -> bool:
             found = shape(mapper)
             if (
                 found is None
+                # A backref a model defined since gives this mapper a relationship.
+                or mapper.relationships
                 or mapper.dispatch.before_insert
                 or mapper.dispatch.after_insert
                 or session.get_bind(mapper) is not bind

@@ -259,3 +259,35 @@ def test_a_shape_is_worked_out_once_a_mapper() -> None:
     assert pending.shape(mapper) is pending.shape(mapper)
     assert pending.shape(sa.inspect(Parent)) is None
     assert dataclasses.is_dataclass(Card)
+
+
+def test_a_backref_defined_after_the_shape_was_worked_out_gives_the_flush_back() -> None:
+    """A model defined later whose relationship has a backref onto a cached model: that
+    model's objects then need the unit of work (which sets their keys from the
+    relationship), whatever the cache says."""
+
+    class LaterBase(orm.DeclarativeBase):
+        pass
+
+    class Leaf(LaterBase):
+        __tablename__ = "leaves"
+        id: orm.Mapped[int] = orm.mapped_column(primary_key=True, autoincrement=False)
+        tree_id: orm.Mapped[int | None] = orm.mapped_column(sa.ForeignKey("trees.id"))
+
+    engine = sa.create_engine("postgresql+psycopg://x@localhost/x")
+    with orm.Session(engine) as session:
+        session.add(Leaf(id=1))
+        assert _queued(session)[0]
+    assert pending.shape(sa.inspect(Leaf)) is not None
+
+    class Tree(LaterBase):
+        __tablename__ = "trees"
+        id: orm.Mapped[int] = orm.mapped_column(primary_key=True, autoincrement=False)
+        leaves: orm.Mapped[list[Leaf]] = orm.relationship(backref="tree")
+
+    assert sa.inspect(Tree).relationships  # configures the mappers: Leaf.tree appears
+    with orm.Session(engine) as session:
+        session.add(Leaf(id=2))
+        done, writes = _queued(session)
+    assert not done
+    assert not writes
