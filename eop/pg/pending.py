@@ -12,16 +12,17 @@ When that flush holds only new objects that ask nothing of the unit of work
 transaction's :class:`eop.Writes`, with the values and the rules the unit of
 work would have used for its INSERT (a None left to the server default, a
 column with neither a value nor a default sent as NULL, Python defaults
-applied by the INSERT), table by table and in each in the order added, then
-takes the objects out of the session. So they end transient, not detached,
+applied by the INSERT), in the unit of work's order, then takes the objects
+out of the session. So they end transient, not detached,
 and a key the database made is not read back onto them: a handler that
 needs it flushes first (``await session.flush()``), which is SQLAlchemy's
 flush as before. Anything else leaves the whole flush to SQLAlchemy: an
 object loaded or deleted in the session, a relationship, an inheritance, a
 version counter, a dataclass model, a SQL expression as a value, a key
 nothing makes, two new objects' tables joined by a foreign key, a mapper
-bound to another engine, or a listener of the insert, of the flush, of the
-objects' passage through the session or of the commit.
+bound to another engine, or a listener of the insert (``refresh_flush``
+included), of the flush, of the objects' passage through the session or of
+the commit.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class Shape(NamedTuple):
     does: no key part, no default of either side, a type that does not evaluate None."""
     key_needed: tuple[str, ...]
     """Key columns with nothing to make their value: the object must give it."""
+    order: str
+    """Where the unit of work puts the table's rows among those of tables it knows no
+    dependency between: by its model's module and name."""
 
 
 _SHAPES: weakref.WeakKeyDictionary[Mapper[Any], Shape | None] = weakref.WeakKeyDictionary()
@@ -122,15 +126,17 @@ def _shape(mapper: Mapper[Any]) -> Shape | None:
         and column is not table.autoincrement_column
     )
     # inline(): a row alone would otherwise read its key back (RETURNING), unread here.
-    return Shape(sa.insert(table).inline(), tuple(columns), as_none, key_needed)
+    order = f"{mapper.class_.__module__}.{mapper.class_.__name__}"
+    return Shape(sa.insert(table).inline(), tuple(columns), as_none, key_needed, order)
 
 
 def queue(session: Session, writes: Writes) -> bool:
     """Queue ``session``'s new objects as rows on ``writes`` and take them out of the session,
     when they are all its flush holds and none needs the unit of work; whether it did.
 
-    As the unit of work orders them: table by table, and in each the objects in the
-    order they were added. No table here refers to another's rows (:func:`_refer`).
+    As the unit of work orders them: table by table, tables by their models' module and
+    name (no table here refers to another's rows, :func:`_refer`), and in each table the
+    objects in the order they were added.
     """
     if session.identity_map or session.deleted:
         return False  # loaded objects: changed ones are flushed with the new, in order
@@ -153,6 +159,7 @@ def queue(session: Session, writes: Writes) -> bool:
                 or mapper.relationships
                 or mapper.dispatch.before_insert
                 or mapper.dispatch.after_insert
+                or mapper.class_manager.dispatch.refresh_flush
                 or session.get_bind(mapper) is not bind
             ):
                 return False
@@ -163,7 +170,7 @@ def queue(session: Session, writes: Writes) -> bool:
         table[1].append(row)
     if len(tables) > 1 and _refer([found for found, _ in tables.values()]):
         return False
-    for found, rows in tables.values():
+    for found, rows in sorted(tables.values(), key=lambda table: table[0].order):
         for row in rows:
             writes.add(found.insert, row)
     session.expunge_all()
