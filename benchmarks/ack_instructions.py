@@ -2,6 +2,7 @@
 
     python benchmarks/ack_instructions.py acks      # fetch 64 with Fetcher, Acker.confirm_many
     python benchmarks/ack_instructions.py worker    # `eop worker` (c1: eop.Writes, one process)
+    python benchmarks/ack_instructions.py floor     # the leanest exactly-once loop (m), same work
 
 Needs valgrind (``apt-get install valgrind``) and the ``embedded`` extra: the
 servers are its own. Each workload runs twice under callgrind, with a small
@@ -93,21 +94,23 @@ def acks(counts: tuple[int, int], tmp: Path) -> dict[int, int]:
     return totals
 
 
-async def worker_run(srv: harness.Servers, count: int, out: Path) -> None:
-    """The (c1) worker under callgrind, started, then given ``count`` messages to drain."""
-    bench = harness.Bench(runs.Options(runs="c1"), srv.nats_url, srv.pg_url, srv.tmp, srv.pids)
+async def worker_run(srv: harness.Servers, count: int, out: Path, key: str = "c1") -> None:
+    """The (c1) worker (or the run ``key``'s consumer) under callgrind, started, then given
+    ``count`` messages to drain."""
+    bench = harness.Bench(runs.Options(runs=key), srv.nats_url, srv.pg_url, srv.tmp, srv.pids)
     nc = await nats.connect(srv.nats_url)
     try:
         await bench.start(nc)
-        run = next(r for r in runs.RUNS if r.key == "c1")
-        argv = bench.command(run, [*shlex.split(run.args), "--log-level", "warning"])
-        child = harness.Child(callgrind(argv, out), srv.tmp / "c1.log")
+        run = next(r for r in runs.RUNS if r.key == key)
+        flags = [*shlex.split(run.args), "--log-level", "warning"] if run.handler else []
+        argv = bench.command(run, flags)
+        child = harness.Child(callgrind(argv, out), srv.tmp / f"{key}.log")
         try:
-            await bench.warm(run, child, 1)
+            await bench.warm(run, child, run.pulls_waiting)
             await bench.pause(run, True)
             await bench.publish(run, count)
             await bench.pause(run, False)
-            await bench.drain(run, child, count, "(c1) under callgrind")
+            await bench.drain(run, child, count, f"({key}) under callgrind")
         finally:
             await child.stop()
     finally:
@@ -115,13 +118,14 @@ async def worker_run(srv: harness.Servers, count: int, out: Path) -> None:
         await bench.engine.dispose()
 
 
-def worker(counts: tuple[int, int], tmp: Path) -> dict[int, int]:
-    """Instructions of the (c1) worker for each message count."""
+def worker(counts: tuple[int, int], tmp: Path, key: str = "c1") -> dict[int, int]:
+    """Instructions of the (c1) worker (or the run ``key``'s consumer) for each message
+    count."""
     totals = {}
     for count in counts:
         with harness.servers(fsync=False, prefix="eop-ack-instructions-") as srv:
             out = tmp / f"worker.{count}.out"
-            asyncio.run(worker_run(srv, count, out))
+            asyncio.run(worker_run(srv, count, out, key))
             totals[count] = total(out)
     return totals
 
@@ -132,16 +136,18 @@ def main() -> None:
         eventloop.run(drain(sys.argv[2], int(sys.argv[3])))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workload", choices=["acks", "worker"])
+    parser.add_argument("workload", choices=["acks", "worker", "floor"])
     parser.add_argument(
-        "--counts", default="", help="small,large (acks 1280,6400; worker 2000,10000)"
+        "--counts", default="", help="small,large (acks 1280,6400; worker and floor 2000,10000)"
     )
     args = parser.parse_args()
     default = "1280,6400" if args.workload == "acks" else "2000,10000"
     small, large = (int(n) for n in (args.counts or default).split(","))
     with tempfile.TemporaryDirectory(prefix="eop-ack-instructions-") as tmp:
-        measure = acks if args.workload == "acks" else worker
-        totals = measure((small, large), Path(tmp))
+        if args.workload == "acks":
+            totals = acks((small, large), Path(tmp))
+        else:
+            totals = worker((small, large), Path(tmp), "m" if args.workload == "floor" else "c1")
     per_message = (totals[large] - totals[small]) / (large - small)
     print(
         f"{args.workload}: {totals[small]:,} instructions for {small:,} messages, "

@@ -451,6 +451,43 @@ def test_postgresqls_cpu_per_message_is_set_beside_the_hand_written_consumers() 
     assert "hb/hand" not in runner.ratios([*rows, bounded])
 
 
+def test_the_leanest_exactly_once_loop_is_a_floor_beside_the_baselines() -> None:
+    """(m) and (mn) are baselines, not eop runs: each eop run is divided by the floor of its
+    own process count (`X/floor`, `X cpu/floor`, `X pg/floor`), and the floor in eop's
+    process count by the lean loop and the hand-written consumer: what those targets allow
+    any exactly-once design."""
+    n = runs.PROCESSES
+    rows = [
+        _result("an", 200.0, n, 5.0),
+        dataclasses.replace(_result("hn", 20.0, n, 50.0), pg_us=10.0),
+        dataclasses.replace(_result("m", 30.0, 1, 15.0), pg_us=8.0),
+        dataclasses.replace(_result("mn", 40.0, n, 20.0), pg_us=9.0),
+        dataclasses.replace(_result("c", 30.0, n, 40.0), pg_us=12.0),
+        dataclasses.replace(_result("c1", 24.0, 1, 30.0), pg_us=10.0),
+    ]
+    ratios = runner.ratios(rows)
+    assert ratios["c/floor"] == pytest.approx(0.75)
+    assert ratios["c cpu/floor"] == pytest.approx(2.0)
+    assert ratios["c pg/floor"] == pytest.approx(12.0 / 9.0)
+    assert ratios["c1 cpu/floor"] == pytest.approx(2.0)
+    assert ratios["floor cpu/lean"] == pytest.approx(4.0)
+    assert ratios["floor/hand"] == pytest.approx(2.0)
+    assert ratios["floor pg/hand"] == pytest.approx(0.9)
+    assert ratios["floor p99/hand"] == pytest.approx(1.0)
+    assert not [name for name in ratios if name.startswith(("m", "mn"))]
+    assert {"floor/hand", "c cpu/floor"} <= set(report._SHOWN)
+
+
+def test_the_floor_reads_its_messages_from_their_ack_subjects() -> None:
+    """(m) takes a delivery's stream sequence and timestamp from its reply subject, in both
+    of the server's formats."""
+    plain = "$JS.ACK.S.d.1.42.40.1700000000000000000.7"
+    domain = "$JS.ACK.dom.hash.S.d.1.43.41.1700000000500000000.6.tok"
+    at = datetime.datetime.fromtimestamp(1_700_000_000, datetime.timezone.utc)
+    assert baselines.floor_row("d", plain) == ("d", 42, at)
+    assert baselines.floor_row("d", domain) == ("d", 43, at + datetime.timedelta(seconds=0.5))
+
+
 class _FakeConn:
     def __init__(self, sent: list[tuple[object, ...]]) -> None:
         self.sent = sent

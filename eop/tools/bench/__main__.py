@@ -1,7 +1,8 @@
 """``python -m eop.tools.bench KIND ...``: a child process of the bench.
 
-KIND is ``a``, ``h``, ``hb``, ``hf`` or ``b`` (:mod:`eop.tools.bench.baselines`), ``fan N KIND ...``
-(N copies of one of them), ``publish`` or ``relay-polling`` (:mod:`eop.tools.bench.loops`).
+KIND is ``a``, ``h``, ``hb``, ``m``, ``hf`` or ``b`` (:mod:`eop.tools.bench.baselines`),
+``fan N KIND ...`` (N copies of one of them), ``publish`` or ``relay-polling``
+(:mod:`eop.tools.bench.loops`).
 ``python -m eop.tools.bench spark ...`` is the Spark bench (:mod:`eop.tools.bench.spark`).
 """
 
@@ -32,6 +33,8 @@ elif kind == "h":
     eventloop.run(baselines.handwritten(*args[:4]))
 elif kind == "hb":
     eventloop.run(baselines.handwritten_bounded(*args[:4]))
+elif kind == "m":
+    eventloop.run(baselines.floor(*args[:4]))
 elif kind == "hf":
     eventloop.run(baselines.handwritten_flood(*args[:7]))
 else:

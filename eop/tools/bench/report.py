@@ -143,8 +143,23 @@ def _pg_parts(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-_PG_PARTS_OF = ("h", "hn", "hb", "c1", "c")
-_SHOWN = ("c/b", "c/h", "c pg/bounded", "o1/c1", "s1/c1", "k/c", "k1/c1")
+_PG_PARTS_OF = ("h", "hn", "hb", "m", "mn", "c1", "c")
+_SHOWN = (
+    "c/b",
+    "c/h",
+    "c pg/bounded",
+    "o1/c1",
+    "s1/c1",
+    "k/c",
+    "k1/c1",
+    "c/floor",
+    "c cpu/floor",
+    "c pg/floor",
+    "floor/hand",
+    "floor cpu/lean",
+    "floor p99/hand",
+    "floor pg/hand",
+)
 _TARGETS: tuple[tuple[str, str, float], ...] = (
     ("c cpu/lean", "<=", 4.0),
     ("o/c", ">=", 0.8),

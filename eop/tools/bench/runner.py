@@ -35,6 +35,10 @@ def run(options: runs.Options) -> dict[str, Any]:
     }
 
 
+BASELINES = ("a", "an", "b", "h", "hn", "hb", "m", "mn")
+"""The runs that are not eop's."""
+FLOORS = ("m", "mn")
+"""The leanest exactly-once loop's runs, one process and eop's default count."""
 STYLES = (("o", "c"), ("s", "c"), ("k", "c"), ("o1", "c1"), ("s1", "c1"), ("k1", "c1"))
 """Handler styles beside eop.Writes, at the same process count."""
 
@@ -48,7 +52,10 @@ def ratios(results: list[measurement.Result]) -> dict[str, float]:
     X's CPU per message over the lean loop's; ``X pg/hand`` and ``X p99/hand``:
     its PostgreSQL CPU per message and its p99 latency over that hand-written
     consumer's; ``X pg/bounded``: the same over the hand-written consumer that
-    keeps its inbox bounded (hb), as eop does. Also ``c/h`` (eop's default
+    keeps its inbox bounded (hb), as eop does; ``X/floor``, ``X cpu/floor`` and ``X
+    pg/floor``: the same over the leanest exactly-once loop (m, mn), and ``floor ...``
+    that loop's own ratios to the lean loop and the hand-written consumer, which bound
+    what any exactly-once design on these clients can reach. Also ``c/h`` (eop's default
     process count against one hand-written process, as users compare; shown, no
     target rests on it) and ``c/b`` (the naive loop).
     """
@@ -60,31 +67,50 @@ def ratios(results: list[measurement.Result]) -> dict[str, float]:
             out[name] = x / y
 
     for r in results:
-        if r.key in ("a", "an", "b", "h", "hn", "hb"):
+        if r.key in BASELINES:
             continue
-        lean = next(
-            (b for b in results if b.key in ("a", "an") and b.processes == r.processes), None
-        )
-        hand = next(
-            (b for b in results if b.key in ("h", "hn") and b.processes == r.processes), None
-        )
-        if lean is not None:
+        if lean := _beside(results, ("a", "an"), r.processes):
             put(f"{r.key}/lean", r.rate, lean.rate)
             put(f"{r.key} cpu/lean", r.cpu_us, lean.cpu_us)
-        if hand is not None:
+        if hand := _beside(results, ("h", "hn"), r.processes):
             put(f"{r.key}/hand", r.rate, hand.rate)
             put(f"{r.key} pg/hand", r.pg_us, hand.pg_us)
             put(f"{r.key} p99/hand", r.p99_ms, hand.p99_ms)
-        bounded = next((b for b in results if b.key == "hb" and b.processes == r.processes), None)
-        if bounded is not None:
+        if bounded := _beside(results, ("hb",), r.processes):
             put(f"{r.key} pg/bounded", r.pg_us, bounded.pg_us)
-    for x, y in STYLES:
+        if least := _beside(results, FLOORS, r.processes):
+            put(f"{r.key}/floor", r.rate, least.rate)
+            put(f"{r.key} cpu/floor", r.cpu_us, least.cpu_us)
+            put(f"{r.key} pg/floor", r.pg_us, least.pg_us)
+    pairs = [*STYLES, ("c", "h"), ("c", "b")]
+    for x, y in pairs:
         if x in by_key and y in by_key:
             put(f"{x}/{y}", by_key[x].rate, by_key[y].rate)
-    for y in ("h", "b"):
-        if "c" in by_key and y in by_key:
-            put(f"c/{y}", by_key["c"].rate, by_key[y].rate)
-    return out
+    return {**out, **_floor_ratios(results)}
+
+
+def _floor_ratios(results: list[measurement.Result]) -> dict[str, float]:
+    """The leanest exactly-once loop's own ratios to the lean loop and the hand-written
+    consumer, in eop's process count: what the targets against those two allow any
+    exactly-once design on these clients."""
+    least = _beside(results, FLOORS, runs.PROCESSES)
+    lean = _beside(results, ("a", "an"), runs.PROCESSES)
+    hand = _beside(results, ("h", "hn"), runs.PROCESSES)
+    pairs = {}
+    if least and lean:
+        pairs["floor cpu/lean"] = (least.cpu_us, lean.cpu_us)
+    if least and hand:
+        pairs["floor/hand"] = (least.rate, hand.rate)
+        pairs["floor p99/hand"] = (least.p99_ms, hand.p99_ms)
+        pairs["floor pg/hand"] = (least.pg_us, hand.pg_us)
+    return {name: x / y for name, (x, y) in pairs.items() if x is not None and y}
+
+
+def _beside(
+    results: list[measurement.Result], keys: tuple[str, ...], processes: int
+) -> measurement.Result | None:
+    """The baseline among ``keys`` measured with ``processes`` processes, if it ran."""
+    return next((b for b in results if b.key in keys and b.processes == processes), None)
 
 
 SATURATED = 0.85

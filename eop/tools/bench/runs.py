@@ -97,7 +97,8 @@ class Run:
     args: str = ""
     """Flags of its ``eop worker`` beyond the servers' URLs (the tuned run adds --tuned's)."""
     loop: str = ""
-    """For a baseline (no handler): ``a``, ``h`` or ``b`` of :mod:`eop.tools.bench.baselines`."""
+    """For a baseline (no handler): ``a``, ``h``, ``hb``, ``m`` or ``b`` of
+    :mod:`eop.tools.bench.baselines`."""
     processes: int = 1
     """A baseline's processes; an eop run's come from its flags (``processes``)."""
 
@@ -109,8 +110,9 @@ class Run:
     @property
     def pulls_waiting(self) -> int:
         """Pull requests each of the run's processes keeps waiting at the server once
-        started: (a) two, (h) and (hb) one per batch in flight (two), an eop worker one."""
-        return 2 if self.loop in ("a", "h", "hb") else 1
+        started: (a) and (m) two, (h) and (hb) one per batch in flight (two), an eop worker
+        one."""
+        return 2 if self.loop in ("a", "h", "hb", "m") else 1
 
 
 _N = PROCESSES
@@ -127,6 +129,15 @@ RUNS = (
         "BENCH_HB",
         "bench-hand-b",
         loop="hb",
+        processes=_N,
+    ),
+    Run("m", "leanest exactly-once (floor)", "BENCH_M", "bench-floor", loop="m"),
+    Run(
+        "mn",
+        f"leanest exactly-once, {_N} procs",
+        "BENCH_MN",
+        "bench-floor-n",
+        loop="m",
         processes=_N,
     ),
     Run("c", "eop default, eop.Writes", "BENCH_C", "eop-bench-default", "bench-default"),
