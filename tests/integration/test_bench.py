@@ -36,14 +36,15 @@ def _bench(flags: list[str]) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-_KEYS = ["a", "an", "b", "h", "hn", "hb", "c", "o", "s1", "k"]
+_KEYS = ["a", "an", "b", "h", "hn", "hb", "m", "mn", "c", "o", "s1", "k"]
 
 
 def test_bench_measures_the_baselines_and_eop_styles_end_to_end(tmp_path: Path) -> None:
     """A tiny `eop bench` over the lean raw loop (one and many processes), the naive and
-    the hand-written consumers (one with a bounded inbox) and eop's handler styles prints
-    each row, its comparison with the baselines of its process count, and the targets;
-    every exactly-once message (eop's, the naive and the hand-written loops') took effect
+    the hand-written consumers (one with a bounded inbox), the leanest exactly-once loop
+    (the floor) and eop's handler styles prints each row, its comparison with the
+    baselines of its process count, and the targets; every exactly-once message (eop's,
+    the naive, the hand-written and the floor loops') took effect
     exactly once, the warm-up backlog before the measured one left out of the counts; the
     JSON report holds the same runs."""
     report_path = tmp_path / "bench.json"
@@ -55,6 +56,8 @@ def test_bench_measures_the_baselines_and_eop_styles_end_to_end(tmp_path: Path) 
         "(b) naive",
         "(h) hand-written exactly-once",
         "(hb) hand-written bounded",
+        "(m) leanest exactly-once (floor)",
+        "(mn) leanest exactly-once",
         "(c) eop default, eop.Writes",
         "(o) eop default, async ORM",
         "(s1) sync ORM, one process",
@@ -65,6 +68,8 @@ def test_bench_measures_the_baselines_and_eop_styles_end_to_end(tmp_path: Path) 
     assert "target c/hand >= 3: " in proc.stdout
     assert "c/b = " in proc.stdout
     assert "c pg/bounded = " in proc.stdout
+    assert "floor/hand = " in proc.stdout
+    assert "c/floor = " in proc.stdout
     report = json.loads(report_path.read_text())
     assert [run["key"] for run in report["runs"]] == _KEYS
     assert report["relay"] is None
