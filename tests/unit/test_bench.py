@@ -21,6 +21,7 @@ from eop.tools import bench
 from eop.tools.bench import (
     baselines,
     flood,
+    floor,
     harness,
     measurement,
     procstat,
@@ -484,8 +485,8 @@ def test_the_floor_reads_its_messages_from_their_ack_subjects() -> None:
     plain = "$JS.ACK.S.d.1.42.40.1700000000000000000.7"
     domain = "$JS.ACK.dom.hash.S.d.1.43.41.1700000000500000000.6.tok"
     at = datetime.datetime.fromtimestamp(1_700_000_000, datetime.timezone.utc)
-    assert baselines.floor_row("d", plain) == ("d", 42, at)
-    assert baselines.floor_row("d", domain) == ("d", 43, at + datetime.timedelta(seconds=0.5))
+    assert floor.floor_row("d", plain) == ("d", 42, at)
+    assert floor.floor_row("d", domain) == ("d", 43, at + datetime.timedelta(seconds=0.5))
 
 
 class _FakeConn:

@@ -1,8 +1,8 @@
 """``python -m eop.tools.bench KIND ...``: a child process of the bench.
 
-KIND is ``a``, ``h``, ``hb``, ``m``, ``hf`` or ``b`` (:mod:`eop.tools.bench.baselines`),
-``fan N KIND ...`` (N copies of one of them), ``publish`` or ``relay-polling``
-(:mod:`eop.tools.bench.loops`).
+KIND is ``a``, ``h``, ``hb``, ``hf`` or ``b`` (:mod:`eop.tools.bench.baselines`), ``m``
+(:mod:`eop.tools.bench.floor`), ``fan N KIND ...`` (N copies of one of them), ``publish``
+or ``relay-polling`` (:mod:`eop.tools.bench.loops`).
 ``python -m eop.tools.bench spark ...`` is the Spark bench (:mod:`eop.tools.bench.spark`).
 """
 
@@ -12,7 +12,7 @@ import asyncio
 import sys
 
 from eop.runtime import eventloop
-from eop.tools.bench import baselines, loops
+from eop.tools.bench import baselines, floor, loops
 
 kind, args = sys.argv[1], sys.argv[2:]
 if kind == "spark":
@@ -34,7 +34,7 @@ elif kind == "h":
 elif kind == "hb":
     eventloop.run(baselines.handwritten_bounded(*args[:4]))
 elif kind == "m":
-    eventloop.run(baselines.floor(*args[:4]))
+    eventloop.run(floor.floor(*args[:4]))
 elif kind == "hf":
     eventloop.run(baselines.handwritten_flood(*args[:7]))
 else:

@@ -21,11 +21,7 @@ one, by key range, in a transaction of its own. JetStream never redelivers a
 message at or below the ack floor, so those rows guard nothing; (h)'s inbox
 grows without end, as eop's must not.
 
-(m) the leanest exactly-once loop nats-py and asyncpg allow: (a)'s pull
-requests and callback with (h)'s transaction, and a batch's acks confirmed by
-one wait (:func:`floor`). Not a consumer anyone should run (it neither
-retries nor bounds its inbox): the floor any exactly-once design on these
-clients pays, against which eop's own cost is read.
+(m), the leanest exactly-once loop, is in :mod:`eop.tools.bench.floor`.
 
 (b) exactly-once written plainly: per message one transaction through an
 SQLAlchemy session (claim, INSERT), then one sequential ``ack_sync``.
@@ -48,10 +44,6 @@ process count.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
-import datetime
-import itertools
 import json
 import logging
 import os
@@ -68,8 +60,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 
 from eop.tools.bench import runs
 
-_UTC = datetime.timezone.utc
-
 LEAN_PULL = 256
 """Messages per pull request of (a); two requests' worth are kept outstanding."""
 HAND_BATCH = 64
@@ -84,12 +74,12 @@ _NAIVE_CLAIM = sa.text(
     "INSERT INTO bench_naive_inbox (stream, seq) VALUES (:st, :s) "
     "ON CONFLICT DO NOTHING RETURNING seq"
 )
-_HAND_CLAIM = (
+HAND_CLAIM = (
     "INSERT INTO bench_hand_inbox (stream, seq) SELECT $1, unnest($2::bigint[]) "
     "ON CONFLICT DO NOTHING RETURNING seq"
 )
 _HAND_BOUND = "DELETE FROM bench_hand_inbox WHERE stream = $1 AND seq > $2 AND seq <= $3"
-_HAND_INSERT = "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)"
+HAND_INSERT = "INSERT INTO bench_effects (variant, seq, stored_at) VALUES ($1, $2, $3)"
 _HAND_DEAD = (
     "INSERT INTO bench_hand_dead (stream, seq, subject, payload, error, traceback, delivered)"
     " VALUES ($1, $2, $3, $4, $5, $6, $7)"
@@ -102,7 +92,7 @@ def _stop_on_sigterm() -> asyncio.Event:
     return stop
 
 
-async def _hand_connections(nats_url: str, database_url: str) -> tuple[Any, Any, Any]:
+async def hand_connections(nats_url: str, database_url: str) -> tuple[Any, Any, Any]:
     """The hand-written consumers' connections: NATS, its JetStream context, and an asyncpg
     pool of a connection per batch in flight."""
     import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type information
@@ -190,7 +180,7 @@ async def _hand_batches(
     import nats.errors
 
     stop = _stop_on_sigterm()
-    nc, js, pool = await _hand_connections(nats_url, database_url)
+    nc, js, pool = await hand_connections(nats_url, database_url)
 
     async def batches() -> None:
         sub = await js.pull_subscribe_bind(durable=durable, stream=stream)
@@ -211,14 +201,14 @@ async def _hand_settle(pool: Any, stream: str, durable: str, msgs: list[Any]) ->
     metas = [m.metadata for m in msgs]
     async with pool.acquire() as conn, conn.transaction():
         seqs = [meta.sequence.stream for meta in metas]
-        claimed = {row[0] for row in await conn.fetch(_HAND_CLAIM, stream, seqs)}
+        claimed = {row[0] for row in await conn.fetch(HAND_CLAIM, stream, seqs)}
         rows = [
             (durable, meta.sequence.stream, meta.timestamp)
             for meta in metas
             if meta.sequence.stream in claimed
         ]
         if rows:
-            await conn.executemany(_HAND_INSERT, rows)
+            await conn.executemany(HAND_INSERT, rows)
     await asyncio.gather(*(m.ack_sync(timeout=5.0) for m in msgs))
 
 
@@ -271,131 +261,6 @@ async def handwritten_bounded(nats_url: str, database_url: str, stream: str, dur
     await _hand_batches(nats_url, database_url, stream, durable, settle)
 
 
-class _Floor:
-    """(m)'s state in one process: the deliveries not yet taken by a batch, the messages
-    asked for and not yet come, and each batch's acks waiting for their confirmation."""
-
-    def __init__(self, nc: Any, stream: str, durable: str) -> None:
-        self.nc = nc
-        self.inbox, self.ackbox = nc.new_inbox(), nc.new_inbox()
-        self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
-        self.request = json.dumps({"batch": LEAN_PULL, "expires": 1_000_000_000}).encode()
-        self.queued: collections.deque[str] = collections.deque()
-        self.arrived = asyncio.Event()
-        self.stop = asyncio.Event()
-        self.asked = 0
-        self.last_arrival = time.monotonic()
-        self.confirming: dict[str, tuple[list[int], asyncio.Future[None]]] = {}
-        self.tokens = itertools.count()
-
-    async def top_up(self) -> None:
-        """Keep two pull requests' worth asked for or queued, as (a) does."""
-        while self.asked + len(self.queued) < 2 * LEAN_PULL:
-            self.asked += LEAN_PULL
-            await self.nc.publish(self.next_subject, self.request, reply=self.inbox)
-
-    async def on_message(self, msg: Any) -> None:
-        reply = msg.reply
-        if reply:  # a delivery: its reply subject is its ack subject
-            self.queued.append(reply)
-            self.asked -= 1
-            self.last_arrival = time.monotonic()
-            self.arrived.set()
-        else:  # a status (408: a request expired): what it still had is not coming
-            left = (msg.headers or {}).get("Nats-Pending-Messages")
-            self.asked -= int(left) if left else LEAN_PULL
-        self.asked = max(self.asked, 0)
-        await self.top_up()
-
-    async def on_ack_reply(self, msg: Any) -> None:
-        waiting = self.confirming.get(msg.subject.rpartition(".")[2])
-        if waiting is not None:
-            left, done = waiting
-            left[0] -= 1
-            if left[0] == 0 and not done.done():
-                done.set_result(None)
-
-    async def confirm(self, replies: list[str]) -> None:
-        """A plain ``+ACK`` of each delivery with a reply subject of the batch's, then wait
-        until the server confirmed them all (what ``ack_sync`` waits for, without its
-        request inbox and future per message)."""
-        token = str(next(self.tokens))
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.confirming[token] = ([len(replies)], done)
-        subject = f"{self.ackbox}.{token}"
-        try:
-            for reply in replies:
-                await self.nc.publish(reply, b"+ACK", reply=subject)
-            await asyncio.wait_for(done, 5.0)
-        finally:
-            del self.confirming[token]
-
-
-def floor_row(durable: str, reply: str) -> tuple[str, int, datetime.datetime]:
-    """(m)'s effect row of a delivery: the stream sequence and timestamp its ack subject
-    carries (as :func:`_parsed` reads them), no message object made."""
-    tokens = reply.split(".")
-    shift = 0 if len(tokens) == 9 else 2  # with a domain and an account hash
-    stamp = datetime.datetime.fromtimestamp(int(tokens[7 + shift]) / 1e9, _UTC)
-    return durable, int(tokens[5 + shift]), stamp
-
-
-async def floor(nats_url: str, database_url: str, stream: str, durable: str) -> None:
-    """(m): the leanest exactly-once loop the clients allow, until SIGTERM.
-
-    (a)'s pull requests and callback, with (h)'s transaction: each of
-    :data:`HAND_IN_FLIGHT` tasks takes the deliveries queued (64 at most),
-    reads each one's sequence and timestamp from its reply subject, claims and
-    writes them on asyncpg in one transaction, then acks them with one
-    confirmation wait for the batch. Nothing else: no retries, no lease
-    renewals, no failure handling, no inbox bound. What any exactly-once
-    consumer on nats-py and asyncpg has to pay; eop is read against it.
-    """
-    import nats.errors
-
-    nc, _js, pool = await _hand_connections(nats_url, database_url)
-    state = _Floor(nc, stream, durable)
-
-    def stopping() -> None:
-        state.stop.set()
-        state.arrived.set()
-
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping)
-    await nc.subscribe(state.inbox, cb=state.on_message)
-    await nc.subscribe(f"{state.ackbox}.*", cb=state.on_ack_reply)
-
-    async def batches() -> None:
-        while not state.stop.is_set():
-            if not state.queued:
-                state.arrived.clear()
-                await state.arrived.wait()
-                continue
-            take = min(HAND_BATCH, len(state.queued))
-            replies = [state.queued.popleft() for _ in range(take)]
-            await state.top_up()
-            rows = [floor_row(durable, reply) for reply in replies]
-            async with pool.acquire() as conn, conn.transaction():
-                seqs = [seq for _, seq, _ in rows]
-                claimed = {row[0] for row in await conn.fetch(_HAND_CLAIM, stream, seqs)}
-                mine = [row for row in rows if row[1] in claimed]
-                if mine:
-                    await conn.executemany(_HAND_INSERT, mine)
-            with contextlib.suppress(nats.errors.TimeoutError, asyncio.TimeoutError):
-                await state.confirm(replies)  # unconfirmed: redelivered, then acked as a duplicate
-
-    async def watch() -> None:
-        while not state.stop.is_set():
-            await asyncio.sleep(0.5)
-            if time.monotonic() - state.last_arrival > 2.0:  # nothing for a while: ask afresh
-                state.asked = 0
-                await state.top_up()
-
-    await state.top_up()
-    await asyncio.gather(*(batches() for _ in range(HAND_IN_FLIGHT)), watch())
-    await nc.close()
-    await pool.close()
-
-
 def nak_delay_s(delivered: int, base_s: float, max_s: float) -> float:
     """(fh)'s delay before the next delivery after the ``delivered``-th failed: ``base_s``
     doubled per earlier delivery, capped at ``max_s`` (eop's backoff, written out)."""
@@ -430,7 +295,7 @@ async def _flood_transaction(
         try:
             async with conn.transaction():
                 seqs = [m.metadata.sequence.stream for m in msgs]
-                claimed = {row[0] for row in await conn.fetch(_HAND_CLAIM, stream, seqs)}
+                claimed = {row[0] for row in await conn.fetch(HAND_CLAIM, stream, seqs)}
                 for msg in msgs:
                     meta = msg.metadata
                     if meta.sequence.stream not in claimed:
@@ -454,7 +319,7 @@ async def _flood_transaction(
                     failed += retry
                     raise _Rollback
                 if rows:
-                    await conn.executemany(_HAND_INSERT, rows)
+                    await conn.executemany(HAND_INSERT, rows)
                 if dead:
                     await conn.executemany(_HAND_DEAD, dead)
             return failed

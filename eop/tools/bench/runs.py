@@ -97,8 +97,8 @@ class Run:
     args: str = ""
     """Flags of its ``eop worker`` beyond the servers' URLs (the tuned run adds --tuned's)."""
     loop: str = ""
-    """For a baseline (no handler): ``a``, ``h``, ``hb``, ``m`` or ``b`` of
-    :mod:`eop.tools.bench.baselines`."""
+    """For a baseline (no handler): ``a``, ``h``, ``hb`` or ``b`` of
+    :mod:`eop.tools.bench.baselines`, ``m`` of :mod:`eop.tools.bench.floor`."""
     processes: int = 1
     """A baseline's processes; an eop run's come from its flags (``processes``)."""
 
