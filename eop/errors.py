@@ -118,7 +118,8 @@ class TransactionEndedByHandler(EopError):
     ``begin_nested()`` makes a savepoint the handler may roll back). The message fails
     as any handler error does. Refused by the session's guard, before the call did
     anything, nothing it wrote is committed; found after the handler (:attr:`ended`),
-    what it wrote before the call may be.
+    what it wrote before the call may be. Also raised for a handler that caught the
+    error of a failed flush and went on: SQLAlchemy had rolled its transaction back.
     """
 
     def __init__(self, message: str | None = None, *, ended: bool = False) -> None:

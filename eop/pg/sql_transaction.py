@@ -45,7 +45,8 @@ class SqlTransaction(Statements):
         # The handler's session cannot end this transaction: only eop does. An
         # AsyncSession ends its transaction through its sync face, so that is guarded.
         face: Any = session
-        session_guard.guard(getattr(face, "sync_session", face))
+        self._guarded: Session = getattr(face, "sync_session", face)
+        session_guard.guard(self._guarded)
         info = session.info
         info[outbox.WRITES_KEY] = self.writes
         info[outbox.CONTEXT_KEY] = outbox_context or outbox.Context(tables, DEFAULT_MAX_PAYLOAD)
@@ -88,13 +89,17 @@ class SqlTransaction(Statements):
         if ended or (driver is not None and self._driver_in_transaction(driver) is False):
             # Reported once: the next handlers of the transaction are not the ones at fault.
             self._root = self._driver_handle = None
+            failed_flush = self._failed_flush() if ended else None
             log.get_logger(handler=self.spec.name).error(
                 log.Event.TRANSACTION_ENDED_BY_HANDLER,
                 stream=messages[0].stream if messages else None,
                 first_seq=messages[0].seq if messages else None,
                 last_seq=messages[-1].seq if messages else None,
                 messages=len(messages),
+                failed_flush=type(failed_flush).__name__ if failed_flush else None,
             )
+            if failed_flush is not None:
+                raise errors.TransactionEndedByHandler(_caught_flush(failed_flush), ended=True)
             raise errors.TransactionEndedByHandler(
                 "the handler ended eop's transaction past the session it was given (a "
                 "commit() or rollback() of its connection or transaction, or a COMMIT or "
@@ -103,6 +108,26 @@ class SqlTransaction(Statements):
                 "begin_nested() makes a savepoint)",
                 ended=True,
             )
+
+    def _savepoint_failure(self, exc: Exception, savepoint: Any) -> Exception:
+        """What a handler run in ``savepoint`` (:meth:`run_isolated`) failed with: ``exc``,
+        unless the handler caught the error of a failed flush and went on. SQLAlchemy then
+        refuses the savepoint's end (``PendingRollbackError``) with advice, a
+        ``Session.rollback()``, that eop's session refuses: the error says what happened."""
+        transaction = getattr(savepoint, "sync_transaction", savepoint)
+        failure = getattr(transaction, "_rollback_exception", None)
+        if isinstance(exc, sa.exc.PendingRollbackError) and isinstance(failure, BaseException):
+            return errors.TransactionEndedByHandler(_caught_flush(failure))
+        return exc
+
+    def _failed_flush(self) -> BaseException | None:
+        """The error of the flush whose failure rolled the session's transaction back, when
+        that is how eop's transaction ended: SQLAlchemy rolls back the whole transaction
+        (not only the flush) and keeps the error on it until the session rolls back,
+        which only eop does."""
+        transaction = self._guarded.get_transaction()
+        failure = getattr(transaction, "_rollback_exception", None)
+        return failure if isinstance(failure, BaseException) else None
 
     def _defer(self, message: Message, flush: bool) -> bool:
         """Leave ``message``'s handler call to the next flush when ``flush`` is False (a
@@ -162,6 +187,17 @@ class SqlTransaction(Statements):
         """BEGIN and set the transaction's local timeouts (any of ``timeouts``' forms): the
         transaction's first statement, or the first statement's part (the claim's)."""
         await self._rows(timeouts.statement)
+
+
+def _caught_flush(failure: BaseException) -> str:
+    """The error of a handler that caught a failed flush's ``failure`` and went on."""
+    return (
+        f"the handler caught the error of a flush that failed ({type(failure).__name__}) "
+        "and went on, but SQLAlchemy had rolled back the handler's transaction with it (in "
+        "a batch's first pass, eop's, with the claims): let the error propagate (the "
+        "message is retried), or flush what may fail inside begin_nested(), whose "
+        "savepoint rolls back alone"
+    )
 
 
 _SESSION_USERS: weakref.WeakSet[HandlerSpec] = weakref.WeakSet()

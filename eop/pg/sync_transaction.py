@@ -224,8 +224,9 @@ class SyncTransaction(SqlTransaction):
                 return exc  # the savepoint went with the transaction
             if classify(exc) in INFRASTRUCTURE:
                 raise
+            failure = self._savepoint_failure(exc, savepoint)
             savepoint.rollback()
-            return exc
+            return failure
         return None
 
     async def commit(self) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import eop
 
@@ -291,3 +291,73 @@ async def test_a_transaction_ended_past_the_guard_is_found_before_eops_commit(
         letters = [str(error) for (error,) in found_letters]
     assert len(letters) == 4  # the rollbacks', each run failing
     assert all("ended eop's transaction past the session" in error for error in letters)
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class _Taken(_Base):
+    """A row whose key a handler may try to insert twice."""
+
+    __tablename__ = "guard_taken"
+    key: Mapped[str] = mapped_column(sa.Text, primary_key=True)
+
+
+async def test_a_handler_that_catches_a_failed_flush_is_told_its_transaction_was_rolled_back(
+    database_url: str, nats_url: str, js: Any, engine: AsyncEngine
+) -> None:
+    """A handler that catches its flush's IntegrityError and carries on fails, async and
+    sync, with an error that names the failed flush (SQLAlchemy rolled eop's transaction
+    back with it), not one that blames a commit() or rollback() it never called; the
+    message is dead-lettered with that error, nothing of it committed, and the good
+    messages beside it take effect once."""
+    await create_effects_table(engine)
+    async with engine.begin() as conn:
+        await conn.run_sync(_Base.metadata.create_all)
+        await conn.execute(sa.insert(_Taken.__table__).values(key="taken"))
+    app = eop.App(settings=bed_settings(database_url, nats_url, max_attempts=2, batch=8))
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="async_orm")
+    async def on_async(msg: eop.Message, session: AsyncSession) -> None:
+        if msg.data.startswith(b"dup"):
+            session.add(_Taken(key="taken"))
+            try:
+                await session.flush()
+            except sa.exc.IntegrityError:
+                return  # (a statement here would raise SQLAlchemy's PendingRollbackError)
+        await session.execute(_INSERT, _row("async_orm", msg))
+
+    @app.handler(stream=STREAM, subject=SUBJECT, name="sync")
+    def on_sync(msg: eop.Message, session: Session) -> None:
+        if msg.data.startswith(b"dup"):
+            session.add(_Taken(key="taken"))
+            try:
+                session.flush()
+            except sa.exc.IntegrityError:
+                return
+        session.execute(_INSERT, _row("sync", msg))
+
+    await js.add_stream(name=STREAM, subjects=["ORDERS.>"])
+    bodies = ["good-0", "dup-0", "good-1", "dup-1", "good-2"]
+    for body in bodies:
+        await publish(js, body)
+
+    async def settled() -> bool:
+        return all([await drained(js, d, engine=engine) for d in ("eop-async_orm", "eop-sync")])
+
+    with debug_logs() as logs:
+        async with running(app):
+            await wait_for(settled, timeout_s=60, what="every message settled")
+    ended = [entry for entry in logs if entry["event"] == "transaction.ended_by_handler"]
+    assert ended
+    assert all(entry["failed_flush"] == "IntegrityError" for entry in ended), ended
+    assert await effects_by_body(engine) == {"good-0": 2, "good-1": 2, "good-2": 2}
+    async with engine.connect() as conn:
+        found = await conn.execute(sa.text("SELECT subscription, error FROM eop.dead_letters"))
+        letters = sorted((str(name), str(error)) for name, error in found)
+    assert [name for name, _ in letters] == ["async_orm", "async_orm", "sync", "sync"]
+    expected = "caught the error of a flush that failed (IntegrityError) and went on"
+    assert all(expected in error for _, error in letters), "\n".join(
+        n + ": " + e[:200] for n, e in letters
+    )
