@@ -90,16 +90,9 @@ class SqlTransaction(Statements):
             # Reported once: the next handlers of the transaction are not the ones at fault.
             self._root = self._driver_handle = None
             failed_flush = self._failed_flush() if ended else None
-            log.get_logger(handler=self.spec.name).error(
-                log.Event.TRANSACTION_ENDED_BY_HANDLER,
-                stream=messages[0].stream if messages else None,
-                first_seq=messages[0].seq if messages else None,
-                last_seq=messages[-1].seq if messages else None,
-                messages=len(messages),
-                failed_flush=type(failed_flush).__name__ if failed_flush else None,
-            )
+            self._log_ended(messages, failed_flush)
             if failed_flush is not None:
-                raise errors.TransactionEndedByHandler(_caught_flush(failed_flush), ended=True)
+                raise _caught_flush(failed_flush, savepoint=False)
             raise errors.TransactionEndedByHandler(
                 "the handler ended eop's transaction past the session it was given (a "
                 "commit() or rollback() of its connection or transaction, or a COMMIT or "
@@ -109,16 +102,32 @@ class SqlTransaction(Statements):
                 ended=True,
             )
 
-    def _savepoint_failure(self, exc: Exception, savepoint: Any) -> Exception:
+    def _log_ended(self, messages: Sequence[Message], failed_flush: BaseException | None) -> None:
+        """``transaction.ended_by_handler`` for the handler of ``messages``."""
+        log.get_logger(handler=self.spec.name).error(
+            log.Event.TRANSACTION_ENDED_BY_HANDLER,
+            stream=messages[0].stream if messages else None,
+            first_seq=messages[0].seq if messages else None,
+            last_seq=messages[-1].seq if messages else None,
+            messages=len(messages),
+            failed_flush=type(failed_flush).__name__ if failed_flush else None,
+        )
+
+    def _savepoint_failure(
+        self, exc: Exception, savepoint: Any, messages: Sequence[Message]
+    ) -> Exception:
         """What a handler run in ``savepoint`` (:meth:`run_isolated`) failed with: ``exc``,
         unless the handler caught the error of a failed flush and went on. SQLAlchemy then
         refuses the savepoint's end (``PendingRollbackError``) with advice, a
         ``Session.rollback()``, that eop's session refuses: the error says what happened."""
         transaction = getattr(savepoint, "sync_transaction", savepoint)
         failure = getattr(transaction, "_rollback_exception", None)
-        if isinstance(exc, sa.exc.PendingRollbackError) and isinstance(failure, BaseException):
-            return errors.TransactionEndedByHandler(_caught_flush(failure))
-        return exc
+        if not (
+            isinstance(exc, sa.exc.PendingRollbackError) and isinstance(failure, BaseException)
+        ):
+            return exc
+        self._log_ended(messages, failure)
+        return _caught_flush(failure, savepoint=True)
 
     def _failed_flush(self) -> BaseException | None:
         """The error of the flush whose failure rolled the session's transaction back, when
@@ -189,15 +198,23 @@ class SqlTransaction(Statements):
         await self._rows(timeouts.statement)
 
 
-def _caught_flush(failure: BaseException) -> str:
-    """The error of a handler that caught a failed flush's ``failure`` and went on."""
-    return (
-        f"the handler caught the error of a flush that failed ({type(failure).__name__}) "
-        "and went on, but SQLAlchemy had rolled back the handler's transaction with it (in "
-        "a batch's first pass, eop's, with the claims): let the error propagate (the "
-        "message is retried), or flush what may fail inside begin_nested(), whose "
-        "savepoint rolls back alone"
+def _caught_flush(failure: BaseException, *, savepoint: bool) -> errors.TransactionEndedByHandler:
+    """The error of a handler that caught a failed flush's ``failure`` and went on, the
+    failure its cause (a dead letter's traceback shows it, its values masked)."""
+    rolled_back = (
+        "the savepoint eop ran the handler in"
+        if savepoint
+        else "eop's transaction, with the message's claim"
     )
+    exc = errors.TransactionEndedByHandler(
+        f"the handler caught the error of a flush that failed ({log.round_error(failure)}) "
+        f"and went on, but SQLAlchemy had rolled back {rolled_back} with it: let the error "
+        "propagate (the message is retried), or flush what may fail inside begin_nested(), "
+        "whose savepoint rolls back alone",
+        ended=not savepoint,
+    )
+    exc.__cause__ = failure
+    return exc
 
 
 _SESSION_USERS: weakref.WeakSet[HandlerSpec] = weakref.WeakSet()

@@ -224,7 +224,7 @@ class SyncTransaction(SqlTransaction):
                 return exc  # the savepoint went with the transaction
             if classify(exc) in INFRASTRUCTURE:
                 raise
-            failure = self._savepoint_failure(exc, savepoint)
+            failure = self._savepoint_failure(exc, savepoint, messages)
             savepoint.rollback()
             return failure
         return None

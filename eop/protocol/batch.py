@@ -99,9 +99,10 @@ class BatchProcessor:
                     self.contention.note()
                     one_by_one = items
                 else:
-                    if not (transient(exc) or isinstance(exc, _BatchRejected)):
-                        # Not a handler's failure (the batch isolates those) but eop's
-                        # own: it must stay visible, and must not hold the batch back.
+                    if not (transient(exc) or isinstance(exc, _HANDLERS_OWN)):
+                        # Not a handler's failure (the batch isolates those; one that
+                        # ended the transaction is logged as such) but eop's own: it
+                        # must stay visible, and must not hold the batch back.
                         self._log_failure(items, exc)
                     # The batch transaction cannot commit (or failed after its COMMIT):
                     # each message finds its own way. The claim makes it safe: one whose
@@ -275,6 +276,10 @@ class _NeedsIsolation(Exception):
 
 class _BatchRejected(Exception):
     """The batch transaction cannot be committed as a batch: process one by one."""
+
+
+_HANDLERS_OWN = (_BatchRejected, errors.TransactionEndedByHandler)
+"""A batch transaction's failures that are not eop's own: no ``batch.failed`` line."""
 
 
 def log_settled(handler: str, deliveries: Sequence[Delivery], outcomes: Sequence[Outcome]) -> None:

@@ -130,7 +130,9 @@ class RetryBatch:
                 # count) twice. The worker logs it.
                 raise
             crossing = crossed(exc)
-            if not (transient(exc) or isinstance(exc, _OneByOne)):
+            if not (
+                transient(exc) or isinstance(exc, (_OneByOne, errors.TransactionEndedByHandler))
+            ):
                 # eop's own failure (not a handler's: they are isolated): visible, but
                 # no reason to hold the runs back. Nothing of the transaction committed.
                 self._log_failure(runs, exc)

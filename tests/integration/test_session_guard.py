@@ -8,6 +8,7 @@ while its later writes committed without it (applied again on redelivery).
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
@@ -308,9 +309,12 @@ async def test_a_handler_that_catches_a_failed_flush_is_told_its_transaction_was
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
     """A handler that catches its flush's IntegrityError and carries on fails, async and
-    sync, with an error that names the failed flush (SQLAlchemy rolled eop's transaction
-    back with it), not one that blames a commit() or rollback() it never called; the
-    message is dead-lettered with that error, nothing of it committed, and the good
+    sync, with an error that names the failed flush (SQLAlchemy rolled eop's transaction,
+    or the savepoint eop ran it in, back with it), not one that blames a commit() or
+    rollback() it never called nor SQLAlchemy's PendingRollbackError; each run logs
+    transaction.ended_by_handler with failed_flush and no batch.failed (eop's own
+    failures'); the message is dead-lettered with that error, the flush's error (its
+    value masked) as the cause in its traceback, nothing of it committed; the good
     messages beside it take effect once."""
     await create_effects_table(engine)
     async with engine.begin() as conn:
@@ -350,14 +354,28 @@ async def test_a_handler_that_catches_a_failed_flush_is_told_its_transaction_was
         async with running(app):
             await wait_for(settled, timeout_s=60, what="every message settled")
     ended = [entry for entry in logs if entry["event"] == "transaction.ended_by_handler"]
-    assert ended
     assert all(entry["failed_flush"] == "IntegrityError" for entry in ended), ended
+    # Each colliding message's runs say so (a batch's line names its sequences' range),
+    # the batch's and the lone ones alike, and no line covers only good messages.
+    covers = [
+        {(e["handler"], seq) for seq in (2, 4) if e["first_seq"] <= seq <= e["last_seq"]}
+        for e in ended
+    ]
+    assert all(covers), ended
+    runs = collections.Counter(pair for covered in covers for pair in covered)
+    assert set(runs) == {(h, seq) for h in ("async_orm", "sync") for seq in (2, 4)}
+    assert min(runs.values()) >= 2, runs  # each of its two attempts (max_attempts)
+    assert not [entry for entry in logs if entry["event"] == "batch.failed"]
     assert await effects_by_body(engine) == {"good-0": 2, "good-1": 2, "good-2": 2}
     async with engine.connect() as conn:
-        found = await conn.execute(sa.text("SELECT subscription, error FROM eop.dead_letters"))
-        letters = sorted((str(name), str(error)) for name, error in found)
-    assert [name for name, _ in letters] == ["async_orm", "async_orm", "sync", "sync"]
-    expected = "caught the error of a flush that failed (IntegrityError) and went on"
-    assert all(expected in error for _, error in letters), "\n".join(
-        n + ": " + e[:200] for n, e in letters
-    )
+        found = await conn.execute(
+            sa.text("SELECT subscription, error, traceback FROM eop.dead_letters")
+        )
+        letters = sorted((str(name), str(error), str(tb)) for name, error, tb in found)
+    assert [name for name, _, _ in letters] == ["async_orm", "async_orm", "sync", "sync"]
+    for _, error, tb in letters:
+        assert "caught the error of a flush that failed (IntegrityError: " in error, error
+        assert "rolled back the savepoint eop ran the handler in" in error, error
+        # The flush's own error is the cause, its key's value masked.
+        assert "duplicate key value violates unique constraint" in tb, tb
+        assert "(taken)" not in tb

@@ -120,6 +120,8 @@ def _runs(report: dict[str, Any]) -> list[str]:
         "",
         "x lean, x hand: msg/s over the lean raw loop's (a/an) and the hand-written "
         "consumer's (h/hn) with as many processes; CPU x lean: CPU us/msg over the lean loop's",
+        "c/h, c/b: eop default's processes over one hand-written (naive) process, no target; "
+        "floor: the leanest exactly-once loop (m/mn) with as many processes",
     ]
     lines += _pg_parts(report["runs"])
     shown = [f"{name} = {ratios[name]:.2f}" for name in _SHOWN if name in ratios]
