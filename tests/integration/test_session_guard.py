@@ -9,6 +9,7 @@ while its later writes committed without it (applied again on redelivery).
 from __future__ import annotations
 
 import collections
+from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
@@ -224,6 +225,21 @@ def _past_the_guard_sync(session: Session, msg: eop.Message) -> bool:
     return False
 
 
+async def _settled_logs(
+    app: eop.App, js: Any, engine: AsyncEngine
+) -> list[MutableMapping[str, Any]]:
+    """Run ``app`` until its async_orm and sync handlers' messages are all settled: every
+    line it logged meanwhile."""
+
+    async def settled() -> bool:
+        return all([await drained(js, d, engine=engine) for d in ("eop-async_orm", "eop-sync")])
+
+    with debug_logs() as logs:
+        async with running(app):
+            await wait_for(settled, timeout_s=60, what="every message settled")
+    return logs
+
+
 async def test_a_transaction_ended_past_the_guard_is_found_before_eops_commit(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
@@ -263,12 +279,7 @@ async def test_a_transaction_ended_past_the_guard_is_found_before_eops_commit(
         for body in (f"good-s{i}", *(f"{way}-s{i}" for way in sync_ways)):
             await js.publish("ORDERS.sync", body.encode(), headers={"Nats-Msg-Id": body})
 
-    async def settled() -> bool:
-        return all([await drained(js, d, engine=engine) for d in ("eop-async_orm", "eop-sync")])
-
-    with debug_logs() as logs:
-        async with running(app):
-            await wait_for(settled, timeout_s=60, what="every message settled")
+    logs = await _settled_logs(app, js, engine)
     ended = [entry for entry in logs if entry["event"] == "transaction.ended_by_handler"]
     caught = {(entry["handler"], entry["first_seq"]) for entry in ended}
     # Every misusing message, and only those (a rollback's, at each of its runs).
@@ -347,12 +358,7 @@ async def test_a_handler_that_catches_a_failed_flush_is_told_its_transaction_was
     for body in bodies:
         await publish(js, body)
 
-    async def settled() -> bool:
-        return all([await drained(js, d, engine=engine) for d in ("eop-async_orm", "eop-sync")])
-
-    with debug_logs() as logs:
-        async with running(app):
-            await wait_for(settled, timeout_s=60, what="every message settled")
+    logs = await _settled_logs(app, js, engine)
     ended = [entry for entry in logs if entry["event"] == "transaction.ended_by_handler"]
     assert all(entry["failed_flush"] == "IntegrityError" for entry in ended), ended
     # Each colliding message's runs say so (a batch's line names its sequences' range),
