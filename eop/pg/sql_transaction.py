@@ -120,11 +120,8 @@ class SqlTransaction(Statements):
         unless the handler caught the error of a failed flush and went on. SQLAlchemy then
         refuses the savepoint's end (``PendingRollbackError``) with advice, a
         ``Session.rollback()``, that eop's session refuses: the error says what happened."""
-        transaction = getattr(savepoint, "sync_transaction", savepoint)
-        failure = getattr(transaction, "_rollback_exception", None)
-        if not (
-            isinstance(exc, sa.exc.PendingRollbackError) and isinstance(failure, BaseException)
-        ):
+        failure = _rolled_back_by(getattr(savepoint, "sync_transaction", savepoint))
+        if not (isinstance(exc, sa.exc.PendingRollbackError) and failure is not None):
             return exc
         self._log_ended(messages, failure)
         return _caught_flush(failure, savepoint=True)
@@ -134,9 +131,7 @@ class SqlTransaction(Statements):
         that is how eop's transaction ended: SQLAlchemy rolls back the whole transaction
         (not only the flush) and keeps the error on it until the session rolls back,
         which only eop does."""
-        transaction = self._guarded.get_transaction()
-        failure = getattr(transaction, "_rollback_exception", None)
-        return failure if isinstance(failure, BaseException) else None
+        return _rolled_back_by(self._guarded.get_transaction())
 
     def _defer(self, message: Message, flush: bool) -> bool:
         """Leave ``message``'s handler call to the next flush when ``flush`` is False (a
@@ -196,6 +191,13 @@ class SqlTransaction(Statements):
         """BEGIN and set the transaction's local timeouts (any of ``timeouts``' forms): the
         transaction's first statement, or the first statement's part (the claim's)."""
         await self._rows(timeouts.statement)
+
+
+def _rolled_back_by(transaction: Any) -> BaseException | None:
+    """The error a SQLAlchemy session transaction was rolled back for (a failed flush's),
+    which it keeps until the session rolls back; None for any other state."""
+    failure = getattr(transaction, "_rollback_exception", None)
+    return failure if isinstance(failure, BaseException) else None
 
 
 def _caught_flush(failure: BaseException, *, savepoint: bool) -> errors.TransactionEndedByHandler:

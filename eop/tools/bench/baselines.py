@@ -151,15 +151,18 @@ async def lean(nats_url: str, stream: str, durable: str, out: str) -> None:
 
 
 def _parsed(done: Sequence[tuple[str, float]]) -> Any:
-    """(stream sequence, stream timestamp s, completed at) from each ack subject.
-
-    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>``, or
-    with a domain and an account hash after ``$JS.ACK`` (12 tokens).
-    """
+    """(stream sequence, stream timestamp s, completed at) from each ack subject."""
     for reply, at in done:
-        tokens = reply.split(".")
-        shift = 0 if len(tokens) == 9 else 2
-        yield int(tokens[5 + shift]), int(tokens[7 + shift]) / 1e9, at
+        yield (*ack_position(reply), at)
+
+
+def ack_position(reply: str) -> tuple[int, float]:
+    """(stream sequence, stream timestamp s) of a delivery, from its ack subject:
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>``, or
+    with a domain and an account hash after ``$JS.ACK`` (12 tokens)."""
+    tokens = reply.split(".")
+    shift = 0 if len(tokens) == 9 else 2
+    return int(tokens[5 + shift]), int(tokens[7 + shift]) / 1e9
 
 
 def _write_records(out: str, records: Any) -> None:

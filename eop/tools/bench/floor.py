@@ -87,10 +87,8 @@ class _Floor:
 def floor_row(durable: str, reply: str) -> tuple[str, int, datetime.datetime]:
     """(m)'s effect row of a delivery: the stream sequence and timestamp its ack subject
     carries (as (a)'s records are read), no message object made."""
-    tokens = reply.split(".")
-    shift = 0 if len(tokens) == 9 else 2  # with a domain and an account hash
-    stamp = datetime.datetime.fromtimestamp(int(tokens[7 + shift]) / 1e9, _UTC)
-    return durable, int(tokens[5 + shift]), stamp
+    seq, stamp = baselines.ack_position(reply)
+    return durable, seq, datetime.datetime.fromtimestamp(stamp, _UTC)
 
 
 async def floor(nats_url: str, database_url: str, stream: str, durable: str) -> None:
