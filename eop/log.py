@@ -86,6 +86,7 @@ class Event(str, enum.Enum):
     INBOX_COMPACTED = "inbox.compacted"
     COMPACTION_FAILED = "inbox.compaction_failed"
     COMPACTION_DEFERRED = "inbox.compaction_deferred"
+    SUPERSEDED_EPOCH_SWEPT = "inbox.superseded_epoch_swept"
     """Compaction's raise of the watermark waited its lock bound for the claims sharing the
     row (held up on hot rows) and gave way: the next round tries again."""
     STREAM_EPOCH_CHANGED = "stream.epoch_changed"

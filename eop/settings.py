@@ -150,6 +150,13 @@ class Settings:
         "How long compaction keeps inbox rows that carry a Nats-Msg-Id (the guard against "
         "republishes after the server's duplicate window).",
     )
+    epoch_sweep_after_s: float = _field(
+        3600.0,
+        "How long after a stream is recreated compaction deletes the inbox rows left in its "
+        "earlier incarnations, whose messages are gone: rows carrying a Nats-Msg-Id still "
+        "stay msg_id_retention_s, retrying ones until their retry ends.",
+        minimum=0,
+    )
     shutdown_grace_s: float = _field(
         30.0,
         "How long a stopping worker waits for in-flight messages before cancelling them; "

@@ -197,6 +197,15 @@ class StreamEpochs:
         """The stream's first sequence at the last reading (1 if never read)."""
         return self._first_seq.get(stream, 1)
 
+    def current_for(self, stream: str) -> datetime.timedelta | None:
+        """How long the stream's current epoch had existed at the last reading (server
+        time), None if never read: every other epoch of the stream was superseded at least
+        that long before."""
+        history, as_of = self._history.get(stream), self._as_of.get(stream)
+        if not history or as_of is None:
+            return None
+        return as_of - history[-1][0]
+
     async def epoch_of(self, stream: str, stored_at: datetime.datetime | None) -> str | None:
         """The epoch of the message of ``stream`` stored at ``stored_at``."""
         if stored_at is None or stream not in self._history or stored_at > self._as_of[stream]:

@@ -38,6 +38,7 @@ WORKER_FIELDS = (
     "compaction_interval_s",
     "compaction_after_messages",
     "msg_id_retention_s",
+    "epoch_sweep_after_s",
     "shutdown_grace_s",
     "create",
     *options.NATS_AUTH_FIELDS,

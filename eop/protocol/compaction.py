@@ -28,6 +28,10 @@ from eop.pg.sql import inbox as inbox_sql
 from eop.pg.sql import retries as retries_sql
 from eop.protocol import background
 
+SWEPT = 2**63 - 1
+"""The watermark of an epoch whose stream is gone: past every sequence (PostgreSQL's
+largest ``bigint``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Compacted:
@@ -59,6 +63,7 @@ class Compactor:
         """Where the floor comes from when it is not the handler's durable's ack floor
         (an ordered handler's partitions: :meth:`eop.ordering.share.OrderedRunner.floor`)."""
         self.msg_id_retention_s = store.app.settings.msg_id_retention_s
+        self.epoch_sweep_after_s = store.app.settings.epoch_sweep_after_s
         self.js = js
         self.store = store
         self.spec = spec
@@ -86,6 +91,8 @@ class Compactor:
         """Per epoch, the watermark this compactor's last round raised it to."""
         self._full_sweep_at: float | None = None
         """When (monotonic) the last delete from an epoch's first sequence started."""
+        self._superseded_at: float | None = None
+        """When (monotonic) the last sweep of the stream's earlier epochs started."""
 
     def processed(self, count: int) -> None:
         """Count messages processed; enough of them since the last round start one now."""
@@ -178,10 +185,14 @@ class Compactor:
         stream = self.spec.stream
         epoch = await self.epochs.refresh(stream)
         floor = await self._read_floor()
-        # The floor must belong to the epoch we name: if the stream was recreated
-        # between the two readings, skip this round.
+        superseded = await self._superseded(epoch)
+        # The floor must belong to the epoch we name, and the epochs read as superseded
+        # must be earlier ones: if the stream was recreated between the two readings,
+        # skip this round.
         if floor is None or await self.epochs.refresh(stream) != epoch:
             return None
+        for old, old_watermark in superseded:
+            await self._sweep_superseded(old, old_watermark)
         candidate = max(floor, self.epochs.first_seq(stream) - 1)
         if candidate <= 0:
             return None
@@ -203,6 +214,55 @@ class Compactor:
         then one per compaction interval (:meth:`_delete_below`)."""
         since = self._full_sweep_at
         return since is None or time.monotonic() - since >= self._interval_s
+
+    async def _superseded(self, epoch: str) -> list[tuple[str, int]]:
+        """The stream's epochs other than ``epoch`` (read as current) and their watermarks,
+        once per compaction interval and only when ``epoch`` has been the stream's for
+        :attr:`epoch_sweep_after_s`; else none.
+
+        Read between two readings of the stream that both name ``epoch``
+        (:meth:`compact_once`): a watermark row is made only for an epoch read
+        from the server, so at the second reading no later incarnation had
+        existed, and every epoch listed here is an earlier one.
+        """
+        since = self._superseded_at
+        if since is not None and time.monotonic() - since < self._interval_s:
+            return []
+        current_for = self.epochs.current_for(self.spec.stream)
+        if current_for is None or current_for.total_seconds() < self.epoch_sweep_after_s:
+            return []
+        self._superseded_at = time.monotonic()
+        t, name, stream = self.store.tables, self.spec.name, self.spec.stream
+        async with self.store.session() as session:
+            rows = await session.execute(*inbox_sql.superseded_epochs(t, name, stream, epoch))
+            return [(str(e), int(w)) for e, w in rows.all()]
+
+    async def _sweep_superseded(self, epoch: str, watermark: int) -> None:
+        """Empty an earlier incarnation's inbox of the rows that may go, and forget its run
+        counts: its messages are gone from the stream, so its watermark may rise past
+        every sequence (docs/design.md, 'The watermark').
+
+        The raise comes first, committed before any delete, as in a round: a
+        delivery of that incarnation fetched before the stream was deleted and
+        claimed now is taken as processed, never run again after its row went.
+        It waits for claims of the epoch as a round's does, and a sweep that
+        gave way leaves the epoch to the next one. Rows carrying a msg-id stay
+        :attr:`msg_id_retention_s` (the guard spans epochs), retrying rows
+        until their parked retry ends, then a later sweep takes them.
+        """
+        if watermark < SWEPT:
+            raised = await self._raise(epoch, SWEPT)
+            if raised is None or raised < SWEPT:
+                return
+        deleted = await self._delete_chunks(epoch, SWEPT, after=0, look=True)
+        forgotten = await self._forget_runs_below(epoch, SWEPT)
+        if deleted or forgotten:
+            self._logger.info(
+                log.Event.SUPERSEDED_EPOCH_SWEPT,
+                epoch=epoch,
+                deleted=deleted,
+                runs_forgotten=forgotten,
+            )
 
     async def _forget_runs_below(self, epoch: str, watermark: int) -> int:
         """Delete the run counts no settlement forgot at or below the watermark, in one
@@ -289,16 +349,8 @@ class Compactor:
             if time.monotonic() - created < self._interval_s:
                 return 0
             del self._created[epoch]
-        t, name, stream = self.store.tables, self.spec.name, self.spec.stream
-        stmt, params = inbox_sql.advance_watermark(
-            t, name, stream, epoch, candidate, self.settle_lock_ms
-        )
-        try:
-            async with self.store.autocommit() as session:
-                value = (await session.execute(stmt, params)).scalar_one_or_none()
-        except Exception as exc:
-            if failures.classify(exc) is not failures.DbFailure.LOCK_TIMEOUT:
-                raise
+        value = await self._raise(epoch, candidate)
+        if value is None:
             # Claims held up on hot rows share the row: this round deletes nothing, and
             # gives its connection back to them.
             self._deferrals += 1
@@ -313,11 +365,27 @@ class Compactor:
                 )
             return 0
         self._deferrals = 0
-        if value is None:
+        if value == 0:
             # The row is gone (deleted by hand): create it again next round.
             self._known.discard(epoch)
-            return 0
-        return int(value)
+        return value
+
+    async def _raise(self, epoch: str, value: int) -> int | None:
+        """Raise the epoch's watermark to ``value`` in a statement of its own; the watermark
+        now, 0 if the row is gone, None if the claims sharing the row held it past
+        ``settle_lock_ms`` (:func:`eop.pg.sql.inbox.advance_watermark`)."""
+        t, name, stream = self.store.tables, self.spec.name, self.spec.stream
+        stmt, params = inbox_sql.advance_watermark(
+            t, name, stream, epoch, value, self.settle_lock_ms
+        )
+        try:
+            async with self.store.autocommit() as session:
+                raised = (await session.execute(stmt, params)).scalar_one_or_none()
+        except Exception as exc:
+            if failures.classify(exc) is not failures.DbFailure.LOCK_TIMEOUT:
+                raise
+            return None
+        return 0 if raised is None else int(raised)
 
     async def _delete_below(self, epoch: str, watermark: int, *, full: bool | None = None) -> int:
         """Delete in bounded chunks, each its own short transaction (no long locks).
@@ -355,8 +423,17 @@ class Compactor:
         now = time.monotonic()
         if full is None:
             full = self._full_round_due()
-        after = 0 if full else self._swept.get(epoch, 0)
-        look = full
+        total = await self._delete_chunks(
+            epoch, watermark, after=0 if full else self._swept.get(epoch, 0), look=full
+        )
+        self._swept[epoch] = max(watermark, self._swept.get(epoch, 0))
+        if full:
+            self._full_sweep_at = now
+        return total
+
+    async def _delete_chunks(self, epoch: str, watermark: int, *, after: int, look: bool) -> int:
+        """Delete the rows that may go above ``after`` up to ``watermark``, a chunk a
+        transaction, the first chunk's start looked up when ``look``; how many."""
         total = 0
         while after < watermark:
             async with self.store.session() as session:
@@ -380,9 +457,6 @@ class Compactor:
                 break
             after = min(watermark, after + self.chunk_rows)
             look = True
-        self._swept[epoch] = max(watermark, self._swept.get(epoch, 0))
-        if full:
-            self._full_sweep_at = now
         return total
 
     async def _first_to_delete(

@@ -21,6 +21,7 @@ from eop import settings as settings_mod
 from eop.ordering import partitions
 from eop.pg import models
 from eop.pg.sql import inbox as inbox_sql
+from eop.protocol import compaction
 from eop.runtime.worker import Worker
 
 STREAM = "ORDERS"
@@ -105,6 +106,33 @@ async def insert_inbox(
         for r in rows
     ]
     await conn.execute(t.inbox.insert(), inserted)
+
+
+async def count_a_run(app: eop.App, msg: eop.Message) -> None:
+    """Count a run of ``msg`` as a redelivery does before it starts (its worker then died
+    in it), for the handler its subscription names."""
+    async with app.make_store().transaction(app.handlers[msg.subscription]) as tx:
+        await tx.count_run(msg)
+        await tx.commit()
+
+
+def compactor_with_floor(
+    app: eop.App, handler: str, epochs: Any, floor: int
+) -> compaction.Compactor:
+    """A compactor of ``handler`` whose consumer's ack floor is ``floor`` and which reads
+    the stream from ``epochs`` (a stand-in for :class:`eop.broker.jetstream.StreamEpochs`:
+    no NATS)."""
+
+    async def read_floor() -> int:
+        return floor
+
+    return compaction.Compactor(
+        None,  # type: ignore[arg-type]  # the floor is given: no NATS
+        app.make_store(),
+        app.handlers[handler],
+        epochs,
+        floor=read_floor,
+    )
 
 
 async def wait_for(

@@ -32,6 +32,7 @@ from eop.pg import contract
 from eop.protocol import compaction, processor
 from eop.types import Outcome
 
+from . import bed
 from .bed import create_effects_table, effects_by_body, record_effect, scalar, wait_for
 
 SUB, STREAM, SUBJECT, EPOCH = "counted", "ORDERS", "orders.new", "e1"
@@ -146,10 +147,7 @@ async def count_a_run(app: eop.App, seq: int, delivered: int, epoch: str = EPOCH
     """Count a run of the message at ``seq`` as a redelivery does before it starts (its
     worker then died in it)."""
     d = delivery(seq, delivered)
-    msg = message.from_nats(d, subscription=SUB, stream_epoch=epoch)
-    async with app.make_store().transaction(app.handlers[SUB]) as tx:
-        await tx.count_run(msg)
-        await tx.commit()
+    await bed.count_a_run(app, message.from_nats(d, subscription=SUB, stream_epoch=epoch))
 
 
 async def test_a_redelivery_that_finds_its_msg_id_twin_processed_forgets_its_runs(
@@ -323,20 +321,13 @@ class Epochs:
     def first_seq(self, stream: str) -> int:
         return 1
 
+    def current_for(self, stream: str) -> None:
+        return None  # no earlier epoch to sweep
+
 
 def compactor(app: eop.App, floor: int) -> compaction.Compactor:
     """A compactor of the handler whose consumer's ack floor is ``floor``."""
-
-    async def read_floor() -> int:
-        return floor
-
-    return compaction.Compactor(
-        None,  # type: ignore[arg-type]  # the floor is given: no NATS
-        app.make_store(),
-        app.handlers[SUB],
-        Epochs(),  # type: ignore[arg-type]
-        floor=read_floor,
-    )
+    return bed.compactor_with_floor(app, SUB, Epochs(), floor)
 
 
 async def test_compaction_sweeps_the_run_counts_a_first_delivery_settled_behind(

@@ -108,3 +108,17 @@ async def test_a_failed_reading_ahead_is_left_to_the_batch() -> None:
     assert unretrieved == []
     assert await epochs.epoch_of("ORDERS", stored) == "e1"
     assert server.asked == 3
+
+
+async def test_the_current_epoch_has_existed_since_its_creation_by_the_servers_clock() -> None:
+    """``current_for`` is the server's time at the last reading minus the current epoch's
+    creation (never the worker's clock), and None for a stream never read: compaction's
+    sweep of earlier epochs waits on it."""
+    server = _Server()
+    epochs = jetstream.StreamEpochs(server)  # type: ignore[arg-type]  # a fake client
+    assert epochs.current_for("ORDERS") is None
+    await epochs.refresh("ORDERS")
+    assert epochs.current_for("ORDERS") == datetime.timedelta(hours=1)
+    server.now += datetime.timedelta(minutes=5)
+    await epochs.refresh("ORDERS")
+    assert epochs.current_for("ORDERS") == datetime.timedelta(hours=1, minutes=5)

@@ -32,6 +32,20 @@ def watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> s
     return sa.select(w.watermark).where(*in_epoch(w, subscription, stream, epoch))
 
 
+def superseded_epochs(t: models.Tables, subscription: str, stream: str, current: str) -> Bound:
+    """The epochs of a subscription's stream other than ``current`` that have a watermark row,
+    with their watermarks: the stream's earlier incarnations, once ``current`` is read as
+    the stream's epoch before and after this statement (docs/design.md, 'The watermark')."""
+    return _superseded_epochs(t), epoch_params(subscription, stream, current)
+
+
+@functools.cache
+def _superseded_epochs(t: models.Tables) -> sa.Executable:
+    w = t.watermarks.c
+    subscription, stream, epoch = in_bound_epoch(w)
+    return sa.select(w.stream_epoch, w.watermark).where(subscription, stream, ~epoch)
+
+
 def create_watermark(t: models.Tables, subscription: str, stream: str, epoch: str) -> Bound:
     """Make sure the watermark row exists (at 0), so raising it is always an UPDATE;
     RETURNING a row only when this call created it."""
