@@ -104,14 +104,7 @@ class SqlTransaction(Statements):
 
     def _log_ended(self, messages: Sequence[Message], failed_flush: BaseException | None) -> None:
         """``transaction.ended_by_handler`` for the handler of ``messages``."""
-        log.get_logger(handler=self.spec.name).error(
-            log.Event.TRANSACTION_ENDED_BY_HANDLER,
-            stream=messages[0].stream if messages else None,
-            first_seq=messages[0].seq if messages else None,
-            last_seq=messages[-1].seq if messages else None,
-            messages=len(messages),
-            failed_flush=type(failed_flush).__name__ if failed_flush else None,
-        )
+        log_ended(self.spec.name, messages, failed_flush)
 
     def _savepoint_failure(
         self, exc: Exception, savepoint: Any, messages: Sequence[Message]
@@ -191,6 +184,29 @@ class SqlTransaction(Statements):
         """BEGIN and set the transaction's local timeouts (any of ``timeouts``' forms): the
         transaction's first statement, or the first statement's part (the claim's)."""
         await self._rows(timeouts.statement)
+
+
+def log_ended(
+    handler: str, messages: Sequence[Message], failed_flush: BaseException | None = None
+) -> None:
+    """Log ``transaction.ended_by_handler``: ``handler``, run on ``messages``, ended eop's
+    transaction (``failed_flush``: the error of the flush that rolled it back)."""
+    log.get_logger(handler=handler).error(
+        log.Event.TRANSACTION_ENDED_BY_HANDLER,
+        stream=messages[0].stream if messages else None,
+        first_seq=messages[0].seq if messages else None,
+        last_seq=messages[-1].seq if messages else None,
+        messages=len(messages),
+        failed_flush=type(failed_flush).__name__ if failed_flush else None,
+    )
+
+
+def driver_in_transaction(driver: Any) -> bool | None:
+    """Whether a psycopg connection says a transaction is open (False, IDLE, after a
+    ``COMMIT`` or ``ROLLBACK`` statement); None for a driver that cannot say. Read in
+    the thread that uses the connection."""
+    status = getattr(getattr(driver, "info", None), "transaction_status", None)
+    return None if status is None else getattr(status, "name", "") != "IDLE"
 
 
 def _rolled_back_by(transaction: Any) -> BaseException | None:

@@ -20,7 +20,7 @@ from eop.outbox import table as outbox
 from eop.pg import models, pending, session_guard
 from eop.pg.failures import INFRASTRUCTURE, classify
 from eop.pg.sql import claim as claim_sql
-from eop.pg.sql_transaction import SqlTransaction, translate_commit
+from eop.pg.sql_transaction import SqlTransaction, driver_in_transaction, translate_commit
 from eop.pg.threads import SyncThreads
 
 if TYPE_CHECKING:
@@ -182,8 +182,7 @@ class SyncTransaction(SqlTransaction):
     def _driver_in_transaction(self, driver: Any) -> bool | None:
         """psycopg's own status, read in the handler's thread: IDLE after a ``COMMIT`` or
         ``ROLLBACK`` statement; None for a driver without it."""
-        status = getattr(getattr(driver, "info", None), "transaction_status", None)
-        return None if status is None else getattr(status, "name", "") != "IDLE"
+        return driver_in_transaction(driver)
 
     def _flush(self, deferred: Sequence[Message] = ()) -> None:
         for message in deferred:

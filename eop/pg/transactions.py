@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from eop.pg.async_transaction import AsyncTransaction as AsyncTransaction
 from eop.pg.sql_transaction import SqlTransaction as SqlTransaction
+from eop.pg.sql_transaction import driver_in_transaction as driver_in_transaction
+from eop.pg.sql_transaction import log_ended as log_ended
 from eop.pg.sql_transaction import translate_commit as translate_commit
 from eop.pg.sync_transaction import SyncTransaction as SyncTransaction
 from eop.pg.threaded_transaction import ThreadedTransaction as ThreadedTransaction

@@ -149,6 +149,35 @@ async def test_an_on_commit_callback_that_raises_is_logged_and_its_message_acked
     assert not [e for e in logs if e["event"] in ("message.retry", "message.duplicate")]
 
 
+async def test_a_commit_or_rollback_statement_of_a_handler_is_found_before_eops_commit(
+    project: str, nats_url: str, js: Any
+) -> None:
+    """A handler that ends eop's transaction with a ``COMMIT`` or ``ROLLBACK`` statement on
+    Django's cursor (which ``atomic()`` does not refuse) fails with
+    TransactionEndedByHandler, logged with its message, instead of eop committing apart
+    from the claim. The COMMIT's message was committed with its claim and its write
+    before it: never run again, not dead-lettered. The ROLLBACK's fails each run and is
+    dead-lettered with that error. Good messages take effect once each. (A batch of one:
+    in a batch, the COMMIT commits the claims of all its messages.)"""
+    with capture_logs() as logs:
+        async with worker(nats_url, "raw_end", batch=1, max_attempts=2):
+            for i in range(3):
+                await js.publish("dj.rawend", body(f"good-{i}"))
+                await js.publish("dj.rawend", body(f"commit-{i}", end="COMMIT"))
+                await js.publish("dj.rawend", body(f"rollback-{i}", end="ROLLBACK"))
+            await wait_for(lambda: settled(js, "eop-raw_end"), timeout_s=90, what="drained")
+    expected = {f"{kind}-{i}": 1 for kind in ("good", "commit") for i in range(3)}
+    assert await effects("rawend") == expected
+    ended = {
+        (e["handler"], e["first_seq"]) for e in logs if e["event"] == "transaction.ended_by_handler"
+    }
+    assert {seq for _, seq in ended} == {2, 3, 5, 6, 8, 9}
+    assert {handler for handler, _ in ended} == {"raw_end"}
+    dead = await rows("SELECT stream_seq, error FROM eop.dead_letters ORDER BY stream_seq")
+    assert [seq for seq, _ in dead] == [3, 6, 9]
+    assert all("past Django's atomic() block" in error for _, error in dead)
+
+
 async def test_crossing_hot_rows_deadlock_and_still_apply_each_message_once(
     project: str, nats_url: str, js: Any
 ) -> None:

@@ -283,7 +283,31 @@ class DjangoTransaction(statements.Statements):
             async_to_sync(func)(arg, connection, **extra)
         else:
             func(arg, connection, **extra)
+        self._check_intact(messages)
         self._check_usable()
+
+    def _check_intact(self, messages: list[Message]) -> None:
+        """After the handler of ``messages``: when the server no longer holds eop's
+        transaction, log it (``transaction.ended_by_handler``) and fail the handler with
+        :class:`eop.errors.TransactionEndedByHandler` (``ended``).
+
+        Django refuses ``connection.commit()`` and ``rollback()`` inside eop's
+        ``atomic()`` block, but not a ``COMMIT`` or ``ROLLBACK`` statement on a
+        cursor, which only psycopg's status shows: what the handler wrote before,
+        and the claims, may be committed already. As on a SQLAlchemy session, a
+        ``COMMIT`` statement followed by more statements is not seen (psycopg
+        begins a transaction again by itself).
+        """
+        if transactions.driver_in_transaction(self._connection().connection) is not False:
+            return
+        transactions.log_ended(self.spec.name, messages)
+        raise errors.TransactionEndedByHandler(
+            "the handler ended eop's transaction past Django's atomic() block (a COMMIT "
+            "or ROLLBACK statement on its cursor): what it wrote before may be committed "
+            "with the message's claim; remove the statement (transaction.atomic() inside "
+            "the handler makes a savepoint)",
+            ended=True,
+        )
 
     def _check_usable(self) -> None:
         if self._connection().needs_rollback:

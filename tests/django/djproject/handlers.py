@@ -109,3 +109,14 @@ def on_commit_fails(message: eop.Message, connection: Any) -> None:
     """One Effect, then a ``transaction.on_commit`` callback that raises after COMMIT."""
     Effect.objects.create(key=_key(message), handler="oncommit", saw_claim=True)
     transaction.on_commit(_failing_callback)
+
+
+@app.handler(stream="DJ", subject="dj.rawend", name="raw_end")
+def raw_end(message: eop.Message, connection: Any) -> None:
+    """One Effect, then, when its payload names one, a ``COMMIT`` or ``ROLLBACK`` statement
+    on the connection's cursor: eop's transaction ended past Django's ``atomic()``."""
+    Effect.objects.create(key=_key(message), handler="rawend", saw_claim=True)
+    end = json.loads(message.data).get("end")
+    if end:
+        with connection.cursor() as cursor:
+            cursor.execute(end)
