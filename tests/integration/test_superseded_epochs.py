@@ -6,7 +6,8 @@ reads as current (docs/design.md, 'The watermark'). Once the current epoch has
 existed for ``epoch_sweep_after_s``, a round raises every earlier epoch's watermark
 past any sequence and deletes what may go there, run counts included; the rows a
 round keeps (a msg-id within its retention, a parked retry's claim) stay. The
-deliveries are fakes and the stream's readings a script (no NATS).
+deliveries are fakes and the stream's readings a script (no NATS), but for the last
+test: a worker on real servers, its stream deleted under it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from structlog.testing import capture_logs
 import eop
 from eop import message, testing
 from eop import settings as settings_mod
-from eop.pg import models
-from eop.protocol import compaction, processor
+from eop.pg import models, retries
+from eop.protocol import compaction, processor, retry_batch
 from eop.types import Outcome
 
 from . import bed
@@ -159,7 +160,7 @@ async def watermarks(engine: AsyncEngine) -> dict[str, int]:
         return {e: int(v) for e, v in (await conn.execute(sa.text(query))).all()}
 
 
-async def retries(engine: AsyncEngine) -> dict[tuple[str, int], bool]:
+async def retry_rows(engine: AsyncEngine) -> dict[tuple[str, int], bool]:
     """Each retries row, by (epoch, sequence): whether it is parked."""
     async with engine.connect() as conn:
         query = "SELECT stream_epoch, stream_seq, parked FROM eop.retries"
@@ -175,7 +176,8 @@ async def test_a_recreated_streams_earlier_epoch_is_emptied_once_the_delay_has_p
     claim, forgets its run counts but the parked retry's, and logs it once; the current
     epoch's rows above its floor stay. A delivery of the earlier epoch claimed after the
     sweep (fetched before the stream was deleted) is a duplicate, its handler not run,
-    whether its row was swept or it never had one."""
+    whether its row was swept or it never had one. The parked retry still runs, once,
+    from its own copy of the message, and its row goes at the next sweep."""
     async with engine.begin() as conn:
         await insert_inbox(conn, [*old_rows(OLD), row(7, CURRENT)])
     failing.seqs.add(6)
@@ -183,7 +185,7 @@ async def test_a_recreated_streams_earlier_epoch_is_emptied_once_the_delay_has_p
     await bed.count_a_run(
         app, message.from_nats(delivery(8, 2), subscription=SUB, stream_epoch=OLD)
     )
-    assert await retries(engine) == {(OLD, 6): True, (OLD, 8): False}
+    assert await retry_rows(engine) == {(OLD, 6): True, (OLD, 8): False}
     before = {OLD: {1, 2, 3, 4, 5, 6}, CURRENT: {7}}
     assert await inbox(engine) == before
 
@@ -197,7 +199,7 @@ async def test_a_recreated_streams_earlier_epoch_is_emptied_once_the_delay_has_p
         await compactor(app, old_enough, floor=0).compact_once()
     assert await inbox(engine) == {OLD: {2, 4, 6}, CURRENT: {7}}
     assert (await watermarks(engine))[OLD] == compaction.SWEPT
-    assert await retries(engine) == {(OLD, 6): True}
+    assert await retry_rows(engine) == {(OLD, 6): True}
     swept = [e for e in logs if e["event"] == "inbox.superseded_epoch_swept"]
     assert [(e["epoch"], e["deleted"], e["runs_forgotten"]) for e in swept] == [(OLD, 3, 1)]
 
@@ -205,6 +207,20 @@ async def test_a_recreated_streams_earlier_epoch_is_emptied_once_the_delay_has_p
     assert await stale.handle(delivery(1, 2), time.monotonic()) is Outcome.DUPLICATE
     assert await stale.handle(delivery(9), time.monotonic()) is Outcome.DUPLICATE
     assert await effects_by_body(engine) == {}
+
+    # The parked retry still runs from its own copy of the message, once, and its row
+    # goes at the next sweep.
+    failing.seqs.clear()
+    async with engine.begin() as conn:
+        await conn.execute(sa.text("UPDATE eop.retries SET due_at = now() WHERE parked"))
+    spec = app.handlers[SUB]
+    due = await retries.take_due(stale.store, spec, 10, stale.ack_wait_s)
+    assert [p.message.seq for p in due] == [6]
+    assert await retry_batch.RetryBatch(stale).run(due) == [Outcome.PROCESSED]
+    assert await effects_by_body(engine) == {"m6": 1}
+    assert await retry_rows(engine) == {}
+    await compactor(app, old_enough, floor=0).compact_once()
+    assert await inbox(engine) == {OLD: {2, 4}, CURRENT: {7}}
 
 
 async def test_epochs_read_as_superseded_are_left_when_the_stream_changed_meanwhile(
