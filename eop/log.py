@@ -86,9 +86,11 @@ class Event(str, enum.Enum):
     INBOX_COMPACTED = "inbox.compacted"
     COMPACTION_FAILED = "inbox.compaction_failed"
     COMPACTION_DEFERRED = "inbox.compaction_deferred"
-    SUPERSEDED_EPOCH_SWEPT = "inbox.superseded_epoch_swept"
     """Compaction's raise of the watermark waited its lock bound for the claims sharing the
     row (held up on hot rows) and gave way: the next round tries again."""
+    SUPERSEDED_EPOCH_SWEPT = "inbox.superseded_epoch_swept"
+    """Compaction swept an earlier incarnation of a recreated stream: its watermark past
+    every sequence, the rows that may go deleted."""
     STREAM_EPOCH_CHANGED = "stream.epoch_changed"
     STREAM_INFO_RETRY = "stream.info_retry"
     JETSTREAM_INFO_RETRY = "jetstream.info_retry"

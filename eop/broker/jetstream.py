@@ -197,12 +197,13 @@ class StreamEpochs:
         """The stream's first sequence at the last reading (1 if never read)."""
         return self._first_seq.get(stream, 1)
 
-    def current_for(self, stream: str) -> datetime.timedelta | None:
-        """How long the stream's current epoch had existed at the last reading (server
-        time), None if never read: every other epoch of the stream was superseded at least
-        that long before."""
+    def current_for(self, stream: str, epoch: str) -> datetime.timedelta | None:
+        """How long ``epoch``, the stream's current one, had existed at the last reading
+        (server time): every other epoch of the stream was superseded at least that long
+        before. None if the stream was never read, or if ``epoch`` is not the newest epoch
+        read (a later one was seen)."""
         history, as_of = self._history.get(stream), self._as_of.get(stream)
-        if not history or as_of is None:
+        if not history or as_of is None or history[-1][1] != epoch:
             return None
         return as_of - history[-1][0]
 

@@ -228,7 +228,7 @@ class Compactor:
         since = self._superseded_at
         if since is not None and time.monotonic() - since < self._interval_s:
             return []
-        current_for = self.epochs.current_for(self.spec.stream)
+        current_for = self.epochs.current_for(self.spec.stream, epoch)
         if current_for is None or current_for.total_seconds() < self.epoch_sweep_after_s:
             return []
         self._superseded_at = time.monotonic()

@@ -321,7 +321,7 @@ class Epochs:
     def first_seq(self, stream: str) -> int:
         return 1
 
-    def current_for(self, stream: str) -> None:
+    def current_for(self, stream: str, epoch: str) -> None:
         return None  # no earlier epoch to sweep
 
 

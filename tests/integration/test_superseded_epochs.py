@@ -88,7 +88,7 @@ class Readings:
     def first_seq(self, stream: str) -> int:
         return 1
 
-    def current_for(self, stream: str) -> datetime.timedelta:
+    def current_for(self, stream: str, epoch: str) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.current_for_s)
 
 

@@ -112,13 +112,14 @@ async def test_a_failed_reading_ahead_is_left_to_the_batch() -> None:
 
 async def test_the_current_epoch_has_existed_since_its_creation_by_the_servers_clock() -> None:
     """``current_for`` is the server's time at the last reading minus the current epoch's
-    creation (never the worker's clock), and None for a stream never read: compaction's
-    sweep of earlier epochs waits on it."""
+    creation (never the worker's clock); None for a stream never read, or when the epoch
+    named is not the newest one read: compaction's sweep of earlier epochs waits on it."""
     server = _Server()
     epochs = jetstream.StreamEpochs(server)  # type: ignore[arg-type]  # a fake client
-    assert epochs.current_for("ORDERS") is None
+    assert epochs.current_for("ORDERS", "e1") is None
     await epochs.refresh("ORDERS")
-    assert epochs.current_for("ORDERS") == datetime.timedelta(hours=1)
+    assert epochs.current_for("ORDERS", "e1") == datetime.timedelta(hours=1)
     server.now += datetime.timedelta(minutes=5)
     await epochs.refresh("ORDERS")
-    assert epochs.current_for("ORDERS") == datetime.timedelta(hours=1, minutes=5)
+    assert epochs.current_for("ORDERS", "e1") == datetime.timedelta(hours=1, minutes=5)
+    assert epochs.current_for("ORDERS", "e0") is None
