@@ -77,6 +77,10 @@ class Event(str, enum.Enum):
     COMMIT_AMBIGUOUS = "commit.ambiguous"
     ACK_RETRY = "ack.retry"
     ACK_GAVE_UP = "ack.gave_up"
+    ACK_FENCED = "ack.fenced"
+    """An ack, nak or term not sent: its delivery is of an earlier incarnation of its
+    stream, and nats-server would apply it to the new one's message at the same
+    sequence."""
     HEARTBEAT_FAILED = "heartbeat.failed"
     DELIVERY_STUCK = "delivery.stuck"
     """A consumer's oldest delivery has waited unacknowledged past ``stuck_after_ack_waits``."""

@@ -21,6 +21,7 @@ from nats.js import api
 
 from eop import backoff, faults, log
 from eop.broker import client
+from eop.broker.fence import Fence
 from eop.types import Delivery
 
 _ACK = b"+ACK"
@@ -71,6 +72,7 @@ async def confirm(
     logger: log.Logger,
     stopping: asyncio.Event | None = None,
     gone: set[tuple[str, str]] | None = None,
+    fence: Fence | None = None,
 ) -> bool:
     """Send a confirmed ack, retried on timeouts and reconnects; True once the server has it.
 
@@ -81,10 +83,58 @@ async def confirm(
     ``gone`` holds the (stream, consumer) pairs whose last ack was given up on "no
     responders" (:attr:`Acker.gone`): an ack to one of them is given up at its first
     "no responders", and a confirmed one takes its consumer off.
-    """
 
-    # The first try outside tenacity: almost every ack succeeds at once, and a
-    # retrying loop costs more CPU than the ack itself.
+    With a ``fence``, each try is sent only if the delivery is of its stream's
+    current incarnation by a fresh reading (:class:`eop.broker.fence.Fence`): it
+    is given up (``ack.fenced``) as soon as a reading shows it is not, and a try
+    whose reading cannot be made waits for the next one.
+    """
+    verdict = True if fence is None else await fence.verdict(delivery)
+    if verdict is False:
+        fenced(logger, log.Action.ACK)
+        return False
+    if verdict:
+        done = await _first_try(delivery, timeout_s, logger, gone)
+        if done is not None:
+            return done
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        logger.debug(log.Event.ACK_RETRY, attempt=state.attempt_number, error=type(exc).__name__)
+
+    retrying = backoff.retrying(
+        stop=(tenacity.stop_after_delay(give_up_s) | _NoRespondersForLong() | _Stopped(stopping)),
+        retry=tenacity.retry_if_exception_type(_RETRYABLE_ACK_ERRORS),
+        base_s=_ACK_RETRY_FIRST_S,
+        max_s=_ACK_RETRY_MAX_S,
+        before_sleep=before_sleep,
+    )
+    try:
+        async for attempt in retrying:
+            with attempt:
+                await _fenced_try(delivery, fence)
+                await delivery.ack_sync(timeout=timeout_s)
+    except _Stale:
+        fenced(logger, log.Action.ACK)
+        return False
+    except nats.errors.MsgAlreadyAckdError:
+        return True
+    except _RETRYABLE_ACK_ERRORS as exc:
+        if gone is not None and isinstance(exc, nats.errors.NoRespondersError):
+            gone.add(_consumer_of(delivery))
+        _gave_up(logger, exc)
+        return False
+    if gone:
+        gone.discard(_consumer_of(delivery))
+    return True
+
+
+async def _first_try(
+    delivery: Delivery, timeout_s: float, logger: log.Logger, gone: set[tuple[str, str]] | None
+) -> bool | None:
+    """The first try, outside tenacity: almost every ack succeeds at once, and a retrying
+    loop costs more CPU than the ack itself. True: confirmed; False: given up (its
+    consumer was found gone); None: to be resent."""
     try:
         await delivery.ack_sync(timeout=timeout_s)
         if gone:
@@ -101,32 +151,33 @@ async def confirm(
             _gave_up(logger, exc)
             return False
         logger.debug(log.Event.ACK_RETRY, attempt=1, error=type(exc).__name__)
+    return None
 
-    def before_sleep(state: tenacity.RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        logger.debug(log.Event.ACK_RETRY, attempt=state.attempt_number, error=type(exc).__name__)
 
-    retrying = backoff.retrying(
-        stop=(tenacity.stop_after_delay(give_up_s) | _NoRespondersForLong() | _Stopped(stopping)),
-        retry=tenacity.retry_if_exception_type(_RETRYABLE_ACK_ERRORS),
-        base_s=_ACK_RETRY_FIRST_S,
-        max_s=_ACK_RETRY_MAX_S,
-        before_sleep=before_sleep,
+class _Stale(Exception):
+    """A reading shows the delivery is of an earlier incarnation of its stream."""
+
+
+async def _fenced_try(delivery: Delivery, fence: Fence | None) -> None:
+    """Let a resent ack go only if the fence allows it now: :class:`_Stale` if a reading
+    shows it must never go, a retried error if no reading can be made now."""
+    if fence is None:
+        return
+    verdict = await fence.verdict(delivery)
+    if verdict is False:
+        raise _Stale()
+    if verdict is None:
+        raise asyncio.TimeoutError("the stream cannot be read: the ack waits for a reading")
+
+
+def fenced(logger: log.Logger, action: log.Action) -> None:
+    """Log a settlement not sent: its delivery is of an earlier incarnation of its stream."""
+    logger.warning(
+        log.Event.ACK_FENCED,
+        action=action,
+        note="the stream was recreated since this delivery: sent, it would settle the new "
+        "incarnation's message at the same sequence",
     )
-    try:
-        async for attempt in retrying:
-            with attempt:
-                await delivery.ack_sync(timeout=timeout_s)
-    except nats.errors.MsgAlreadyAckdError:
-        return True
-    except _RETRYABLE_ACK_ERRORS as exc:
-        if gone is not None and isinstance(exc, nats.errors.NoRespondersError):
-            gone.add(_consumer_of(delivery))
-        _gave_up(logger, exc)
-        return False
-    if gone:
-        gone.discard(_consumer_of(delivery))
-    return True
 
 
 def _gave_up(logger: log.Logger, exc: BaseException) -> None:
@@ -283,12 +334,48 @@ class Acker:
         *,
         timeout_s: float,
         give_up_s: float,
+        fence: Fence | None = None,
     ) -> list[bool]:
         """Ack every delivery and wait for the server's confirmations.
 
         Returns, per delivery, whether the server has the ack (False: given up
-        after ``give_up_s``, with a warning, as :func:`confirm` does).
+        after ``give_up_s``, with a warning, as :func:`confirm` does). With a
+        ``fence``, only the deliveries of their stream's current incarnation are
+        acked together; one of an earlier incarnation is not acked
+        (``ack.fenced``), one whose stream cannot be read now takes
+        :func:`confirm`'s way.
         """
+        if not deliveries:
+            return []
+        if fence is None:
+            return await self._confirm_many(deliveries, loggers, timeout_s, give_up_s, None)
+        verdicts = await fence.verdicts(deliveries)
+        if all(verdicts):
+            return await self._confirm_many(deliveries, loggers, timeout_s, give_up_s, fence)
+        confirmed = [False] * len(deliveries)
+        now = [i for i, v in enumerate(verdicts) if v]
+        done = await self._confirm_many(
+            [deliveries[i] for i in now], [loggers[i] for i in now], timeout_s, give_up_s, fence
+        )
+        for i, ok in zip(now, done, strict=True):
+            confirmed[i] = ok
+        later = [i for i, v in enumerate(verdicts) if v is None]
+        again = await self._one_by_one(deliveries, loggers, later, timeout_s, give_up_s, fence)
+        for i, ok in zip(later, again, strict=True):
+            confirmed[i] = ok
+        for i, v in enumerate(verdicts):
+            if v is False:
+                fenced(loggers[i], log.Action.ACK)
+        return confirmed
+
+    async def _confirm_many(
+        self,
+        deliveries: Sequence[Delivery],
+        loggers: Sequence[log.Logger],
+        timeout_s: float,
+        give_up_s: float,
+        fence: Fence | None,
+    ) -> list[bool]:
         if not deliveries:
             return []
         first = self._next + 1
@@ -306,18 +393,8 @@ class Acker:
         confirmed = waiting.confirmed
         retries = [i for i, ok in enumerate(confirmed) if not ok]
         if retries:
-            again = await asyncio.gather(
-                *(
-                    confirm(
-                        deliveries[i],
-                        timeout_s=timeout_s,
-                        give_up_s=give_up_s,
-                        logger=loggers[i],
-                        stopping=self.stopping,
-                        gone=self.gone,
-                    )
-                    for i in retries
-                )
+            again = await self._one_by_one(
+                deliveries, loggers, retries, timeout_s, give_up_s, fence
             )
             for i, ok in zip(retries, again, strict=True):
                 confirmed[i] = ok
@@ -327,18 +404,71 @@ class Acker:
             )
         return confirmed
 
+    async def _one_by_one(
+        self,
+        deliveries: Sequence[Delivery],
+        loggers: Sequence[log.Logger],
+        indices: Sequence[int],
+        timeout_s: float,
+        give_up_s: float,
+        fence: Fence | None,
+    ) -> list[bool]:
+        """:func:`confirm` of the deliveries at ``indices``, concurrently."""
+        return list(
+            await asyncio.gather(
+                *(
+                    confirm(
+                        deliveries[i],
+                        timeout_s=timeout_s,
+                        give_up_s=give_up_s,
+                        logger=loggers[i],
+                        stopping=self.stopping,
+                        gone=self.gone,
+                        fence=fence,
+                    )
+                    for i in indices
+                )
+            )
+        )
 
-async def nak(delivery: Delivery, delay_s: float, logger: log.Logger) -> None:
-    """Nak with a delay; a failure only means the redelivery comes after AckWait instead."""
+
+async def nak(
+    delivery: Delivery, delay_s: float, logger: log.Logger, fence: Fence | None = None
+) -> None:
+    """Nak with a delay; a failure only means the redelivery comes after AckWait instead.
+    With a ``fence``, not sent unless a fresh reading shows the delivery is of its stream's
+    current incarnation (a nak of the new incarnation's message would hand back one that
+    runs)."""
+    if not await _allowed(delivery, fence, log.Action.NAK, logger):
+        return
     try:
         await delivery.nak(delay=delay_s)
     except (nats.errors.Error, asyncio.TimeoutError) as exc:
         logger.debug(log.Event.ACK_GAVE_UP, action=log.Action.NAK, error=type(exc).__name__)
 
 
-async def term(delivery: Delivery, logger: log.Logger) -> None:
-    """Term the delivery; if that is lost, the redelivery finds the inbox row and is acked."""
+async def term(delivery: Delivery, logger: log.Logger, fence: Fence | None = None) -> None:
+    """Term the delivery; if that is lost, the redelivery finds the inbox row and is acked.
+    With a ``fence``, not sent unless a fresh reading shows the delivery is of its stream's
+    current incarnation (a term of the new incarnation's message would lose it)."""
+    if not await _allowed(delivery, fence, log.Action.TERM, logger):
+        return
     try:
         await delivery.term()
     except (nats.errors.Error, asyncio.TimeoutError) as exc:
         logger.debug(log.Event.ACK_GAVE_UP, action=log.Action.TERM, error=type(exc).__name__)
+
+
+async def _allowed(
+    delivery: Delivery, fence: Fence | None, action: log.Action, logger: log.Logger
+) -> bool:
+    """Whether a nak or term may be sent now; one that may not is left to the delivery's
+    AckWait (the redelivery, if its stream still has it, settles it)."""
+    if fence is None:
+        return True
+    verdict = await fence.verdict(delivery)
+    if verdict is False:
+        fenced(logger, action)
+    elif verdict is None:
+        logger.debug(log.Event.ACK_GAVE_UP, action=action, error="stream not readable")
+    return bool(verdict)

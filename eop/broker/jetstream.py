@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -31,6 +32,9 @@ EPOCH_METADATA_KEY = "eop_epoch"
 
 #: The subject prefix of the JetStream API (of the default account domain).
 API_PREFIX = "$JS.API"
+
+#: How long a JetStream API request waits for its reply.
+API_TIMEOUT_S = 5.0
 
 #: What nats-py raises when the server cannot be reached or does not answer.
 NATS_ERRORS = connection.NATS_ERRORS
@@ -192,6 +196,8 @@ class StreamEpochs:
         self._locks: dict[str, asyncio.Lock] = {}
         self._ahead: set[asyncio.Task[str | None]] = set()
         """Readings started by :meth:`read_ahead`, kept until they end."""
+        self._read_at: dict[str, float] = {}
+        """When (monotonic) each stream's last reading that answered was asked for."""
 
     def first_seq(self, stream: str) -> int:
         """The stream's first sequence at the last reading (1 if never read)."""
@@ -206,6 +212,30 @@ class StreamEpochs:
         if not history or as_of is None or history[-1][1] != epoch:
             return None
         return as_of - history[-1][0]
+
+    async def read_within(self, stream: str, within_s: float, timeout_s: float) -> bool | None:
+        """Make sure the last reading of ``stream`` was asked for at most ``within_s`` ago, or
+        read it now (``timeout_s`` at most; callers meanwhile share it): True then; False
+        if the stream is gone; None if the server cannot be asked (:mod:`eop.broker.fence`)."""
+        async with self._locks.setdefault(stream, asyncio.Lock()):
+            asked = self._read_at.get(stream)
+            if asked is not None and time.monotonic() - asked <= within_s:
+                return True
+            try:
+                await self.refresh(stream, timeout_s=timeout_s)
+            except errors.ConfigurationError:
+                return False  # no such stream: its messages are gone
+            except errors.NatsUnavailable:
+                return None
+        return True
+
+    def of_current(self, stream: str, stored_at: datetime.datetime | None) -> bool:
+        """Whether a message stored at ``stored_at`` is of the stream's incarnation at the
+        last reading: stored since its creation (no time, or never read: True)."""
+        history = self._history.get(stream)
+        if not history or stored_at is None:
+            return True
+        return stored_at >= history[-1][0]
 
     async def epoch_of(self, stream: str, stored_at: datetime.datetime | None) -> str | None:
         """The epoch of the message of ``stream`` stored at ``stored_at``."""
@@ -276,9 +306,11 @@ class StreamEpochs:
             with attempt:
                 await self.refresh(stream)
 
-    async def refresh(self, stream: str) -> str:
-        """Read the stream's current epoch from the server; returns it."""
-        info = await raw_stream_info(self._nc, stream, prefix=self._prefix)
+    async def refresh(self, stream: str, *, timeout_s: float = API_TIMEOUT_S) -> str:
+        """Read the stream's current epoch from the server (waiting ``timeout_s`` at most);
+        returns it."""
+        asked = time.monotonic()
+        info = await raw_stream_info(self._nc, stream, prefix=self._prefix, timeout_s=timeout_s)
         created = parse_time(info["created"])
         epoch = epoch_from_info(info)
         history = self._history.setdefault(stream, [])
@@ -287,6 +319,7 @@ class StreamEpochs:
             history.sort(key=lambda item: item[0])
         self._as_of[stream] = parse_time(info["ts"]) if "ts" in info else created
         self._first_seq[stream] = int(info.get("state", {}).get("first_seq", 1))
+        self._read_at[stream] = max(asked, self._read_at.get(stream, asked))
         return epoch
 
 
@@ -301,7 +334,9 @@ def epoch_from_info(info: Mapping[str, Any]) -> str:
     return str(metadata.get(EPOCH_METADATA_KEY) or parse_time(info["created"]).isoformat())
 
 
-async def api_request(nc: NATS, subject: str, *, what: str, prefix: str = API_PREFIX) -> Any:
+async def api_request(
+    nc: NATS, subject: str, *, what: str, prefix: str = API_PREFIX, timeout_s: float = API_TIMEOUT_S
+) -> Any:
     """The decoded reply of a raw JetStream API request (``STREAM.INFO.X``, ...).
 
     Raw, since nats-py's typed infos drop the server's time (``ts``) that
@@ -310,16 +345,20 @@ async def api_request(nc: NATS, subject: str, *, what: str, prefix: str = API_PR
     :class:`eop.NatsUnavailable`, its message starting with ``what``.
     """
     try:
-        reply = await nc.request(f"{prefix}.{subject}", b"", timeout=5)
+        reply = await nc.request(f"{prefix}.{subject}", b"", timeout=timeout_s)
     except NATS_ERRORS as exc:
         raise errors.NatsUnavailable(f"{what}: {exc!r}") from exc
     return json.loads(reply.data)
 
 
-async def raw_stream_info(nc: NATS, stream: str, *, prefix: str = API_PREFIX) -> dict[str, Any]:
+async def raw_stream_info(
+    nc: NATS, stream: str, *, prefix: str = API_PREFIX, timeout_s: float = API_TIMEOUT_S
+) -> dict[str, Any]:
     """The raw ``STREAM.INFO`` of ``stream``; :class:`eop.ConfigurationError` if it is missing."""
     what = f"cannot read stream {stream!r}"
-    info: dict[str, Any] = await api_request(nc, f"STREAM.INFO.{stream}", what=what, prefix=prefix)
+    info: dict[str, Any] = await api_request(
+        nc, f"STREAM.INFO.{stream}", what=what, prefix=prefix, timeout_s=timeout_s
+    )
     if "error" in info:
         raise errors.ConfigurationError(f"{what}: {info['error'].get('description')}")
     return info

@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from eop import backoff, errors, faults, futures, log, message
 from eop.broker import ack
+from eop.broker.fence import Fence, Readings
 from eop.handler import HandlerSpec
 from eop.observe import observer as observe
 from eop.pg import contract, failures, models, retries
@@ -33,8 +34,9 @@ from eop.types import Delivery, Outcome
 T = TypeVar("T")
 
 
-class Epochs(Protocol):
-    """Where the protocol learns which epoch of a stream a message belongs to.
+class Epochs(Readings, Protocol):
+    """Where the protocol learns which epoch of a stream a message belongs to, and the
+    readings its settlements rely on (:class:`eop.broker.fence.Readings`).
 
     :class:`eop.broker.jetstream.StreamEpochs` is the one a worker uses.
     """
@@ -138,6 +140,9 @@ class Settlement:
         self.observer = observer
         self.acker = acker
         """Confirms a batch's acks together; None: one ``ack_sync`` per message."""
+        self.fence = Fence(epochs)
+        """Lets an ack, nak or term go only for a delivery of its stream's current
+        incarnation (a recreated stream's consumer would take it as its own message's)."""
 
     # -- an outcome decided in a transaction
 
@@ -189,7 +194,7 @@ class Settlement:
                 )
             )
             return outcome
-        await ack.term(delivery, logger)
+        await ack.term(delivery, logger, self.fence)
         assert dead is not None
         self.observer.outcome(observe.Settled(self.spec, delivery, outcome, reason=dead.reason))
         if outcome is Outcome.QUARANTINED:
@@ -222,6 +227,7 @@ class Settlement:
             loggers,
             timeout_s=self.settings.ack_timeout_s,
             give_up_s=self.settings.ack_give_up_s,
+            fence=self.fence,
         )
         ack_s = time.perf_counter() - committed_at
         for delivery, logger, ok in zip(deliveries, loggers, acked, strict=True):
@@ -274,7 +280,7 @@ class Settlement:
             delay_s = backoff.backoff_s(
                 msg.num_delivered, self.settings.backoff_base_s, self.settings.backoff_max_s
             )
-        await ack.nak(delivery, delay_s, logger)
+        await ack.nak(delivery, delay_s, logger, self.fence)
         self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.RETRY))
         return Outcome.RETRY
 
@@ -282,7 +288,7 @@ class Settlement:
         """The worker stops before this delivery ran (or while its transaction waits to be
         retried): nak'ed at once, for another process to take without waiting, and
         counted as left for redelivery, not as a retry (nothing failed)."""
-        await ack.nak(delivery, 0.0, logger)
+        await ack.nak(delivery, 0.0, logger, self.fence)
         self.observer.outcome(observe.Settled(self.spec, delivery, Outcome.LEFT))
         return Outcome.LEFT
 
@@ -449,6 +455,7 @@ class Settlement:
             logger=logger,
             stopping=self.acker.stopping if self.acker is not None else None,
             gone=self.acker.gone if self.acker is not None else None,
+            fence=self.fence,
         )
         await faults.point("after_ack")
         return acked

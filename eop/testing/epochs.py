@@ -45,3 +45,11 @@ class FakeEpochs:
         self.refreshes += 1
         self._cache[stream] = self.current.get(stream, self.default)
         return self._cache[stream]
+
+    async def read_within(self, stream: str, within_s: float, timeout_s: float) -> bool:
+        """Always read: the fake server answers at once."""
+        return True
+
+    def of_current(self, stream: str, stored_at: datetime.datetime | None) -> bool:
+        """Every message is of the current incarnation: settling it reaches it alone."""
+        return True

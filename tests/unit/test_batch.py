@@ -578,6 +578,12 @@ class TwoEpochs:
     async def refresh(self, stream: str) -> str:
         return "e2"
 
+    async def read_within(self, stream: str, within_s: float, timeout_s: float) -> bool:
+        return True
+
+    def of_current(self, stream: str, stored_at: datetime.datetime | None) -> bool:
+        return stored_at is None or stored_at >= RECREATED
+
 
 def on_two_epochs(epochs: TwoEpochs) -> tuple[batch.BatchProcessor, testing.MemoryStore]:
     async def noop(msg: Message, session: Any) -> None:
