@@ -154,7 +154,9 @@ class Settings:
         3600.0,
         "How long after a stream is recreated compaction deletes the inbox rows left in its "
         "earlier incarnations, whose messages are gone: rows carrying a Nats-Msg-Id still "
-        "stay msg_id_retention_s, retrying ones until their retry ends.",
+        "stay msg_id_retention_s, retrying ones until their retry ends. From then on a "
+        "delivery of an earlier incarnation still in a worker's hands is taken as processed: "
+        "keep it above your longest handler run.",
         minimum=0,
     )
     shutdown_grace_s: float = _field(

@@ -33,9 +33,6 @@ EPOCH_METADATA_KEY = "eop_epoch"
 #: The subject prefix of the JetStream API (of the default account domain).
 API_PREFIX = "$JS.API"
 
-#: How long a JetStream API request waits for its reply.
-API_TIMEOUT_S = 5.0
-
 #: What nats-py raises when the server cannot be reached or does not answer.
 NATS_ERRORS = connection.NATS_ERRORS
 
@@ -204,10 +201,8 @@ class StreamEpochs:
         return self._first_seq.get(stream, 1)
 
     def current_for(self, stream: str, epoch: str) -> datetime.timedelta | None:
-        """How long ``epoch``, the stream's current one, had existed at the last reading
-        (server time): every other epoch of the stream was superseded at least that long
-        before. None if the stream was never read, or if ``epoch`` is not the newest epoch
-        read (a later one was seen)."""
+        """How long ``epoch``, the stream's newest, existed at the last reading (server time);
+        None if never read or a later epoch was seen. Every other epoch ended before it."""
         history, as_of = self._history.get(stream), self._as_of.get(stream)
         if not history or as_of is None or history[-1][1] != epoch:
             return None
@@ -215,19 +210,26 @@ class StreamEpochs:
 
     async def read_within(self, stream: str, within_s: float, timeout_s: float) -> bool | None:
         """Make sure the last reading of ``stream`` was asked for at most ``within_s`` ago, or
-        read it now (``timeout_s`` at most; callers meanwhile share it): True then; False
-        if the stream is gone; None if the server cannot be asked (:mod:`eop.broker.fence`)."""
+        read it now (callers meanwhile share it), ``timeout_s`` at most: True then; False if
+        the stream is gone; None if it cannot be read in time (:mod:`eop.broker.fence`)."""
+        if self._read_since(stream, within_s):
+            return True  # no task, no timer: the usual case of a drained backlog's batch
+        try:
+            return await asyncio.wait_for(self._read_fresh(stream, within_s), timeout_s)
+        except (errors.NatsUnavailable, asyncio.TimeoutError):
+            return None
+        except errors.ConfigurationError:
+            return False  # no such stream: its messages are gone
+
+    async def _read_fresh(self, stream: str, within_s: float) -> bool:
         async with self._locks.setdefault(stream, asyncio.Lock()):
-            asked = self._read_at.get(stream)
-            if asked is not None and time.monotonic() - asked <= within_s:
-                return True
-            try:
-                await self.refresh(stream, timeout_s=timeout_s)
-            except errors.ConfigurationError:
-                return False  # no such stream: its messages are gone
-            except errors.NatsUnavailable:
-                return None
+            if not self._read_since(stream, within_s):
+                await self.refresh(stream)
         return True
+
+    def _read_since(self, stream: str, within_s: float) -> bool:
+        asked = self._read_at.get(stream)
+        return asked is not None and time.monotonic() - asked <= within_s
 
     def of_current(self, stream: str, stored_at: datetime.datetime | None) -> bool:
         """Whether a message stored at ``stored_at`` is of the stream's incarnation at the
@@ -306,11 +308,10 @@ class StreamEpochs:
             with attempt:
                 await self.refresh(stream)
 
-    async def refresh(self, stream: str, *, timeout_s: float = API_TIMEOUT_S) -> str:
-        """Read the stream's current epoch from the server (waiting ``timeout_s`` at most);
-        returns it."""
+    async def refresh(self, stream: str) -> str:
+        """Read the stream's current epoch from the server; returns it."""
         asked = time.monotonic()
-        info = await raw_stream_info(self._nc, stream, prefix=self._prefix, timeout_s=timeout_s)
+        info = await raw_stream_info(self._nc, stream, prefix=self._prefix)
         created = parse_time(info["created"])
         epoch = epoch_from_info(info)
         history = self._history.setdefault(stream, [])
@@ -334,9 +335,7 @@ def epoch_from_info(info: Mapping[str, Any]) -> str:
     return str(metadata.get(EPOCH_METADATA_KEY) or parse_time(info["created"]).isoformat())
 
 
-async def api_request(
-    nc: NATS, subject: str, *, what: str, prefix: str = API_PREFIX, timeout_s: float = API_TIMEOUT_S
-) -> Any:
+async def api_request(nc: NATS, subject: str, *, what: str, prefix: str = API_PREFIX) -> Any:
     """The decoded reply of a raw JetStream API request (``STREAM.INFO.X``, ...).
 
     Raw, since nats-py's typed infos drop the server's time (``ts``) that
@@ -345,20 +344,16 @@ async def api_request(
     :class:`eop.NatsUnavailable`, its message starting with ``what``.
     """
     try:
-        reply = await nc.request(f"{prefix}.{subject}", b"", timeout=timeout_s)
+        reply = await nc.request(f"{prefix}.{subject}", b"", timeout=5)
     except NATS_ERRORS as exc:
         raise errors.NatsUnavailable(f"{what}: {exc!r}") from exc
     return json.loads(reply.data)
 
 
-async def raw_stream_info(
-    nc: NATS, stream: str, *, prefix: str = API_PREFIX, timeout_s: float = API_TIMEOUT_S
-) -> dict[str, Any]:
+async def raw_stream_info(nc: NATS, stream: str, *, prefix: str = API_PREFIX) -> dict[str, Any]:
     """The raw ``STREAM.INFO`` of ``stream``; :class:`eop.ConfigurationError` if it is missing."""
     what = f"cannot read stream {stream!r}"
-    info: dict[str, Any] = await api_request(
-        nc, f"STREAM.INFO.{stream}", what=what, prefix=prefix, timeout_s=timeout_s
-    )
+    info: dict[str, Any] = await api_request(nc, f"STREAM.INFO.{stream}", what=what, prefix=prefix)
     if "error" in info:
         raise errors.ConfigurationError(f"{what}: {info['error'].get('description')}")
     return info

@@ -250,16 +250,18 @@ class Compactor:
         :attr:`msg_id_retention_s` (the guard spans epochs), retrying rows
         until their parked retry ends, then a later sweep takes them.
         """
-        if watermark < SWEPT:
+        raising = watermark < SWEPT
+        if raising:
             raised = await self._raise(epoch, SWEPT)
             if raised is None or raised < SWEPT:
                 return
         deleted = await self._delete_chunks(epoch, SWEPT, after=0, look=True)
         forgotten = await self._forget_runs_below(epoch, SWEPT)
-        if deleted or forgotten:
+        if raising or deleted or forgotten:
             self._logger.info(
                 log.Event.SUPERSEDED_EPOCH_SWEPT,
                 epoch=epoch,
+                raised=raising,
                 deleted=deleted,
                 runs_forgotten=forgotten,
             )

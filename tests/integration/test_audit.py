@@ -162,7 +162,8 @@ async def test_changed_fingerprint_in_the_same_epoch_is_a_reused_sequence(
 async def test_recreated_stream_reuses_sequences(
     database_url: str, nats_url: str, js: Any, engine: AsyncEngine
 ) -> None:
-    """Outcomes of the deleted stream: reused where the new one holds the sequence, else gone."""
+    """Outcomes of the deleted stream: reused where the new one holds the sequence, else gone,
+    and a note says what they are and points at --current-epoch-only."""
     app = make_app(database_url, nats_url, compaction_interval_s=0)
     await process(app, js, [f"old{i}" for i in range(5)])
     await js.delete_stream(STREAM)
@@ -170,6 +171,9 @@ async def test_recreated_stream_reuses_sequences(
     h = await audit_of(app)
     assert kinds(h) == {"reused_sequence": [1, 2, 3], "outcome_message_gone": [4, 5]}
     assert h.processed.count == 3
+    [note] = [n for n in h.notes if "earlier incarnations" in n]
+    assert note.startswith("5 of the anomalies")
+    assert "--current-epoch-only" in note
     assert (await audit_of(app, current_epoch_only=True)).clean
 
 

@@ -201,7 +201,9 @@ async def test_a_recreated_streams_earlier_epoch_is_emptied_once_the_delay_has_p
     assert (await watermarks(engine))[OLD] == compaction.SWEPT
     assert await retry_rows(engine) == {(OLD, 6): True}
     swept = [e for e in logs if e["event"] == "inbox.superseded_epoch_swept"]
-    assert [(e["epoch"], e["deleted"], e["runs_forgotten"]) for e in swept] == [(OLD, 3, 1)]
+    assert [(e["epoch"], e["raised"], e["deleted"], e["runs_forgotten"]) for e in swept] == [
+        (OLD, True, 3, 1)
+    ]
 
     stale = worker(app, OLD)
     assert await stale.handle(delivery(1, 2), time.monotonic()) is Outcome.DUPLICATE

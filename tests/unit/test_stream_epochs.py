@@ -123,3 +123,30 @@ async def test_the_current_epoch_has_existed_since_its_creation_by_the_servers_c
     await epochs.refresh("ORDERS")
     assert epochs.current_for("ORDERS", "e1") == datetime.timedelta(hours=1, minutes=5)
     assert epochs.current_for("ORDERS", "e0") is None
+
+
+async def test_a_settlements_reading_is_shared_while_fresh_and_bounded_in_time() -> None:
+    """``read_within`` asks the server only when the last reading is older than asked, and
+    one reading serves the callers meanwhile; a server that does not answer in time is
+    unknown (None), a stream that is gone is False (eop.broker.fence)."""
+    server = _Server()
+    epochs = jetstream.StreamEpochs(server)  # type: ignore[arg-type]  # a fake client
+    assert await epochs.read_within("ORDERS", 60.0, 1.0) is True
+    assert await epochs.read_within("ORDERS", 60.0, 1.0) is True
+    assert server.asked == 1
+    epochs._read_at["ORDERS"] -= 120.0  # the last reading is two minutes old now
+    together = [epochs.read_within("ORDERS", 60.0, 1.0) for _ in range(3)]
+    assert await asyncio.gather(*together) == [True, True, True]
+    assert server.asked == 2  # one reading for the three
+    server.gate.clear()
+    assert await epochs.read_within("ORDERS", 0.0, 0.05) is None
+    server.gate.set()
+
+    class Gone(_Server):
+        async def request(self, subject: str, payload: bytes, timeout: float) -> object:
+            return types.SimpleNamespace(data=b'{"error": {"description": "stream not found"}}')
+
+    gone = jetstream.StreamEpochs(Gone())  # type: ignore[arg-type]
+    assert await gone.read_within("ORDERS", 60.0, 1.0) is False
+    assert epochs.of_current("ORDERS", _CREATED) is True
+    assert epochs.of_current("ORDERS", _CREATED - datetime.timedelta(microseconds=1)) is False
