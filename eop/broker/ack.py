@@ -347,10 +347,8 @@ class Acker:
         """
         if not deliveries:
             return []
-        if fence is None:
-            return await self._confirm_many(deliveries, loggers, timeout_s, give_up_s, None)
-        verdicts = await fence.verdicts(deliveries)
-        if all(verdicts):
+        verdicts = None if fence is None else await fence.verdicts(deliveries)
+        if verdicts is None or all(verdicts):
             return await self._confirm_many(deliveries, loggers, timeout_s, give_up_s, fence)
         confirmed = [False] * len(deliveries)
         now = [i for i, v in enumerate(verdicts) if v]

@@ -212,7 +212,10 @@ class Compactor:
     def _full_round_due(self) -> bool:
         """Whether this round starts from the epoch's first sequence: this compactor's first,
         then one per compaction interval (:meth:`_delete_below`)."""
-        since = self._full_sweep_at
+        return self._interval_passed(self._full_sweep_at)
+
+    def _interval_passed(self, since: float | None) -> bool:
+        """Whether a compaction interval has passed since ``since`` (monotonic; None: never)."""
         return since is None or time.monotonic() - since >= self._interval_s
 
     async def _superseded(self, epoch: str) -> list[tuple[str, int]]:
@@ -225,8 +228,7 @@ class Compactor:
         from the server, so at the second reading no later incarnation had
         existed, and every epoch listed here is an earlier one.
         """
-        since = self._superseded_at
-        if since is not None and time.monotonic() - since < self._interval_s:
+        if not self._interval_passed(self._superseded_at):
             return []
         current_for = self.epochs.current_for(self.spec.stream, epoch)
         if current_for is None or current_for.total_seconds() < self.epoch_sweep_after_s:
