@@ -12,6 +12,7 @@ import datetime
 import functools
 import hashlib
 import json
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -145,11 +146,15 @@ def fingerprint(subject: str, msg_id: str | None, data: bytes) -> bytes:
     What the inbox stores per message (:attr:`Message.fingerprint`), and what
     ``eop audit`` recomputes from the stream.
     """
-    digest = hashlib.sha256()
-    for part in (subject.encode(), (msg_id or "").encode(), data):
-        digest.update(len(part).to_bytes(8, "big"))
-        digest.update(part)
-    return digest.digest()
+    # One buffer, one update: six updates cost a message more than the hashing.
+    s, m = subject.encode(), (msg_id or "").encode()
+    return hashlib.sha256(
+        b"".join((_LENGTH.pack(len(s)), s, _LENGTH.pack(len(m)), m, _LENGTH.pack(len(data)), data))
+    ).digest()
+
+
+_LENGTH = struct.Struct(">Q")
+"""A part's length before it: 8 bytes, big-endian."""
 
 
 def pg_text(text: str) -> str:

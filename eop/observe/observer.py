@@ -71,6 +71,18 @@ class Observer:
     def handler_finished(self, spec: HandlerSpec, token: Any, seconds: float) -> None:
         """The handler call that returned ``token`` ended (returned or raised)."""
 
+    def watches_handlers(self) -> bool:
+        """Whether :meth:`handler_started` and :meth:`handler_finished` do anything here: if
+        not, :func:`instrument` leaves the handler unwrapped (asked once, as a worker starts).
+
+        True when a subclass overrides either of them.
+        """
+        cls = type(self)
+        return (
+            cls.handler_started is not Observer.handler_started
+            or cls.handler_finished is not Observer.handler_finished
+        )
+
     def outbox_published(self, rows: int) -> None:
         """The relay published ``rows`` outbox rows (PubAck received, marked)."""
 
@@ -135,6 +147,10 @@ class Fanout(Observer):
         for o, t in reversed(list(zip(self.observers, token, strict=True))):
             o.handler_finished(spec, t, seconds)
 
+    def watches_handlers(self) -> bool:
+        """Whether any of the observers watches handler calls."""
+        return any(o.watches_handlers() for o in self.observers)
+
     def outbox_published(self, rows: int) -> None:
         """Pass :meth:`Observer.outbox_published` on."""
         for o in self.observers:
@@ -175,10 +191,12 @@ def instrument(spec: HandlerSpec, observer: Observer) -> HandlerSpec:
 
     The wrapper keeps the function's kind (``async def`` or plain ``def``), so
     eop still runs a sync handler in a worker thread; it is not applied at all
-    when ``observer`` is :data:`NOOP`. Keyword arguments (a typed handler's raw
+    when ``observer`` does not watch handler calls (:meth:`Observer.watches_handlers`,
+    :data:`NOOP` among them). Keyword arguments (a typed handler's raw
     message) pass through; the payload binding stays the original function's.
     """
-    if observer is NOOP:
+    if observer is NOOP or not observer.watches_handlers():
+        # A wrapper costs a coroutine, two clock reads and two calls a message.
         return spec
     func: Any = spec.func
     if spec.is_async:

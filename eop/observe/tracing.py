@@ -195,6 +195,11 @@ class Tracing(observe.Observer):
         if token is not None:
             otel_context.detach(token)
 
+    def watches_handlers(self) -> bool:
+        """Only while spans are recorded: a tracer provider must be set before the worker
+        starts for its handlers to run in their message's span (and to see its context)."""
+        return self._recording()
+
 
 def _attributes(
     spec: HandlerSpec, delivery: Delivery, key: _Key, headers: Mapping[str, str]

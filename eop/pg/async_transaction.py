@@ -161,7 +161,8 @@ class AsyncTransaction(SqlTransaction):
 
     async def _invoke(self, messages: list[Message], second: Any) -> None:
         """Call the handler with ``messages`` and ``second`` (its session or write queue)."""
-        await self._set_timeouts()
+        if self._timeouts_due is not None:  # once a transaction: no coroutine a message
+            await self._set_timeouts()
         arg, extra = self.spec.arguments(messages)
         func: Any = self.spec.func  # an async handler, given the AsyncSession or Writes
         await func(arg, second, **extra)

@@ -84,6 +84,8 @@ class SqlTransaction(Statements):
         followed by more statements on psycopg, which begins a transaction again by
         itself, is not seen.
         """
+        if self.spec.takes_writes and not self.writes.session_used:
+            return  # given only the write queue, the handler sent nothing: nothing to read
         root, driver = self._root, self._driver_handle
         ended = root is not None and not root.is_active and not root.connection.invalidated
         if ended or (driver is not None and self._driver_in_transaction(driver) is False):

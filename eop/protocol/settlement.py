@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import logging
 import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -230,12 +231,16 @@ class Settlement:
             fence=self.fence,
         )
         ack_s = time.perf_counter() - committed_at
+        # Asked once a batch, not once a message: a point nothing arms, a debug line
+        # the level drops.
+        after_ack, debug = faults.ruled("after_ack"), log.enabled(logging.DEBUG)
+        outcome, spec = self.observer.outcome, self.spec
         for delivery, logger, ok in zip(deliveries, loggers, acked, strict=True):
-            await faults.point("after_ack")
-            logger.debug(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK)
-            self.observer.outcome(
-                observe.Settled(self.spec, delivery, Outcome.PROCESSED, ack_s=ack_s, acked=ok)
-            )
+            if after_ack:
+                await faults.point("after_ack")
+            if debug:
+                logger.debug(log.Event.MESSAGE_PROCESSED, action=log.Action.ACK)
+            outcome(observe.Settled(spec, delivery, Outcome.PROCESSED, ack_s=ack_s, acked=ok))
 
     async def resolve_ambiguous(
         self,
