@@ -195,7 +195,7 @@ def instrument(spec: HandlerSpec, observer: Observer) -> HandlerSpec:
     :data:`NOOP` among them). Keyword arguments (a typed handler's raw
     message) pass through; the payload binding stays the original function's.
     """
-    if observer is NOOP or not observer.watches_handlers():
+    if not observer.watches_handlers():
         # A wrapper costs a coroutine, two clock reads and two calls a message.
         return spec
     func: Any = spec.func

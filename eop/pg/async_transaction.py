@@ -161,8 +161,7 @@ class AsyncTransaction(SqlTransaction):
 
     async def _invoke(self, messages: list[Message], second: Any) -> None:
         """Call the handler with ``messages`` and ``second`` (its session or write queue)."""
-        if self._timeouts_due is not None:  # once a transaction: no coroutine a message
-            await self._set_timeouts()
+        await self._set_timeouts()
         arg, extra = self.spec.arguments(messages)
         func: Any = self.spec.func  # an async handler, given the AsyncSession or Writes
         await func(arg, second, **extra)
@@ -181,9 +180,7 @@ class AsyncTransaction(SqlTransaction):
             # transaction (and so changed its connection); one given the session, or
             # that asked for writes.session, may have, unless the transaction eop
             # began is still active after it.
-            if self._adapter is not None and (
-                (self.spec.takes_writes and not self.writes.session_used) or self._intact()
-            ):
+            if self._adapter is not None and (self._queue_only() or self._intact()):
                 await direct.send(self.writes, self.session, self._adapter)
             else:
                 await self.session.run_sync(self.writes.send)

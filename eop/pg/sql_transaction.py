@@ -84,8 +84,8 @@ class SqlTransaction(Statements):
         followed by more statements on psycopg, which begins a transaction again by
         itself, is not seen.
         """
-        if self.spec.takes_writes and not self.writes.session_used:
-            return  # given only the write queue, the handler sent nothing: nothing to read
+        if self._queue_only():
+            return  # nothing was sent: nothing to read
         root, driver = self._root, self._driver_handle
         ended = root is not None and not root.is_active and not root.connection.invalidated
         if ended or (driver is not None and self._driver_in_transaction(driver) is False):
@@ -103,6 +103,12 @@ class SqlTransaction(Statements):
                 "begin_nested() makes a savepoint)",
                 ended=True,
             )
+
+    def _queue_only(self) -> bool:
+        """Whether the handlers were given only the write queue and none asked for
+        :attr:`Writes.session`: none sent a statement, so none can have ended the
+        transaction, and eop's statements are the only ones on its connection."""
+        return self.spec.takes_writes and not self.writes.session_used
 
     def _log_ended(self, messages: Sequence[Message], failed_flush: BaseException | None) -> None:
         """``transaction.ended_by_handler`` for the handler of ``messages``."""
@@ -159,12 +165,7 @@ class SqlTransaction(Statements):
         only the sending of its writes needs a savepoint. In a flood of failing
         messages that spares two statements (SAVEPOINT, ROLLBACK TO SAVEPOINT) a run.
         """
-        return (
-            self.spec.takes_writes
-            and not self.writes
-            and not self.writes.session_used
-            and self.spec not in _SESSION_USERS
-        )
+        return self._queue_only() and not self.writes and self.spec not in _SESSION_USERS
 
     def _check_sent_nothing(self) -> None:
         """After a run outside a savepoint: if the handler asked for the session after all,
